@@ -1,0 +1,149 @@
+"""Examples and packed rows, in numpy alone (no torch): the JAX backend, data tools and
+the torch trainers all pack the same way.
+
+A packed row holds whole examples end to end in exactly `tokens` positions, so a
+compiled model sees one shape. Inside a row each example is its own document:
+positions restart at 0, targets are the next token of the same document, and attention
+never crosses a document boundary. Positions whose target is not learned, and the
+padding after the last document, weigh 0.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Example:
+    """Token ids and which of them are learned (predicted from what precedes them)."""
+
+    tokens: np.ndarray
+    learned: np.ndarray
+
+    def __init__(self, tokens: Sequence[int], learned: Sequence[bool] | None = None):
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        learned = np.ones(len(tokens), bool) if learned is None else np.asarray(learned, bool).reshape(-1)
+        if len(learned) != len(tokens):
+            raise ValueError(
+                f"Example: {len(tokens)} tokens but {len(learned)} learned flags; give one flag a token"
+            )
+        if len(tokens) < 2 or not learned[1:].any():
+            raise ValueError(
+                "Example: no token is learned (the first token is never predicted); "
+                "an example needs at least one learned token after the first"
+            )
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "learned", learned)
+
+    @classmethod
+    def prompted(cls, prompt: Sequence[int], completion: Sequence[int]) -> Example:
+        """Learn the completion only: the prompt is context."""
+        return cls(list(prompt) + list(completion), [False] * len(prompt) + [True] * len(completion))
+
+    @classmethod
+    def plain(cls, tokens: Sequence[int]) -> Example:
+        """Learn every token (pretraining-style text)."""
+        return cls(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Packed:
+    """One packed row of P positions (numpy arrays here; torch tensors from
+    `linnet.train.pack`).
+
+    tokens     [P] input ids (padding: `pad_id`)
+    targets    [P] next token within the same document (0 where there is none)
+    weights    [P] float32: 1 where the target is learned, 0 elsewhere and in padding
+    positions  [P] position of each token inside its document
+    bounds     [D+1] document offsets 0 = b0 < … < bD = P, on the host; the padding
+               after the last example, if any, is the last document
+    real       positions holding example tokens (P less the padding)
+    examples   examples in the row
+    truncated  examples cut to fit the row
+    """
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    weights: np.ndarray
+    positions: np.ndarray
+    bounds: np.ndarray
+    real: int
+    examples: int
+    truncated: int = 0
+
+    @property
+    def learned(self) -> int:
+        """Count of learned positions."""
+        return int((np.asarray(self.weights) > 0).sum())
+
+
+def _row(parts: list[Example], tokens: int, pad_id: int, truncated: int) -> Packed:
+    ids = np.full(tokens, pad_id, np.int64)
+    targets = np.zeros(tokens, np.int64)
+    weights = np.zeros(tokens, np.float32)
+    positions = np.zeros(tokens, np.int64)
+    bounds = [0]
+    for ex in parts:
+        s, n = bounds[-1], len(ex)
+        ids[s : s + n] = ex.tokens
+        targets[s : s + n - 1] = ex.tokens[1:]
+        weights[s : s + n - 1] = ex.learned[1:]
+        positions[s : s + n] = np.arange(n)
+        bounds.append(s + n)
+    real = bounds[-1]
+    if real < tokens:
+        positions[real:] = np.arange(tokens - real)
+        bounds.append(tokens)
+    return Packed(ids, targets, weights, positions, np.asarray(bounds, np.int64), real, len(parts), truncated)
+
+
+def pack(examples: Iterable[Example], tokens: int, *, pad_id: int = 0) -> Iterator[Packed]:
+    """Stream rows of exactly `tokens` positions holding whole examples in their order.
+
+    An example that does not fit the space left starts the next row; one longer than a
+    row is cut to `tokens` positions (counted in `Packed.truncated`, with a warning) and
+    dropped if nothing learned is left. Raises on an empty stream.
+    """
+    if tokens < 2:
+        raise ValueError(f"pack: tokens={tokens}; a row needs at least 2 positions")
+    parts: list[Example] = []
+    used = cut = total = 0
+    warned = False
+    for ex in examples:
+        if not isinstance(ex, Example):
+            raise TypeError(f"pack: expected linnet.packing.Example, got {type(ex).__name__}")
+        total += 1
+        long = len(ex) > tokens
+        if long:
+            if not warned:
+                warned = True
+                warnings.warn(
+                    f"pack: an example of {len(ex)} tokens is longer than a row of {tokens}; "
+                    "cutting it (Packed.truncated counts these)",
+                    stacklevel=2,
+                )
+            if not ex.learned[1:tokens].any():
+                continue
+            ex = Example(ex.tokens[:tokens], ex.learned[:tokens])
+        if used + len(ex) > tokens:
+            yield _row(parts, tokens, pad_id, cut)
+            parts, used, cut = [], 0, 0
+        parts.append(ex)
+        used += len(ex)
+        cut += long
+    if parts:
+        yield _row(parts, tokens, pad_id, cut)
+    elif total == 0:
+        raise ValueError("pack: no examples to pack (the example stream was empty)")
+    else:
+        raise ValueError(
+            f"pack: all {total} examples were longer than a row of {tokens} with nothing "
+            f"learned in their first {tokens} tokens; raise tokens or shorten the prompts"
+        )

@@ -1,0 +1,1 @@
+"""The PyTorch backend: the decoder, its losses and weight I/O."""

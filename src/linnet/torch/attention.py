@@ -1,0 +1,103 @@
+"""Causal attention over packed rows whose documents never see each other.
+
+Shapes: H query heads, K key/value heads, P positions of a packed row, d head dim.
+Every path takes q [1, H, P, d], k and v [1, K, P, d] and the row's document offsets
+`bounds` (host ints: 0 = b0 < b1 < … < bn = P; padding at the end is a document of its
+own) and returns [1, H, P, d].
+
+Paths (see bench/attention.py for the measurements behind `choose`):
+  documents  one causal SDPA call per document: no wasted work, a Python loop.
+  dense      one SDPA call with a [P, P] block-diagonal causal mask: one kernel,
+             but P² work most of which is masked out.
+  flex       flex_attention with a block mask; compiled. Forward only on CPU.
+  varlen     torch's variable-length flash attention; CUDA only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+PATHS = ("auto", "documents", "dense", "flex", "varlen")
+
+
+@torch.compiler.disable  # document lengths vary per row: keep them out of compiled graphs
+def documents(q, k, v, bounds: list[int]):
+    gqa = q.shape[1] != k.shape[1]
+    outs = [
+        F.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=gqa
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def document_ids(bounds: list[int], device) -> torch.Tensor:
+    """[P] index of the document each position belongs to."""
+    lengths = torch.tensor([e - s for s, e in zip(bounds[:-1], bounds[1:])], device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+
+
+def block_causal_mask(bounds: list[int], device) -> torch.Tensor:
+    """[P, P] boolean: True where query i may attend key j (same document, j <= i)."""
+    doc = document_ids(bounds, device)
+    idx = torch.arange(len(doc), device=device)
+    return (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
+
+
+def dense(q, k, v, bounds: list[int]):
+    mask = block_causal_mask(bounds, q.device)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex(q, k, v, bounds: list[int]):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = document_ids(bounds, q.device)
+
+    def same_document_causal(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (ki <= qi)
+
+    P = q.shape[2]
+    mask = create_block_mask(same_document_causal, None, None, P, P, device=q.device)
+    return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def varlen(q, k, v, bounds: list[int]):
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+    longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
+    out = varlen_attn(
+        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
+        longest, longest, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)[None]
+
+
+def choose(path: str, device: torch.device):
+    """The attention function for `path`; "auto" takes the fastest measured one that
+    supports training on `device` (bench/attention.py)."""
+    if path == "auto":
+        if device.type == "cuda":
+            path = "varlen"
+        else:
+            path = "documents"
+    if path == "varlen" and device.type != "cuda":
+        raise ValueError("attention='varlen' needs CUDA; use 'documents' or 'dense' on CPU")
+    try:
+        return {"documents": documents, "dense": dense, "flex": flex, "varlen": varlen}[path]
+    except KeyError:
+        raise ValueError(f"unknown attention path {path!r}; choose one of {', '.join(PATHS)}") from None

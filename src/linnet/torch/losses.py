@@ -1,0 +1,149 @@
+"""Token losses over flattened positions, in float32.
+
+Shapes: N rows (positions), V vocabulary, D hidden.
+
+The `linear_` forms take the hidden states and the output head's weight and never hold
+the [N, V] logits: they run a block of rows at a time (about `block_bytes` of f32
+logits) and recompute or pre-compute what backward needs block by block. The head
+weight may be stored in another dtype than the hidden states (an f32 master weight
+beside bf16 compute): the products run in the hidden states' dtype, and the weight's
+gradient is accumulated across blocks in float32 and returned in the weight's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_BYTES = 1 << 30  # f32 logits per block: 1 GiB, about 2K rows of Llama 3's vocabulary
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """float32, or float64 when given (so gradcheck can run in double precision)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def log_softmax(logits_NV: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(_f32(logits_NV), dim=-1)
+
+
+def entropy(logits_NV: torch.Tensor) -> torch.Tensor:
+    """[N] entropy of each row's distribution, in nats."""
+    logp = log_softmax(logits_NV)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def token_log_probs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """[N] each row's log-probability of its target."""
+    return log_softmax(logits_NV).gather(-1, targets_N[:, None].long())[:, 0]
+
+
+def cross_entropy(logits_NV, targets_N, weights_N) -> torch.Tensor:
+    """sum_n weights[n] * -log p(targets[n]): divide by the count you want a mean over."""
+    return -(token_log_probs(logits_NV, targets_N) * _f32(weights_N)).sum()
+
+
+def _rows_per_block(V: int, block_bytes: int) -> int:
+    return max(1, block_bytes // (4 * V))
+
+
+def _blocks(N: int, rows: int):
+    for s in range(0, N, rows):
+        yield slice(s, min(s + rows, N))
+
+
+def _block_logits(h_ND, w_VD, sl):
+    return _f32(h_ND[sl] @ w_VD.T)
+
+
+def _zeros_f32(w_VD):
+    return torch.zeros(w_VD.shape, dtype=_f32(w_VD).dtype, device=w_VD.device)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, block by block, both gradients at once (the
+    logits are already in hand, so backward needs no second pass): three head matmuls
+    a block rather than four. Backward only scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, weights_N, rows, need_h, need_w):
+        N, wc_VD = h_ND.shape[0], w_VD.to(h_ND.dtype)
+        total = h_ND.new_zeros((), dtype=_f32(h_ND).dtype)
+        grad_h = torch.zeros_like(h_ND) if need_h else None
+        grad_w = _zeros_f32(w_VD) if need_w else None
+        arange = torch.arange(rows, device=h_ND.device)
+        for sl in _blocks(N, rows):
+            z = _block_logits(h_ND, wc_VD, sl)
+            t, wt = targets_N[sl].long(), _f32(weights_N[sl])
+            lse = torch.logsumexp(z, dim=-1)
+            picked = z.gather(-1, t[:, None])[:, 0]
+            total += ((lse - picked) * wt).sum()
+            if need_h or need_w:
+                g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g[arange[: g.shape[0]], t] -= 1.0
+                g.mul_(wt[:, None])
+                g = g.to(h_ND.dtype)
+                if need_h:
+                    grad_h[sl] = g @ wc_VD
+                if need_w:
+                    grad_w += _f32(g.T @ h_ND[sl])
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = w_VD.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
+        return gh, gw, None, None, None, None, None
+
+
+def linear_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, block_bytes: int = BLOCK_BYTES):
+    """cross_entropy(h @ w.T, targets, weights) without holding the [N, V] logits."""
+    rows = _rows_per_block(w_VD.shape[0], block_bytes)
+    grad = torch.is_grad_enabled()
+    need_h, need_w = grad and h_ND.requires_grad, grad and w_VD.requires_grad
+    return _LinearCrossEntropy.apply(h_ND, w_VD, targets_N, weights_N, rows, need_h, need_w)
+
+
+class _LinearTokenLogProbs(torch.autograd.Function):
+    """The incoming gradient is per row, so backward recomputes each block's softmax
+    from the saved log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, rows):
+        out, lses, wc_VD = [], [], w_VD.to(h_ND.dtype)
+        for sl in _blocks(h_ND.shape[0], rows):
+            z = _block_logits(h_ND, wc_VD, sl)
+            lse = torch.logsumexp(z, dim=-1)
+            out.append(z.gather(-1, targets_N[sl, None].long())[:, 0] - lse)
+            lses.append(lse)
+        ctx.save_for_backward(h_ND, w_VD, targets_N, torch.cat(lses))
+        ctx.rows = rows
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        h_ND, w_VD, targets_N, lse_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.zeros_like(h_ND) if need_h else None
+        grad_w = _zeros_f32(w_VD) if need_w else None
+        wc_VD = w_VD.to(h_ND.dtype)
+        for sl in _blocks(h_ND.shape[0], ctx.rows):
+            z = _block_logits(h_ND, wc_VD, sl)
+            # d log p(t) / d z = onehot(t) - softmax(z), scaled by each row's gradient
+            g = z.sub_(lse_N[sl, None]).exp_().neg_()
+            g.scatter_add_(-1, targets_N[sl, None].long(), torch.ones_like(g[:, :1]))
+            g.mul_(_f32(grad_N[sl])[:, None])
+            g = g.to(h_ND.dtype)
+            if need_h:
+                grad_h[sl] = g @ wc_VD
+            if need_w:
+                grad_w += _f32(g.T @ h_ND[sl])
+        return grad_h, None if grad_w is None else grad_w.to(w_VD.dtype), None, None
+
+
+def linear_token_log_probs(h_ND, w_VD, targets_N, *, block_bytes: int = BLOCK_BYTES):
+    """token_log_probs(h @ w.T, targets) without holding the [N, V] logits."""
+    rows = _rows_per_block(w_VD.shape[0], block_bytes)
+    return _LinearTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)

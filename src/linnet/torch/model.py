@@ -1,0 +1,330 @@
+"""The Llama-family decoder in PyTorch, driven by a card.
+
+Architecture (every family): token embedding; `layers` pre-norm blocks of grouped-query
+attention with rotary positions (RoPE, optional Llama 3 frequency scaling) and a SwiGLU
+MLP; RMSNorm; an output head, optionally tied to the embedding. The card's flags add
+q/k/v (and o) biases (Qwen2), per-head q/k RMSNorm before RoPE (Qwen3), MLP biases.
+
+Parameter paths equal the Hugging Face checkpoint names (model.layers.3.self_attn.q_proj
+.weight, …), so checkpoints load by name and LoRA targets read like PEFT's.
+
+Numerics: trainable parameters are kept in float32 (master weights) and cast to the
+compute dtype where they are used; frozen ones are stored in the compute dtype. Norms,
+RoPE tables and losses run in float32.
+
+Shapes: P positions of a packed row, D hidden, H query heads, K kv heads, d head dim,
+F intermediate, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linnet.nest import Card
+from linnet.torch import attention as attention_paths
+from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs
+
+
+class Linear(nn.Module):
+    """y = x @ W.T (+ b), the weight cast to the input's dtype."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d_out, d_in))
+        self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * x32.to(x.dtype)
+
+
+def rope_frequencies(card: Card) -> torch.Tensor:
+    """[d/2] inverse frequencies, with Llama 3 scaling when the card has it: wavelengths
+    longer than original/low_freq_factor are slowed by `factor`, those shorter than
+    original/high_freq_factor kept, and the band between blended linearly."""
+    d = card.head_dim
+    inv = 1.0 / card.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+    s = card.rope_scaling
+    if s is None:
+        return inv
+    wavelength = 2 * math.pi / inv
+    low, high = s.original_max_positions / s.low_freq_factor, s.original_max_positions / s.high_freq_factor
+    blend = (s.original_max_positions / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - blend) * inv / s.factor + blend * inv
+    return torch.where(wavelength > low, inv / s.factor, torch.where(wavelength < high, inv, blended))
+
+
+def rotate(x, cos, sin):
+    """RoPE in the half-split layout (first half of each head pairs with the second)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, card: Card):
+        super().__init__()
+        c = card
+        self.q_proj = Linear(c.hidden, c.heads * c.head_dim, c.qkv_bias)
+        self.k_proj = Linear(c.hidden, c.kv_heads * c.head_dim, c.qkv_bias)
+        self.v_proj = Linear(c.hidden, c.kv_heads * c.head_dim, c.qkv_bias)
+        self.o_proj = Linear(c.heads * c.head_dim, c.hidden, c.o_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.norm_eps)
+        self.qk_norm = c.qk_norm
+        self.shape = (c.heads, c.kv_heads, c.head_dim)
+
+    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend):
+        H, K, d = self.shape
+        P = x_PD.shape[0]
+        q = self.q_proj(x_PD).view(P, H, d)
+        k = self.k_proj(x_PD).view(P, K, d)
+        v = self.v_proj(x_PD).view(P, K, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_1HPd = rotate(q.transpose(0, 1), cos_Pd, sin_Pd)[None]
+        k_1KPd = rotate(k.transpose(0, 1), cos_Pd, sin_Pd)[None]
+        out = attend(q_1HPd, k_1KPd, v.transpose(0, 1)[None], bounds)
+        return self.o_proj(out[0].transpose(0, 1).reshape(P, H * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, card: Card):
+        super().__init__()
+        self.gate_proj = Linear(card.hidden, card.intermediate, card.mlp_bias)
+        self.up_proj = Linear(card.hidden, card.intermediate, card.mlp_bias)
+        self.down_proj = Linear(card.intermediate, card.hidden, card.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, card: Card):
+        super().__init__()
+        self.input_layernorm = RMSNorm(card.hidden, card.norm_eps)
+        self.self_attn = Attention(card)
+        self.post_attention_layernorm = RMSNorm(card.hidden, card.norm_eps)
+        self.mlp = MLP(card)
+
+    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend):
+        x_PD = x_PD + self.self_attn(self.input_layernorm(x_PD), cos_Pd, sin_Pd, bounds, attend)
+        return x_PD + self.mlp(self.post_attention_layernorm(x_PD))
+
+
+class Body(nn.Module):
+    def __init__(self, card: Card):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = nn.Parameter(torch.empty(card.vocab, card.hidden))
+        self.layers = nn.ModuleList(Block(card) for _ in range(card.layers))
+        self.norm = RMSNorm(card.hidden, card.norm_eps)
+
+
+class Decoder(nn.Module):
+    """A decoder with the packed entries every trainer calls.
+
+    A batch is a `linnet.packing.Packed` row (numpy or torch fields): see `hidden_packed`,
+    `loss_packed`, `log_probs_packed`. `forward(tokens)` gives logits for plain [B, T]
+    token batches (each row one document).
+    """
+
+    def __init__(self, card: Card, dtype: torch.dtype = torch.float32, attention: str = "auto"):
+        super().__init__()
+        self.card = card
+        self.dtype = dtype
+        self.attention = attention
+        self.model = Body(card)
+        if not card.tied_embeddings:
+            self.lm_head = Linear(card.hidden, card.vocab, bias=False)
+        self.register_buffer("inv_freq", rope_frequencies(card), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.card.tied_embeddings else self.lm_head.weight
+
+    # -- the trunk ------------------------------------------------------------------
+
+    def _trunk(self, tokens_P, positions_P, bounds: list[int]):
+        """Final-normed hidden states [P, D] of one packed row."""
+        attend = attention_paths.choose(self.attention, self.device)
+        angles = positions_P[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
+        for block in self.model.layers:
+            x = block(x, cos, sin, bounds, attend)
+        return self.model.norm(x)
+
+    def _fields(self, batch):
+        dev = self.device
+
+        def tensor(x):
+            x = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+            return x.to(dev, non_blocking=True)
+
+        bounds = batch.bounds.tolist() if hasattr(batch.bounds, "tolist") else list(batch.bounds)
+        if not bounds or bounds[0] != 0 or bounds[-1] != len(batch.tokens):
+            raise ValueError(
+                f"packed batch: bounds {bounds[:3]}…{bounds[-1:]} must run from 0 to the row "
+                f"length {len(batch.tokens)}; build batches with linnet.packing.pack"
+            )
+        return tensor(batch.tokens), tensor(batch.positions), bounds, tensor(batch.targets), tensor(batch.weights)
+
+    # -- entries ------------------------------------------------------------------
+
+    def hidden_packed(self, batch) -> torch.Tensor:
+        """[P, D] final hidden states of a packed row (after the last norm)."""
+        tokens, positions, bounds, _, _ = self._fields(batch)
+        return self._trunk(tokens, positions, bounds)
+
+    def loss_packed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of weighted token cross-entropies, sum of weights), both float32: the
+        caller divides once by the count over everything it accumulates."""
+        tokens, positions, bounds, targets, weights = self._fields(batch)
+        h = self._trunk(tokens, positions, bounds)
+        loss = linear_cross_entropy(h, self.head_weight, targets, weights)
+        return loss, weights.float().sum()
+
+    def log_probs_packed(self, batch) -> torch.Tensor:
+        """[P] float32 log-probability of each position's target (meaningless where the
+        weight is 0: the last token of each document and padding)."""
+        tokens, positions, bounds, targets, _ = self._fields(batch)
+        return linear_token_log_probs(self._trunk(tokens, positions, bounds), self.head_weight, targets)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] (float32) of plain token batches, each row one document."""
+        tokens = torch.as_tensor(tokens, device=self.device)
+        squeeze = tokens.ndim == 1
+        tokens_BT = tokens[None] if squeeze else tokens
+        B, T = tokens_BT.shape
+        positions = torch.arange(T, device=self.device).repeat(B)
+        h = self._trunk(tokens_BT.reshape(-1), positions, [i * T for i in range(B + 1)])
+        logits = (h @ self.head_weight.to(self.dtype).T).float().view(B, T, -1)
+        return logits[0] if squeeze else logits
+
+    # -- parameters ------------------------------------------------------------------
+
+    def set_trainable(self, spec: bool | str | Sequence[str]) -> list[str]:
+        """Choose the trainable parameters: True, False, or glob patterns over paths.
+        Trainable ones become float32 master weights; frozen ones are stored in the
+        compute dtype. Returns the trainable paths. Call before building the optimizer."""
+        names = [n for n, _ in self.named_parameters()]
+        chosen = select(names, spec, what="trainable")
+        for name, p in self.named_parameters():
+            train = name in chosen
+            want = torch.float32 if train else self.dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+            p.requires_grad_(train)
+        return [n for n in names if n in chosen]
+
+    def save_weights(self, path, *, dtype=None, include: Sequence[str] | None = None) -> None:
+        """Write safetensors under the checkpoint names; a directory also gets the
+        config.json (and tokenizer files) transformers needs to load it back."""
+        from linnet.torch.weights import save_weights
+
+        save_weights(self, path, dtype=dtype, include=include)
+
+
+def select(names: Sequence[str], spec: bool | str | Sequence[str], *, what: str) -> set[str]:
+    """The names a True / False / glob-pattern(s) spec picks; a pattern matching
+    nothing is an error (a typo would otherwise silently train nothing)."""
+    if spec is True:
+        return set(names)
+    if spec is False or spec is None:
+        return set()
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            raise ValueError(
+                f"{what} pattern {pattern!r} matches no parameter; paths look like "
+                f"{names[min(1, len(names) - 1)]!r}"
+            )
+        chosen.update(hits)
+    return chosen
+
+
+_DTYPES = {
+    "float32": torch.float32, "f32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "f16": torch.float16, "fp16": torch.float16,
+}
+
+
+def as_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def _initialise(model: Decoder, seed: int) -> None:
+    """Deterministic init from `seed`, the same on every device: N(0, 0.02) for matrices,
+    zeros for biases, ones for norms; drawn on the CPU in parameter order."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                value = torch.ones(p.shape)
+            elif name.endswith(".bias"):
+                value = torch.zeros(p.shape)
+            else:
+                value = torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
+            p.copy_(value)
+
+
+def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention) -> Decoder:
+    """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
+    from linnet import nest
+    from linnet.torch.weights import bind_weights
+
+    device = torch.device(device or "cpu")
+    if dtype is None:
+        dtype = card.dtype if device.type == "cuda" else "float32"
+    dtype = as_dtype(dtype)
+    attention_paths.choose(attention, device)  # reject a bad path before any work
+    with torch.device("meta"):
+        model = Decoder(card, dtype=dtype, attention=attention)
+        model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
+    model.to_empty(device=device)
+    model.inv_freq = rope_frequencies(card).to(device)
+    if isinstance(weights, str) and weights == "random":
+        _initialise(model, seed)
+    else:
+        source = nest.weights_directory(card) if weights is None else weights
+        bind_weights(model, source, strict=True)
+    if compile:
+        backend = "inductor" if compile is True else compile
+        for block in model.model.layers:
+            block.compile(backend=backend)
+    return model

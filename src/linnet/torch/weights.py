@@ -1,0 +1,113 @@
+"""Safetensors in and out under the Hugging Face checkpoint names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from linnet.files import atomic_path, write_text
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+def weight_files(source: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint: a file, or a directory holding
+    model.safetensors or a sharded model.safetensors.index.json."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index}: lists shard {missing[0]}, which is not in {path}")
+        return [path / s for s in shards]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    raise FileNotFoundError(
+        f"{path}: no weights found; expected a .safetensors file, or a directory with "
+        "model.safetensors or model.safetensors.index.json"
+    )
+
+
+def _ignorable(name: str, model) -> bool:
+    """Checkpoint tensors that carry nothing the model needs."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.card.tied_embeddings)
+
+
+def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: bool = False) -> list[str]:
+    """Copy tensors from safetensors into the parameters of the same path (cast to each
+    parameter's dtype). strict=True requires every parameter; a tensor the model has no
+    place for, or of another shape, is always an error. Returns the paths loaded."""
+    params = dict(model.named_parameters())
+    loaded: list[str] = []
+    unexpected: list[str] = []
+    for file in weight_files(source):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in params:
+                    if not _ignorable(name, model):
+                        unexpected.append(name)
+                    continue
+                tensor, p = f.get_tensor(name), params[name]
+                if tensor.shape != p.shape:
+                    raise ValueError(
+                        f"{file}: {name} has shape {tuple(tensor.shape)} but card "
+                        f"{model.card.name!r} needs {tuple(p.shape)}; are these weights for this card?"
+                    )
+                with torch.no_grad():
+                    p.copy_(tensor)
+                loaded.append(name)
+    if unexpected:
+        raise ValueError(
+            f"{source}: {len(unexpected)} tensors have no place in card {model.card.name!r} "
+            f"(e.g. {unexpected[0]}); check the card's family and flags, or the adapters' patterns"
+        )
+    missing = [n for n in params if n not in set(loaded)]
+    if strict and missing:
+        raise ValueError(
+            f"{source}: {len(missing)} parameters of card {model.card.name!r} are missing "
+            f"(e.g. {missing[0]}); is the checkpoint complete?"
+        )
+    return loaded
+
+
+def save_weights(model, path: str | os.PathLike, *, dtype=None, include: Sequence[str] | None = None) -> None:
+    """Write the parameters (those matching `include` globs, default all) as safetensors
+    in `dtype` (default: the model's compute dtype). A path ending in .safetensors is
+    one file; otherwise a directory gets model.safetensors and, for a whole model, the
+    config.json and tokenizer files transformers needs to load it."""
+    from linnet.torch.model import as_dtype, select
+
+    dtype = model.dtype if dtype is None else as_dtype(dtype)
+    names = [n for n, _ in model.named_parameters()]
+    chosen = select(names, True if include is None else include, what="include")
+    tensors = {
+        n: p.detach().to("cpu", dtype).contiguous()
+        for n, p in model.named_parameters()
+        if n in chosen
+    }
+    path = Path(path)
+    target = path if path.suffix == ".safetensors" else path / "model.safetensors"
+    with atomic_path(target) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    if target is path or include is not None:
+        return
+    config = model.card.hf_config()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    write_text(path / "config.json", json.dumps(config, indent=2) + "\n")
+    if model.card.tokenizer.path is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(model.card.tokenizer.path) / name
+            if src.is_file() and src.resolve() != (path / name).resolve():
+                with atomic_path(path / name) as tmp:
+                    shutil.copyfile(src, tmp)

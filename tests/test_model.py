@@ -1,0 +1,142 @@
+"""The torch decoder against transformers on tiny random models of every family."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+from tests.conftest import make_hf_model
+
+torch.set_num_threads(1)
+
+
+def _tokens(seed=0, shape=(2, 23), vocab=97):
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_match_transformers(hf_dir):
+    family, hf, directory = hf_dir
+    model = nest.load(directory)
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = model(tokens)
+        theirs = hf(tokens).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max().item() <= 1e-4, family
+
+
+def test_card_reads_family_fields(hf_dir):
+    family, hf, directory = hf_dir
+    card = nest.resolve(directory)
+    c = hf.config
+    assert card.family == c.model_type
+    assert (card.vocab, card.hidden, card.layers, card.heads, card.kv_heads) == (
+        c.vocab_size, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
+    assert card.tied_embeddings == c.tie_word_embeddings
+    assert card.qk_norm == (family == "qwen3")
+    assert card.qkv_bias == (family in ("qwen2", "llama-tied-bias"))
+    assert (card.rope_scaling is not None) == (family == "llama3-scaled")
+    assert card.params() == sum(p.numel() for p in hf.parameters())
+
+
+def test_save_weights_loads_back_into_transformers(hf_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    family, hf, directory = hf_dir
+    model = nest.load(directory)
+    with torch.no_grad():  # change the weights so a stale copy cannot pass
+        model.model.norm.weight.mul_(1.5)
+    out = tmp_path / "saved"
+    model.save_weights(out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = _tokens(1)
+    with torch.no_grad():
+        assert (back(tokens).logits - model(tokens)).abs().max().item() <= 1e-4, family
+
+
+def _documents(seed=3):
+    g = np.random.default_rng(seed)
+    return [g.integers(3, 97, size=n).tolist() for n in (7, 19, 4, 11)]
+
+
+@pytest.mark.parametrize("attention", ["documents", "dense", "flex"])
+def test_packed_row_equals_documents_alone(attention):
+    docs = _documents()
+    card = nest.resolve("debug")
+    model = nest.load(card.replace(vocab=97), weights="random", attention=attention, seed=1)
+    (row,) = pack([Example.prompted(d[:3], d[3:]) for d in docs], tokens=48)
+    assert row.examples == len(docs) and row.real == sum(map(len, docs))
+    with torch.no_grad():
+        total, count = model.loss_packed(row)
+        alone = []
+        for d in docs:
+            logp = torch.log_softmax(model(torch.tensor(d))[:-1], -1)
+            alone.append(-logp.gather(-1, torch.tensor(d[1:])[:, None])[2:].sum())
+        assert count.item() == sum(len(d) - 3 for d in docs)
+        assert torch.allclose(total, torch.stack(alone).sum(), rtol=1e-5)
+
+
+def test_log_probs_packed_equal_transformers_per_document(tmp_path):
+    hf = make_hf_model("llama3-scaled")
+    hf.save_pretrained(tmp_path)
+    model = nest.load(tmp_path)
+    docs = _documents(5)
+    (row,) = pack([Example.plain(d) for d in docs], tokens=64)
+    with torch.no_grad():
+        ours = model.log_probs_packed(row)
+        for (s, e), d in zip(zip(row.bounds[:-1], row.bounds[1:]), docs):
+            logp = torch.log_softmax(hf(torch.tensor([d])).logits[0, :-1], -1)
+            theirs = logp.gather(-1, torch.tensor(d[1:])[:, None])[:, 0]
+            assert (ours[s : e - 1] - theirs).abs().max().item() <= 1e-5
+
+
+def test_packed_gradients_do_not_leak_across_documents():
+    model = nest.load("debug", weights="random", trainable=True)
+    docs = _documents(7)
+    (row,) = pack([Example.plain(d) for d in docs], tokens=48)
+    embeds = []
+
+    def keep_embeddings(module, args, out):
+        out.retain_grad()
+        embeds.append(out)
+
+    block0 = model.model.layers[0]
+    handle = block0.input_layernorm.register_forward_hook(keep_embeddings)
+    logp = model.log_probs_packed(row)
+    handle.remove()
+    s1, e1 = int(row.bounds[1]), int(row.bounds[2])
+    logp[e1 - 2].backward()  # the last learned position of the second document
+    grad = embeds[0].grad.abs().sum(-1)
+    assert grad[s1:e1].sum() > 0
+    assert grad[:s1].sum() == 0 and grad[e1:].sum() == 0
+
+
+def test_trainable_patterns_and_master_dtype():
+    model = nest.load("debug", weights="random", dtype="bfloat16", trainable=["model.layers.*.mlp.*"])
+    for name, p in model.named_parameters():
+        if ".mlp." in name:
+            assert p.requires_grad and p.dtype == torch.float32
+        else:
+            assert not p.requires_grad and p.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="matches no parameter"):
+        model.set_trainable(["model.layers.*.mpl.*"])
+
+
+def test_random_init_is_seeded():
+    a = nest.load("debug", weights="random", seed=3)
+    b = nest.load("debug", weights="random", seed=3)
+    c = nest.load("debug", weights="random", seed=4)
+    wa, wb, wc = (m.model.layers[1].mlp.up_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = make_hf_model("llama")
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = nest.load(tmp_path)
+    tokens = _tokens(2)
+    with torch.no_grad():
+        assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
