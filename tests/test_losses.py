@@ -1,0 +1,91 @@
+"""Chunked output-head losses against the plain ones: values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linnet.torch import losses
+
+torch.set_num_threads(1)
+
+
+def _case(N=11, D=6, V=13, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(V, D, generator=g, dtype=dtype, requires_grad=True)
+    t = torch.randint(0, V, (N,), generator=g)
+    wt = (torch.rand(N, generator=g) > 0.3).to(dtype)
+    return h, w, t, wt
+
+
+def _rows_bytes(rows, V):
+    return rows * 4 * V  # block_bytes that gives `rows` rows per block
+
+
+@pytest.mark.parametrize("rows", [1, 4, 11, 100])
+def test_linear_cross_entropy_matches_plain(rows):
+    h, w, t, wt = _case()
+    plain = losses.cross_entropy(h @ w.T, t, wt)
+    gh, gw = torch.autograd.grad(plain, (h, w))
+    chunked = losses.linear_cross_entropy(h, w, t, wt, block_bytes=_rows_bytes(rows, 13))
+    ch, cw = torch.autograd.grad(chunked, (h, w))
+    torch.testing.assert_close(chunked, plain)
+    torch.testing.assert_close(ch, gh)
+    torch.testing.assert_close(cw, gw)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 100])
+def test_linear_token_log_probs_matches_plain(rows):
+    h, w, t, _ = _case(seed=1)
+    plain = losses.token_log_probs(h @ w.T, t)
+    chunked = losses.linear_token_log_probs(h, w, t, block_bytes=_rows_bytes(rows, 13))
+    torch.testing.assert_close(chunked, plain)
+    g = torch.randn(plain.shape, dtype=plain.dtype)
+    torch.testing.assert_close(
+        torch.autograd.grad(chunked, (h, w), g), torch.autograd.grad(plain, (h, w), g)
+    )
+
+
+def test_gradcheck_chunked_losses():
+    h, w, t, wt = _case(N=5, D=3, V=7)
+    block = _rows_bytes(2, 7)
+    assert torch.autograd.gradcheck(
+        lambda h, w: losses.linear_cross_entropy(h, w, t, wt, block_bytes=block), (h, w)
+    )
+    assert torch.autograd.gradcheck(
+        lambda h, w: losses.linear_token_log_probs(h, w, t, block_bytes=block), (h, w)
+    )
+
+
+def test_low_precision_hidden_with_f32_master_head():
+    """bf16 hidden states against an f32 master head: the gradient reaches the head in
+    f32, close to the f32 computation."""
+    h, w, t, wt = _case(N=64, D=32, V=50, dtype=torch.float32, seed=2)
+    exact = losses.linear_cross_entropy(h, w, t, wt)
+    (gw_exact,) = torch.autograd.grad(exact, (w,))
+    hb = h.detach().bfloat16().requires_grad_()
+    low = losses.linear_cross_entropy(hb, w, t, wt, block_bytes=_rows_bytes(8, 50))
+    gh, gw = torch.autograd.grad(low, (hb, w))
+    assert low.dtype == torch.float32 and gw.dtype == torch.float32 and gh.dtype == torch.bfloat16
+    assert torch.allclose(low, exact, rtol=2e-2)
+    assert (gw - gw_exact).abs().max() <= 0.05 * gw_exact.abs().max()
+
+
+def test_frozen_head_gets_no_gradient_and_no_grad_mode_works():
+    h, w, t, wt = _case()
+    w = w.detach()
+    loss = losses.linear_cross_entropy(h, w, t, wt)
+    (gh,) = torch.autograd.grad(loss, (h,))
+    assert gh.shape == h.shape and w.grad is None
+    with torch.no_grad():
+        assert torch.allclose(losses.linear_cross_entropy(h, w, t, wt), loss)
+
+
+def test_entropy_and_log_softmax():
+    logits = torch.tensor([[0.0, 0.0], [100.0, 0.0]], dtype=torch.bfloat16)
+    ent = losses.entropy(logits)
+    assert ent.dtype == torch.float32
+    torch.testing.assert_close(ent, torch.tensor([0.6931472, 0.0]), atol=1e-6, rtol=0)
+    lsm = losses.log_softmax(logits)
+    torch.testing.assert_close(lsm.exp().sum(-1), torch.ones(2))
