@@ -34,16 +34,26 @@ from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs
 
 
 class Linear(nn.Module):
-    """y = x @ W.T (+ b), the weight cast to the input's dtype."""
+    """y = x @ W.T (+ b), the weight cast to the input's dtype; with a low-rank adapter
+    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
+        self.lora_a: nn.Parameter | None = None
+        self.lora_b: nn.Parameter | None = None
+        self.lora_scale = 0.0
+        self.lora_dropout = 0.0
 
     def forward(self, x):
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        y = F.linear(x, self.weight.to(x.dtype), bias)
+        if self.lora_a is None:
+            return y
+        z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        z = F.linear(F.linear(z, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype))
+        return y + z * self.lora_scale
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +165,7 @@ class Decoder(nn.Module):
         self.card = card
         self.dtype = dtype
         self.attention = attention
+        self.lora: dict | None = None  # the add_lora settings, while adapters are in place
         self.model = Body(card)
         if not card.tied_embeddings:
             self.lm_head = Linear(card.hidden, card.vocab, bias=False)
@@ -243,6 +254,20 @@ class Decoder(nn.Module):
                 p.data = p.data.to(want)
             p.requires_grad_(train)
         return [n for n in names if n in chosen]
+
+    def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32,
+                 dropout: float = 0.0, *, rslora: bool = False) -> list[str]:
+        """Give each linear weight whose path matches an adapter; only adapters train.
+        See linnet.torch.lora.add_lora."""
+        from linnet.torch.lora import add_lora
+
+        return add_lora(self, patterns, rank=rank, alpha=alpha, dropout=dropout, rslora=rslora)
+
+    def merge_lora(self) -> None:
+        """Fold every adapter into its weight and remove it (plain weights again)."""
+        from linnet.torch.lora import merge_lora
+
+        merge_lora(self)
 
     def save_weights(self, path, *, dtype=None, include: Sequence[str] | None = None) -> None:
         """Write safetensors under the checkpoint names; a directory also gets the

@@ -31,11 +31,12 @@ def weight_files(source: str | os.PathLike) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{index}: lists shard {missing[0]}, which is not in {path}")
         return [path / s for s in shards]
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        if (path / name).is_file():
+            return [path / name]
     raise FileNotFoundError(
         f"{path}: no weights found; expected a .safetensors file, or a directory with "
-        "model.safetensors or model.safetensors.index.json"
+        "model.safetensors, model.safetensors.index.json or adapter_model.safetensors"
     )
 
 
@@ -47,18 +48,23 @@ def _ignorable(name: str, model) -> bool:
 def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: bool = False) -> list[str]:
     """Copy tensors from safetensors into the parameters of the same path (cast to each
     parameter's dtype). strict=True requires every parameter; a tensor the model has no
-    place for, or of another shape, is always an error. Returns the paths loaded."""
+    place for, or of another shape, is always an error. PEFT adapter names are read as
+    linnet's (call add_lora with the same patterns and rank first). Returns the paths
+    loaded."""
+    from linnet.torch.lora import PEFT_PREFIX, from_peft_name
+
     params = dict(model.named_parameters())
     loaded: list[str] = []
     unexpected: list[str] = []
     for file in weight_files(source):
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for key in f.keys():
+                name = from_peft_name(key) if key.startswith(PEFT_PREFIX) else key
                 if name not in params:
                     if not _ignorable(name, model):
                         unexpected.append(name)
                     continue
-                tensor, p = f.get_tensor(name), params[name]
+                tensor, p = f.get_tensor(key), params[name]
                 if tensor.shape != p.shape:
                     raise ValueError(
                         f"{file}: {name} has shape {tuple(tensor.shape)} but card "

@@ -9,8 +9,16 @@ import torch
 
 from linnet import packing
 from linnet.packing import Example, Packed
+from linnet.train.checkpoint import load_checkpoint, save_checkpoint
+from linnet.train.loop import History, Step, train
+from linnet.train.parallel import clip_gradients, reduce_gradients
+from linnet.train.schedules import constant_schedule, cosine_schedule, wsd_schedule
 
-__all__ = ["Example", "Packed", "pack"]
+__all__ = [
+    "Example", "History", "Packed", "Step", "clip_gradients", "constant_schedule",
+    "cosine_schedule", "load_checkpoint", "pack", "reduce_gradients", "save_checkpoint",
+    "train", "wsd_schedule",
+]
 
 
 def pack(examples: Iterable[Example], tokens: int, *, pad_id: int = 0, pin_memory: bool = False) -> Iterator[Packed]:

@@ -1,0 +1,130 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021, arXiv:2106.09685).
+
+A matching linear layer computes x @ W.T + (x @ A.T) @ B.T * alpha / rank with A [r, in]
+and B [out, r] stored beside W as `<layer>.lora_a` and `<layer>.lora_b`. B starts at
+zero, so a fresh adapter leaves the model unchanged. rsLoRA (Kalajdzievski 2023,
+arXiv:2312.03732) scales by alpha / sqrt(rank) instead, which keeps the update's size
+steady as the rank grows.
+
+PEFT stores the same tensors as `base_model.model.<layer>.lora_A.weight` / `lora_B.weight`:
+`PEFT_NAMES` translates, so an adapter directory written here loads with
+`peft.PeftModel.from_pretrained`, and one written by PEFT loads with `bind_weights`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from linnet.files import atomic_path, write_text
+
+ADAPTERS = ["*.lora_a", "*.lora_b"]
+
+# (linnet suffix, PEFT suffix) for one adapter's tensors under `base_model.model.`
+PEFT_NAMES = ((".lora_a", ".lora_A.weight"), (".lora_b", ".lora_B.weight"))
+PEFT_PREFIX = "base_model.model."
+
+
+def _linears(model) -> dict[str, torch.nn.Module]:
+    from linnet.torch.model import Linear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+
+
+def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
+             dropout: float = 0.0, rslora: bool = False) -> list[str]:
+    """Add adapters to the linear layers whose weight path (or layer path) matches one
+    of `patterns`; freeze everything else. Returns the adapted layer paths."""
+    if rank < 1:
+        raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
+    linears = _linears(model)
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    chosen: list[str] = []
+    for pattern in patterns:
+        hits = [n for n in linears if fnmatch.fnmatch(f"{n}.weight", pattern) or fnmatch.fnmatch(n, pattern)]
+        if not hits:
+            raise ValueError(
+                f"add_lora: pattern {pattern!r} matches no linear weight; paths look like "
+                "model.layers.0.self_attn.q_proj.weight"
+            )
+        chosen += [n for n in hits if n not in chosen]
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    for name in chosen:
+        layer = linears[name]
+        if layer.lora_a is not None:
+            raise ValueError(f"add_lora: {name} already has an adapter; merge_lora() first")
+        d_out, d_in = layer.weight.shape
+        a = torch.empty(rank, d_in, device=layer.weight.device)
+        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default for A
+        layer.lora_a = torch.nn.Parameter(a)
+        layer.lora_b = torch.nn.Parameter(torch.zeros(d_out, rank, device=layer.weight.device))
+        layer.lora_scale, layer.lora_dropout = scale, dropout
+    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen)
+    model.set_trainable(ADAPTERS)
+    return chosen
+
+
+def merge_lora(model) -> None:
+    """W += scale * B @ A (in float32) for every adapter, then drop the adapters."""
+    for layer in _linears(model).values():
+        if layer.lora_a is None:
+            continue
+        with torch.no_grad():
+            delta = (layer.lora_b.float() @ layer.lora_a.float()) * layer.lora_scale
+            layer.weight.copy_((layer.weight.float() + delta).to(layer.weight.dtype))
+        del layer.lora_a, layer.lora_b
+        layer.lora_a = layer.lora_b = None
+    model.lora = None
+
+
+def to_peft_name(name: str) -> str:
+    for ours, theirs in PEFT_NAMES:
+        if name.endswith(ours):
+            return PEFT_PREFIX + name[: -len(ours)] + theirs
+    raise ValueError(f"{name} is not an adapter tensor")
+
+
+def from_peft_name(name: str) -> str:
+    """linnet path of a PEFT adapter tensor name (adapter name segments dropped)."""
+    body = name.removeprefix(PEFT_PREFIX)
+    body = re.sub(r"\.lora_([AB])\.(?:[\w-]+\.)?weight$", lambda m: f".lora_{m.group(1).lower()}", body)
+    return body
+
+
+def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = None) -> None:
+    """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors."""
+    if not getattr(model, "lora", None):
+        raise ValueError("save_peft: the model has no adapters; call add_lora first")
+    info = model.lora
+    tensors = {
+        to_peft_name(n): p.detach().to("cpu", torch.float32).contiguous()
+        for n, p in model.named_parameters()
+        if n.endswith((".lora_a", ".lora_b"))
+    }
+    directory = Path(directory)
+    with atomic_path(directory / "adapter_model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or model.card.weights.repo or model.card.weights.path,
+        "r": info["rank"],
+        "lora_alpha": info["alpha"],
+        "lora_dropout": info["dropout"],
+        "use_rslora": info["rslora"],
+        "target_modules": info["layers"],  # full paths: PEFT matches them by suffix
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    write_text(directory / "adapter_config.json", json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,100 @@
+"""Low-rank adapters: unchanged at start, merge, gradients, save/bind, PEFT export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.torch.lora import save_peft
+from linnet.torch.weights import bind_weights
+from tests.conftest import make_hf_model
+
+PATTERNS = ["model.layers.*.self_attn.*_proj.weight", "model.layers.*.mlp.*"]
+TOKENS = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+def _perturb_adapters(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _model(tmp_path, family="llama"):
+    make_hf_model(family).save_pretrained(tmp_path / "base")
+    return nest.load(tmp_path / "base")
+
+
+def test_fresh_adapter_leaves_logits_unchanged_and_only_adapters_train(tmp_path):
+    model = _model(tmp_path)
+    before = model(TOKENS)
+    layers = model.add_lora(PATTERNS, rank=4, alpha=8)
+    assert len(layers) == 2 * 7
+    assert torch.equal(model(TOKENS), before)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith(("lora_a", "lora_b")) for n in trainable)
+    (row,) = pack([Example.plain(TOKENS[0].tolist())], tokens=16)
+    loss, _ = model.loss_packed(row)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == name.endswith(("lora_a", "lora_b")), name
+
+
+def test_merge_equals_unmerged(tmp_path):
+    model = _model(tmp_path)
+    model.add_lora(PATTERNS, rank=4, alpha=8, rslora=True)
+    _perturb_adapters(model)
+    with torch.no_grad():
+        unmerged = model(TOKENS)
+        model.merge_lora()
+        merged = model(TOKENS)
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    assert (merged - unmerged).abs().max() < 1e-5
+    assert (unmerged - model(TOKENS)).abs().max() < 1e-5
+
+
+def test_saved_adapters_bind_into_a_fresh_model(tmp_path):
+    model = _model(tmp_path)
+    model.add_lora(PATTERNS, rank=4)
+    _perturb_adapters(model)
+    model.save_weights(tmp_path / "adapters.safetensors", include=["*.lora_a", "*.lora_b"])
+    other = _model(tmp_path)
+    other.add_lora(PATTERNS, rank=4)
+    loaded = bind_weights(other, tmp_path / "adapters.safetensors", strict=False)
+    assert len(loaded) == 2 * 14
+    with torch.no_grad():
+        assert torch.equal(other(TOKENS), model(TOKENS))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_peft_export_loads_in_peft_with_equal_logits(tmp_path, family):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model = _model(tmp_path, family)
+    model.add_lora(PATTERNS, rank=4, alpha=16)
+    _perturb_adapters(model)
+    save_peft(model, tmp_path / "peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    with torch.no_grad():
+        assert (tuned(TOKENS).logits - model(TOKENS)).abs().max() < 1e-4
+    # and back: PEFT's file binds into a linnet model
+    again = _model(tmp_path, family)
+    again.add_lora(PATTERNS, rank=4, alpha=16)
+    bind_weights(again, tmp_path / "peft", strict=False)
+    with torch.no_grad():
+        assert torch.equal(again(TOKENS), model(TOKENS))
+
+
+def test_lora_errors(tmp_path):
+    model = nest.load("debug", weights="random")
+    with pytest.raises(ValueError, match="matches no linear"):
+        model.add_lora("model.layers.*.attn.*")
+    with pytest.raises(ValueError, match="rank"):
+        model.add_lora(PATTERNS, rank=0)
+    model.add_lora(PATTERNS, rank=2)
+    with pytest.raises(ValueError, match="already has an adapter"):
+        model.add_lora(PATTERNS, rank=2)
