@@ -33,6 +33,12 @@ from linnet import nest
 
 GB = 1e9
 
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
 # ---------------------------------------------------------------------------------------
 # Accelerators
 
@@ -136,8 +142,8 @@ class Method:
     The defaults are mixed-precision AdamW (Micikevicius et al. 2018): a bf16 weight the
     matmuls read (2 B), its bf16 gradient (2 B; 4 B with `grad_dtype="fp32"`), an f32
     master copy the optimizer updates (4 B), and Adam's two f32 moments (8 B): 16 bytes
-    per trainable parameter. (linnet itself keeps trainable weights in f32 and casts on
-    use: 4 B instead of 2 + 4, the same 16 in total with f32 gradients counted as 2 + 2.)
+    per trainable parameter. (linnet keeps trainable weights in f32 and casts them on use,
+    so its 16 bytes split as a 4 B weight, a 4 B gradient and 8 B of moments: same total.)
     """
 
     name: str = "full"
@@ -161,7 +167,9 @@ class Method:
             self.grad_dtype in GRADIENT_BYTES,
             f"grad_dtype {self.grad_dtype!r} is unknown; use one of {', '.join(GRADIENT_BYTES)}",
         )
-        _require(self.master_bytes >= 0, f"master_bytes must be >= 0 (4 for f32, 0 for none), got {self.master_bytes}")
+        _require(
+            self.master_bytes >= 0, f"master_bytes must be >= 0 (4 for f32, 0 for none), got {self.master_bytes}"
+        )
 
     @property
     def adapters(self) -> bool:
@@ -178,8 +186,8 @@ class Method:
         return BF16_BYTES + GRADIENT_BYTES[self.grad_dtype] + self.master_bytes + self.optimizer_bytes
 
 
-# Loss computed a block of rows at a time holds about 1 GiB of f32 logits (the block size
-# of linnet's chunked losses), not the whole [positions, vocab] matrix.
+# A loss computed a block of rows at a time holds one block of f32 logits, not the whole
+# [positions, vocab] matrix: 1 GiB, linnet.torch.losses.BLOCK_BYTES (a test keeps them equal).
 LOSS_BLOCK_BYTES = 2**30
 
 
@@ -230,7 +238,9 @@ class Cluster:
 
     def __post_init__(self):
         _require(self.gpus >= 1, f"gpus must be a positive integer, got {self.gpus}")
-        _require(self.shard in SHARDED_STATES, f"shard {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}")
+        _require(
+            self.shard in SHARDED_STATES, f"shard {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}"
+        )
         _require(0 < self.usable <= 1, f"usable must be a fraction in (0, 1] of GPU memory, got {self.usable}")
         _require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
         _require(self.price is None or self.price >= 0, f"price must be >= 0 dollars per GPU-hour, got {self.price}")
@@ -326,9 +336,10 @@ def activation_bytes(layers: int, hidden: int, vocab: int, batch: Batch) -> floa
 
     Without checkpointing every block keeps 34 s b d. With checkpointing each block keeps
     only its bf16 input, 2 s b d, and recomputes the rest during backward, so one block's
-    34 s b d is live on top of the L inputs. (That recomputed block is what brings the
-    seed's with-activations column within 0.05 GB.) Adapters' own activations, r values
-    per token and adapted matrix, are left out: well under 1% of the block's.
+    34 s b d is live on top of the L inputs; without that block our totals would fall
+    0.6 GB (8B) and 1.1 GB (70B) below the seed's with-activations column.
+    Adapters' own activations, r values per token and adapted matrix, are left out: well
+    under 1% of a block's.
     """
     tokens = batch.seq * batch.micro_batch
     block = block_activation_bytes(hidden, batch.seq, batch.micro_batch)
@@ -400,6 +411,7 @@ class Compute:
 
 
 def compute_cost(params: float, tokens: float, method: Method, cluster: Cluster) -> Compute:
+    """FLOPs, GPU-hours, wall time and dollars of training on `tokens` tokens."""
     flops = training_flops(params, tokens, frozen_base=method.adapters)
     hours = gpu_hours(flops, cluster.peak_flops, cluster.mfu)
     cost = None if cluster.price is None else hours * cluster.price
@@ -524,6 +536,11 @@ def plan_inputs(settings: Mapping[str, Any]) -> dict[str, Any]:
     known = method_keys | batch_keys | cluster_keys | set(_GPU_SETTINGS) | {"gpu", "tokens"}
     unknown = sorted(set(given) - known)
     _require(not unknown, f"unknown plan settings {unknown}; known: {', '.join(sorted(known))}")
+    costing = sorted({"mfu", "precision", "price"} & set(given))
+    _require(
+        "tokens" in given or not costing,
+        f"{', '.join(costing)} only matter for a token count; add tokens (--tokens 12e6, or chinchilla)",
+    )
     if "targets" in given:
         given["targets"] = _targets(given["targets"])
     method = Method(**{("name" if key == "method" else key): given[key] for key in method_keys & set(given)})
@@ -553,7 +570,9 @@ def _targets(value: str | Sequence[str]) -> tuple[str, ...]:
 
 def _gb(n: float) -> str:
     v = n / GB
-    return f"{v:,.0f} GB" if v >= 1000 else f"{v:.1f} GB" if v >= 1 else f"{v:.2f} GB"
+    if v >= 0.01:
+        return f"{v:,.0f} GB" if v >= 1000 else f"{v:.1f} GB" if v >= 1 else f"{v:.2f} GB"
+    return f"{n / 1e6:.3g} MB"  # tiny debug cards
 
 
 def _count(n: float) -> str:
@@ -569,8 +588,14 @@ def _sci(x: float) -> str:
 
 
 def _duration(days: float) -> str:
-    hours = days * 24
-    return f"{days:.3g} days" if days >= 1 else f"{hours:.3g} hours" if hours >= 1 else f"{hours * 60:.3g} minutes"
+    for unit, per_day in (("days", 1), ("hours", 24), ("minutes", 24 * 60)):
+        if days * per_day >= 1:
+            return f"{days * per_day:.3g} {unit}"
+    return f"{days * 86400:.3g} seconds"
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def _money(x: float) -> str:
@@ -606,7 +631,7 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
         "tokens": lambda c: _count(c.tokens),
         "FLOPs": lambda c: _sci(c.flops),
         "GPU-hours": lambda c: f"{c.gpu_hours:,.0f}" if c.gpu_hours >= 100 else f"{c.gpu_hours:.3g}",
-        f"wall time on {first.cluster.gpus} GPUs": lambda c: _duration(c.days),
+        f"wall time on {_gpus(first.cluster.gpus)}": lambda c: _duration(c.days),
     }
     if first.cluster.price is not None:
         compute["cost"] = lambda c: _money(c.cost)
@@ -623,7 +648,7 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
     names = {p.method.name for p in plans}
     adapted = [p.method.name for p in plans if p.method.adapters]
     lines = [
-        "GB = 10^9 bytes; memory is per GPU",
+        "GB = 10^9 bytes (MB = 10^6); memory is per GPU",
         f"each trainable parameter: {BF16_BYTES} B bf16 weight + {GRADIENT_BYTES[method.grad_dtype]} B "
         f"{method.grad_dtype} gradient + {method.master_bytes:g} B f32 master + {method.optimizer_bytes:g} B "
         f"optimizer state = {method.bytes_per_trainable:g} B",
@@ -649,9 +674,9 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
         f"logits in f32: s·b·V·4 bytes = {_gb(first.logits)}"
         + (" (one block of the chunked loss)" if batch.chunked_loss else " (--chunked-loss holds one 1 GiB block)"),
     ]
-    split = [name for name in ("weights", "gradients", "master", "optimizer") if name in SHARDED_STATES[cluster.shard]]
+    split = [name for name in dataclasses.asdict(first.states) if name in SHARDED_STATES[cluster.shard]]
     lines.append(
-        f"--shard {cluster.shard}: {', '.join(split)} split over {cluster.gpus} GPUs; activations on every GPU"
+        f"--shard {cluster.shard}: {', '.join(split)} split over {_gpus(cluster.gpus)}; activations on every GPU"
         if split
         else "states not sharded: every GPU holds all of them (--shard zero1, zero2 or fsdp splits them)"
     )
@@ -665,8 +690,8 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
             "N counts every parameter",
             f"GPU-hours = FLOPs / ({cluster.peak_flops / 1e12:g} TFLOP/s dense {cluster.precision} × "
             f"{cluster.mfu:.0%} MFU) / 3600; MFU counts model FLOPs, so recomputation lowers MFU",
-            f"wall time = GPU-hours / {cluster.gpus} GPUs"
-            + ("" if cluster.price is None else f"; cost = GPU-hours × ${cluster.price:g}, compute only"),
+            f"wall time = GPU-hours / {_gpus(cluster.gpus)}"
+            + ("" if cluster.price is None else f"; cost = GPU-hours × ${cluster.price:,.2f}, compute only"),
         ]
     return lines
 
@@ -682,9 +707,12 @@ def render(plans: Sequence[Plan]) -> str:
     rows = _rows(plans)
     label_width = max(len(label) for label, _ in rows)
     widths = [max(len(p.method.name), *(len(values[i]) for _, values in rows)) for i, p in enumerate(plans)]
-    lines = [title, "", " " * label_width + "".join(f"  {p.method.name:>{w}}" for p, w in zip(plans, widths))]
-    lines += [f"{label:<{label_width}}" + "".join(f"  {v:>{w}}" for v, w in zip(values, widths)) for label, values in rows]
-    lines += ["", "assumptions:"] + [f"  - {line}" for line in _assumptions(plans)]
+
+    def line(label: str, values: Sequence[str]) -> str:
+        return f"{label:<{label_width}}" + "".join(f"  {value:>{width}}" for value, width in zip(values, widths))
+
+    lines = [title, "", line("", [p.method.name for p in plans])] + [line(*row) for row in rows]
+    lines += ["", "assumptions:"] + [f"  - {assumption}" for assumption in _assumptions(plans)]
     return "\n".join(lines)
 
 
@@ -700,7 +728,9 @@ def _token_count(text: str) -> float | str:
     try:
         return float(text[:-1] if scale != 1 else text) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; use e.g. 12e6, 12M, 15T or chinchilla")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token count; use e.g. 12e6, 12M, 15T or chinchilla"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -708,48 +738,61 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="linnet plan",
         description="Memory per GPU, minimum GPUs, FLOPs, GPU-hours and cost of a training run, "
-        "computed from a model card before anyone rents a GPU.",
+        "from a model card, before anyone rents a GPU. Unset flags take the defaults shown.",
     )
-    parser.add_argument("card", help=f"a registered card ({', '.join(sorted(nest.REGISTRY))}) or a local "
-                        "Hugging Face model directory")
-    what = parser.add_argument_group("what is trained")
-    what.add_argument("--method", choices=METHODS, help=f"full fine-tuning or an adapter method (default {method.name})")
-    what.add_argument("--rank", type=int, help=f"adapter rank r (default {method.rank})")
-    what.add_argument("--targets", help="adapted linear layers: all-linear or a list such as q_proj,v_proj "
-                      "(default all-linear)")
-    what.add_argument("--optimizer-bytes", type=float, help="optimizer state bytes per trainable parameter: "
-                      f"8 for AdamW's two f32 moments, 2 for 8-bit Adam, 0 for SGD (default {method.optimizer_bytes:g})")
-    what.add_argument("--grad-dtype", choices=list(GRADIENT_BYTES), help=f"gradient dtype (default {method.grad_dtype}; "
-                      "fp32 when accumulating in f32)")
-    what.add_argument("--master-bytes", type=float, help="master weight bytes per trainable parameter: 4 for an "
-                      f"f32 copy, 0 for pure bf16 training (default {method.master_bytes:g})")
-    run = parser.add_argument_group("batch")
-    run.add_argument("--seq", type=int, help=f"tokens per sequence (default {batch.seq})")
-    run.add_argument("--micro-batch", type=int, help=f"sequences per GPU per micro-step (default {batch.micro_batch})")
-    run.add_argument("--checkpointing", action=argparse.BooleanOptionalAction,
-                     help="activation checkpointing: keep block inputs, recompute the rest (default on)")
-    run.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction,
-                     help="compute the loss a block of rows at a time instead of holding all logits (default off)")
-    hardware = parser.add_argument_group("hardware and cost")
-    hardware.add_argument("--gpu", help=f"accelerator: {', '.join(ACCELERATORS)}, or any name with --gpu-memory "
-                          f"and --gpu-tflops (default {cluster.gpu.name})")
-    hardware.add_argument("--gpu-memory", type=float, help="GPU memory in GB (10^9 bytes); overrides the table")
-    hardware.add_argument("--gpu-tflops", type=float, help="dense bf16 peak in TFLOP/s; overrides the table")
-    hardware.add_argument("--gpu-fp8-tflops", type=float, help="dense fp8 peak in TFLOP/s; overrides the table")
-    hardware.add_argument("--gpus", type=int, help=f"GPUs the run uses, data-parallel (default {cluster.gpus})")
-    hardware.add_argument("--shard", choices=list(SHARDED_STATES),
-                          help=f"how states split over the GPUs: ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
-    hardware.add_argument("--usable", type=float, help=f"share of GPU memory a run can fill (default {cluster.usable:g})")
-    hardware.add_argument("--precision", choices=PRECISIONS, help=f"matmul precision whose peak MFU is measured "
-                          f"against (default {cluster.precision})")
-    hardware.add_argument("--mfu", type=float, help=f"model FLOPs utilization, a fraction in (0, 1] (default {cluster.mfu:g})")
-    hardware.add_argument("--price", type=float, help="dollars per GPU-hour; adds a cost row")
-    hardware.add_argument("--tokens", type=_token_count, help="training tokens (12e6, 12M, 15T), or chinchilla for "
-                          "20 per parameter; adds FLOPs, GPU-hours and wall time")
-    output = parser.add_argument_group("output")
-    output.add_argument("--compare", action="store_true", help="full, lora and qlora side by side (and --method "
-                        "if it is another)")
-    output.add_argument("--json", action="store_true", help="print JSON (bytes in bytes) instead of the table")
+    parser.add_argument(
+        "card", help=f"a registered card ({', '.join(sorted(nest.REGISTRY))}) or a Hugging Face model directory"
+    )
+
+    what = parser.add_argument_group("what is trained").add_argument
+    what("--method", choices=METHODS, help=f"full fine-tuning or an adapter method (default {method.name})")
+    what("--rank", type=int, metavar="R", help=f"adapter rank r (default {method.rank})")
+    what("--targets", metavar="NAMES",
+         help="adapted linear layers: all-linear, or names such as q_proj,v_proj (default all-linear)")
+    what("--optimizer-bytes", type=float, metavar="B",
+         help="optimizer state bytes per trainable parameter: 8 for AdamW's two f32 moments, 2 for 8-bit "
+         f"Adam, 0 for plain SGD (default {method.optimizer_bytes:g})")
+    what("--grad-dtype", choices=list(GRADIENT_BYTES),
+         help=f"gradient dtype (default {method.grad_dtype}; fp32 when gradients accumulate in f32)")
+    what("--master-bytes", type=float, metavar="B",
+         help="master weight bytes per trainable parameter: 4 for an f32 copy, 0 for pure bf16 training "
+         f"(default {method.master_bytes:g})")
+
+    run = parser.add_argument_group("batch").add_argument
+    run("--seq", type=int, metavar="TOKENS", help=f"tokens per sequence (default {batch.seq})")
+    run("--micro-batch", type=int, metavar="N",
+        help=f"sequences per GPU per micro-step (default {batch.micro_batch})")
+    run("--checkpointing", action=argparse.BooleanOptionalAction,
+        help="activation checkpointing: keep each block's input, recompute the rest (default on)")
+    run("--chunked-loss", action=argparse.BooleanOptionalAction,
+        help="compute the loss a block of rows at a time instead of holding every logit (default off)")
+
+    hardware = parser.add_argument_group("hardware").add_argument
+    hardware("--gpu", metavar="NAME",
+             help=f"accelerator: {', '.join(ACCELERATORS)}; any other name needs --gpu-memory and "
+             f"--gpu-tflops (default {cluster.gpu.name})")
+    hardware("--gpu-memory", type=float, metavar="GB", help="memory per GPU in GB (10^9 bytes), overriding the table")
+    hardware("--gpu-tflops", type=float, metavar="TFLOPS", help="dense bf16 peak in TFLOP/s, overriding the table")
+    hardware("--gpu-fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak in TFLOP/s, overriding the table")
+    hardware("--gpus", type=int, metavar="N", help=f"GPUs the run uses, data-parallel (default {cluster.gpus})")
+    hardware("--shard", choices=list(SHARDED_STATES),
+             help=f"which states split over the GPUs: ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
+    hardware("--usable", type=float, metavar="FRACTION",
+             help=f"share of GPU memory a run can fill (default {cluster.usable:g})")
+
+    cost = parser.add_argument_group("compute and cost").add_argument
+    cost("--tokens", type=_token_count, metavar="N",
+         help="training tokens (12e6, 12M, 15T), or chinchilla for 20 per parameter; adds FLOPs, "
+         "GPU-hours and wall time")
+    cost("--mfu", type=float, metavar="FRACTION",
+         help=f"model FLOPs utilization, a fraction in (0, 1] (default {cluster.mfu:g})")
+    cost("--precision", choices=PRECISIONS,
+         help=f"matmul precision whose peak the MFU applies to (default {cluster.precision})")
+    cost("--price", type=float, metavar="DOLLARS", help="dollars per GPU-hour; adds a cost row")
+
+    output = parser.add_argument_group("output").add_argument
+    output("--compare", action="store_true", help="full, lora and qlora side by side (and --method if another)")
+    output("--json", action="store_true", help="print JSON for scripts (bytes in bytes) instead of the table")
     return parser
 
 
@@ -773,11 +816,6 @@ def cli(argv: list[str] | None = None) -> int:
     else:
         print(render(plans))
     return 0
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 if __name__ == "__main__":
