@@ -1,5 +1,6 @@
 """The `linnet` command: a dispatch table over library functions.
 
+    linnet quickstart          fine-tune a small model on an embedded task, no files needed
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run
 """
@@ -66,6 +67,7 @@ def info(argv: list[str]) -> int:
 
 # name -> "module:function"; each takes argv and returns an exit code.
 COMMANDS = {
+    "quickstart": "linnet.quickstart:cli",
     "info": "linnet.cli:info",
     "plan": "linnet.plan:cli",
 }

@@ -1,0 +1,25 @@
+"""The data layer for supervised fine-tuning: read records, tokenize, mask.
+
+    tok = load_tokenizer(card)                                  # or a directory, or a tokenizers.Tokenizer
+    examples = load_examples("train.jsonl", tok, max_tokens=2048)   # read_records + examples_from_records
+    rows = pack(examples, 2048, pad_id=tok.pad_id)              # linnet.packing
+
+Records are prompt/completion pairs (field names configurable; Alpaca's found by
+default) or chats (`messages`: a list of {role, content}). A chat learns exactly its
+assistant turns and their end-of-turn tokens, found from the token ids of the
+conversation rendered prefix by prefix with the chat template.
+"""
+
+from linnet.data.examples import chat_example, examples_from_records, load_examples
+from linnet.data.readers import Record, read_records
+from linnet.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "Record",
+    "Tokenizer",
+    "chat_example",
+    "examples_from_records",
+    "load_examples",
+    "load_tokenizer",
+    "read_records",
+]

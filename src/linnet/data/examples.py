@@ -1,0 +1,327 @@
+"""Records to `Example`s for supervised fine-tuning: token ids and which of them are learned.
+
+A chat's loss mask comes from token ids, never from searching the text. Each prefix of
+the conversation is rendered with the chat template and tokenized; an assistant turn's
+learned span is the ids between the rendering of the messages before it (with the
+generation prompt, so the role header is context) and the rendering that includes it,
+up to and including its last stop token (`<|eot_id|>`, `<|im_end|>`): the model learns
+to answer and to stop, not what the template writes after the stop (ChatML's newline).
+Each prefix's ids must begin the whole conversation's ids, or the template is refused.
+
+Prompt/completion records go through the chat template as a user turn and an assistant
+turn when the tokenizer has one and `chat` is on; otherwise the prompt and completion
+texts are tokenized one after the other (add any separator to the data) and the
+completion ends with the first stop token, learned.
+
+A sequence starts with exactly one BOS where the tokenizer has one: it is added when the
+template leaves it out, and a doubled one (template plus tokenizer) is cut to one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from linnet.data.readers import Record, read_records
+from linnet.data.tokenizer import Tokenizer
+from linnet.packing import Example
+
+# Field names tried, in order, when the caller names none (Alpaca and its relatives).
+PROMPT_FIELDS = ("prompt", "instruction")
+COMPLETION_FIELDS = ("completion", "output", "response")
+
+_CHUNK = 1024  # records rendered, then tokenized together
+
+# (messages field, [], None) for chats; (None, prompt fields, completion field) otherwise.
+Layout = tuple[str | None, list[str], str | None]
+
+# Makes a record's example from the ids of its texts.
+Build = Callable[[list[list[int]]], Example]
+
+
+def load_examples(
+    source: str | os.PathLike | Any,
+    tokenizer: Tokenizer,
+    *,
+    max_tokens: int,
+    messages: str | None = None,
+    prompt: str | Sequence[str] | None = None,
+    completion: str | None = None,
+    chat: bool = True,
+    truncate: bool = False,
+) -> list[Example]:
+    """`read_records` then `examples_from_records`: a data file to examples."""
+    return examples_from_records(
+        read_records(source),
+        tokenizer,
+        max_tokens=max_tokens,
+        messages=messages,
+        prompt=prompt,
+        completion=completion,
+        chat=chat,
+        truncate=truncate,
+    )
+
+
+def examples_from_records(
+    records: Iterable[Record | dict],
+    tokenizer: Tokenizer,
+    *,
+    max_tokens: int,
+    messages: str | None = None,
+    prompt: str | Sequence[str] | None = None,
+    completion: str | None = None,
+    chat: bool = True,
+    truncate: bool = False,
+) -> list[Example]:
+    """One `Example` a record, every record checked before any is returned.
+
+    messages: the field holding a chat (a list of {role, content}).
+    prompt: the field(s) holding the prompt; several are joined by a blank line, empty
+        ones skipped (Alpaca: ["instruction", "input"]).
+    completion: the field holding the answer.
+    With none named, a record's "messages" field makes a chat, else the first of
+    PROMPT_FIELDS (with "input" after "instruction" when present) and COMPLETION_FIELDS
+    that the first record has.
+    chat: format prompt/completion records with the chat template (when there is one).
+    max_tokens: the row length; a longer record is an error naming it, unless `truncate`
+        cuts it to the row (one with nothing learned left is dropped, with a warning).
+    """
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens={max_tokens}; a row needs at least 2 positions")
+    records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
+    if not records:
+        raise ValueError("examples_from_records: no records; the data holds nothing to learn")
+    for record in records:
+        if not isinstance(record.data, dict):
+            kind = type(record.data).__name__
+            raise TypeError(f"{record.where}: a {kind}, not a record (a dict of fields)")
+    layout = _layout(records[0], messages, prompt, completion)
+    examples, long, dropped = [], [], []
+    for chunk in range(0, len(records), _CHUNK):
+        plans = [(r, *_plan(r, tokenizer, layout, chat)) for r in records[chunk : chunk + _CHUNK]]
+        encoded = iter(tokenizer.encode_batch([text for _, texts, _ in plans for text in texts]))
+        for record, texts, build in plans:
+            example = build([next(encoded) for _ in texts])
+            if len(example) > max_tokens:
+                if not truncate:
+                    long.append(f"{record.where} ({len(example)} tokens)")
+                    continue
+                if not example.learned[1:max_tokens].any():
+                    dropped.append(record.where)
+                    continue
+                example = Example(example.tokens[:max_tokens], example.learned[:max_tokens])
+            examples.append(example)
+    if long:
+        more = f"; and {len(long) - 5} more" if len(long) > 5 else ""
+        raise ValueError(
+            f"{len(long)} record(s) longer than a row of {max_tokens} tokens: "
+            f"{'; '.join(long[:5])}{more}. Raise the row length (max_tokens), shorten or drop these "
+            "records, or set truncate to cut them to the row"
+        )
+    if dropped:
+        warnings.warn(
+            f"dropped {len(dropped)} record(s) with nothing learned in their first {max_tokens} "
+            f"tokens, e.g. {dropped[0]}",
+            stacklevel=2,
+        )
+    if not examples:
+        raise ValueError(f"no record has anything learned within {max_tokens} tokens; raise max_tokens")
+    return examples
+
+
+def chat_example(messages: list[dict], tokenizer: Tokenizer, *, where: str = "conversation") -> Example:
+    """A conversation as one example that learns exactly its assistant turns and the stop
+    token ending each (see the module docstring for how the mask is found)."""
+    texts, build = _chat(messages, tokenizer, where)
+    return build(tokenizer.encode_batch(texts))
+
+
+def _layout(first: Record, messages, prompt, completion) -> Layout:
+    """Which fields hold the text: the caller's names, else found in the first record."""
+    if messages is not None:
+        if prompt is not None or completion is not None:
+            raise ValueError("name either data.messages (chats) or data.prompt/data.completion, not both")
+        return messages, [], None
+    fields = first.data
+    if prompt is None and completion is None and "messages" in fields:
+        return "messages", [], None
+    if prompt is None:
+        prompt = [f for f in PROMPT_FIELDS if f in fields][:1]
+        if prompt == ["instruction"] and "input" in fields:
+            prompt.append("input")
+    if completion is None:
+        completion = next((f for f in COMPLETION_FIELDS if f in fields), None)
+    if not prompt or completion is None:
+        raise ValueError(
+            f"{first.where}: cannot tell which fields hold the text (the record has "
+            f"{', '.join(map(repr, fields)) or 'no fields'}); name them: data.messages for chats, "
+            "or data.prompt and data.completion"
+        )
+    return None, [prompt] if isinstance(prompt, str) else list(prompt), completion
+
+
+def _field(record: Record, name: str, option: str) -> Any:
+    value = record.data.get(name)
+    if value is None:
+        have = ", ".join(map(repr, record.data)) or "no fields"
+        state = "is null" if name in record.data else "is missing"
+        raise ValueError(
+            f"{record.where}: field {name!r} {state} (the record has {have}); add it, or set "
+            f"data.{option} to the field that holds the {option}"
+        )
+    return value
+
+
+def _text(record: Record, name: str, option: str) -> str:
+    value = _field(record, name, option)
+    if not isinstance(value, str):
+        kind = type(value).__name__
+        raise ValueError(f"{record.where}: field {name!r} holds a {kind}; the {option} must be text")
+    return value
+
+
+def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool) -> tuple[list[str], Build]:
+    """The texts a record needs tokenized, and how their ids make its example (tokenizing
+    many records' texts at once uses every core)."""
+    messages_field, prompt_fields, completion_field = layout
+    if messages_field is not None:
+        return _chat(_field(record, messages_field, "messages"), tokenizer, record.where)
+    prompt = "\n\n".join(t for t in (_text(record, f, "prompt") for f in prompt_fields) if t)
+    completion = _text(record, completion_field, "completion")
+    if chat and tokenizer.render is not None:
+        turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return _chat(turns, tokenizer, record.where)
+    if not tokenizer.eos_ids:
+        raise ValueError(
+            f"{tokenizer.source}: no stop token to end a completion; pass eos= to load_tokenizer"
+        )
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return [prompt, completion], lambda ids: Example.prompted(bos + ids[0], ids[1] + [tokenizer.eos_ids[0]])
+
+
+def _chat(messages: Any, tokenizer: Tokenizer, where: str) -> tuple[list[str], Build]:
+    """Render the whole conversation, and for each assistant turn the messages before it
+    with the generation prompt and the messages through it; the learned span of the turn
+    lies between those two renderings' ids."""
+    _check_messages(messages, where)
+    if tokenizer.render is None:
+        raise ValueError(
+            f"{where}: a chat needs a chat template and {tokenizer.source} has none; "
+            "pass chat_template= to load_tokenizer"
+        )
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise ValueError(
+            f"{where}: no assistant turn, so nothing to learn; a conversation needs a message "
+            "with role 'assistant'"
+        )
+    if turns[0] == 0:
+        raise ValueError(
+            f"{where}: messages[0] is an assistant turn; open the conversation with a system or user message"
+        )
+    prefixes = [(messages, False)]  # (messages rendered, with the generation prompt)
+    for i in turns:
+        prefixes.append((messages[:i], True))
+        if i + 1 < len(messages):  # through the last message: the whole conversation
+            prefixes.append((messages[: i + 1], False))
+    texts = [_render(tokenizer, m, generation_prompt, where) for m, generation_prompt in prefixes]
+
+    def build(encoded: list[list[int]]) -> Example:
+        full, *rest = (_one_bos(ids, tokenizer.bos_id) for ids in encoded)
+        prefix = iter(
+            _check_prefix(ids, full, text, texts[0], tokenizer, len(m), g, where)
+            for ids, text, (m, g) in zip(rest, texts[1:], prefixes[1:], strict=True)
+        )
+        learned = np.zeros(len(full), bool)
+        for i in turns:
+            start = len(next(prefix))
+            end = len(next(prefix)) if i + 1 < len(messages) else len(full)
+            stops = [k for k in range(start, end) if full[k] in tokenizer.eos_ids]
+            if not stops:
+                names = ", ".join(repr(tokenizer.decode([t])) for t in tokenizer.eos_ids) or "none"
+                raise ValueError(
+                    f"{where}: assistant turn messages[{i}] renders as "
+                    f"{tokenizer.decode(full[start:end])!r}, with no stop token (the tokenizer's: "
+                    f"{names}), so the model would never learn to stop; add the template's end-of-turn "
+                    "token to the stop tokens (load_tokenizer(..., eos=...) or the card's eos_token_ids)"
+                )
+            learned[start : stops[-1] + 1] = True
+        return Example(full, learned)
+
+    return texts, build
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects")
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(
+                f"{where}: messages[{k}] is a {type(m).__name__}; a message is {{'role': .., 'content': ..}}"
+            )
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                state = "is missing" if key not in m else f"is a {type(m[key]).__name__}, not text"
+                hint = " (ShareGPT's from/value: rename to role/content, human->user, gpt->assistant)"
+                raise ValueError(
+                    f"{where}: messages[{k}] field {key!r} {state}; each message needs a role and "
+                    f"text content{hint if 'from' in m else ''}"
+                )
+
+
+def _render(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:
+    try:
+        return tokenizer.render(messages, generation_prompt)
+    except Exception as e:  # jinja2's TemplateError, and what a template's raise_exception raises
+        raise ValueError(
+            f"{where}: the chat template fails on messages[:{len(messages)}] ({type(e).__name__}: {e}); "
+            "fix the conversation or the template"
+        ) from e
+
+
+def _one_bos(ids: list[int], bos: int | None) -> list[int]:
+    """Exactly one BOS first where the tokenizer has one: added when the template leaves
+    it out, cut to one when the template writes it twice."""
+    if bos is None:
+        return ids
+    n = next((k for k, t in enumerate(ids) if t != bos), len(ids))
+    if n > 1:
+        warnings.warn(f"the chat template's rendering starts with {n} BOS tokens; keeping one", stacklevel=2)
+    return [bos] + ids[n:]
+
+
+def _check_prefix(
+    ids: list[int],
+    full: list[int],
+    text: str,
+    full_text: str,
+    tokenizer: Tokenizer,
+    count: int,
+    generation_prompt: bool,
+    where: str,
+) -> list[int]:
+    """A prefix's ids must begin the whole conversation's ids, or its length says nothing."""
+    if full[: len(ids)] == ids:
+        return ids
+    k = next((k for k, (a, b) in enumerate(zip(ids, full, strict=False)) if a != b), min(len(ids), len(full)))
+    prompt = " with the generation prompt" if generation_prompt else ""
+    found = (
+        f"{where}: messages[:{count}]{prompt} tokenizes to {tokenizer.decode(ids[k : k + 8])!r} at "
+        f"token {k}, where the whole conversation has {tokenizer.decode(full[k : k + 8])!r}"
+    )
+    if full_text.startswith(text):
+        raise ValueError(
+            f"{found}: the template's text is prefix-stable but the tokenizer merges text across the "
+            "end of the prefix, so the turn boundary falls inside a token. Use a template whose turn "
+            "headers end where this tokenizer splits (e.g. at a special token), or its own template"
+        )
+    raise ValueError(
+        f"{found}: the chat template is not prefix-stable (it renders earlier turns differently "
+        "once more follow). The loss mask is read from the ids of each prefix, so use a template "
+        "that renders earlier turns the same whatever follows (pass chat_template=)"
+    )
