@@ -1,6 +1,9 @@
 """The `linnet` command: a dispatch table over library functions.
 
     linnet quickstart          fine-tune a small model on an embedded task, no files needed
+    linnet sft --config F      supervised fine-tuning (LoRA or full) from a YAML config
+    linnet inspect --config F  formatted examples with learned tokens marked; the batch table
+    linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run
 """
@@ -68,6 +71,9 @@ def info(argv: list[str]) -> int:
 # name -> "module:function"; each takes argv and returns an exit code.
 COMMANDS = {
     "quickstart": "linnet.quickstart:cli",
+    "sft": "linnet.sft:cli",
+    "inspect": "linnet.sft:inspect_cli",
+    "plot": "linnet.plots:cli",
     "info": "linnet.cli:info",
     "plan": "linnet.plan:cli",
 }

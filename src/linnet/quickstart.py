@@ -23,6 +23,7 @@ import torch
 from linnet import nest
 from linnet.files import write_text
 from linnet.packing import Example
+from linnet.plots import plot_metrics
 from linnet.progress import Progress
 from linnet.train import cosine_schedule, pack, train
 
@@ -88,31 +89,6 @@ def save_tokenizer(path: Path) -> None:
     write_text(path, tok.to_str())
 
 
-def plot(path: Path, metrics: list[dict], before: float, after: float) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    steps = [m for m in metrics if "loss" in m]
-    left.plot([m["step"] for m in steps], [m["loss"] for m in steps], label="train", lw=1)
-    evals = [m for m in metrics if "held_out_loss" in m]
-    left.plot([m["step"] for m in evals], [m["held_out_loss"] for m in evals], "o-", label="held-out")
-    left.set(xlabel="step", ylabel="loss (nats/token)", yscale="log", title="loss")
-    left.legend()
-    right.bar(["before", "after"], [before, after], color=["#999", "#2a7"])
-    right.set(ylim=(0, 1), ylabel="exact match", title="held-out accuracy")
-    for x, v in enumerate((before, after)):
-        right.text(x, v + 0.02, f"{v:.1%}", ha="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 def run(out: str | Path = "runs/quickstart", *, steps: int = 400, digits: int = 2, tokens: int = 1024,
         lr: float = 3e-3, seed: int = 0, evaluate_every: int = 50, threads: int | None = None) -> dict:
     """Fine-tune the adder and return its summary (also written to summary.json)."""
@@ -150,7 +126,12 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, digits: int = 
     model.save_weights(out / "model")
     save_tokenizer(out / "model" / "tokenizer.json")
     write_text(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
-    drew = plot(out / "curves.png", metrics, before, after)
+    try:
+        plot_metrics(metrics, out / "curves.png", title=f"{digits}-digit addition: held-out exact match "
+                     f"{before:.1%} -> {after:.1%}")
+        drew = True
+    except ValueError:
+        drew = False
     summary = {
         "accuracy_before": before, "accuracy_after": after, "steps": len(history),
         "seconds": round(seconds, 1), "first_loss": history.losses[0], "last_loss": history.losses[-1],

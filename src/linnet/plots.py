@@ -1,0 +1,60 @@
+"""Curves of a run from its metrics.jsonl: `linnet plot RUN_DIR` writes curves.png."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PANELS = (  # (title, metric keys drawn in it)
+    ("loss (nats per learned token)", ("loss", "held_out_loss")),
+    ("learning rate", ("lr",)),
+    ("real tokens / s", ("tokens_per_second",)),
+    ("gradient norm", ("grad_norm",)),
+)
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    path = Path(run) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics; is {run} a linnet run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = None) -> Path:
+    """Draw every panel that has data into a PNG; needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plotting needs matplotlib: pip install 'linnet[plot]'") from None
+    panels = [(t, keys) for t, keys in PANELS if any(k in m for m in metrics for k in keys)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (panel_title, keys) in zip(axes[0], panels):
+        for key in keys:
+            points = [(m["step"], m[key]) for m in metrics if key in m]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, "o-" if len(points) < 30 else "-", lw=1.2, ms=3, label=key.replace("_", " "))
+        ax.set(title=panel_title, xlabel="step")
+        if panel_title.startswith("loss"):
+            ax.set_yscale("log")
+            ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="linnet plot", description="Write curves.png for a run directory.")
+    parser.add_argument("run", help="a run directory holding metrics.jsonl")
+    parser.add_argument("--out", help="PNG path (default: RUN/curves.png)")
+    args = parser.parse_args(argv)
+    out = plot_metrics(read_metrics(args.run), args.out or Path(args.run) / "curves.png", title=Path(args.run).name)
+    print(out)
+    return 0

@@ -1,0 +1,140 @@
+"""`linnet sft` end to end on a tiny model directory and a synthetic JSONL task."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import cli, nest, quickstart
+from linnet.config import load_config
+from linnet.sft import SFTConfig, run
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    model = nest.load(quickstart.CARD, weights="random", seed=0)
+    model.save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"prompt": p, "completion": a}) for p, a in quickstart.problems(rng, 400, 2)]
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _config(workspace, out, **training):
+    overrides = [
+        f"model.card={workspace / 'model'}",
+        f"data.path={workspace / 'train.jsonl'}",
+        "data.chat=false", "data.tokens=256", "data.eval_share=0.1",
+        "lora.enabled=false", "optimizer.lr=3e-3", "schedule.warmup=2",
+        "training.eval_every=5", "training.checkpoint_every=5",
+        f"output={out}",
+    ] + [f"training.{k}={v}" for k, v in training.items()]
+    return load_config(SFTConfig, None, overrides)
+
+
+def test_sft_run_learns_and_writes_its_directory(workspace, tmp_path):
+    summary = run(_config(workspace, tmp_path / "run", steps=12))
+    out = tmp_path / "run"
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    held = [m["held_out_loss"] for m in metrics if "held_out_loss" in m]
+    assert len(metrics) == 12 and len(held) == 3
+    assert held[-1] < held[0] < metrics[0]["loss"] * 0.8
+    assert summary["held_out_loss"] == held[-1]
+    assert (out / "final" / "model.safetensors").is_file() and (out / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000010", "step-00000012"]
+    assert json.loads((out / "config.json").read_text())["training"]["steps"] == 12
+
+
+def test_lora_run_saves_a_peft_adapter(workspace, tmp_path):
+    config = _config(workspace, tmp_path / "lora", steps=3)
+    config.lora.enabled = True
+    run(config)
+    assert json.loads((tmp_path / "lora" / "final" / "adapter_config.json").read_text())["r"] == 16
+
+
+def test_existing_run_directory_is_not_overwritten(workspace, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="--overwrite"):
+        run(_config(workspace, out, steps=2))
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_resume_continues_the_same_run(workspace, tmp_path):
+    whole = run(_config(workspace, tmp_path / "whole", steps=8))
+    out = tmp_path / "run"
+    run(_config(workspace, out, steps=8))
+    # as if killed after step 6: only step 5's checkpoint and five metrics lines remain
+    shutil.rmtree(out / "checkpoints" / "step-00000008")
+    lines = (out / "metrics.jsonl").read_text().splitlines()[:5]
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    again = run(_config(workspace, out, steps=8), resume=True)
+    assert again["steps_this_run"] == 3
+    assert again["last_loss"] == whole["last_loss"]
+    with pytest.raises(ValueError, match="another config"):
+        run(_config(workspace, out, steps=9), resume=True)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.steps=0"], "training.steps"),
+        (["training.stpes=3"], "unknown field 'stpes'"),
+        (["optimizer.lr=fast"], "optimizer.lr"),
+        (["schedule.name=linear"], "schedule.name"),
+        (["data.path=''"], "data.path is required"),
+        (["data.path="], "data.path: expected str"),
+    ],
+)
+def test_bad_configs_fail_before_training(workspace, tmp_path, overrides, message):
+    base = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", f"output={tmp_path / 'x'}"]
+    with pytest.raises(ValueError, match=message):
+        load_config(SFTConfig, None, base + overrides)
+    assert not (tmp_path / "x").exists()
+
+
+def test_bad_data_fails_before_anything_is_written(workspace, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "1+2="}) + "\n")
+    config = _config(workspace, tmp_path / "run", steps=2)
+    config.data.path = str(bad)
+    with pytest.raises(ValueError, match="completion"):
+        run(config)
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_inspect_and_plot(workspace, tmp_path, capsys):
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(
+        f"model: {{card: {workspace / 'model'}}}\n"
+        f"data: {{path: {workspace / 'train.jsonl'}, chat: false, tokens: 256}}\n"
+        f"output: {tmp_path / 'cli'}\n"
+    )
+    assert cli.main(["inspect", "--config", str(yaml_path), "--examples", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "[[" in shown and "padding share" in shown and "steps per epoch" in shown
+    args = ["sft", "--config", str(yaml_path), "--set", "training.steps=2", "--set", "lora.enabled=false",
+            "--set", "schedule.warmup=1"]
+    assert cli.main(args) == 0
+    assert cli.main(args) == 1  # the run directory now exists
+    assert "--overwrite" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    assert cli.main(["plot", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "curves.png").stat().st_size > 1000
+
+
+def test_schedule_that_cannot_fit_fails_before_anything_is_written(workspace, tmp_path):
+    config = _config(workspace, tmp_path / "run", steps=2)
+    config.schedule.warmup = 10
+    with pytest.raises(ValueError, match="warmup"):
+        run(config)
+    assert not (tmp_path / "run").exists()
