@@ -1,0 +1,35 @@
+"""The example scripts run as documented (a few steps each)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _run(name, *args):
+    result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+                            timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_sft_lora_example(tmp_path):
+    out = _run("01_sft_lora.py", "--steps", "3", "--out", str(tmp_path / "lora"))
+    assert "trainable parameters" in out
+    assert json.loads((tmp_path / "lora" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+
+
+def test_sft_full_example(tmp_path):
+    out = _run("02_sft_full.py", "--steps", "4", "--accumulate", "2", "--out", str(tmp_path / "full"))
+    assert "loss" in out and (tmp_path / "full" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_resume_example():
+    assert _run("03_resume.py").strip().endswith("identical")
