@@ -84,3 +84,14 @@ def test_torch_pack_is_the_same_rows():
         assert isinstance(getattr(b, field), torch.Tensor)
         np.testing.assert_array_equal(getattr(b, field).numpy(), getattr(a, field))
     assert b.bounds.tolist() == a.bounds.tolist() and b.real == a.real
+
+
+def test_pack_groups_keeps_each_group_in_one_row():
+    from linnet.packing import pack_groups
+
+    pairs = [[Example.plain([1, 2, 3]), Example.plain([1, 2, 4, 5])] for _ in range(3)]
+    rows = list(pack_groups(pairs, tokens=10))
+    assert [r.examples for r in rows] == [2, 2, 2]  # 7 tokens a pair: never split across rows
+    assert rows[0].bounds.tolist() == [0, 3, 7, 10]
+    with pytest.raises(ValueError, match="group 0 holds 7 tokens"):
+        list(pack_groups(pairs, tokens=6))

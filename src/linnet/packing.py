@@ -104,6 +104,43 @@ def _row(parts: list[Example], tokens: int, pad_id: int, truncated: int) -> Pack
     return Packed(ids, targets, weights, positions, np.asarray(bounds, np.int64), real, len(parts), truncated)
 
 
+def _fill(groups: Iterable[tuple[list[Example], bool]], tokens: int, pad_id: int) -> Iterator[Packed]:
+    """Rows of whole groups in order: a group that does not fit the space left starts
+    the next row. Each group comes with whether it was cut to fit."""
+    parts: list[Example] = []
+    used = cut = 0
+    for group, was_cut in groups:
+        size = sum(len(ex) for ex in group)
+        if used + size > tokens:
+            yield _row(parts, tokens, pad_id, cut)
+            parts, used, cut = [], 0, 0
+        parts.extend(group)
+        used += size
+        cut += was_cut
+    if parts:
+        yield _row(parts, tokens, pad_id, cut)
+
+
+def _fitted(examples: Iterable[Example], tokens: int, counts: list[int]) -> Iterator[tuple[list[Example], bool]]:
+    """Each example as a group of one, cut to a row if longer (with one warning)."""
+    for ex in examples:
+        if not isinstance(ex, Example):
+            raise TypeError(f"pack: expected linnet.packing.Example, got {type(ex).__name__}")
+        counts[0] += 1
+        if len(ex) <= tokens:
+            yield [ex], False
+            continue
+        if counts[1] == 0:
+            warnings.warn(
+                f"pack: an example of {len(ex)} tokens is longer than a row of {tokens}; "
+                "cutting it (Packed.truncated counts these)",
+                stacklevel=3,
+            )
+        counts[1] += 1
+        if ex.learned[1:tokens].any():
+            yield [Example(ex.tokens[:tokens], ex.learned[:tokens])], True
+
+
 def pack(examples: Iterable[Example], tokens: int, *, pad_id: int = 0) -> Iterator[Packed]:
     """Stream rows of exactly `tokens` positions holding whole examples in their order.
 
@@ -113,37 +150,30 @@ def pack(examples: Iterable[Example], tokens: int, *, pad_id: int = 0) -> Iterat
     """
     if tokens < 2:
         raise ValueError(f"pack: tokens={tokens}; a row needs at least 2 positions")
-    parts: list[Example] = []
-    used = cut = total = 0
-    warned = False
-    for ex in examples:
-        if not isinstance(ex, Example):
-            raise TypeError(f"pack: expected linnet.packing.Example, got {type(ex).__name__}")
-        total += 1
-        long = len(ex) > tokens
-        if long:
-            if not warned:
-                warned = True
-                warnings.warn(
-                    f"pack: an example of {len(ex)} tokens is longer than a row of {tokens}; "
-                    "cutting it (Packed.truncated counts these)",
-                    stacklevel=2,
-                )
-            if not ex.learned[1:tokens].any():
-                continue
-            ex = Example(ex.tokens[:tokens], ex.learned[:tokens])
-        if used + len(ex) > tokens:
-            yield _row(parts, tokens, pad_id, cut)
-            parts, used, cut = [], 0, 0
-        parts.append(ex)
-        used += len(ex)
-        cut += long
-    if parts:
-        yield _row(parts, tokens, pad_id, cut)
-    elif total == 0:
+    counts = [0, 0]  # examples seen, examples cut
+    produced = False
+    for row in _fill(_fitted(examples, tokens, counts), tokens, pad_id):
+        produced = True
+        yield row
+    if counts[0] == 0:
         raise ValueError("pack: no examples to pack (the example stream was empty)")
-    else:
+    if not produced:
         raise ValueError(
-            f"pack: all {total} examples were longer than a row of {tokens} with nothing "
+            f"pack: all {counts[0]} examples were longer than a row of {tokens} with nothing "
             f"learned in their first {tokens} tokens; raise tokens or shorten the prompts"
         )
+
+
+def pack_groups(groups: Iterable[Sequence[Example]], tokens: int, *, pad_id: int = 0) -> Iterator[Packed]:
+    """Rows that keep each group's examples together (a preference pair's two answers):
+    whole groups in order, each group's examples consecutive documents of one row. A
+    group longer than a row is an error, not cut: its examples are compared."""
+    def checked():
+        for i, group in enumerate(groups):
+            group = list(group)
+            size = sum(len(ex) for ex in group)
+            if size > tokens:
+                raise ValueError(f"pack_groups: group {i} holds {size} tokens, more than a row of {tokens}")
+            yield group, False
+
+    return _fill(checked(), tokens, pad_id)

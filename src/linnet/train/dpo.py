@@ -1,0 +1,211 @@
+"""Direct preference optimization (DPO, Rafailov et al. 2023, arXiv:2305.18290).
+
+    history = dpo(model, [Pair(prompt, chosen, rejected), ...], optimizer=opt, steps=100,
+                  pairs_per_step=32, beta=0.1)
+
+The KL-constrained reward-maximising policy satisfies r(x, y) = beta * log pi(y|x) /
+pi_ref(y|x) + const, and under a Bradley-Terry preference model the constant cancels
+between two answers to the same prompt. So the preference likelihood depends on the
+policy alone: loss = -log sigmoid(beta * ((c - ref_c) - (r - ref_r))), with c, r the
+summed log-probabilities of the chosen and rejected answers.
+
+A pair's two answers are consecutive documents of one packed row; `log_probs_packed`
+gives every position's log-probability and a segment sum gives each answer's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from linnet.packing import Example, pack_groups
+from linnet.torch.attention import document_ids
+from linnet.train.checkpoint import save_checkpoint
+from linnet.train.loop import History, Step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.train.parallel import sum_across
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A prompt and two answers to it, the first preferred (token ids)."""
+
+    prompt: Sequence[int]
+    chosen: Sequence[int]
+    rejected: Sequence[int]
+
+    def examples(self) -> list[Example]:
+        return [Example.prompted(self.prompt, self.chosen), Example.prompted(self.prompt, self.rejected)]
+
+
+def check_pairs(pairs: Sequence[Pair]) -> None:
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, Pair):
+            raise TypeError(f"dpo: item {i} is a {type(pair).__name__}, not a linnet.train.dpo.Pair")
+        for name in ("prompt", "chosen", "rejected"):
+            if len(getattr(pair, name)) == 0:
+                raise ValueError(f"dpo: pair {i} has an empty {name}; every pair needs a prompt and two answers")
+
+
+def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0):
+    """Per-pair DPO loss; label_smoothing is the share of pairs taken to be labelled the
+    wrong way round (conservative DPO): (1-e) * -log s(beta*d) + e * -log s(-beta*d)."""
+    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    return -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+
+
+def answer_log_probs(model, row) -> torch.Tensor:
+    """[documents] summed log-probability of each document's learned tokens."""
+    logp = model.log_probs_packed(row)
+    bounds = row.bounds.tolist()
+    docs = document_ids(bounds, logp.device)
+    weights = torch.as_tensor(np.asarray(row.weights), device=logp.device)
+    sums = torch.zeros(len(bounds) - 1, dtype=logp.dtype, device=logp.device)
+    return sums.index_add(0, docs, logp * weights)[: row.examples]
+
+
+def _rows(pairs: Sequence[Pair], tokens: int):
+    return pack_groups((p.examples() for p in pairs), tokens)
+
+
+@torch.no_grad()
+def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> np.ndarray:
+    """[pairs, 2] (chosen, rejected) summed log-probabilities under `model`."""
+    was_training = model.training
+    model.eval()
+    out = [answer_log_probs(model, row).double().cpu() for row in _rows(pairs, tokens)]
+    model.train(was_training)
+    return torch.cat(out).view(-1, 2).numpy()
+
+
+def cache_key(reference, pairs: Sequence[Pair]) -> str:
+    """A hash of the reference weights and the pairs' token ids (which already carry
+    the data and the chat template that rendered it)."""
+    h = hashlib.sha256()
+    for name, p in reference.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    for pair in pairs:
+        for part in (pair.prompt, pair.chosen, pair.rejected):
+            h.update(np.asarray(part, np.int64).tobytes())
+            h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os.PathLike, *, tokens: int = 4096) -> np.ndarray:
+    """reference_log_probs, read from or written to `cache/<key>.npy` so later runs need
+    no reference model in memory."""
+    from linnet.files import atomic_path
+
+    path = Path(cache) / f"dpo-reference-{cache_key(reference, pairs)}.npy"
+    if path.is_file():
+        return np.load(path)
+    values = reference_log_probs(reference, pairs, tokens=tokens)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, values)
+    return values
+
+
+def dpo(
+    model,
+    pairs: Iterable[Pair],
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    pairs_per_step: int = 32,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    reference=None,
+    reference_cache: str | os.PathLike | None = None,
+    tokens: int = 4096,
+    clip: float | None = 1.0,
+    schedule=None,
+    save_to: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 2,
+    on_step: Callable[[Step], None] | None = None,
+) -> History:
+    """Train on preference pairs for `steps` steps of `pairs_per_step` pairs each (a
+    sequence of pairs is repeated as epochs; an iterator is read once).
+
+    reference: a frozen model whose log-probabilities are computed row by row. Without
+    one, `pairs` must be a sequence, and the model's own log-probabilities before
+    training are computed for every pair first (one model in memory for a LoRA run).
+    reference_cache: a directory where reference log-probabilities are kept across runs
+    (needs a sequence of pairs). Each Step's metrics hold accuracy (share of pairs
+    ranked right) and margin (mean reward margin), rewards being beta * (log pi - log ref).
+    """
+    if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
+        raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    params = trained_parameters(model)
+    fixed: np.ndarray | None = None
+    if reference is None or reference_cache is not None:
+        if not isinstance(pairs, Sequence):
+            raise ValueError("dpo: without a reference model (or with reference_cache), pairs must be a "
+                             "sequence: the reference log-probabilities are computed for all pairs first")
+        check_pairs(pairs)
+        source = model if reference is None else reference
+        fixed = (cached_reference_log_probs(source, pairs, reference_cache, tokens=tokens)
+                 if reference_cache is not None else reference_log_probs(source, pairs, tokens=tokens))
+    start = resume(checkpoint, model, optimizer, schedule)
+    # a sequence is taken epoch after epoch; an iterator once
+    stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
+    for _ in itertools.islice(stream, start * pairs_per_step):
+        pass
+    history = History()
+    model.train()
+    for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
+        chunk = list(itertools.islice(stream, pairs_per_step))
+        if not chunk:
+            warnings.warn(f"dpo: the pairs ran out after step {step - 1} of {steps}", stacklevel=2)
+            break
+        indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
+        check_pairs(batch)
+        (count,) = sum_across([float(len(batch))])
+        total = correct = margin_sum = real = learned = 0.0
+        done = 0
+        for row in _rows(batch, tokens):
+            n = row.examples // 2
+            logp = answer_log_probs(model, row).view(n, 2)
+            if fixed is not None:
+                ref = torch.as_tensor(fixed[indices[done : done + n]], dtype=logp.dtype, device=logp.device)
+            else:
+                with torch.no_grad():
+                    ref = answer_log_probs(reference, row).view(n, 2).to(logp.dtype)
+            losses = dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], beta=beta,
+                                 label_smoothing=label_smoothing)
+            (losses.sum() / count).backward()
+            with torch.no_grad():
+                rewards = beta * (logp - ref)
+                margins = rewards[:, 0] - rewards[:, 1]
+                total += float(losses.sum())
+                correct += float((margins > 0).sum())
+                margin_sum += float(margins.sum())
+            real += row.real
+            learned += row.learned
+            done += n
+        total, correct, margin_sum, real, learned = sum_across([total, correct, margin_sum, real, learned])
+        loss = total / count
+        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint)
+        record = Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0,
+                      metrics={"pairs": count, "accuracy": correct / count, "margin": margin_sum / count})
+        history.steps.append(record)
+        if on_step is not None:
+            on_step(record)
+        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
+            save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
+    if save_to is not None:
+        save_trained(model, save_to)
+    return history
