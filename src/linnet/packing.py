@@ -53,6 +53,19 @@ class Example:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class Pair:
+    """A prompt and two answers to it, the first preferred (token ids), for DPO."""
+
+    prompt: Sequence[int]
+    chosen: Sequence[int]
+    rejected: Sequence[int]
+
+    def examples(self) -> list[Example]:
+        """The two answers as examples learning the answer alone."""
+        return [Example.prompted(self.prompt, self.chosen), Example.prompted(self.prompt, self.rejected)]
+
+
 @dataclass
 class Packed:
     """One packed row of P positions (numpy arrays here; torch tensors from

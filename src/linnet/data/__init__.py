@@ -11,6 +11,7 @@ conversation rendered prefix by prefix with the chat template.
 """
 
 from linnet.data.examples import chat_example, examples_from_records, load_examples
+from linnet.data.pairs import pairs_from_records
 from linnet.data.readers import Record, read_records
 from linnet.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -21,5 +22,6 @@ __all__ = [
     "examples_from_records",
     "load_examples",
     "load_tokenizer",
+    "pairs_from_records",
     "read_records",
 ]

@@ -21,30 +21,17 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from linnet.packing import Example, pack_groups
+from linnet.packing import Pair, pack_groups
 from linnet.torch.attention import document_ids
 from linnet.train.checkpoint import save_checkpoint
 from linnet.train.loop import History, Step, optimizer_step, resume, save_trained, trained_parameters
 from linnet.train.parallel import sum_across
-
-
-@dataclass(frozen=True)
-class Pair:
-    """A prompt and two answers to it, the first preferred (token ids)."""
-
-    prompt: Sequence[int]
-    chosen: Sequence[int]
-    rejected: Sequence[int]
-
-    def examples(self) -> list[Example]:
-        return [Example.prompted(self.prompt, self.chosen), Example.prompted(self.prompt, self.rejected)]
 
 
 def check_pairs(pairs: Sequence[Pair]) -> None:

@@ -1,0 +1,91 @@
+"""Preference records to `Pair`s of token ids, for DPO.
+
+A record holds a prompt and two answers. Accepted shapes:
+  {"prompt": str | messages, "chosen": str | message | messages, "rejected": …}
+  {"chosen": messages, "rejected": messages}  full dialogues sharing all but the last
+                                              assistant turn (hh-rlhf style)
+With a chat template the conversation is rendered and masked as `chat_example` does;
+the answer is the last learned span (the final assistant turn and its end-of-turn
+token), the prompt everything before it. Both answers must share that prompt exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from linnet.data.examples import chat_example
+from linnet.data.readers import Record
+from linnet.data.tokenizer import Tokenizer
+from linnet.packing import Pair
+
+
+def _messages(value: Any, where: str, field: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "assistant" if field != "prompt" else "user", "content": value}]
+    if isinstance(value, dict) and "content" in value:
+        return [{"role": value.get("role", "assistant"), "content": value["content"]}]
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return value
+    raise ValueError(f"{where}: field {field!r} must be text, a message or a list of messages")
+
+
+def _split_last_answer(tokens: np.ndarray, learned: np.ndarray, where: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids): the answer is the last run of learned tokens."""
+    ends = np.flatnonzero(learned)
+    if len(ends) == 0:
+        raise ValueError(f"{where}: the answer has no tokens to learn")
+    end = int(ends[-1]) + 1
+    start = end
+    while start > 0 and learned[start - 1]:
+        start -= 1
+    return tokens[:start].tolist(), tokens[start:end].tolist()
+
+
+def _pair_from_chat(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str) -> Pair:
+    data, where = record.data, record.where
+    for name in (chosen, rejected):
+        if name not in data:
+            raise ValueError(f"{where}: missing field {name!r}; name the answer fields with chosen= / rejected=")
+    head = _messages(data[prompt], where, "prompt") if prompt in data else []
+    sides = []
+    for name in (chosen, rejected):
+        conversation = head + _messages(data[name], where, name)
+        if not conversation or conversation[-1].get("role") != "assistant":
+            raise ValueError(f"{where}: the {name!r} conversation must end with an assistant turn")
+        example = chat_example(conversation, tokenizer, where=f"{where} ({name})")
+        sides.append(_split_last_answer(example.tokens, example.learned, f"{where} ({name})"))
+    (prompt_c, answer_c), (prompt_r, answer_r) = sides
+    if prompt_c != prompt_r:
+        raise ValueError(
+            f"{where}: the chosen and rejected conversations do not share their prompt (everything "
+            "before the last assistant turn); fix or drop this record"
+        )
+    return Pair(prompt_c, answer_c, answer_r)
+
+
+def _pair_from_text(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str) -> Pair:
+    data, where = record.data, record.where
+    for name in (prompt, chosen, rejected):
+        if not isinstance(data.get(name), str):
+            raise ValueError(f"{where}: field {name!r} must be text when chat is off")
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    stop = [tokenizer.eos_ids[0]] if tokenizer.eos_ids else []
+    return Pair(bos + tokenizer.encode(data[prompt]), tokenizer.encode(data[chosen]) + stop,
+                tokenizer.encode(data[rejected]) + stop)
+
+
+def pairs_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *, prompt: str = "prompt",
+                       chosen: str = "chosen", rejected: str = "rejected", chat: bool = True) -> list[Pair]:
+    """One Pair a record, every record checked before any is returned."""
+    records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
+    if not records:
+        raise ValueError("pairs_from_records: no records; the data holds no preference pairs")
+    build = _pair_from_chat if chat and tokenizer.chat_template else _pair_from_text
+    pairs = [build(r, tokenizer, prompt, chosen, rejected) for r in records]
+    for record, pair in zip(records, pairs):
+        if not pair.chosen or not pair.rejected:
+            raise ValueError(f"{record.where}: an answer is empty; every pair needs two answers")
+    return pairs
