@@ -9,33 +9,19 @@ add_lora, train): the command adds the config, the run directory and the reporti
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import shutil
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
 
-from linnet.config import group, load_config, option, template, to_dict
-from linnet.files import write_text
-
-ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
-
-
-@dataclass
-class ModelConfig:
-    card: str = option("debug", "registered card name or local Hugging Face model directory")
-    weights: str | None = option(None, "weights directory or file; null: the card's own; 'random': seeded init")
-    dtype: str | None = option(None, "compute dtype (float32, bfloat16); null: bfloat16 on CUDA, float32 on CPU")
-    device: str | None = option(None, "cpu, cuda, cuda:1 …; null: cuda when present")
-    attention: str = option("auto", "attention path inside packed rows: auto, documents, dense, flex, varlen")
-    compile: bool = option(False, "compile each block with torch.compile (inductor)")
+from linnet.config import group, option
+from linnet.runs import (
+    LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
+    make_schedule, open_run, parse_command, print_table, summarize,
+)
 
 
 @dataclass
@@ -52,44 +38,6 @@ class DataConfig:
     tokens: int = option(2048, "positions per packed row")
     truncate: bool = option(False, "cut records longer than a row instead of refusing them")
     shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch")
-
-
-@dataclass
-class LoraConfig:
-    enabled: bool = option(True, "train low-rank adapters on a frozen base; false: full fine-tuning")
-    rank: int = option(16, "adapter rank")
-    alpha: float = option(32.0, "adapter scale numerator: alpha / rank (or / sqrt(rank) with rslora)")
-    dropout: float = option(0.0, "dropout on the adapters' input")
-    rslora: bool = option(False, "scale by alpha / sqrt(rank)")
-    targets: list[str] = option(ALL_LINEAR, "glob patterns of the linear layers that get adapters")
-
-
-@dataclass
-class OptimizerConfig:
-    lr: float = option(2e-4, "peak learning rate")
-    betas: list[float] = option([0.9, 0.999], "AdamW betas")
-    weight_decay: float = option(0.0, "AdamW decoupled weight decay")
-    eps: float = option(1e-8, "AdamW epsilon")
-
-
-@dataclass
-class ScheduleConfig:
-    name: Literal["cosine", "wsd", "constant"] = option("cosine", "cosine, wsd (warmup-stable-decay) or constant")
-    warmup: int = option(10, "linear warmup steps")
-    floor: float = option(0.0, "final lr as a share of the peak (cosine, wsd)")
-    decay: float = option(0.2, "wsd: share of the steps spent decaying")
-
-
-@dataclass
-class TrainingConfig:
-    steps: int | None = option(None, "optimizer steps; null: from epochs")
-    epochs: float = option(1.0, "passes over the training rows when steps is null")
-    accumulate: int = option(1, "packed rows per optimizer step")
-    clip: float | None = option(1.0, "global gradient-norm clip; null: measure only")
-    seed: int = option(0, "seed for initialisation, shuffling and dropout")
-    eval_every: int = option(50, "held-out loss every this many steps (and at the end)")
-    checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)")
-    keep: int = option(2, "checkpoints kept")
 
 
 @dataclass
@@ -158,19 +106,6 @@ def prepare(config: SFTConfig) -> Prepared:
     return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
 
 
-def make_schedule(s: ScheduleConfig, optimizer, steps: int):
-    from linnet.train import constant_schedule, cosine_schedule, wsd_schedule
-
-    try:
-        if s.name == "cosine":
-            return cosine_schedule(optimizer, s.warmup, steps, floor=s.floor)
-        if s.name == "wsd":
-            return wsd_schedule(optimizer, s.warmup, steps, decay=s.decay, floor=s.floor)
-        return constant_schedule(optimizer, s.warmup)
-    except ValueError as e:
-        raise ValueError(f"config: schedule ({s.name}, warmup {s.warmup}) over {steps} steps: {e}") from None
-
-
 def epochs_of_rows(prepared: Prepared):
     """Packed rows, epoch after epoch; each epoch reshuffles the examples by seed, so a
     resumed run sees the same stream."""
@@ -209,7 +144,8 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     ]
 
 
-def _held_out_loss(model, rows) -> float:
+def held_out_loss(model, rows) -> float:
+    """Mean loss per learned token over packed rows, without gradients."""
     total = count = 0.0
     was_training = model.training
     model.eval()
@@ -221,88 +157,29 @@ def _held_out_loss(model, rows) -> float:
     return total / max(count, 1.0)
 
 
-def _output_directory(path: Path, config_json: str, *, overwrite: bool, resume: bool) -> None:
-    """Refuse to write into a used run directory unless told to replace or resume it;
-    a resumed run must have the same config."""
-    if path.exists() and any(path.iterdir()):
-        if overwrite:
-            shutil.rmtree(path)
-        elif not resume:
-            raise ValueError(
-                f"{path}: the run directory exists and is not empty; pass --resume to continue "
-                "that run from its latest checkpoint, or --overwrite to replace it"
-            )
-        elif (path / "config.json").is_file() and (path / "config.json").read_text() != config_json:
-            raise ValueError(
-                f"{path / 'config.json'}: the run was started with another config; resume it with "
-                "the same config, or start a new run directory"
-            )
-    path.mkdir(parents=True, exist_ok=True)
-
-
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
     """Fine-tune as `config` says; returns the summary written to summary.json."""
-    from linnet import nest
-    from linnet.progress import Progress
     from linnet.train import pack, train
 
     prepared = prepare(config)  # data errors before anything is written
-    out = Path(config.output)
-    config_json = json.dumps(to_dict(config), indent=2) + "\n"
-    _output_directory(out, config_json, overwrite=overwrite, resume=resume)
-    write_text(out / "config.json", config_json)
-    m, t, o, s = config.model, config.training, config.optimizer, config.schedule
-    torch.manual_seed(t.seed)
-    device = m.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = nest.load(prepared.card, device=device, dtype=m.dtype, weights=m.weights, seed=t.seed,
-                      trainable=not config.lora.enabled, compile=m.compile, attention=m.attention)
-    if config.lora.enabled:
-        lo = config.lora
-        model.add_lora(lo.targets, rank=lo.rank, alpha=lo.alpha, dropout=lo.dropout, rslora=lo.rslora)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
-    steps = prepared.steps
-    schedule = make_schedule(s, optimizer, steps)
+    out = open_run(config, overwrite=overwrite, resume=resume)
+    t = config.training
+    model = load_model(prepared.card, config.model, config.lora, t.seed)
+    optimizer = adamw(config.optimizer, model)
+    schedule = make_schedule(config.schedule, optimizer, prepared.steps)
     eval_rows = list(pack(prepared.eval_examples, config.data.tokens, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
-    print(f"{prepared.card.name}: {sum(p.numel() for p in trained):,} of "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters train "
-          f"({'LoRA' if config.lora.enabled else 'full'}), {steps} steps on {device}", file=sys.stderr)
-    bar = Progress(steps, "sft")
-    metrics_file = (out / "metrics.jsonl").open("a")
-
-    def report(step):
-        row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
-               "learned": step.learned, "tokens_per_second": step.tokens_per_second, "seconds": step.seconds}
-        if eval_rows and (step.step % t.eval_every == 0 or step.step == steps):
-            row["held_out_loss"] = _held_out_loss(model, eval_rows)
-        metrics_file.write(json.dumps(row) + "\n")
-        metrics_file.flush()
-        bar.update(step.step, loss=step.loss, tok_s=step.tokens_per_second)
-
+    log = MetricsLog(out, "sft", prepared.steps, t.eval_every,
+                     (lambda step: {"held_out_loss": held_out_loss(model, eval_rows)}) if eval_rows else None)
     t0 = time.perf_counter()
     try:
-        history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=steps,
+        history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,
                         accumulate=t.accumulate, clip=t.clip, schedule=schedule, save_to=out / "final",
                         checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every, keep=t.keep,
-                        on_step=report)
+                        on_step=log)
     finally:
-        metrics_file.close()
-        bar.close()
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [r["held_out_loss"] for r in records if "held_out_loss" in r]
-    summary = {
-        "card": prepared.card.name, "steps": steps, "steps_this_run": len(history),
-        "seconds": round(time.perf_counter() - t0, 1),
-        "first_loss": records[0]["loss"] if records else None,
-        "last_loss": records[-1]["loss"] if records else None,
-        "held_out_loss": evals[-1] if evals else None,
-        "tokens_per_second": (sum(x.real for x in history.steps) / sum(x.seconds for x in history.steps))
-        if len(history) else None,
-        "final": str(out / "final"),
-    }
-    write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    return summary
+        log.close()
+    return summarize(out, history, time.perf_counter() - t0, card=prepared.card.name, steps=prepared.steps)
 
 
 def _highlight(tokenizer, example, color: bool) -> str:
@@ -319,40 +196,17 @@ def _highlight(tokenizer, example, color: bool) -> str:
     return "".join(pieces)
 
 
-def _parse(argv: list[str] | None, prog: str, description: str) -> tuple[argparse.Namespace, SFTConfig | None]:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--config", help="YAML config (see --template)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. training.steps=100 (repeatable)")
-    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
-    if prog == "linnet sft":
-        parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-        parser.add_argument("--resume", action="store_true", help="continue the run in the run directory")
-    else:
-        parser.add_argument("--examples", type=int, default=3, help="examples to show (default: 3)")
-    args = parser.parse_args(argv)
-    if args.template:
-        print(template(SFTConfig))
-        return args, None
-    if args.config is None and not args.set:
-        parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
-    return args, load_config(SFTConfig, args.config, args.set)
-
-
 def cli(argv: list[str] | None = None) -> int:
-    args, config = _parse(argv, "linnet sft", "Supervised fine-tuning from a YAML config.")
-    if config is None:
-        return 0
-    summary = run(config, overwrite=args.overwrite, resume=args.resume)
-    width = max(map(len, summary))
-    for key, value in summary.items():
-        print(f"{key:<{width}}  {value}")
+    args, config = parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config.", SFTConfig,
+                                 training=True)
+    if config is not None:
+        print_table(run(config, overwrite=args.overwrite, resume=args.resume))
     return 0
 
 
 def inspect_cli(argv: list[str] | None = None) -> int:
     """Print formatted examples with their learned tokens marked, and the batch table."""
-    args, config = _parse(argv, "linnet inspect", inspect_cli.__doc__)
+    args, config = parse_command(argv, "linnet inspect", inspect_cli.__doc__, SFTConfig, training=False)
     if config is None:
         return 0
     prepared = prepare(config)
@@ -363,9 +217,6 @@ def inspect_cli(argv: list[str] | None = None) -> int:
               ("(green)" if color else "(inside [[ ]])"))
         print(_highlight(prepared.tokenizer, example, color))
     print()
-    rows = batch_table(prepared)
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    print_table(batch_table(prepared))
     return 0
 

@@ -1,0 +1,209 @@
+"""What every training command shares: the config groups for the model, adapters,
+optimizer, schedule and steps; the run directory; loading the model to train; the
+metrics log with its progress bar; the summary; and the command-line parsing.
+
+A run directory holds config.json, metrics.jsonl, checkpoints/, final/ and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from linnet.config import load_config, option, template, to_dict
+from linnet.files import write_text
+
+ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
+
+
+@dataclass
+class ModelConfig:
+    card: str = option("debug", "registered card name or local Hugging Face model directory")
+    weights: str | None = option(None, "weights directory or file; null: the card's own; 'random': seeded init")
+    dtype: str | None = option(None, "compute dtype (float32, bfloat16); null: bfloat16 on CUDA, float32 on CPU")
+    device: str | None = option(None, "cpu, cuda, cuda:1 …; null: cuda when present")
+    attention: str = option("auto", "attention path inside packed rows: auto, documents, dense, flex, varlen")
+    compile: bool = option(False, "compile each block with torch.compile (inductor)")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = option(True, "train low-rank adapters on a frozen base; false: full fine-tuning")
+    rank: int = option(16, "adapter rank")
+    alpha: float = option(32.0, "adapter scale numerator: alpha / rank (or / sqrt(rank) with rslora)")
+    dropout: float = option(0.0, "dropout on the adapters' input")
+    rslora: bool = option(False, "scale by alpha / sqrt(rank)")
+    targets: list[str] = option(ALL_LINEAR, "glob patterns of the linear layers that get adapters")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = option(2e-4, "peak learning rate")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay")
+    eps: float = option(1e-8, "AdamW epsilon")
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["cosine", "wsd", "constant"] = option("cosine", "cosine, wsd (warmup-stable-decay) or constant")
+    warmup: int = option(10, "linear warmup steps")
+    floor: float = option(0.0, "final lr as a share of the peak (cosine, wsd)")
+    decay: float = option(0.2, "wsd: share of the steps spent decaying")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int | None = option(None, "optimizer steps; null: from epochs")
+    epochs: float = option(1.0, "passes over the training rows when steps is null")
+    accumulate: int = option(1, "packed rows per optimizer step")
+    clip: float | None = option(1.0, "global gradient-norm clip; null: measure only")
+    seed: int = option(0, "seed for initialisation, shuffling and dropout")
+    eval_every: int = option(50, "held-out loss every this many steps (and at the end)")
+    checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)")
+    keep: int = option(2, "checkpoints kept")
+
+
+def make_schedule(s: ScheduleConfig, optimizer, steps: int):
+    from linnet.train import constant_schedule, cosine_schedule, wsd_schedule
+
+    try:
+        if s.name == "cosine":
+            return cosine_schedule(optimizer, s.warmup, steps, floor=s.floor)
+        if s.name == "wsd":
+            return wsd_schedule(optimizer, s.warmup, steps, decay=s.decay, floor=s.floor)
+        return constant_schedule(optimizer, s.warmup)
+    except ValueError as e:
+        raise ValueError(f"config: schedule ({s.name}, warmup {s.warmup}) over {steps} steps: {e}") from None
+
+
+def _output_directory(path: Path, config_json: str, *, overwrite: bool, resume: bool) -> None:
+    """Refuse to write into a used run directory unless told to replace or resume it;
+    a resumed run must have the same config."""
+    if path.exists() and any(path.iterdir()):
+        if overwrite:
+            shutil.rmtree(path)
+        elif not resume:
+            raise ValueError(
+                f"{path}: the run directory exists and is not empty; pass --resume to continue "
+                "that run from its latest checkpoint, or --overwrite to replace it"
+            )
+        elif (path / "config.json").is_file() and (path / "config.json").read_text() != config_json:
+            raise ValueError(
+                f"{path / 'config.json'}: the run was started with another config; resume it with "
+                "the same config, or start a new run directory"
+            )
+    path.mkdir(parents=True, exist_ok=True)
+
+
+
+
+def open_run(config: Any, *, overwrite: bool, resume: bool) -> Path:
+    """Create (or reopen, with resume) the run directory and write its config.json."""
+    out = Path(config.output)
+    config_json = json.dumps(to_dict(config), indent=2) + "\n"
+    _output_directory(out, config_json, overwrite=overwrite, resume=resume)
+    write_text(out / "config.json", config_json)
+    return out
+
+
+def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int):
+    """The model to train: the base frozen with adapters, or every weight trainable."""
+    from linnet import nest
+
+    torch.manual_seed(seed)
+    device = m.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=seed,
+                      trainable=not lora.enabled, compile=m.compile, attention=m.attention)
+    if lora.enabled:
+        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
+          f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {device}", file=sys.stderr)
+    return model
+
+
+def adamw(o: OptimizerConfig, model) -> torch.optim.AdamW:
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(trained, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+
+
+class MetricsLog:
+    """Appends one JSON line a step to metrics.jsonl and moves the progress bar;
+    `evaluate(step) -> dict` adds held-out metrics every `every` steps and at the end."""
+
+    def __init__(self, out: Path, label: str, steps: int, every: int, evaluate=None):
+        from linnet.progress import Progress
+
+        self.file = (out / "metrics.jsonl").open("a")
+        self.bar = Progress(steps, label)
+        self.steps, self.every, self.evaluate = steps, every, evaluate
+
+    def __call__(self, step) -> None:
+        row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
+               "learned": step.learned, "tokens_per_second": step.tokens_per_second,
+               "seconds": step.seconds, **step.metrics}
+        if self.evaluate is not None and (step.step % self.every == 0 or step.step == self.steps):
+            row.update(self.evaluate(step))
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        self.bar.update(step.step, loss=step.loss, tok_s=step.tokens_per_second)
+
+    def close(self) -> None:
+        self.file.close()
+        self.bar.close()
+
+
+def summarize(out: Path, history, seconds: float, **extra: Any) -> dict:
+    """summary.json from the whole metrics log (earlier runs of a resumed one included)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in history.steps]
+    summary = {
+        **extra,
+        "steps_this_run": len(steps),
+        "seconds": round(seconds, 1),
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "tokens_per_second": sum(x.real for x in steps) / sum(x.seconds for x in steps) if steps else None,
+        "final": str(out / "final"),
+    }
+    for key in sorted({k for r in records for k in r if k.startswith("held_out")}):
+        summary[key] = [r[key] for r in records if key in r][-1]
+    write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool):
+    """(args, config) for a command that reads a YAML config; config is None when the
+    command only printed the template."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="YAML config (see --template)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. training.steps=100 (repeatable)")
+    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
+    if training:
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+        parser.add_argument("--resume", action="store_true", help="continue the run in the run directory")
+    else:
+        parser.add_argument("--examples", type=int, default=3, help="examples to show (default: 3)")
+    args = parser.parse_args(argv)
+    if args.template:
+        print(template(config_class))
+        return args, None
+    if args.config is None and not args.set:
+        parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
+    return args, load_config(config_class, args.config, args.set)
+
+
+def print_table(rows) -> None:
+    rows = list(rows.items()) if isinstance(rows, dict) else rows
+    width = max(len(str(k)) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
