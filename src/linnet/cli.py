@@ -2,6 +2,7 @@
 
     linnet quickstart          fine-tune a small model on an embedded task, no files needed
     linnet sft --config F      supervised fine-tuning (LoRA or full) from a YAML config
+    linnet dpo --config F      preference optimization (DPO) from a YAML config
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
@@ -72,6 +73,7 @@ def info(argv: list[str]) -> int:
 COMMANDS = {
     "quickstart": "linnet.quickstart:cli",
     "sft": "linnet.sft:cli",
+    "dpo": "linnet.preference:cli",
     "inspect": "linnet.sft:inspect_cli",
     "plot": "linnet.plots:cli",
     "info": "linnet.cli:info",

@@ -1,0 +1,64 @@
+"""`linnet dpo` end to end on a tiny model directory and synthetic preference pairs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import cli, nest, quickstart
+from linnet.config import load_config
+from linnet.preference import DPOConfig, run
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dpo")
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    lines = []
+    for prompt, answer in quickstart.problems(rng, 200, 2):
+        wrong = f"{(int(answer) + int(rng.integers(1, 50))) % 200:03d}"
+        lines.append(json.dumps({"prompt": prompt, "chosen": answer, "rejected": wrong}))
+    (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _config(workspace, out, *extra):
+    return load_config(DPOConfig, None, [
+        f"model.card={workspace / 'model'}", f"data.path={workspace / 'pairs.jsonl'}", "data.chat=false",
+        "data.tokens=128", "data.eval_share=0.1", "dpo.pairs_per_step=16", "dpo.beta=0.5",
+        "lora.rank=8", "optimizer.lr=3e-3", "schedule.warmup=1", "training.steps=8",
+        "training.eval_every=4", f"output={out}", *extra])
+
+
+def test_dpo_run_writes_metrics_and_an_adapter(workspace, tmp_path):
+    summary = run(_config(workspace, tmp_path / "run"))
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 8
+    assert metrics[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
+    assert {"accuracy", "margin", "pairs"} <= set(metrics[0])
+    held = [m["held_out_accuracy"] for m in metrics if "held_out_accuracy" in m]
+    assert len(held) == 2 and held[-1] > 0.55 and summary["held_out_accuracy"] == held[-1]
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_dpo_config_errors(workspace, tmp_path):
+    with pytest.raises(ValueError, match="accumulate is not used"):
+        _config(workspace, tmp_path, "training.accumulate=2")
+    with pytest.raises(ValueError, match="dpo.beta"):
+        _config(workspace, tmp_path, "dpo.beta=0")
+    with pytest.raises(ValueError, match="raise data.tokens"):
+        run(_config(workspace, tmp_path / "small", "data.tokens=16"))
+    assert not (tmp_path / "small").exists()
+
+
+def test_dpo_template(capsys):
+    assert cli.main(["dpo", "--template"]) == 0
+    out = capsys.readouterr().out
+    assert "label_smoothing" in out and "pairs_per_step" in out
