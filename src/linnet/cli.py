@@ -3,6 +3,7 @@
     linnet quickstart          fine-tune a small model on an embedded task, no files needed
     linnet sft --config F      supervised fine-tuning (LoRA or full) from a YAML config
     linnet dpo --config F      preference optimization (DPO) from a YAML config
+    linnet generate CARD --prompt T   stream a completion (KV-cache engine)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
@@ -74,6 +75,7 @@ COMMANDS = {
     "quickstart": "linnet.quickstart:cli",
     "sft": "linnet.sft:cli",
     "dpo": "linnet.preference:cli",
+    "generate": "linnet.serve.generate:cli",
     "inspect": "linnet.sft:inspect_cli",
     "plot": "linnet.plots:cli",
     "info": "linnet.cli:info",

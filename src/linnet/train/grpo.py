@@ -1,0 +1,292 @@
+"""GRPO training: sample groups with the Engine, score, and take clipped policy-gradient
+steps through the policy's `log_probs_packed` entry. The objective is in grpo_loss.py.
+
+    engine = Engine(nest.load(card))                       # a second copy, for sampling
+    history = grpo(policy, engine, [Prompt(ids, answer), ...], reward, optimizer=opt,
+                   steps=200, group=8, prompts_per_step=8, max_new_tokens=256)
+
+Each step: copy the policy's weights into the engine (adapters merged); sample `group`
+completions of each of the step's prompts (a prompt passes the model once); score each
+with `reward(prompt, completion_ids)`; turn rewards into group-relative advantages;
+pack prompt + completion into rows of `tokens` positions (the micro-batches: group size
+never decides them); recompute the policy's log-probabilities row by row, and take
+`iterations` optimizer steps on the clipped surrogate, averaged over every completion
+token of the step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from linnet.packing import Example, pack
+from linnet.train.checkpoint import save_checkpoint
+from linnet.train.grpo_loss import group_advantages, grpo_loss
+from linnet.train.loop import History, Step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.train.parallel import sum_across
+
+__all__ = ["Prompt", "grpo", "grpo_loss"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids and whatever its reward needs (the reference answer)."""
+
+    ids: Sequence[int]
+    answer: Any = None
+
+
+Reward = Callable[[Prompt, list[int]], float]
+
+
+def _reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]:
+    if callable(reward):
+        return {getattr(reward, "__name__", "reward"): reward}
+    if isinstance(reward, Mapping) and reward and all(callable(f) for f in reward.values()):
+        return dict(reward)
+    raise TypeError("grpo: reward must be a callable (prompt, completion) -> number, or a dict of them")
+
+
+def score(functions: dict[str, Reward], prompt: Prompt, completion: list[int], where: str) -> dict[str, float]:
+    """Each reward function's value for one completion; a failure names the item."""
+    values = {}
+    for name, f in functions.items():
+        try:
+            value = f(prompt, completion)
+        except Exception as e:
+            raise RuntimeError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+            raise TypeError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
+        values[name] = float(value)
+    return values
+
+
+def _check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
+    """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row."""
+    for i, p in prompts:
+        if not isinstance(p, Prompt):
+            raise TypeError(f"grpo: item {i} is a {type(p).__name__}, not a linnet.train.grpo.Prompt")
+        if len(p.ids) == 0:
+            raise ValueError(f"grpo: prompt {i} is empty; every prompt needs at least one token")
+        if len(p.ids) + max_new_tokens > room:
+            raise ValueError(f"grpo: prompt {i} has {len(p.ids)} tokens; with max_new_tokens={max_new_tokens} "
+                             f"it does not fit a row of tokens={room}; raise tokens")
+
+
+@dataclass
+class _Rollout:
+    """A step's samples as flat per-token arrays in the order of the packed rows."""
+
+    rows: list
+    advantage: list[torch.Tensor]  # per row: [tokens] advantage of each learned position
+    engine_logp: list[torch.Tensor]
+    token_weight: list[torch.Tensor]  # 1, or 1/len for sequence-level (GSPO) averaging
+    sequence: list[torch.Tensor]  # per row: completion index of each token (GSPO)
+    sequences: int
+    tokens: int
+    real: int
+
+
+def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int,
+             sequence_level: bool) -> _Rollout | None:
+    kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
+    if not kept:
+        return None
+    examples = [Example.prompted(list(prompts[s.prompt].ids), s.tokens) for _, s in kept]
+    rows = list(pack(examples, tokens))
+    out = _Rollout(rows, [], [], [], [], len(kept), sum(len(s.tokens) for _, s in kept), sum(r.real for r in rows))
+    it = iter(kept)
+    for row in rows:
+        adv, elp, w, seq = [], [], [], []
+        for _ in range(row.examples):
+            i, s = next(it)
+            n = len(s.tokens)
+            adv.append(torch.full((n,), float(advantages[i])))
+            elp.append(s.logprobs.float())
+            w.append(torch.full((n,), 1.0 / n if sequence_level else 1.0))
+            seq.append(torch.full((n,), i, dtype=torch.long))
+        out.advantage.append(torch.cat(adv))
+        out.engine_logp.append(torch.cat(elp))
+        out.token_weight.append(torch.cat(w))
+        out.sequence.append(torch.cat(seq))
+    return out
+
+
+def _completion_log_probs(model, row) -> torch.Tensor:
+    """Log-probabilities of the row's learned positions (its completion tokens, in order)."""
+    logp = model.log_probs_packed(row)
+    return logp[torch.as_tensor(np.flatnonzero(row.weights > 0), device=logp.device)]
+
+
+def grpo(
+    policy,
+    engine,
+    prompts: Iterable[Prompt],
+    reward: Reward | Mapping[str, Reward],
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    group: int = 8,
+    prompts_per_step: int = 8,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop: Iterable[int] | None = None,
+    iterations: int = 1,
+    clip: tuple[float, float] = (0.2, 0.2),
+    drop_uniform: bool = False,
+    beta: float = 0.0,
+    reference=None,
+    correction_cap: float | None = None,
+    dr_grpo: bool = False,
+    sequence_level: bool = False,
+    tokens: int = 4096,
+    max_grad_norm: float | None = 1.0,
+    schedule=None,
+    seed: int = 0,
+    save_to: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 2,
+    on_step: Callable[[Step], None] | None = None,
+    verbose: bool = True,
+) -> History:
+    """Train `policy` with GRPO for `steps` sampling steps (see the module docstring).
+
+    reward: f(prompt, completion_ids) -> number, or a dict name -> f (summed, each
+        reported). iterations: optimizer steps per sampling step, reusing the samples with
+        the ratio clipped to [1 - clip[0], 1 + clip[1]]. drop_uniform: leave out groups
+        whose rewards are all equal. beta: weight of the k3 KL to `reference` (a frozen
+        model). correction_cap: weigh each token by min(p_policy / p_engine, cap)
+        (needs temperature 1, no top-k/top-p). dr_grpo: no std division, token sums over
+        completions * max_new_tokens. sequence_level: GSPO sequence ratios. tokens:
+        positions per packed micro-batch row. A sequence of prompts is repeated as
+        epochs; an iterator is read once.
+    """
+    functions = _reward_functions(reward)
+    if group < 2 or prompts_per_step < 1 or iterations < 1 or max_new_tokens < 1:
+        raise ValueError("grpo: group must be >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
+    if beta and reference is None:
+        raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
+    if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
+        raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
+                         "no top_k or top_p")
+    params = trained_parameters(policy)
+    if isinstance(prompts, Sequence):
+        _check_prompts(enumerate(prompts), tokens, max_new_tokens)
+    start = resume(checkpoint, policy, optimizer, schedule)
+    stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
+    for _ in itertools.islice(stream, start * prompts_per_step):
+        pass
+    if verbose:
+        _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations)
+    history = History()
+    for step in range(start + 1, steps + 1):
+        t0 = time.perf_counter()
+        chunk = list(itertools.islice(stream, prompts_per_step))
+        if not chunk:
+            warnings.warn(f"grpo: the prompts ran out after step {step - 1} of {steps}", stacklevel=2)
+            break
+        _check_prompts(chunk, tokens, max_new_tokens)
+        step_prompts = [p for _, p in chunk]
+        engine.load_weights(policy)
+        t_sample = time.perf_counter()
+        samples = engine.sample([list(p.ids) for p in step_prompts], n=group, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                seed=seed * 1_000_003 + step)
+        t_sample = time.perf_counter() - t_sample
+        scores = [score(functions, step_prompts[s.prompt], s.tokens,
+                        f"prompt {chunk[s.prompt][0]}, completion {i % group}") for i, s in enumerate(samples)]
+        per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
+        rewards = np.sum(list(per_function.values()), axis=0).reshape(len(step_prompts), group)
+        uniform = rewards.std(axis=1) == 0
+        advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
+        keep_mask = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
+        rollout = _rollout(samples, advantages, keep_mask, step_prompts, tokens, sequence_level)
+        sequences, n_tokens, real = sum_across([
+            0.0 if rollout is None else rollout.sequences,
+            0.0 if rollout is None else rollout.tokens,
+            0.0 if rollout is None else rollout.real])
+        if sequence_level:
+            normaliser = sequences
+        elif dr_grpo:
+            normaliser = sequences * max_new_tokens
+        else:
+            normaliser = n_tokens
+        stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "mismatch": 0.0}
+        norms, lrs = [], []
+        old: list[torch.Tensor] = []  # the policy's log-probs before this step's first update
+        policy.train()
+        for iteration in range(iterations):
+            stats.update(loss=0.0, clipped=0.0, kl=0.0)  # reported for the last iteration
+            for r, row in enumerate(rollout.rows if rollout is not None else []):
+                logp = _completion_log_probs(policy, row)
+                dev = logp.device
+                if iteration == 0:
+                    old.append(logp.detach())
+                    stats["mismatch"] += float((old[r].cpu() - rollout.engine_logp[r]).abs().sum())
+                weight = rollout.token_weight[r].to(dev)
+                if correction_cap is not None:
+                    weight = weight * torch.exp(old[r] - rollout.engine_logp[r].to(dev)).clamp(max=correction_cap)
+                ref = None
+                if beta:
+                    with torch.no_grad():
+                        ref = _completion_log_probs(reference, row)
+                loss, s = grpo_loss(logp, old[r], rollout.advantage[r].to(dev), clip=clip, ref_T=ref, beta=beta,
+                                    correction_T=weight,
+                                    seq_T=rollout.sequence[r].to(dev) if sequence_level else None,
+                                    sequences=len(samples))
+                (loss / max(normaliser, 1.0)).backward()
+                stats["loss"] += float(loss.detach())
+                stats["clipped"] += s["clipped"]
+                stats["kl"] += s.get("kl", 0.0)
+            (iteration_loss,) = sum_across([stats["loss"]])
+            norm, lr = optimizer_step(params, optimizer, schedule, max_grad_norm,
+                                      iteration_loss / max(normaliser, 1.0), step, checkpoint)
+            norms.append(norm)
+            lrs.append(lr)
+        loss_sum, clipped, kl, mismatch = sum_across([stats["loss"], stats["clipped"], stats["kl"], stats["mismatch"]])
+        lengths = np.array([len(s.tokens) for s in samples])
+        metrics = {
+            "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+            **{f"reward_{name}": float(v.mean()) for name, v in per_function.items() if len(functions) > 1},
+            "uniform": float(uniform.mean()), "completion_length": float(lengths.mean()),
+            "stopped": float(np.mean([s.stopped for s in samples])),
+            "clip_fraction": clipped / max(n_tokens, 1.0), "kl": kl / max(n_tokens, 1.0),
+            "mismatch": mismatch / max(n_tokens, 1.0), "sample_seconds": t_sample,
+            "sampled_tokens_per_second": float(lengths.sum()) / max(t_sample, 1e-9),
+        }
+        record = Step(step, loss_sum / max(normaliser, 1.0), int(n_tokens), int(real), norms[-1], lrs[0],
+                      time.perf_counter() - t0, metrics)
+        history.steps.append(record)
+        if on_step is not None:
+            on_step(record)
+        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
+            save_checkpoint(checkpoint, model=policy, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
+    if save_to is not None:
+        save_trained(policy, save_to)
+    return history
+
+
+def _print_batch_table(prompts_per_step: int, group: int, max_new_tokens: int, tokens: int, iterations: int) -> None:
+    completions = prompts_per_step * group
+    rows = [
+        ("prompts per step", prompts_per_step),
+        ("completions per step", f"{completions} ({group} per prompt)"),
+        ("optimizer steps per sampling step", iterations),
+        ("completion tokens per step", f"at most {completions * max_new_tokens:,}"),
+        ("micro-batch", f"packed rows of {tokens:,} positions (whole prompt + completion each)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), file=sys.stderr)

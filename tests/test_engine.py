@@ -1,0 +1,246 @@
+"""The sampling engine against transformers' greedy `generate` and the model's own
+log-probabilities, on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.serve import Engine
+from tests.conftest import make_hf_model
+
+torch.set_num_threads(1)
+
+LENGTHS = (5, 11, 1, 8)  # prompts of different lengths in one batch
+
+
+def _prompts(lengths=LENGTHS, seed=0, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> directory of a saved tiny random model (built once per module)."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            directory = tmp_path_factory.mktemp(family)
+            make_hf_model(family).save_pretrained(directory)
+            cache[family] = directory
+        return cache[family]
+
+    return get
+
+
+def _model_log_probs(model, prompt, tokens):
+    """The model's log-probability of each completion token, through log_probs_packed."""
+    ex = Example.prompted(prompt, tokens)
+    (row,) = pack([ex], tokens=len(ex))
+    with torch.no_grad():
+        lp = model.log_probs_packed(row)
+    return lp[len(prompt) - 1 : len(ex) - 1]
+
+
+def test_greedy_matches_transformers_generate(hf_dir):
+    family, hf, directory = hf_dir
+    engine = Engine(nest.load(directory))
+    prompts = _prompts()
+    stop = 2  # both sides stop on it (some families name no eos)
+    done = engine.sample(prompts, max_new_tokens=12, temperature=0.0, stop=[stop])
+    assert [c.prompt for c in done] == list(range(len(prompts)))
+    for p, c in zip(prompts, done):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                              eos_token_id=stop, pad_token_id=0)[0, len(p):].tolist()
+        assert c.tokens == ref, (family, len(p))
+        assert c.stopped == (ref[-1] == stop)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_logprobs_equal_log_probs_packed(saved, family):
+    directory = saved(family)
+    reference = nest.load(directory)
+    engine = Engine(nest.load(directory))
+    prompts = _prompts()
+    done = engine.sample(prompts, n=3, max_new_tokens=9, temperature=1.0, stop=[5, 6], seed=0)
+    assert len(done) == len(prompts) * 3
+    assert len({tuple(c.tokens) for c in done}) > len(prompts)  # the group's members differ
+    for c in done:
+        assert c.logprobs.dtype == torch.float32 and len(c.logprobs) == len(c.tokens)
+        ours = _model_log_probs(reference, prompts[c.prompt], c.tokens)
+        assert torch.allclose(c.logprobs, ours, atol=1e-4), family
+        assert c.stopped == (c.tokens[-1] in (5, 6)) and all(t not in (5, 6) for t in c.tokens[:-1])
+
+
+def test_logprobs_are_the_models_under_top_k_and_temperature(saved):
+    directory = saved("qwen2")
+    reference = nest.load(directory)
+    engine = Engine(nest.load(directory))
+    prompts = _prompts((4, 7))
+    done = engine.sample(prompts, n=4, max_new_tokens=8, temperature=0.5, top_k=3, stop=(), seed=1)
+    for c in done:
+        seq = torch.tensor(prompts[c.prompt] + c.tokens)
+        with torch.no_grad():
+            logits = reference(seq)[len(prompts[c.prompt]) - 1 : -1]
+        top3 = logits.topk(3, dim=-1).indices
+        assert all(t in top3[i].tolist() for i, t in enumerate(c.tokens))
+        # the unmodified distribution's log-probabilities, not the tempered, truncated one
+        assert torch.allclose(c.logprobs, torch.log_softmax(logits, -1).gather(-1, seq[len(seq) - len(c.tokens):, None])[:, 0], atol=1e-4)
+
+
+def test_top_p_keeps_only_the_nucleus(saved):
+    engine = Engine(nest.load(saved("llama")))
+    done = engine.sample([[7, 8, 9]], n=64, max_new_tokens=1, top_p=1e-6, stop=(), seed=0)
+    greedy = engine.sample([[7, 8, 9]], max_new_tokens=1, temperature=0.0, stop=())
+    assert {c.tokens[0] for c in done} == {greedy[0].tokens[0]}  # a tiny nucleus is the argmax
+    wide = engine.sample([[7, 8, 9]], n=64, max_new_tokens=1, top_p=1.0, stop=(), seed=0)
+    assert len({c.tokens[0] for c in wide}) > 5
+
+
+def test_group_prefix_is_computed_once(saved):
+    model = nest.load(saved("llama"))
+    engine = Engine(model)
+    calls = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    prompts = _prompts((4, 9))
+    done = engine.sample(prompts, n=5, max_new_tokens=3, stop=(), seed=0)
+    assert calls == [4 + 9, 10, 10]  # one prefill of both prompts; then 10 rows a step
+    assert engine.stats.prefill_positions == 13 and engine.stats.decode_positions == 20
+    greedy = engine.sample(prompts, n=3, max_new_tokens=6, temperature=0.0, stop=())
+    alone = engine.sample(prompts, n=1, max_new_tokens=6, temperature=0.0, stop=())
+    assert [c.tokens for c in greedy] == [a.tokens for a in alone for _ in range(3)]
+    assert [c.prompt for c in done] == [0] * 5 + [1] * 5
+
+
+def test_rows_stop_early_and_the_loop_ends(saved):
+    directory = saved("qwen3")
+    engine = Engine(nest.load(directory))
+    prompts = _prompts()
+    full = engine.sample(prompts, max_new_tokens=10, temperature=0.0, stop=())
+    stop = full[1].tokens[3]
+    done = engine.sample(prompts, max_new_tokens=10, temperature=0.0, stop=[stop])
+    for f, c in zip(full, done):
+        cut = f.tokens.index(stop) + 1 if stop in f.tokens else len(f.tokens)
+        assert c.tokens == f.tokens[:cut]
+        assert c.stopped == (stop in f.tokens)
+        assert torch.allclose(c.logprobs, f.logprobs[:cut], atol=1e-5)
+    assert done[1].stopped and len(done[1].tokens) <= 4
+    engine.reset_stats()
+    every = engine.sample(prompts, n=2, max_new_tokens=10, stop=range(97), seed=0)
+    assert all(len(c.tokens) == 1 and c.stopped for c in every)
+    assert engine.stats.decode_steps == 0  # all rows stopped on their first token
+
+
+def test_load_weights_merges_adapters_in_place(saved):
+    directory = saved("qwen2")
+    policy = nest.load(directory)
+    policy.add_lora(["*q_proj*", "*v_proj*", "*down_proj*"], rank=4, alpha=8)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+        policy.model.norm.weight.mul_(1.3)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    engine = Engine(nest.load(directory))
+    pointers = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    engine.load_weights(policy)
+    assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # policy untouched
+    assert policy.lora is not None
+    prompts = _prompts((6, 3))
+    done = engine.sample(prompts, n=2, max_new_tokens=6, stop=(), seed=0)
+    for c in done:
+        assert torch.allclose(c.logprobs, _model_log_probs(policy, prompts[c.prompt], c.tokens), atol=1e-4)
+    other = nest.load(saved("llama"))
+    with pytest.raises(ValueError, match="load_weights"):
+        engine.load_weights(other)
+
+
+def test_bf16_engine_follows_the_bf16_model(saved):
+    directory = saved("llama")
+    model = nest.load(directory, dtype="bfloat16")
+    engine = Engine(nest.load(directory, dtype="bfloat16"))
+    prompts = _prompts((5, 2))
+    done = engine.sample(prompts, max_new_tokens=6, stop=(), seed=0)
+    for c in done:
+        assert torch.allclose(c.logprobs, _model_log_probs(model, prompts[c.prompt], c.tokens), atol=0.05)
+
+
+def test_seed_stream_and_warmup(saved):
+    engine = Engine(nest.load(saved("llama")))
+    prompts = _prompts((3, 6))
+    a = engine.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)
+    b = engine.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)
+    c = engine.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=4)
+    assert [x.tokens for x in a] == [x.tokens for x in b] != [x.tokens for x in c]
+    streamed = list(engine.stream(prompts[1], max_new_tokens=8, stop=(), seed=3))
+    assert streamed == engine.sample([prompts[1]], max_new_tokens=8, stop=(), seed=3)[0].tokens
+
+    fresh = Engine(nest.load(saved("llama")))
+    fresh.warmup([3, 6], n=2, max_new_tokens=8)
+    assert fresh.stats.prefill_positions == 0
+    cache = fresh._cache.data_ptr()
+    assert [x.tokens for x in fresh.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)] == [x.tokens for x in a]
+    assert fresh._cache.data_ptr() == cache  # no reallocation within the warmed size
+    preallocated = Engine(nest.load(saved("llama")), max_batch=4, max_seq=16)
+    cache = preallocated._cache.data_ptr()
+    assert [x.tokens for x in preallocated.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)] == [
+        x.tokens for x in a]
+    assert preallocated._cache.data_ptr() == cache
+
+
+def test_bad_input_is_named(saved):
+    engine = Engine(nest.load(saved("llama")))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.sample([[1, 2], [], [3]])
+    with pytest.raises(TypeError, match="prompt 0 is not a 1-D sequence"):
+        engine.sample([1, 2, 3])
+    with pytest.raises(ValueError, match="prompt 0 has token id 97"):
+        engine.sample([[1, 97]])
+    with pytest.raises(ValueError, match="top_p"):
+        engine.sample([[1]], top_p=0)
+    with pytest.raises(ValueError, match="n=0"):
+        engine.sample([[1]], n=0)
+
+
+def _tokenizer_files(directory, chat_template=None):
+    """A word-level tokenizer over the tiny model's 97 ids: token i is "w{i}"."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"w{i}": i for i in range(97)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="w1 $A", special_tokens=[("w1", 1)])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "w2", "bos_token": "w1"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_cli_streams_the_greedy_completion(tmp_path, capsys, chat):
+    from linnet.data.tokenizer import load_tokenizer
+    from linnet.serve.generate import cli
+
+    directory = tmp_path / "model"
+    make_hf_model("llama").save_pretrained(directory)
+    _tokenizer_files(directory, "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+                                "{% if add_generation_prompt %}w5{% endif %}")
+    argv = [str(directory), "--prompt", "w10 w11 w12", "--max-new-tokens", "7"] + (["--chat"] if chat else [])
+    assert cli(argv) == 0
+    printed = capsys.readouterr().out
+    tok = load_tokenizer(directory)
+    ids = tok.encode("w3 w10 w11 w12 w4 w5") if chat else [1, 10, 11, 12]
+    done = Engine(nest.load(directory)).sample([ids], max_new_tokens=7, temperature=0.0, stop=tok.eos_ids)[0]
+    shown = done.tokens[:-1] if done.stopped else done.tokens
+    assert printed == tok.decode(shown) + "\n"
+    assert len(shown) > 0 and math.isfinite(done.logprobs.sum().item())
