@@ -55,6 +55,14 @@ def _block_logits(h_ND, w_VD, sl):
     return _f32(h_ND[sl] @ w_VD.T)
 
 
+def _shifted_exp_(z_NV):
+    """(log-sum-exp of each row, sum of exp) leaving exp(z - row max) in z: in place,
+    so a block holds one [rows, V] buffer, not a second one for logsumexp's temporary."""
+    top = z_NV.amax(dim=-1, keepdim=True)
+    sums = z_NV.sub_(top).exp_().sum(dim=-1)
+    return top[:, 0] + sums.log(), sums
+
+
 def _zeros_f32(w_VD):
     return torch.zeros(w_VD.shape, dtype=_f32(w_VD).dtype, device=w_VD.device)
 
@@ -74,11 +82,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for sl in _blocks(N, rows):
             z = _block_logits(h_ND, wc_VD, sl)
             t, wt = targets_N[sl].long(), _f32(weights_N[sl])
-            lse = torch.logsumexp(z, dim=-1)
             picked = z.gather(-1, t[:, None])[:, 0]
+            lse, sums = _shifted_exp_(z)
             total += ((lse - picked) * wt).sum()
             if need_h or need_w:
-                g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g = z.div_(sums[:, None])  # softmax, in place of the logits
                 g[arange[: g.shape[0]], t] -= 1.0
                 g.mul_(wt[:, None])
                 g = g.to(h_ND.dtype)
@@ -115,8 +123,9 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         out, lses, wc_VD = [], [], w_VD.to(h_ND.dtype)
         for sl in _blocks(h_ND.shape[0], rows):
             z = _block_logits(h_ND, wc_VD, sl)
-            lse = torch.logsumexp(z, dim=-1)
-            out.append(z.gather(-1, targets_N[sl, None].long())[:, 0] - lse)
+            picked = z.gather(-1, targets_N[sl, None].long())[:, 0]
+            lse, _ = _shifted_exp_(z)
+            out.append(picked - lse)
             lses.append(lse)
         ctx.save_for_backward(h_ND, w_VD, targets_N, torch.cat(lses))
         ctx.rows = rows
