@@ -11,6 +11,8 @@ PANELS = (  # (title, metric keys drawn in it)
     ("learning rate", ("lr",)),
     ("real tokens / s", ("tokens_per_second",)),
     ("gradient norm", ("grad_norm",)),
+    ("reward (GRPO)", ("reward",)),
+    ("held-out exact match", ("held_out_accuracy",)),
 )
 
 

@@ -4,10 +4,17 @@
     linnet quickstart --steps 100 --out runs/qs
 
 It builds a character tokenizer and a ~0.8M-parameter Llama-architecture model, makes a
-synthetic task with a checkable answer (fixed-width addition: "07+45=" -> "052"),
-measures held-out exact-match accuracy by greedy decoding, fine-tunes with `train` on
-packed rows, and measures again. The run directory gets metrics.jsonl, the weights with
-config.json and tokenizer.json (a model directory transformers can load), and curves.png.
+synthetic task with a checkable answer (fixed-width addition: "07+45=" -> "052"), and
+runs three stages, measuring held-out exact-match accuracy (greedy decoding through the
+Engine) before and after each:
+
+1. SFT: `train` on packed prompt/answer rows.
+2. DPO: pairs built from the model's own sampled answers, a right one preferred to a
+   wrong one, for prompts where it produced both.
+3. GRPO: groups of sampled answers rewarded 1 when exactly right.
+
+The run directory gets metrics.jsonl, the weights with config.json and tokenizer.json
+(a model directory transformers can load), summary.json and curves.png.
 """
 
 from __future__ import annotations
@@ -57,18 +64,37 @@ def training_examples(seed: int, digits: int, held_out: set[str]):
                 yield Example.prompted([BOS] + encode(prompt), encode(answer) + [EOS])
 
 
-@torch.no_grad()
-def accuracy(model, tests: list[tuple[str, str]]) -> float:
-    """Share of held-out problems whose greedy answer is exactly right."""
-    was_training = model.training
-    model.eval()
-    tokens = torch.tensor([[BOS] + encode(p) for p, _ in tests])
+def accuracy(engine, model, tests: list[tuple[str, str]]) -> float:
+    """Share of held-out problems whose greedy answer (then the stop token) is exactly right."""
+    engine.load_weights(model)
     width = len(tests[0][1])
-    for _ in range(width):
-        tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    want = torch.tensor([encode(a) for _, a in tests])
-    model.train(was_training)
-    return (tokens[:, -width:] == want).all(dim=1).float().mean().item()
+    done = engine.sample([[BOS] + encode(p) for p, _ in tests], max_new_tokens=width + 1, temperature=0.0)
+    return float(np.mean([c.tokens == encode(a) + [EOS] for c, (_, a) in zip(done, tests)]))
+
+
+def exact_answer(prompt, completion: list[int]) -> float:
+    """GRPO reward: 1 for the right digits followed by the stop token, else 0."""
+    return float(completion == prompt.answer)
+
+
+def own_pairs(engine, model, problems_: list[tuple[str, str]], samples: int, seed: int):
+    """DPO pairs from the model's own answers: for each prompt where some sampled answer is
+    right and some wrong, the first right one is chosen over the first wrong one."""
+    from linnet.packing import Pair
+
+    engine.load_weights(model)
+    prompts = [[BOS] + encode(p) for p, _ in problems_]
+    width = len(problems_[0][1])
+    done = engine.sample(prompts, n=samples, max_new_tokens=width + 1, temperature=1.0, seed=seed)
+    pairs = []
+    for i, (_, answer) in enumerate(problems_):
+        want = encode(answer) + [EOS]
+        group = [c.tokens for c in done[i * samples : (i + 1) * samples]]
+        right = [t for t in group if t == want]
+        wrong = [t for t in group if t != want]
+        if right and wrong:
+            pairs.append(Pair(prompts[i], right[0], wrong[0]))
+    return pairs
 
 
 @torch.no_grad()
@@ -89,56 +115,92 @@ def save_tokenizer(path: Path) -> None:
     write_text(path, tok.to_str())
 
 
-def run(out: str | Path = "runs/quickstart", *, steps: int = 400, digits: int = 2, tokens: int = 1024,
-        lr: float = 3e-3, seed: int = 0, evaluate_every: int = 50, threads: int | None = None) -> dict:
-    """Fine-tune the adder and return its summary (also written to summary.json)."""
+def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int = 20, grpo_steps: int = 30,
+        digits: int = 2, tokens: int = 1024, lr: float = 3e-3, seed: int = 0, evaluate_every: int = 50,
+        threads: int | None = None) -> dict:
+    """Run the three stages and return the summary (also written to summary.json)."""
+    from linnet.serve import Engine
+    from linnet.train.dpo import dpo
+    from linnet.train.grpo import Prompt, grpo
+
     if threads:
         torch.set_num_threads(threads)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    tests = problems(np.random.default_rng(seed + 1), 500, digits)
+    rng = np.random.default_rng(seed + 1)
+    tests = problems(rng, 500, digits)
     held_out = {p for p, _ in tests}
+    practice = [(p, a) for p, a in problems(rng, 2000, digits) if p not in held_out]
     eval_rows = list(pack([Example.prompted([BOS] + encode(p), encode(a) + [EOS]) for p, a in tests], tokens))
     model = nest.load(CARD, weights="random", seed=seed, trainable=True)
+    engine = Engine(nest.load(CARD, weights="random", seed=seed))
     print(f"model: {CARD.params():,} parameters; task: {digits}-digit addition, {len(tests)} held-out problems")
-    before = accuracy(model, tests)
-    print(f"held-out exact match before training: {before:.1%}")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  betas=(0.9, 0.98), weight_decay=0.0)
+    accuracies = {"start": accuracy(engine, model, tests)}
+    print(f"held-out exact match before training: {accuracies['start']:.1%}")
     metrics: list[dict] = []
-    bar = Progress(steps, "train")
+    offset = 0
 
-    def report(s):
-        row = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
-               "tokens_per_second": s.tokens_per_second}
-        if s.step % evaluate_every == 0 or s.step == steps:
-            row["held_out_loss"] = held_out_loss(model, eval_rows)
-        metrics.append(row)
-        bar.update(s.step, loss=s.loss, tok_s=s.tokens_per_second)
+    def reporter(stage: str, total: int, bar: Progress):
+        def report(s):
+            row = {"stage": stage, "step": offset + s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+                   "tokens_per_second": s.tokens_per_second, **s.metrics}
+            if stage == "sft" and (s.step % evaluate_every == 0 or s.step == total):
+                row["held_out_loss"] = held_out_loss(model, eval_rows)
+            metrics.append(row)
+            bar.update(s.step, loss=s.loss, **({"reward": s.metrics["reward"]} if "reward" in s.metrics else {}))
+        return report
 
-    t0 = time.perf_counter()
-    history = train(model, pack(training_examples(seed, digits, held_out), tokens), optimizer=optimizer,
-                    steps=steps, schedule=cosine_schedule(optimizer, 20, steps, floor=0.05), on_step=report)
-    bar.close()
-    seconds = time.perf_counter() - t0
-    after = accuracy(model, tests)
+    def stage(name: str, total: int, fit) -> float:
+        nonlocal offset
+        if total <= 0:
+            return accuracies[list(accuracies)[-1]]
+        bar = Progress(total, name)
+        t0 = time.perf_counter()
+        fit(reporter(name, total, bar))
+        bar.close()
+        offset += total
+        accuracies[name] = accuracy(engine, model, tests)
+        metrics.append({"stage": name, "step": offset, "held_out_accuracy": accuracies[name]})
+        print(f"after {name} ({time.perf_counter() - t0:.0f} s): held-out exact match {accuracies[name]:.1%}")
+        return accuracies[name]
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    t_start = time.perf_counter()
+    stage("sft", steps, lambda report: train(
+        model, pack(training_examples(seed, digits, held_out), tokens), optimizer=optimizer, steps=steps,
+        schedule=cosine_schedule(optimizer, 20, steps, floor=0.05), on_step=report))
+
+    pairs = own_pairs(engine, model, practice, samples=8, seed=seed) if dpo_steps > 0 else []
+    if pairs:
+        print(f"dpo: {len(pairs)} pairs from the model's own right and wrong answers")
+        optimizer = torch.optim.AdamW(trained, lr=lr / 10, weight_decay=0.0)
+        stage("dpo", dpo_steps, lambda report: dpo(model, pairs, optimizer=optimizer, steps=dpo_steps,
+                                                   pairs_per_step=32, beta=0.1, tokens=tokens, on_step=report))
+
+    prompts = [Prompt([BOS] + encode(p), encode(a) + [EOS]) for p, a in practice]
+    optimizer = torch.optim.AdamW(trained, lr=lr / 10, weight_decay=0.0)
+    stage("grpo", grpo_steps, lambda report: grpo(
+        model, engine, prompts, exact_answer, optimizer=optimizer, steps=grpo_steps, group=8,
+        prompts_per_step=16, max_new_tokens=digits + 2, tokens=tokens, seed=seed, on_step=report,
+        verbose=False))
+    seconds = time.perf_counter() - t_start
+
     model.save_weights(out / "model")
     save_tokenizer(out / "model" / "tokenizer.json")
     write_text(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
+    title = f"{digits}-digit addition, held-out exact match: " + ", ".join(
+        f"{k} {v:.0%}" for k, v in accuracies.items())
     try:
-        plot_metrics(metrics, out / "curves.png", title=f"{digits}-digit addition: held-out exact match "
-                     f"{before:.1%} -> {after:.1%}")
+        plot_metrics(metrics, out / "curves.png", title=title)
         drew = True
     except ValueError:
         drew = False
-    summary = {
-        "accuracy_before": before, "accuracy_after": after, "steps": len(history),
-        "seconds": round(seconds, 1), "first_loss": history.losses[0], "last_loss": history.losses[-1],
-        "tokens_per_second": sum(s.real for s in history.steps) / seconds,
-    }
+    summary = {"accuracy": accuracies, "seconds": round(seconds, 1), "dpo_pairs": len(pairs),
+               "dpo_steps_run": dpo_steps if pairs else 0}
     write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    print(f"held-out exact match after {len(history)} steps ({seconds:.0f} s): {after:.1%} (was {before:.1%})")
+    print(title + f" ({seconds:.0f} s)")
     print(f"wrote {out}/model, metrics.jsonl, summary.json" + (", curves.png" if drew else
           " (pip install matplotlib for curves.png)"))
     return summary
@@ -147,13 +209,15 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, digits: int = 
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linnet quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps (default: 400)")
+    parser.add_argument("--steps", type=int, default=400, help="SFT optimizer steps (default: 400)")
+    parser.add_argument("--dpo-steps", type=int, default=20, help="DPO steps, 0 to skip (default: 20)")
+    parser.add_argument("--grpo-steps", type=int, default=30, help="GRPO steps, 0 to skip (default: 30)")
     parser.add_argument("--digits", type=int, default=2, help="digits of each addend (default: 2)")
     parser.add_argument("--tokens", type=int, default=1024, help="positions per packed row (default: 1024)")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)
-    run(args.out, steps=args.steps, digits=args.digits, tokens=args.tokens, lr=args.lr, seed=args.seed,
+    run(args.out, steps=args.steps, dpo_steps=args.dpo_steps, grpo_steps=args.grpo_steps, digits=args.digits, tokens=args.tokens, lr=args.lr, seed=args.seed,
         threads=args.threads)
     return 0
