@@ -19,7 +19,6 @@ import hashlib
 import itertools
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -29,8 +28,9 @@ import torch.nn.functional as F
 
 from linnet.packing import Pair, pack_groups
 from linnet.torch.attention import document_ids
-from linnet.train.checkpoint import save_checkpoint
-from linnet.train.loop import History, Step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.train.loop import (
+    History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
+)
 from linnet.train.parallel import sum_across
 
 
@@ -148,16 +148,10 @@ def dpo(
     start = resume(checkpoint, model, optimizer, schedule)
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
-    for _ in itertools.islice(stream, start * pairs_per_step):
-        pass
     history = History()
     model.train()
-    for step in range(start + 1, steps + 1):
+    for step, chunk in step_items(stream, pairs_per_step, start=start, steps=steps, what="dpo: the pairs"):
         t0 = time.perf_counter()
-        chunk = list(itertools.islice(stream, pairs_per_step))
-        if not chunk:
-            warnings.warn(f"dpo: the pairs ran out after step {step - 1} of {steps}", stacklevel=2)
-            break
         indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
         check_pairs(batch)
         (count,) = sum_across([float(len(batch))])
@@ -188,11 +182,8 @@ def dpo(
         norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint)
         record = Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0,
                       metrics={"pairs": count, "accuracy": correct / count, "margin": margin_sum / count})
-        history.steps.append(record)
-        if on_step is not None:
-            on_step(record)
-        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
-            save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
+        end_step(record, history, on_step, model=model, optimizer=optimizer, schedule=schedule, steps=steps,
+                 checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep)
     if save_to is not None:
         save_trained(model, save_to)
     return history

@@ -21,7 +21,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +29,10 @@ import numpy as np
 import torch
 
 from linnet.packing import Example, pack
-from linnet.train.checkpoint import save_checkpoint
 from linnet.train.grpo_loss import group_advantages, grpo_loss
-from linnet.train.loop import History, Step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.train.loop import (
+    History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
+)
 from linnet.train.parallel import sum_across
 
 __all__ = ["Prompt", "grpo", "grpo_loss"]
@@ -187,17 +187,11 @@ def grpo(
         _check_prompts(enumerate(prompts), tokens, max_new_tokens)
     start = resume(checkpoint, policy, optimizer, schedule)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
-    for _ in itertools.islice(stream, start * prompts_per_step):
-        pass
     if verbose:
         _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations)
     history = History()
-    for step in range(start + 1, steps + 1):
+    for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
         t0 = time.perf_counter()
-        chunk = list(itertools.islice(stream, prompts_per_step))
-        if not chunk:
-            warnings.warn(f"grpo: the prompts ran out after step {step - 1} of {steps}", stacklevel=2)
-            break
         _check_prompts(chunk, tokens, max_new_tokens)
         step_prompts = [p for _, p in chunk]
         engine.load_weights(policy)
@@ -269,11 +263,8 @@ def grpo(
         }
         record = Step(step, loss_sum / max(normaliser, 1.0), int(n_tokens), int(real), norms[-1], lrs[0],
                       time.perf_counter() - t0, metrics)
-        history.steps.append(record)
-        if on_step is not None:
-            on_step(record)
-        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
-            save_checkpoint(checkpoint, model=policy, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
+        end_step(record, history, on_step, model=policy, optimizer=optimizer, schedule=schedule, steps=steps,
+                 checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep)
     if save_to is not None:
         save_trained(policy, save_to)
     return history

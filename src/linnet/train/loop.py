@@ -16,7 +16,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +110,31 @@ def resume(checkpoint, model, optimizer, schedule) -> int:
     return 0 if state is None else state["step"]
 
 
+def step_items(items: Iterable[Any], per_step: int, *, start: int, steps: int, what: str):
+    """Yield (step, the step's items) from `start + 1` to `steps`, first skipping the
+    items that steps up to `start` consumed; stop with a warning if the items run out."""
+    stream = iter(items)
+    for _ in itertools.islice(stream, start * per_step):
+        pass
+    for step in range(start + 1, steps + 1):
+        chunk = list(itertools.islice(stream, per_step))
+        if not chunk:
+            warnings.warn(f"{what} ran out after step {step - 1} of {steps}", stacklevel=3)
+            return
+        yield step, chunk
+
+
+def end_step(record: Step, history: History, on_step, *, model, optimizer, schedule, steps: int,
+             checkpoint, checkpoint_every: int, keep: int) -> None:
+    """Keep and report the step, then checkpoint it when due (every `checkpoint_every`
+    steps and at the last)."""
+    history.steps.append(record)
+    if on_step is not None:
+        on_step(record)
+    if checkpoint is not None and (record.step % checkpoint_every == 0 or record.step == steps):
+        save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=record.step, schedule=schedule, keep=keep)
+
+
 def train(
     model,
     batches: Iterable[Any],
@@ -134,17 +159,10 @@ def train(
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     params = trained_parameters(model)
     start = resume(checkpoint, model, optimizer, schedule)
-    batches: Iterator[Any] = iter(batches)
-    for _ in itertools.islice(batches, start * accumulate):
-        pass
     history = History()
     model.train()
-    for step in range(start + 1, steps + 1):
+    for step, micro in step_items(batches, accumulate, start=start, steps=steps, what="train: the batches"):
         t0 = time.perf_counter()
-        micro = list(itertools.islice(batches, accumulate))
-        if not micro:
-            warnings.warn(f"train: the batches ran out after step {step - 1} of {steps}", stacklevel=2)
-            break
         learned, real = sum_across([sum(_count(b, "weights") for b in micro), sum(_count(b, "real") for b in micro)])
         if learned == 0:
             raise ValueError(f"step {step}: its {len(micro)} batches hold no learned position")
@@ -156,12 +174,9 @@ def train(
         (loss_all,) = sum_across([float(total)])  # the step's one host sync
         loss = loss_all / learned
         norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint)
-        record = Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0)
-        history.steps.append(record)
-        if on_step is not None:
-            on_step(record)
-        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
-            save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
+        end_step(Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0), history, on_step,
+                 model=model, optimizer=optimizer, schedule=schedule, steps=steps, checkpoint=checkpoint,
+                 checkpoint_every=checkpoint_every, keep=keep)
     if save_to is not None:
         save_trained(model, save_to)
     return history
