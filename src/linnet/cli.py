@@ -5,6 +5,8 @@
     linnet dpo --config F      preference optimization (DPO) from a YAML config
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
+    linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
+    linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run
@@ -77,6 +79,8 @@ COMMANDS = {
     "dpo": "linnet.preference:cli",
     "generate": "linnet.serve.generate:cli",
     "inspect": "linnet.sft:inspect_cli",
+    "prepare": "linnet.pretrain.prepare:cli",
+    "pretrain": "linnet.pretrain.runner:cli",
     "plot": "linnet.plots:cli",
     "info": "linnet.cli:info",
     "plan": "linnet.plan:cli",

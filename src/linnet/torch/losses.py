@@ -78,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = h_ND.new_zeros((), dtype=_f32(h_ND).dtype)
         grad_h = torch.zeros_like(h_ND) if need_h else None
         grad_w = _zeros_f32(w_VD) if need_w else None
-        arange = torch.arange(rows, device=h_ND.device)
+        arange = torch.arange(min(rows, N), device=h_ND.device)
         for sl in _blocks(N, rows):
             z = _block_logits(h_ND, wc_VD, sl)
             t, wt = targets_N[sl].long(), _f32(weights_N[sl])

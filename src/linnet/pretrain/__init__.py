@@ -1,0 +1,10 @@
+"""Pretraining: typed configs, token caches, a buffered loader, budgets, and the run.
+
+    linnet prepare --config configs/pretrain-tiny-cpu.yaml     # corpus -> token cache
+    linnet pretrain --config configs/pretrain-tiny-cpu.yaml    # cache -> trained model
+
+Modules: `config` (PretrainConfig, recipe identity), `cache` (the on-disk format),
+`prepare` (tokenizer workers, shard writer), `loader` (shard groups, cursor),
+`budget` (targets, steps, virtual epochs), `runner` (the training loop, checkpoints,
+resume). Nothing here imports torch until a model is built.
+"""

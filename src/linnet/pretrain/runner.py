@@ -1,0 +1,588 @@
+"""`linnet pretrain`: train a Llama decoder from a token cache, with epoch validation,
+checkpoint policies and exact resume.
+
+    linnet prepare  --config configs/pretrain-tiny-cpu.yaml
+    linnet pretrain --config configs/pretrain-tiny-cpu.yaml
+    linnet pretrain --config runs/tiny/config.yaml --resume runs/tiny/checkpoints/step-00000480 \\
+        --set runtime.output_dir=runs/tiny-branch
+    linnet pretrain --config a.yaml --config b.yaml      # run (or finish) several experiments
+    linnet pretrain --config a.yaml --plan               # the budget table, no training
+
+The step is visible below: N microbatches from the loader, backward of each summed token
+loss divided by the update's target count, then `linnet.train.loop.optimizer_step`
+(clip, a non-finite norm stops, step, schedule). At the end of each virtual epoch the
+fixed validation subset is evaluated, best.json updated, and the epoch's retained files
+written. A run directory holds:
+
+    config.yaml   the resolved config (pass it back with --config to resume)
+    run.json      recipe identity and fields, budget, cache, environment
+    metrics.jsonl one row per update; `held_out_loss` on each epoch's last row
+    best.json     the best epoch by validation loss (its weights if they were kept)
+    epoch-NNN.safetensors   weights of selected epochs (interval/explicit policies)
+    final.safetensors       final weights (every policy but none)
+    checkpoints/step-NNNNNNNN/  resumable training state (linnet.train.checkpoint format,
+                  plus checksums.json): final, and selected epochs with
+                  save_epoch_training_state
+    summary.json  final metrics and full validation; its presence marks a complete run
+
+Running a config whose output directory holds an incomplete run resumes it from its
+latest checkpoint (the recipe identity must match); a complete run is left as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from linnet.files import write_text
+from linnet.pretrain.budget import Budget, plan_budget
+from linnet.pretrain.cache import TokenCache, open_cache, sha256_file
+from linnet.pretrain.config import (
+    PretrainConfig,
+    checkpoint_epochs,
+    load,
+    recipe_differences,
+    recipe_fields,
+    recipe_identity,
+    to_yaml,
+)
+
+CHECKPOINTS = "checkpoints"
+CHECKSUMS = "checksums.json"
+STATE_FILES = ("trained.safetensors", "optimizer.pt", "state.pt")
+
+
+# ---------------------------------------------------------------------------------------
+# The model, optimizer and schedule of a config
+
+
+def model_card(config: PretrainConfig, cache: TokenCache):
+    """A Llama card with tied embeddings for the config's model group and the cache's
+    tokenizer (its vocabulary, its EOS)."""
+    from linnet import nest
+
+    m = config.model
+    vocab = m.vocab or cache.vocab_size
+    if vocab < cache.vocab_size:
+        raise ValueError(f"config: model.vocab={m.vocab} is smaller than the cache tokenizer's {cache.vocab_size} "
+                         "tokens; use null (the tokenizer's size) or a larger vocabulary")
+    return nest.Card(
+        "pretrain", "llama", vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads or m.heads,
+        m.head_dim or m.hidden // m.heads, rope_base=m.rope_base, norm_eps=m.norm_eps, tied_embeddings=True,
+        max_positions=config.training.context_length, eos_token_ids=(cache.eos_id,), pad_token_id=cache.eos_id,
+        dtype=m.dtype or "bfloat16", tokenizer=nest.Location(path=str(cache.path)), source="linnet pretrain",
+    )
+
+
+def make_budget(config: PretrainConfig, parameters: int) -> Budget:
+    t = config.training
+    return plan_budget(parameters, context=t.context_length, sequences_per_update=t.micro_batch_size * t.accumulation,
+                       targets_per_parameter=t.targets_per_parameter, total_targets=t.total_targets, epochs=t.epochs)
+
+
+def make_optimizer(model, config: PretrainConfig) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices (the tied embedding included), none
+    on norms."""
+    o = config.optimizer
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+
+def make_schedule(config: PretrainConfig, optimizer, steps: int):
+    from linnet.train.schedules import cosine_schedule, wsd_schedule
+
+    s = config.lr_schedule
+    try:
+        if s.name == "cosine":
+            return cosine_schedule(optimizer, s.warmup_steps, steps, floor=s.min_lr_ratio)
+        return wsd_schedule(optimizer, s.warmup_steps, steps, decay=s.decay_fraction, floor=s.min_lr_ratio)
+    except ValueError as e:
+        raise ValueError(f"config: lr_schedule ({s.name}, warmup_steps {s.warmup_steps}) over the budget's "
+                         f"{steps} updates: {e}; lower lr_schedule.warmup_steps") from None
+
+
+def flops_per_token(card, context: int) -> float:
+    """Training FLOPs per token: 6N (the tied head counted once, as a matmul) plus
+    attention's 12 L d T (PaLM's appendix B convention)."""
+    return 6 * card.params() + 12 * card.layers * card.heads * card.head_dim * context
+
+
+def evaluate(model, batches) -> float:
+    """Mean token loss over `batches` (no gradients)."""
+    total = torch.zeros((), dtype=torch.float64, device=model.device)
+    count = 0.0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            loss, _ = model.loss_packed(batch)
+            total += loss.double()
+            count += batch.real
+    model.train(was_training)
+    return float(total) / max(count, 1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints: linnet.train.checkpoint directories, verified by checksums
+
+
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    from linnet.train.checkpoint import checkpoints
+
+    return checkpoints(root)
+
+
+def _earlier(path: Path) -> str:
+    earlier = [p for p in _checkpoint_dirs(path.parent) if p.name < path.name and (p / CHECKSUMS).is_file()]
+    return f"; the previous checkpoint is {earlier[-1]}: pass it to --resume" if earlier else ""
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Check a checkpoint's files against its checksums.json and return its state
+    (step and extra). A missing, truncated or altered file is refused by name."""
+    path = Path(path)
+    if not (path / "state.pt").is_file() and not (path / CHECKSUMS).is_file():
+        raise ValueError(f"{path}: not a checkpoint directory (no state.pt); pass a run's checkpoints/step-… "
+                         "directory or the run directory")
+    if not (path / CHECKSUMS).is_file():
+        raise ValueError(f"{path}: incomplete checkpoint (no {CHECKSUMS}: its write was interrupted){_earlier(path)}")
+    try:
+        recorded = json.loads((path / CHECKSUMS).read_text())["files"]
+    except (json.JSONDecodeError, KeyError):
+        raise ValueError(f"{path / CHECKSUMS}: unreadable; the checkpoint is damaged{_earlier(path)}") from None
+    for name, want in recorded.items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file}: missing from the checkpoint{_earlier(path)}")
+        if sha256_file(file) != want:
+            raise ValueError(f"{file}: corrupt or truncated (its SHA-256 differs from {CHECKSUMS}); refusing to "
+                             f"resume from it{_earlier(path)}")
+    return torch.load(path / "state.pt", weights_only=True)
+
+
+def find_checkpoint(source: str | os.PathLike) -> Path:
+    """A checkpoint directory, or the latest checkpoint of a run directory."""
+    path = Path(source)
+    if (path / "state.pt").is_file() or (path / CHECKSUMS).is_file():
+        return path
+    found = _checkpoint_dirs(path / CHECKPOINTS) or _checkpoint_dirs(path)
+    if not found:
+        raise FileNotFoundError(f"{path}: no checkpoint there (expected a checkpoints/step-… directory or a run "
+                                "directory holding checkpoints/)")
+    return found[-1]
+
+
+def _rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+@dataclass
+class Progress:
+    """Counters a checkpoint carries besides the model, optimizer and schedule."""
+
+    step: int = 0
+    epoch: int = 0  # completed epochs
+    best: dict[str, Any] | None = None
+    seconds: float = 0.0  # training time so far (all sessions)
+    loader_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch, "best": self.best, "seconds": self.seconds,
+                "loader_seconds": self.loader_seconds}
+
+
+def save_state(out: Path, *, model, optimizer, schedule, loader, progress: Progress, kind: str,
+               fields: dict[str, Any], identity: str) -> Path:
+    """A resumable snapshot: linnet.train.checkpoint's directory plus checksums.json,
+    written last (a checkpoint without it is incomplete)."""
+    from linnet.train.checkpoint import save_checkpoint
+
+    extra = {
+        "kind": kind,
+        "progress": progress.as_dict(),
+        "cursor": loader.cursor(),
+        "recipe": {"identity": identity, "fields": fields},
+        "rng": _rng_state(),
+    }
+    path = save_checkpoint(out / CHECKPOINTS, model=model, optimizer=optimizer, step=progress.step,
+                           schedule=schedule, keep=0, extra=extra)
+    checksums = {name: sha256_file(path / name) for name in STATE_FILES}
+    record = {"files": checksums, "kind": kind, "step": progress.step, "epoch": progress.epoch, "recipe": identity}
+    write_text(path / CHECKSUMS, json.dumps(record, indent=1) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------
+# The run directory
+
+
+def _environment(device: torch.device) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+           "platform": platform.platform(), "device": str(device), "cpu_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _keep_metrics(source: Path, target: Path, step: int) -> None:
+    """metrics.jsonl up to `step` (rows a resumed run would otherwise log twice)."""
+    rows = [r for r in _read_metrics(source) if r.get("step", 0) <= step]
+    write_text(target, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _check_cache_settings(config: PretrainConfig, cache: TokenCache) -> None:
+    """The config's corpus settings, when it names a corpus, must be the cache's."""
+    from linnet.pretrain.prepare import requested_settings, settings_differences
+
+    d = config.data
+    if not d.source and d.dataset is None:
+        return
+    saved = dict(cache.settings)
+    try:
+        wanted = requested_settings(d)
+    except FileNotFoundError:  # the corpus moved away: the cache stands on its own
+        wanted = requested_settings(dataclasses.replace(d, source=[], validation_source=[]))
+        for key in ("source", "validation_source"):
+            saved.pop(key, None)
+            wanted.pop(key, None)
+    differences = settings_differences(saved, wanted)
+    if differences:
+        raise ValueError(f"{cache.path}: prepared with other settings than this config: " + "; ".join(differences)
+                         + ". Point data.cache at a cache prepared with this config (`linnet prepare`)")
+
+
+@dataclass
+class Start:
+    """Where a run starts: fresh, or from a verified checkpoint."""
+
+    checkpoint: Path | None = None
+    state: dict[str, Any] | None = None
+    complete: dict[str, Any] | None = None  # the summary of a run already finished
+
+
+def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: str,
+           resume: str | os.PathLike | None, overwrite: bool) -> Start:
+    """Decide (and check) where the run starts; nothing is deleted before the checks pass."""
+
+    def refuse_other_recipe(where: Path, run_dir: Path, saved_fields: dict[str, Any], saved_identity: str) -> None:
+        differences = recipe_differences(saved_fields, fields, ("run", "config"))
+        if differences:
+            raise ValueError(
+                f"{where}: written by another recipe (identity {saved_identity}; this config gives {identity}); "
+                f"differing fields: {'; '.join(differences)}. Resume with the run's own config "
+                f"({run_dir / 'config.yaml'}), changing only device, output directory, prefetch or checkpoint "
+                "retention; or start a fresh run"
+            )
+
+    used = out.exists() and any(out.iterdir())
+    if resume is not None:
+        checkpoint = find_checkpoint(resume)
+        run_dir = checkpoint.parent.parent
+        same = out.exists() and out.resolve() == run_dir.resolve()
+        if same and overwrite:
+            raise ValueError(f"--overwrite would delete {checkpoint}, the checkpoint to resume from; branch into a "
+                             "fresh runtime.output_dir instead")
+        if used and not same and not overwrite:
+            raise ValueError(f"{out}: the output directory holds another run; branch from {checkpoint} into a fresh "
+                             "runtime.output_dir (or pass --overwrite)")
+    elif used and not overwrite:
+        run_file = out / "run.json"
+        if not run_file.is_file():
+            raise ValueError(f"{out}: exists and is not a linnet pretraining run; choose another runtime.output_dir")
+        saved = json.loads(run_file.read_text())
+        refuse_other_recipe(run_file, out, saved["recipe"]["fields"], saved["recipe"]["identity"])
+        if (out / "summary.json").is_file():
+            return Start(complete=json.loads((out / "summary.json").read_text()))
+        found = _checkpoint_dirs(out / CHECKPOINTS)
+        if not found:
+            raise ValueError(f"{out}: an incomplete run without retained training state (checkpoint policy "
+                             f"{saved.get('checkpoint_policy', '?')}); start it again in a fresh runtime.output_dir, "
+                             "or pass --overwrite")
+        checkpoint, run_dir = found[-1], out
+    else:
+        if overwrite and out.exists():
+            shutil.rmtree(out)
+        return Start()
+    state = verify_checkpoint(checkpoint)
+    recipe = state["extra"]["recipe"]
+    refuse_other_recipe(checkpoint, run_dir, recipe["fields"], recipe["identity"])
+    if overwrite and used and out.resolve() != run_dir.resolve():
+        shutil.rmtree(out)
+    return Start(checkpoint, state)
+
+
+# ---------------------------------------------------------------------------------------
+# The run
+
+
+def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Pretrain as `config` says (resuming when told, or when its output directory holds
+    an incomplete run); returns the summary written to summary.json."""
+    from linnet import nest
+    from linnet.pretrain.loader import Loader, Validation
+    from linnet.train.checkpoint import load_checkpoint
+    from linnet.train.loop import Step, optimizer_step, trained_parameters
+    from linnet.train.parallel import world
+
+    if world()[1] > 1:
+        raise NotImplementedError("linnet pretrain runs in one process for now; launch it without torchrun")
+    m, d, t, rt = config.model, config.data, config.training, config.runtime
+    if not d.cache:
+        raise ValueError("config: data.cache is required (prepare it with `linnet prepare --config …`)")
+    cache = open_cache(d.cache)
+    _check_cache_settings(config, cache)
+    fields = recipe_fields(config, cache.fingerprint)
+    identity = recipe_identity(fields)
+    card = model_card(config, cache)
+    budget = make_budget(config, card.params())
+    if not d.repeat:
+        from linnet.pretrain.loader import shard_groups
+
+        available = sum(g.count for g in shard_groups(cache.train, t.context_length, d.shuffle_group_size))
+        if budget.sequences > available:
+            raise ValueError(
+                f"{cache.path}: the budget needs {budget.sequences:,} training sequences of {t.context_length} tokens "
+                f"and the cache holds {available:,} ({budget.sequences / max(available, 1):.2f} passes); prepare a "
+                "larger cache, lower the budget (training.targets_per_parameter), or set data.repeat=true"
+            )
+    selected = checkpoint_epochs(config)
+    out = Path(rt.output_dir)
+    start = _start(config, out, fields, identity, resume, overwrite)
+    if start.complete is not None:
+        return start.complete
+
+    if rt.threads:
+        torch.set_num_threads(rt.threads)
+    device = torch.device(rt.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if rt.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    random.seed(rt.seed)
+    np.random.seed(rt.seed)
+    torch.manual_seed(rt.seed)
+    model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=rt.seed, trainable=True,
+                      compile=m.compile, attention=m.attention)
+    params = trained_parameters(model)
+    assert sum(p.numel() for p in params) == card.params()
+    optimizer = make_optimizer(model, config)
+    schedule = make_schedule(config, optimizer, budget.steps)
+    progress = Progress()
+    loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
+                     prefetch=d.prefetch, device=device)
+    out.mkdir(parents=True, exist_ok=True)
+    if start.checkpoint is not None:
+        extra = start.state["extra"]
+        load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, schedule=schedule)
+        _set_rng_state(extra["rng"])
+        progress = Progress(**extra["progress"])
+        loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
+        _keep_metrics(start.checkpoint.parent.parent / "metrics.jsonl", out / "metrics.jsonl", progress.step)
+        print(f"resuming from {start.checkpoint} (epoch {progress.epoch}, update {progress.step})", file=sys.stderr)
+    else:
+        loader = Loader(cache.train, **loader_kw)
+        write_text(out / "metrics.jsonl", "")
+    if progress.best is not None:
+        source_run = start.checkpoint.parent.parent
+        if progress.best["weights"] and source_run.resolve() != out.resolve():  # a branch: name the original file
+            kept = source_run / progress.best["weights"]
+            progress.best["weights"] = str(kept) if kept.is_file() else None
+        write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
+    write_text(out / "config.yaml", to_yaml(config))
+    run_record = {
+        "recipe": {"identity": identity, "fields": fields},
+        "checkpoint_policy": t.checkpoint_policy,
+        "budget": {"parameters": budget.parameters, "targets": budget.targets, "steps": budget.steps,
+                   "epochs": budget.epochs, "boundaries": list(budget.boundaries),
+                   "batch_targets": budget.batch_targets, "flops_per_token": flops_per_token(card, t.context_length)},
+        "cache": {"path": str(cache.path), "fingerprint": cache.fingerprint, "train_tokens": cache.train.tokens,
+                  "validation_tokens": cache.validation.tokens, "vocab_size": cache.vocab_size},
+        "loader": {"sequences_per_pass": loader.sequences_per_pass,
+                   "passes": budget.sequences / loader.sequences_per_pass},
+        "environment": _environment(device),
+        "resumed_from": None if start.checkpoint is None else str(start.checkpoint),
+    }
+    write_text(out / "run.json", json.dumps(run_record, indent=1) + "\n")
+    validation = Validation(cache.validation, context=t.context_length,
+                            subset_sequences=config.evaluation.subset_sequences, device=device) \
+        if (config.evaluation.subset_sequences or config.evaluation.full_validation) else None
+
+    save_kw = dict(model=model, optimizer=optimizer, schedule=schedule, loader=loader, fields=fields, identity=identity)
+    bar = None
+    if rt.progress:
+        from linnet.progress import Progress as Bar
+
+        bar = Bar(budget.steps, "pretrain")
+    print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
+          f"{budget.trained_targets:,} targets on {device} (recipe {identity})", file=sys.stderr)
+    metrics = (out / "metrics.jsonl").open("a")
+    A, B = t.accumulation, t.micro_batch_size
+    learned = A * B * t.context_length
+    clip = config.optimizer.grad_clip
+    session_start, session_steps = time.perf_counter(), 0
+    try:
+        model.train()
+        for epoch in range(progress.epoch + 1, budget.epochs + 1):
+            for step in budget.epoch_steps(epoch):
+                t0 = time.perf_counter()
+                waited = 0.0
+                total = torch.zeros((), device=device)
+                for _ in range(A):
+                    tl = time.perf_counter()
+                    batch = loader.batch(B)
+                    waited += time.perf_counter() - tl
+                    loss_sum, _ = model.loss_packed(batch)
+                    (loss_sum / learned).backward()
+                    total += loss_sum.detach()
+                loss = float(total) / learned  # the update's one host sync
+                norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, out / CHECKPOINTS)
+                seconds = time.perf_counter() - t0
+                record = Step(step, loss, learned, learned, norm, lr, seconds, {"loader_seconds": waited})
+                progress.step, progress.seconds = step, progress.seconds + seconds
+                progress.loader_seconds += waited
+                session_steps += 1
+                row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": norm,
+                       "tokens_per_second": record.tokens_per_second, "seconds": seconds, "loader_seconds": waited,
+                       "targets": step * learned}
+                if step == budget.boundaries[epoch - 1] and validation is not None and len(validation.subset):
+                    row["held_out_loss"] = evaluate(model, validation.subset_batches(config.evaluation.batch_size))
+                    if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
+                        kept = t.checkpoint_policy != "none" and epoch in selected
+                        progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
+                                         "weights": f"epoch-{epoch:03d}.safetensors" if kept else None}
+                        write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                if bar is not None:
+                    bar.update(step, loss=loss, tok_s=record.tokens_per_second)
+            progress.epoch = epoch
+            if t.checkpoint_policy != "none" and epoch in selected:
+                model.save_weights(out / f"epoch-{epoch:03d}.safetensors", dtype=torch.float32)
+                if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
+                    save_state(out, progress=progress, kind="epoch", **save_kw)
+    finally:
+        metrics.close()
+        loader.close()
+        if bar is not None:
+            bar.close()
+    if t.checkpoint_policy != "none":
+        if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
+            save_state(out, progress=progress, kind="final", **save_kw)
+        model.save_weights(out / "final.safetensors", dtype=torch.float32)
+    summary = _summary(config, out, budget, card, progress, identity, session_steps,
+                       time.perf_counter() - session_start)
+    if validation is not None and config.evaluation.full_validation:
+        t0 = time.perf_counter()
+        full = evaluate(model, validation.full_batches(config.evaluation.batch_size))
+        summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
+                       full_validation_sequences=validation.total,
+                       full_validation_seconds=round(time.perf_counter() - t0, 2))
+    write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _summary(config, out: Path, budget: Budget, card, progress: Progress, identity: str, session_steps: int,
+             session_seconds: float) -> dict[str, Any]:
+    rows = _read_metrics(out / "metrics.jsonl")
+    last_epoch = [r["loss"] for r in rows if r.get("epoch") == budget.epochs]
+    tokens = budget.batch_targets * budget.steps
+    tokens_per_second = tokens / progress.seconds if progress.seconds else None
+    return {
+        "recipe": identity,
+        "parameters": budget.parameters,
+        "steps": budget.steps,
+        "epochs": budget.epochs,
+        "targets": budget.trained_targets,
+        "train_seconds": round(progress.seconds, 2),
+        "steps_this_session": session_steps,
+        "tokens_per_second": tokens_per_second,
+        "model_tflops_per_second": tokens_per_second * flops_per_token(card, config.training.context_length) / 1e12
+        if tokens_per_second else None,
+        "loader_share": progress.loader_seconds / progress.seconds if progress.seconds else None,
+        "first_loss": rows[0]["loss"] if rows else None,
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "last_epoch_mean_loss": float(np.mean(last_epoch)) if last_epoch else None,
+        "held_out_loss": next((r["held_out_loss"] for r in reversed(rows) if "held_out_loss" in r), None),
+        "best": progress.best,
+        "final_weights": str(out / "final.safetensors") if (out / "final.safetensors").is_file() else None,
+    }
+
+
+def plan(config: PretrainConfig) -> list[tuple[str, str]]:
+    """The budget table of a config (needs its cache for the vocabulary)."""
+    cache = open_cache(config.data.cache)
+    card = model_card(config, cache)
+    budget = make_budget(config, card.params())
+    return budget.table() + [
+        ("cache", f"{cache.path} ({cache.train.tokens:,} training tokens)"),
+        ("passes over the cache", f"{budget.sequences * config.training.context_length / max(cache.train.tokens, 1):.2f}"),
+        ("FLOPs per token", f"{flops_per_token(card, config.training.context_length):.3g}"),
+    ]
+
+
+def cli(argv: list[str] | None = None) -> int:
+    from linnet.config import template
+
+    parser = argparse.ArgumentParser(prog="linnet pretrain", description="Pretrain a Llama decoder from a token cache.")
+    parser.add_argument("--config", action="append", default=[],
+                        help="YAML config (repeat to run several experiments in turn)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. training.epochs=4 (repeatable)")
+    parser.add_argument("--resume", metavar="CKPT", help="a checkpoints/step-… directory (or a run directory)")
+    parser.add_argument("--overwrite", action="store_true", help="delete the output directory first")
+    parser.add_argument("--plan", action="store_true", help="print the budget and exit")
+    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
+    args = parser.parse_args(argv)
+    if args.template:
+        print(template(PretrainConfig))
+        return 0
+    paths = args.config or ([None] if args.set else [])
+    if not paths:
+        parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
+    if args.resume and len(paths) > 1:
+        parser.error("--resume takes one --config")
+    for path in paths:
+        config = load(path, args.set)
+        if args.plan:
+            rows = plan(config)
+        else:
+            try:
+                summary = run(config, resume=args.resume, overwrite=args.overwrite)
+            except KeyboardInterrupt:
+                found = _checkpoint_dirs(Path(config.runtime.output_dir) / CHECKPOINTS)
+                where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "
+                print(f"linnet pretrain: interrupted; {where}running the same command resumes the run",
+                      file=sys.stderr)
+                return 130
+            rows = [(k, json.dumps(v) if isinstance(v, dict) else str(v)) for k, v in summary.items()]
+        width = max(len(k) for k, _ in rows)
+        print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    return 0

@@ -1,0 +1,226 @@
+"""`linnet pretrain` on a tiny model: exact resume (branch and in place), refusals of
+other recipes and damaged checkpoints, checkpoint policies, clipping, the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from linnet.pretrain.config import load
+from linnet.pretrain.prepare import prepare
+from linnet.pretrain.runner import cli, run
+
+torch.set_num_threads(1)
+WORDS = [f"w{i}" for i in range(40)]
+STEPS = 32  # 4 epochs of 8 updates of 2 x 4 sequences of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A learnable corpus (each word has three possible successors) and its cache."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root = tmp_path_factory.mktemp("pretrain")
+    vocab = {"<eos>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tok.json"))
+    g = np.random.default_rng(0)
+    successors = g.integers(0, 40, size=(40, 3))
+    docs = []
+    for _ in range(500):
+        w = [int(g.integers(40))]
+        for _ in range(int(g.integers(6, 20))):
+            w.append(int(successors[w[-1], g.integers(3)]))
+        docs.append(" ".join(WORDS[i] for i in w))
+    (root / "corpus.txt").write_text("\n".join(docs) + "\n")
+    overrides = [f"data.cache={root / 'cache'}", f"data.source=[{root / 'corpus.txt'}]",
+                 f"data.tokenizer={root / 'tok.json'}", "data.document_split=line", "data.shard_tokens=300",
+                 "data.prepare_workers=1", "data.validation_every=10", "data.shuffle_buffer=50"]
+    prepare(load(None, overrides).data)
+    return root
+
+
+def _config(workspace: Path, out: Path, *changes: str):
+    sets = [
+        f"data.cache={workspace / 'cache'}", "data.shuffle_group_size=2",
+        # vocab 1024 rather than the tokenizer's 42: linear_cross_entropy allocates an
+        # arange of 2**28 / vocab rows per call, 51 MB (60 ms) at 42
+        "model.vocab=1024", "model.hidden=32", "model.intermediate=64", "model.layers=2", "model.heads=2",
+        "training.context_length=16", "training.micro_batch_size=4", "training.accumulation=2",
+        f"training.total_targets={STEPS * 128}", "training.epochs=4",
+        "optimizer.lr=0.01", "lr_schedule.warmup_steps=3", "evaluation.subset_sequences=8",
+        "evaluation.batch_size=4", "runtime.progress=false", f"runtime.output_dir={out}",
+    ]
+    return load(None, sets + list(changes))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture(scope="module")
+def straight(workspace):
+    """The reference: 32 updates straight, every epoch's weights and training state kept."""
+    out = workspace / "straight"
+    run(_config(workspace, out, "training.checkpoint_policy=interval", "training.save_epoch_training_state=true"))
+    return out
+
+
+def test_a_straight_run_learns_and_keeps_what_its_policy_says(workspace, straight):
+    rows = _metrics(straight)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
+    assert [r["step"] for r in rows if "held_out_loss" in r] == [8, 16, 24, 32]
+    assert held[-1] < held[0] < rows[0]["loss"] - 1.0  # ln(1024) = 6.9 at the start
+    names = sorted(p.name for p in straight.iterdir())
+    assert names == ["best.json", "checkpoints", "config.yaml", "epoch-001.safetensors", "epoch-002.safetensors",
+                     "epoch-003.safetensors", "epoch-004.safetensors", "final.safetensors", "metrics.jsonl",
+                     "run.json", "summary.json"]
+    assert [p.name for p in sorted((straight / "checkpoints").iterdir())] == [
+        "step-00000008", "step-00000016", "step-00000024", "step-00000032"]
+    best = json.loads((straight / "best.json").read_text())
+    assert best["held_out_loss"] == min(held) and best["weights"] == f"epoch-{best['epoch']:03d}.safetensors"
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["full_validation_loss"] > 0 and summary["targets"] == STEPS * 128
+    record = json.loads((straight / "run.json").read_text())
+    assert record["recipe"]["identity"] == summary["recipe"] and record["budget"]["boundaries"] == [8, 16, 24, 32]
+    assert _same_weights(straight / "epoch-004.safetensors", straight / "final.safetensors")
+
+
+def test_resume_from_the_middle_of_a_shard_group_equals_the_straight_run(workspace, straight, tmp_path):
+    """Stop after epoch 2 (inside a shard group), resume on a branch with another
+    prefetch, device spelling and retention: the same losses and the same weights."""
+    from linnet.pretrain.cache import open_cache
+    from linnet.pretrain.loader import Loader
+
+    checkpoint = straight / "checkpoints" / "step-00000016"
+    cursor = torch.load(checkpoint / "state.pt", weights_only=True)["extra"]["cursor"]
+    with Loader(open_cache(workspace / "cache").train, context=16, group_size=2, seed=0) as loader:
+        assert loader.locate(cursor["position"])[2] > 0  # mid-group
+    branch = tmp_path / "branch"
+    config = _config(workspace, branch, "data.prefetch=false", "runtime.device=cpu", "training.checkpoint_policy=final")
+    run(config, resume=checkpoint)
+    assert [r["loss"] for r in _metrics(branch)] == [r["loss"] for r in _metrics(straight)]
+    assert [r.get("held_out_loss") for r in _metrics(branch)] == [r.get("held_out_loss") for r in _metrics(straight)]
+    assert _same_weights(branch / "final.safetensors", straight / "final.safetensors")
+    assert json.loads((branch / "run.json").read_text())["resumed_from"] == str(checkpoint)
+    # and writing snapshots did not perturb the straight run: a run that keeps none agrees
+    plain = tmp_path / "plain"
+    run(_config(workspace, plain))
+    assert _same_weights(plain / "final.safetensors", straight / "final.safetensors")
+    assert sorted(p.name for p in plain.iterdir()) == ["best.json", "checkpoints", "config.yaml", "final.safetensors",
+                                                       "metrics.jsonl", "run.json", "summary.json"]
+    assert json.loads((plain / "best.json").read_text())["weights"] is None  # its best epoch's weights were not kept
+
+
+def test_an_interrupted_run_resumes_itself_from_its_latest_snapshot(workspace, straight, tmp_path, monkeypatch):
+    from linnet.train import loop
+
+    out = tmp_path / "interrupted"
+    config = _config(workspace, out, "training.checkpoint_policy=interval", "training.checkpoint_epochs=2",
+                     "training.save_epoch_training_state=true")
+    real_step = loop.optimizer_step
+
+    def stop_at_21(params, optimizer, schedule, clip, loss, step, checkpoint):
+        if step == 21:
+            raise KeyboardInterrupt
+        return real_step(params, optimizer, schedule, clip, loss, step, checkpoint)
+
+    monkeypatch.setattr(loop, "optimizer_step", stop_at_21)
+    with pytest.raises(KeyboardInterrupt):
+        run(config)
+    assert len(_metrics(out)) == 20 and not (out / "summary.json").exists()
+    monkeypatch.setattr(loop, "optimizer_step", real_step)
+    summary = run(config)  # finds the incomplete run and resumes it from update 16
+    assert summary["steps_this_session"] == 16
+    assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))  # 17-20 not logged twice
+    assert [r["loss"] for r in _metrics(out)] == [r["loss"] for r in _metrics(straight)]
+    assert _same_weights(out / "final.safetensors", straight / "final.safetensors")
+    assert run(config) == summary  # complete: left as it is
+
+
+def test_another_recipe_is_refused_naming_the_fields(workspace, straight, tmp_path):
+    changed = _config(workspace, tmp_path / "other", "optimizer.lr=0.02", "training.epochs=8")
+    with pytest.raises(ValueError, match=r"written by another recipe .*optimizer.lr: 0.01 \(run\) vs 0.02 \(config\); "
+                                         r"training.epochs: 4 \(run\) vs 8 \(config\)"):
+        run(changed, resume=straight / "checkpoints" / "step-00000016")
+    assert not (tmp_path / "other").exists()
+    with pytest.raises(ValueError, match=r"run.json: written by another recipe .*runtime.seed: 0 \(run\) vs 1"):
+        run(_config(workspace, straight, "runtime.seed=1"))  # the run directory itself
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_previous_one_still_resumes(workspace, straight, tmp_path):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(straight, run_dir)
+    latest, previous = run_dir / "checkpoints" / "step-00000024", run_dir / "checkpoints" / "step-00000016"
+    data = bytearray((latest / "optimizer.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (latest / "optimizer.pt").write_bytes(bytes(data))
+    config = _config(workspace, tmp_path / "b1")
+    with pytest.raises(ValueError, match=rf"optimizer.pt: corrupt or truncated .*previous checkpoint is {previous}"):
+        run(config, resume=latest)
+    final = run_dir / "checkpoints" / "step-00000032"
+    (final / "trained.safetensors").write_bytes((final / "trained.safetensors").read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"trained.safetensors: corrupt or truncated"):
+        run(config, resume=final)
+    (previous / "checksums.json").rename(tmp_path / "aside.json")
+    with pytest.raises(ValueError, match=r"incomplete checkpoint \(no checksums.json"):
+        run(config, resume=previous)
+    (tmp_path / "aside.json").rename(previous / "checksums.json")
+    run(config, resume=previous)
+    assert _same_weights(tmp_path / "b1" / "final.safetensors", straight / "final.safetensors")
+
+
+def test_policy_none_keeps_no_weights_and_explicit_keeps_the_listed_epochs(workspace, tmp_path):
+    none = tmp_path / "none"
+    run(_config(workspace, none, "training.checkpoint_policy=none", "training.total_targets=2048",
+                "evaluation.full_validation=false"))
+    assert sorted(p.name for p in none.iterdir()) == ["best.json", "config.yaml", "metrics.jsonl", "run.json",
+                                                      "summary.json"]
+    explicit = tmp_path / "explicit"
+    run(_config(workspace, explicit, "training.checkpoint_policy=explicit", "training.checkpoint_epochs=[1, 3]",
+                "training.total_targets=2048"))
+    assert sorted(p.name for p in explicit.glob("*.safetensors")) == [
+        "epoch-001.safetensors", "epoch-003.safetensors", "final.safetensors"]
+    assert [p.name for p in (explicit / "checkpoints").iterdir()] == ["step-00000016"]  # final state only
+
+
+def test_grad_clip_null_still_logs_the_norm(workspace, tmp_path):
+    common = ["training.checkpoint_policy=none", "training.total_targets=1024", "evaluation.full_validation=false"]
+    free, tight = tmp_path / "free", tmp_path / "tight"
+    run(_config(workspace, free, "optimizer.grad_clip=null", *common))
+    run(_config(workspace, tight, "optimizer.grad_clip=0.05", *common))
+    a, b = _metrics(free), _metrics(tight)
+    assert a[0]["grad_norm"] == b[0]["grad_norm"] > 0.05  # measured before clipping
+    assert a[0]["loss"] == b[0]["loss"] and a[2]["loss"] != b[2]["loss"]
+
+
+def test_refusals_before_training(workspace, tmp_path):
+    with pytest.raises(ValueError, match=r"the budget needs 4,096 training sequences .*set data.repeat=true"):
+        run(_config(workspace, tmp_path / "big", f"training.total_targets={4096 * 16}"))
+    (tmp_path / "other.txt").write_text("w1 w2\n")
+    with pytest.raises(ValueError, match=r"prepared with other settings than this config: .*data.source: cache has"):
+        run(_config(workspace, tmp_path / "o", f"data.source=[{tmp_path / 'other.txt'}]"))
+    with pytest.raises(ValueError, match=r"over the budget's 32 updates: .*lower lr_schedule.warmup_steps"):
+        run(_config(workspace, tmp_path / "w", "lr_schedule.warmup_steps=40"))
+    assert not any((tmp_path / name).exists() for name in ("big", "o", "w"))
+
+
+def test_cli_plan_and_a_complete_run(workspace, straight, capsys):
+    assert cli(["--config", str(straight / "config.yaml"), "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "32 (4,096 targets trained)" in out and "4 of 8-8 updates" in out
+    assert cli(["--config", str(straight / "config.yaml")]) == 0  # complete: prints its summary
+    assert json.loads((straight / "summary.json").read_text())["recipe"] in capsys.readouterr().out
