@@ -63,6 +63,17 @@ def _shifted_exp_(z_NV):
     return top[:, 0] + sums.log(), sums
 
 
+def _add_weight_grad_(grad_VD, g_NV, h_ND) -> None:
+    """grad += g.T @ h, accumulated in grad's float32 without a [V, D] temporary: in place
+    when the dtypes agree, else through vocabulary slices of about 64 MiB."""
+    if g_NV.dtype == grad_VD.dtype:
+        grad_VD.addmm_(g_NV.T, h_ND)
+        return
+    rows = max(1, (1 << 26) // (4 * h_ND.shape[1]))
+    for v in range(0, grad_VD.shape[0], rows):
+        grad_VD[v : v + rows] += (g_NV[:, v : v + rows].T @ h_ND).to(grad_VD.dtype)
+
+
 def _zeros_f32(w_VD):
     return torch.zeros(w_VD.shape, dtype=_f32(w_VD).dtype, device=w_VD.device)
 
@@ -93,7 +104,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_h:
                     grad_h[sl] = g @ wc_VD
                 if need_w:
-                    grad_w += _f32(g.T @ h_ND[sl])
+                    _add_weight_grad_(grad_w, g, h_ND[sl])
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = w_VD.dtype
         return total
@@ -148,7 +159,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[sl] = g @ wc_VD
             if need_w:
-                grad_w += _f32(g.T @ h_ND[sl])
+                _add_weight_grad_(grad_w, g, h_ND[sl])
         return grad_h, None if grad_w is None else grad_w.to(w_VD.dtype), None, None
 
 
