@@ -357,3 +357,21 @@ def test_plan_imports_no_torch_and_runs_as_a_module():
     done = subprocess.run([sys.executable, "-m", "linnet.plan", "tinyllama-1.1b-chat", "--json"],
                           check=True, capture_output=True, text=True)
     assert json.loads(done.stdout)["model"] == "tinyllama-1.1b-chat"
+
+
+def test_plan_reads_a_run_config(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: {card: llama-3.1-8b-instruct}\n"
+        "data: {path: x.jsonl, tokens: 4096}\n"
+        "lora: {rank: 8, targets: ['model.layers.*.self_attn.q_proj', 'model.layers.*.self_attn.v_proj']}\n"
+        "training: {steps: 100, accumulate: 4}\n"
+    )
+    assert plan.cli(["--config", str(config), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["method"]["rank"] == 8 and data["method"]["targets"] == ["q_proj", "v_proj"]
+    assert data["batch"]["seq"] == 4096 and data["batch"]["chunked_loss"] is True
+    assert data["compute"]["tokens"] == 100 * 4 * 4096
+    assert plan.cli(["--config", str(config), "--method", "full", "--json"]) == 0  # flags override the file
+    assert json.loads(capsys.readouterr().out)["method"]["name"] == "full"
+    assert plan.cli([]) == 2

@@ -741,8 +741,11 @@ def _parser() -> argparse.ArgumentParser:
         "from a model card, before anyone rents a GPU. Unset flags take the defaults shown.",
     )
     parser.add_argument(
-        "card", help=f"a registered card ({', '.join(sorted(nest.REGISTRY))}) or a Hugging Face model directory"
+        "card", nargs="?",
+        help=f"a registered card ({', '.join(sorted(nest.REGISTRY))}) or a Hugging Face model directory",
     )
+    parser.add_argument("--config", metavar="YAML",
+                        help="plan the run a `linnet sft` / `linnet dpo` config describes (flags override it)")
 
     what = parser.add_argument_group("what is trained").add_argument
     what("--method", choices=METHODS, help=f"full fine-tuning or an adapter method (default {method.name})")
@@ -796,11 +799,51 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_from_run_config(path: str) -> dict[str, Any]:
+    """The card and plan settings of a `linnet sft` / `linnet dpo` YAML, read as plain
+    data (no torch): LoRA or full, rank, adapted layers, the packed row as the sequence,
+    linnet's blockwise loss, and the token count when the steps are fixed."""
+    import fnmatch
+
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    model, lora, data = config.get("model", {}), config.get("lora", {}), config.get("data", {})
+    training = config.get("training", {})
+    settings: dict[str, Any] = {"card": model.get("card", "debug"), "chunked_loss": True, "checkpointing": False,
+                                "micro_batch": 1, "seq": data.get("tokens", 2048)}
+    if lora.get("enabled", True):
+        settings["method"] = "lora"
+        settings["rank"] = lora.get("rank", 16)
+        patterns = lora.get("targets", ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"])
+        patterns = [patterns] if isinstance(patterns, str) else patterns
+        parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+        settings["targets"] = [
+            name for name in LINEAR_NAMES
+            if any(fnmatch.fnmatch(f"model.layers.0.{parents.get(name, 'mlp')}.{name}{end}", pattern)
+                   for pattern in patterns for end in ("", ".weight"))
+        ]
+    else:
+        settings["method"] = "full"
+    if training.get("steps"):
+        settings["tokens"] = training["steps"] * training.get("accumulate", 1) * settings["seq"]
+    return settings
+
+
 def cli(argv: list[str] | None = None) -> int:
-    """`linnet plan CARD [flags]`: print the plan; 2 on bad input."""
+    """`linnet plan CARD [flags]` or `linnet plan --config RUN.yaml`: print the plan; 2 on bad input."""
     args = vars(_parser().parse_args(argv))
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
+    config = args.pop("config")
     try:
+        if config is not None:
+            settings = settings_from_run_config(config)
+            config_card = settings.pop("card")
+            card = card or config_card
+            args = {**settings, **{k: v for k, v in args.items() if v is not None}}
+        if card is None:
+            raise ValueError("give a CARD, or --config RUN.yaml")
         inputs = plan_inputs(args)
         if side_by_side:
             names = list(dict.fromkeys((*COMPARED, inputs["method"].name)))
