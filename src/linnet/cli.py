@@ -3,6 +3,7 @@
     linnet quickstart          fine-tune a small model on an embedded task, no files needed
     linnet sft --config F      supervised fine-tuning (LoRA or full) from a YAML config
     linnet dpo --config F      preference optimization (DPO) from a YAML config
+    linnet grpo --config F     GRPO with the KV-cache engine and built-in or custom rewards
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
@@ -77,6 +78,7 @@ COMMANDS = {
     "quickstart": "linnet.quickstart:cli",
     "sft": "linnet.sft:cli",
     "dpo": "linnet.preference:cli",
+    "grpo": "linnet.reinforce:cli",
     "generate": "linnet.serve.generate:cli",
     "inspect": "linnet.sft:inspect_cli",
     "prepare": "linnet.pretrain.prepare:cli",

@@ -1,6 +1,6 @@
 """The quickstart: the whole SFT path on an embedded task, no files and no network.
 
-    linnet quickstart                   # about two minutes on 2 CPU cores
+    linnet quickstart                   # a few minutes on 2 CPU cores
     linnet quickstart --steps 100 --out runs/qs
 
 It builds a character tokenizer and a ~0.8M-parameter Llama-architecture model, makes a
@@ -107,16 +107,19 @@ def held_out_loss(model, rows) -> float:
 
 
 def save_tokenizer(path: Path) -> None:
-    """A tokenizer.json for the character vocabulary (tokenizers' WordLevel model)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    """A tokenizer.json for the character vocabulary (tokenizers' WordLevel model), its
+    control tokens special so decoding drops them."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<pad>", "<s>", "</s>")])
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
     write_text(path, tok.to_str())
 
 
-def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int = 20, grpo_steps: int = 30,
-        digits: int = 2, tokens: int = 1024, lr: float = 3e-3, seed: int = 0, evaluate_every: int = 50,
+def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int = 20, grpo_steps: int = 30,
+        digits: int = 2, tokens: int = 1024, lr: float = 2e-3, seed: int = 0, evaluate_every: int = 50,
         threads: int | None = None) -> dict:
     """Run the three stages and return the summary (also written to summary.json)."""
     from linnet.serve import Engine
@@ -175,12 +178,13 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
     pairs = own_pairs(engine, model, practice, samples=8, seed=seed) if dpo_steps > 0 else []
     if pairs:
         print(f"dpo: {len(pairs)} pairs from the model's own right and wrong answers")
-        optimizer = torch.optim.AdamW(trained, lr=lr / 10, weight_decay=0.0)
+        # small steps: the model is already good, and DPO can lower both answers' likelihood
+        optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
         stage("dpo", dpo_steps, lambda report: dpo(model, pairs, optimizer=optimizer, steps=dpo_steps,
-                                                   pairs_per_step=32, beta=0.1, tokens=tokens, on_step=report))
+                                                   pairs_per_step=32, beta=0.5, tokens=tokens, on_step=report))
 
     prompts = [Prompt([BOS] + encode(p), encode(a) + [EOS]) for p, a in practice]
-    optimizer = torch.optim.AdamW(trained, lr=lr / 10, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.0)
     stage("grpo", grpo_steps, lambda report: grpo(
         model, engine, prompts, exact_answer, optimizer=optimizer, steps=grpo_steps, group=8,
         prompts_per_step=16, max_new_tokens=digits + 2, tokens=tokens, seed=seed, on_step=report,
@@ -209,12 +213,12 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linnet quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
-    parser.add_argument("--steps", type=int, default=400, help="SFT optimizer steps (default: 400)")
+    parser.add_argument("--steps", type=int, default=600, help="SFT optimizer steps (default: 600)")
     parser.add_argument("--dpo-steps", type=int, default=20, help="DPO steps, 0 to skip (default: 20)")
     parser.add_argument("--grpo-steps", type=int, default=30, help="GRPO steps, 0 to skip (default: 30)")
     parser.add_argument("--digits", type=int, default=2, help="digits of each addend (default: 2)")
     parser.add_argument("--tokens", type=int, default=1024, help="positions per packed row (default: 1024)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="SFT peak learning rate (default: 2e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = parser.parse_args(argv)

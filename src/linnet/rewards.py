@@ -1,0 +1,84 @@
+"""Built-in GRPO rewards over decoded completions, and `module:function` lookup.
+
+Each built-in is made by a factory taking the tokenizer (to decode the completion), and
+returns `reward(prompt, completion_ids) -> float` with `prompt.answer` the reference:
+
+  exact      1 when the completion's final answer equals the reference answer
+  numeric    1 when the completion's last number equals the reference number
+  format     1 when the completion matches a regular expression (no answer needed)
+
+A final answer is the text after the last "####" (GSM8K's convention), else after the
+last "answer:"/"answer is", else the whole completion, stripped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+
+NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+
+
+def final_answer(text: str) -> str:
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    match = list(re.finditer(r"answer(?: is|:)\s*", text, flags=re.IGNORECASE))
+    return (text[match[-1].end():] if match else text).strip()
+
+
+def last_number(text: str) -> float | None:
+    found = NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", "").rstrip("."))
+    except ValueError:
+        return None
+
+
+def exact(tokenizer) -> Callable:
+    def exact_answer(prompt, completion: list[int]) -> float:
+        return float(final_answer(tokenizer.decode(completion)) == final_answer(str(prompt.answer)))
+
+    return exact_answer
+
+
+def numeric(tokenizer) -> Callable:
+    def numeric_answer(prompt, completion: list[int]) -> float:
+        got, want = last_number(tokenizer.decode(completion)), last_number(str(prompt.answer))
+        return float(got is not None and want is not None and abs(got - want) < 1e-6)
+
+    return numeric_answer
+
+
+def format_match(tokenizer, pattern: str) -> Callable:
+    compiled = re.compile(pattern, flags=re.DOTALL)
+
+    def format_reward(prompt, completion: list[int]) -> float:
+        return float(compiled.search(tokenizer.decode(completion)) is not None)
+
+    return format_reward
+
+
+def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
+    """A reward from its config spelling: "exact", "numeric", "format" (with `pattern`),
+    or "package.module:function" (a function taking (prompt, completion_ids))."""
+    if spec == "exact":
+        return exact(tokenizer)
+    if spec == "numeric":
+        return numeric(tokenizer)
+    if spec == "format":
+        if not pattern:
+            raise ValueError("reward 'format' needs grpo.format_pattern, a regular expression")
+        return format_match(tokenizer, pattern)
+    module, sep, name = spec.partition(":")
+    if not sep:
+        raise ValueError(f"reward {spec!r}: use exact, numeric, format, or 'module:function'")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {spec!r}: cannot import it ({e})") from None
+    if not callable(function):
+        raise ValueError(f"reward {spec!r} is not callable")
+    return function

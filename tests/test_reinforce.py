@@ -1,0 +1,62 @@
+"""`linnet grpo` end to end on a tiny model directory; built-in rewards."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import cli, nest, quickstart, rewards
+from linnet.config import load_config
+from linnet.reinforce import GRPOConfig, run
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"prompt": p, "answer": a}) for p, a in quickstart.problems(rng, 60, 1)]
+    (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_grpo_run_writes_metrics(workspace, tmp_path):
+    config = load_config(GRPOConfig, None, [
+        f"model.card={workspace / 'model'}", f"data.path={workspace / 'prompts.jsonl'}", "data.chat=false",
+        "data.tokens=64", "data.eval_share=0.1", "grpo.group=4", "grpo.prompts_per_step=4",
+        "grpo.max_new_tokens=3", "grpo.rewards=[exact, numeric]", "training.steps=3", "training.eval_every=2",
+        "schedule.warmup=1", f"output={tmp_path / 'run'}"])
+    summary = run(config)
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3 and {"reward", "reward_exact", "reward_numeric", "uniform", "clip_fraction"} <= set(metrics[0])
+    assert "held_out_reward" in summary and (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+
+
+def test_builtin_rewards():
+    tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
+    prompt = SimpleNamespace(answer="Natalia sold 72 clips.\n#### 72")
+    enc = lambda s: [ord(c) for s_ in [s] for c in s_]  # noqa: E731
+    assert rewards.exact(tok)(prompt, enc("so #### 72")) == 1.0
+    assert rewards.exact(tok)(prompt, enc("#### 71")) == 0.0
+    assert rewards.numeric(tok)(prompt, enc("The answer is 72.0")) == 1.0
+    assert rewards.numeric(tok)(prompt, enc("no number")) == 0.0
+    assert rewards.resolve("format", tok, r"####\s*\d+")(prompt, enc("x #### 3")) == 1.0
+    assert rewards.resolve("linnet.rewards:last_number", tok) is rewards.last_number
+    with pytest.raises(ValueError, match="module:function"):
+        rewards.resolve("fuzzy", tok)
+    with pytest.raises(ValueError, match="format_pattern"):
+        rewards.resolve("format", tok)
+
+
+def test_grpo_config_errors(capsys):
+    with pytest.raises(ValueError, match="grpo.group"):
+        load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.group=1"])
+    assert cli.main(["grpo", "--template"]) == 0
+    assert "correction_cap" in capsys.readouterr().out
