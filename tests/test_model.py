@@ -140,3 +140,15 @@ def test_sharded_checkpoint_loads(tmp_path):
     tokens = _tokens(2)
     with torch.no_grad():
         assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_equal_documents_batched_attention_matches_dense():
+    """Rows of equal documents take one batched SDPA call; it must equal the mask path."""
+    from linnet.torch import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 24, 8, generator=g) for h in (4, 2, 2))
+    bounds = [0, 6, 12, 18, 24]
+    torch.testing.assert_close(attention.documents(q, k, v, bounds), attention.dense(q, k, v, bounds))
+    uneven = [0, 5, 12, 18, 24]
+    torch.testing.assert_close(attention.documents(q, k, v, uneven), attention.dense(q, k, v, uneven))
