@@ -113,21 +113,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
-    """Read a YAML file (or start from defaults when path is None) and apply overrides."""
+def read_yaml(path: str | Path | None) -> tuple[dict[str, Any], str]:
+    """(the mapping in a YAML file, where it came from); ({}, "config") for no file."""
     import yaml
 
-    data: dict[str, Any] = {}
-    where = "config"
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
-        where = str(path)
+    if path is None:
+        return {}, "config"
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such config file")
+    try:
+        return yaml.safe_load(path.read_text()) or {}, str(path)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
+
+
+def load_config(cls: type[T], path: str | Path | None, overrides: list[str] = ()) -> T:
+    """Read a YAML file (or start from defaults when path is None) and apply overrides."""
+    data, where = read_yaml(path)
     return from_dict(cls, apply_overrides(data, list(overrides)), where)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from linnet.config import apply_overrides, from_dict, group, option, to_dict
+from linnet.config import apply_overrides, from_dict, group, option, read_yaml, to_dict
 
 LOADER_VERSION = 2
 
@@ -214,19 +214,7 @@ def from_data(data: dict[str, Any], where: str = "config") -> PretrainConfig:
 
 def load(path: str | Path | None, overrides: list[str] = ()) -> PretrainConfig:
     """A config from a YAML file (or the defaults when path is None) and `a.b=c` overrides."""
-    import yaml
-
-    data: dict[str, Any] = {}
-    where = "config"
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
-        where = str(path)
+    data, where = read_yaml(path)
     return from_data(apply_overrides(data, list(overrides)), where)
 
 
