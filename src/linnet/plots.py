@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 PANELS = (  # (title, metric keys drawn in it)
-    ("loss (nats per learned token)", ("loss", "held_out_loss")),
+    ("loss (nats per learned token)", ("loss", "held_out_loss", "dpo_loss")),
     ("learning rate", ("lr",)),
     ("real tokens / s", ("tokens_per_second",)),
     ("gradient norm", ("grad_norm",)),
@@ -44,6 +44,8 @@ def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = N
         if panel_title.startswith("loss"):
             ax.set_yscale("log")
             ax.legend()
+        if panel_title.endswith("exact match"):
+            ax.set_ylim(0, 1.02)
     if title:
         fig.suptitle(title)
     fig.tight_layout()

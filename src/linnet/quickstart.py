@@ -141,12 +141,14 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     print(f"model: {CARD.params():,} parameters; task: {digits}-digit addition, {len(tests)} held-out problems")
     accuracies = {"start": accuracy(engine, model, tests)}
     print(f"held-out exact match before training: {accuracies['start']:.1%}")
-    metrics: list[dict] = []
+    metrics: list[dict] = [{"stage": "start", "step": 0, "held_out_accuracy": accuracies["start"]}]
     offset = 0
 
     def reporter(stage: str, total: int, bar: Progress):
         def report(s):
-            row = {"stage": stage, "step": offset + s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+            # each stage's loss under its own name: they measure different things
+            loss_key = "loss" if stage == "sft" else f"{stage}_loss"
+            row = {"stage": stage, "step": offset + s.step, loss_key: s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                    "tokens_per_second": s.tokens_per_second, **s.metrics}
             if stage == "sft" and (s.step % evaluate_every == 0 or s.step == total):
                 row["held_out_loss"] = held_out_loss(model, eval_rows)
