@@ -1,7 +1,11 @@
 """Attention paths over packed rows on CPU: which one should `choose("auto", cpu)` pick?
 
-    python bench/attention.py            # full run, ~5 min; writes bench/attention.md
-    python bench/attention.py --quick    # ~1 min smoke run (P=2048, fewer cases)
+    python bench/attention.py            # full run; writes bench/attention.md
+    python bench/attention.py --quick    # smoke run (P=2048, fewer cases)
+    OMP_WAIT_POLICY=PASSIVE python bench/attention.py   # on a machine others are using
+
+Run time: the full run took 557 s on the shared 2-core machine with others using 50-70% of
+it; about half that when idle. --quick takes about a minute.
     python bench/attention.py --out -    # print only, write no markdown
 
 A packed row of P positions holds several documents end to end; attention stays inside
@@ -9,12 +13,13 @@ each document. This times, on 2 threads, every path of `linnet.torch.attention` 
 built from realistic SFT length mixes, forward alone and forward+backward, f32 and bf16,
 then `Decoder.loss_packed` forward+backward of a ~7M-parameter Llama per path.
 
-Besides the shipped paths it times two bench-local candidates (marked *candidate*, not
-the shipped code) that isolate where time goes:
-  documents/split   the per-document loop over `torch.split` views instead of slices:
-                    autograd then joins the per-document gradients with one cat, where
-                    slicing builds a zero-filled [1, H, P, d] gradient per document and
-                    sums them (O(documents x P) memory traffic in backward).
+Besides the shipped paths it times bench-local variants (marked *, not shipped code)
+that isolate where time goes:
+  documents/slices  the per-document loop as it was before commit ecd295c, over slices
+                    q[:, :, s:e]: a slice's backward builds a zero-filled [1, H, P, d]
+                    gradient per document and autograd sums them (O(documents x P)
+                    memory traffic); the shipped loop runs over `torch.split` views, whose
+                    backward is one cat, and takes rows of equal documents in one call.
   dense/row-mask    dense SDPA with an additive float mask built once per row (the model
                     calls attention once per layer and rebuilds the bool mask each time;
                     SDPA then converts bool to float again on each call).
@@ -80,6 +85,8 @@ def document_lengths(mix: str, P: int, seed: int = 0) -> list[int]:
     documents until the next does not fit; the rest is padding, a document of its own)."""
     if mix == "one":
         return [P]
+    if mix == "equal":  # pretraining-style rows: equal sequences
+        return [256] * (P // 256)
     rng = np.random.default_rng(seed)
     lengths: list[int] = []
     while True:
@@ -105,12 +112,12 @@ def useful_fraction(lengths: list[int]) -> float:
 # -- candidates (bench-local) ----------------------------------------------------------
 
 @torch.compiler.disable
-def documents_split(q, k, v, bounds: list[int]):
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+def documents_slices(q, k, v, bounds: list[int]):
+    """`attention.documents` before commit ecd295c: one SDPA call per slice."""
     gqa = q.shape[1] != k.shape[1]
     outs = [
-        F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=gqa)
-        for qi, ki, vi in zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=gqa)
+        for s, e in zip(bounds[:-1], bounds[1:])
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
@@ -188,7 +195,7 @@ class Path:
 
 PATHS = [
     Path("documents", A.documents, True),
-    Path("documents/split", documents_split, True, candidate=True),
+    Path("documents/slices", documents_slices, True, candidate=True),
     Path("dense", A.dense, True),
     # forward only: the mask is built in forward, so its saving is all in the forward table
     Path("dense/row-mask", dense_row_mask, False, candidate=True),
@@ -324,7 +331,7 @@ def swapped(name: str, fn):
 
 E2E_PATHS = {  # label -> (attention path given to nest.load, replacement or None, backward)
     "documents": ("documents", None, True),
-    "documents/split": ("documents", documents_split, True),
+    "documents/slices": ("documents", documents_slices, True),
     "dense": ("dense", None, True),
     "flex (fwd only)": ("flex", None, False),
 }
@@ -356,7 +363,7 @@ def run_e2e(P, mixes, dtypes, labels, args):
                 path, replacement, backward = E2E_PATHS[label]
                 model = models[path]
 
-                def step(model=model, replacement=replacement, backward=backward, path=path):
+                def step(model=model, replacement=replacement, backward=backward, path=path, row=row):
                     model.zero_grad(set_to_none=True)
                     ctx = swapped(path, replacement) if replacement else contextlib.nullcontext()
                     with ctx, torch.set_grad_enabled(backward):
@@ -383,6 +390,18 @@ def _dt(dtype) -> str:
 
 def _ms(s) -> str:
     return "—" if s is None else f"{1e3 * s:.1f}"
+
+
+def revision() -> str:
+    """The commit of the checkout, marked dirty when attention.py differs from it (read only)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "src/linnet/torch/attention.py"],
+                               capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown revision"
+    return f"{head}{' + local changes to attention.py' if dirty else ''}" if head else "unknown revision"
 
 
 def machine() -> dict[str, str]:
@@ -488,30 +507,31 @@ def conclusion(cases: list[Case], e2e_rows) -> list[str]:
                      for c, r in zip(cases, r_min) if r < 1) or "none")
         + "."
     )
-    s_med, s_min = both(lambda t: t["documents"] / t["documents/split"])
+    s_med, s_min = both(lambda t: t["documents/slices"] / t["documents"])
     many = max(cases, key=lambda c: (len(c.lengths), c.P))
     lines.append(
-        f"- The shipped loop loses its time in backward: every document's slice gets a zero-filled "
-        f"full-row gradient that autograd then sums (O(documents x P) memory traffic). "
-        f"`documents/split` (candidate) is {_range(s_med)} faster [{_range(s_min)}]; at "
-        f"{len(many.lengths)} documents (P={many.P}, {many.mix}, {_dt(many.dtype)}): documents "
-        f"{_ms(many.fwdbwd['documents'])} ms, documents/split {_ms(many.fwdbwd['documents/split'])} ms, "
-        f"dense {_ms(many.fwdbwd['dense'])} ms."
+        f"- The loop before ecd295c (`documents/slices`) lost its time in backward: every document's slice "
+        f"gets a zero-filled full-row gradient that autograd then sums. The shipped split-based loop is "
+        f"{_range(s_med)} faster than it [{_range(s_min)}]; at {len(many.lengths)} documents (P={many.P}, "
+        f"{many.mix}, {_dt(many.dtype)}): slices {_ms(many.fwdbwd['documents/slices'])} ms, documents "
+        f"{_ms(many.fwdbwd['documents'])} ms, dense {_ms(many.fwdbwd['dense'])} ms."
     )
-    b_med, b_min = both(lambda t: t["dense"] / t["documents/split"])
-    wins = [c for c, r in zip(cases, b_min) if r < 1]
+    equal = [c for c in cases if c.mix == "equal"]
+    if equal:
+        lines.append(
+            "- Rows of equal documents (one batched SDPA call since 8fbb71b): documents/slices takes "
+            + ", ".join(f"{c.fwdbwd['documents/slices'] / c.fwdbwd['documents']:.2f}x "
+                        f"[{c.fwdbwd_min['documents/slices'] / c.fwdbwd_min['documents']:.2f}x] ({_dt(c.dtype)} "
+                        f"{c.heads.split()[1]})" for c in equal)
+            + " the time of `documents`."
+        )
+    wins = [c for c, r in zip(cases, r_min) if r < 1]
     mask_gain = [c.fwd_min["dense"] - c.fwd_min["dense/row-mask"] for c in cases]
     lines.append(
         f"- Building the dense mask once per row (additive, block by block) saves {1e3 * min(mask_gain):.0f} to "
         f"{1e3 * max(mask_gain):.0f} ms per call (forward, min-based) out of the dense call's "
         f"{1e3 * min(c.fwd_min['dense'] for c in cases):.0f} to {1e3 * max(c.fwd_min['dense'] for c in cases):.0f} ms: "
         "too little to change the ranking.")
-    lines.append(
-        f"- `dense` against `documents/split`: {_range(b_med)} [{_range(b_min)}]; "
-        f"dense faster in {sum(r < 1 for r in b_med)} [{len(wins)}] case(s)"
-        + (": " + ", ".join(f"{c.mix} ({len(c.lengths)} docs) P={c.P} {_dt(c.dtype)}" for c in wins) if wins else "")
-        + "."
-    )
     one = [c for c in cases if c.mix == "one"]
     if one:
         lines.append(
@@ -522,11 +542,11 @@ def conclusion(cases: list[Case], e2e_rows) -> list[str]:
         )
     if e2e_rows:
         parts = [f"{_dt(dtype)} {mix}: dense {med['dense'] / med['documents']:.2f}x "
-                 f"[{mins['dense'] / mins['documents']:.2f}x], documents/split "
-                 f"{med['documents/split'] / med['documents']:.2f}x [{mins['documents/split'] / mins['documents']:.2f}x]"
+                 f"[{mins['dense'] / mins['documents']:.2f}x], documents/slices "
+                 f"{med['documents/slices'] / med['documents']:.2f}x [{mins['documents/slices'] / mins['documents']:.2f}x]"
                  for dtype, mix, _, med, mins, _ in e2e_rows]
         lines.append("- End to end, step time relative to `documents`: " + "; ".join(parts) + ".")
-    flex = [c.fwd_min["flex/row-mask"] / min(c.fwd_min["documents"], c.fwd_min["documents/split"])
+    flex = [c.fwd_min["flex/row-mask"] / c.fwd_min["documents"]
             for c in cases if "flex/row-mask" in c.fwd]
     if flex:
         lines.append(
@@ -544,15 +564,13 @@ def conclusion(cases: list[Case], e2e_rows) -> list[str]:
     if not wins:
         rule = ("`choose(\"auto\", cpu)` should stay `documents` for training: in no case measured, whatever "
                 "the document count or lengths, one full-row document included, is a dense path faster "
-                "than the per-document loop (min-based). No rule by document count is needed. Take the "
-                "split-based loop into `attention.documents` (same results, faster backward).")
+                "than the per-document loop (min-based). No rule by document count is needed.")
     else:
         threshold = min(len(c.lengths) for c in wins)
-        clean = all(r < 1 for c, r in zip(cases, b_min) if len(c.lengths) >= threshold)
+        clean = all(r < 1 for c, r in zip(cases, r_min) if len(c.lengths) >= threshold)
         rule = ("dense wins only in some rows (see above); "
                 + (f"`dense if documents >= {threshold} else documents` agrees with every case measured."
-                   if clean else "no document-count threshold separates the cases cleanly, so keep `documents`.")
-                + " Take the split-based loop into `attention.documents` either way.")
+                   if clean else "no document-count threshold separates the cases cleanly, so keep `documents`."))
     lines += ["", "**Rule.** " + rule, ""]
     return lines
 
@@ -578,7 +596,7 @@ def policy_probe(args) -> None:
 
     before = _cpu_now()
     stats = interleaved({"documents": forward_backward(A.documents),
-                         "documents/split": forward_backward(documents_split),
+                         "documents/slices": forward_backward(documents_slices),
                          "dense": forward_backward(A.dense)}, budget_s=3.0, min_reps=3, max_reps=7)
     print("PROBE " + json.dumps({"stats": stats, "others": others_busy(before, _cpu_now())}), flush=True)
 
@@ -608,7 +626,7 @@ def wait_policy_section(rounds: int) -> list[str]:
             "OpenMP threads spin at each parallel region's barrier while their partner is descheduled: the "
             "per-document loop (one small region per document and per op) pays that many times a call, one "
             "large dense call pays it once.", "",
-            "| OMP_WAIT_POLICY | documents | documents/split* | dense | others' CPU |", "|---|---|---|---|---|",
+            "| OMP_WAIT_POLICY | documents | documents/slices* | dense | others' CPU |", "|---|---|---|---|---|",
             *rows, ""]
 
 
@@ -648,6 +666,7 @@ def main(argv=None) -> None:
     else:
         mixes = ("sft", "long-tail", "short", "one")
         plan = [(4096, mix, h) for h in HEADS for mix in mixes]
+        plan += [(4096, "equal", "small-llama H8/K2/d64")]
         plan += [(2048, mix, "small-llama H8/K2/d64") for mix in mixes]
         flex_heads, e2e_P, e2e_mixes, e2e_dtypes = {"small-llama H8/K2/d64"}, 4096, ["sft", "one"], dtypes
 
@@ -689,12 +708,13 @@ def main(argv=None) -> None:
              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: default)')}",
              f"- Load average at start / end: {info['load']} / {info_end['load']} (the machine is shared; "
              "paths are interleaved within each case so drift hits them alike)",
+             f"- Code: linnet at {revision()}",
              f"- Run time: {elapsed:.0f} s",
              f"- `choose(\"auto\", cpu)` currently returns `{A.choose('auto', torch.device('cpu')).__name__}`", "",
              "Mixes (documents packed whole until the next does not fit; the rest is a padding document): "
              "`sft` log-normal median 250 (σ 0.7); `long-tail` log-normal median 150 (σ 0.6) with one in eight "
              "drawn from 1024-2559; `short` log-normal median 40 (σ 0.5); `one` a single document of P tokens. "
-             "`useful` = the documents' causal work as a fraction of P². Columns marked * are bench-local "
+             "`equal` 16 documents of 256 (pretraining-style rows). `useful` = the documents' causal work as a fraction of P². Columns marked * are bench-local "
              "candidates (see the script's docstring), not shipped code. Bold: fastest in the row. "
              "`flex` compiles and has no backward on CPU.", ""]
     if with_flex:
@@ -703,7 +723,7 @@ def main(argv=None) -> None:
         lines += ["## Kernels, other head configs", ""] + case_tables(without, plain_paths)
     if e2e_rows:
         lines += ["## End to end", ""] + e2e_table(card, e2e_P, e2e_rows)
-        lines += ["`documents/split` swaps the candidate into `linnet.torch.attention` "
+        lines += ["`documents/slices` swaps the pre-ecd295c loop into `linnet.torch.attention` "
                   "for the timed call; `flex` is a no-grad forward.", ""]
     lines += policy_lines
     lines += conclusion(cases, e2e_rows)

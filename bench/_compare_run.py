@@ -1,0 +1,315 @@
+"""One measurement of bench/compare.py: one library, method, size and dtype, in a fresh
+process (clean peak RSS). The parent writes a spec JSON and reads one result JSON back.
+
+    python bench/_compare_run.py SPEC.json RESULT.json
+
+The spec names the workload directory bench/compare.py built (model directory with
+tokenizer, LoRA adapter directory, data JSON) and the run's settings; both sides read
+the same files. Timing: wall time between consecutive step-end callbacks (so data
+loading, collation, generation and the optimizer all count); peak memory: ru_maxrss at
+the end less VmRSS right after the imports (model, optimizer, data, activations count;
+the libraries' import footprint does not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+def vm_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Clock:
+    """Step-end timestamps, per-step losses and metrics."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.cpu_start = time.process_time()
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []
+        self.losses: list[float] = []
+        self.metrics: list[dict] = []
+        self.real: list[int] = []
+
+    def begin(self):
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+
+    def tick(self):
+        self.ends.append(time.perf_counter())
+        self.cpu_ends.append(time.process_time())
+
+    def seconds(self) -> list[float]:
+        marks = [self.start] + self.ends
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+    def cpu_seconds(self) -> list[float]:
+        """Process CPU time of each step: with one thread, the wall time less the time
+        other jobs on the shared machine held the core."""
+        marks = [self.cpu_start] + self.cpu_ends
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
+LORA_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# ---------------------------------------------------------------------------------------
+# linnet
+
+
+def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
+    import torch
+
+    from linnet import nest
+    from linnet.packing import Example, Pair, pack_groups
+    from linnet.torch.weights import bind_weights
+
+    method, dtype = spec["method"], spec["dtype"]
+    lora = method != "sft-full"
+    if spec.get("variant", "base") != "base":  # bench-local candidate changes (bench/_compare_candidates.py)
+        import contextlib
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _compare_candidates as candidates
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(candidates.patched(candidates.variant_changes(spec["variant"])))
+    model = nest.load(spec["model_dir"], dtype=dtype, trainable=not lora)
+    if lora:
+        model.add_lora([f"model.layers.*.{p}.weight" for p in LORA_LAYERS], rank=16, alpha=32)
+        bind_weights(model, spec["adapter_dir"], strict=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec["lr"], weight_decay=0.0)
+    extra: dict = {}
+
+    first_step: list[float] = []
+
+    def on_step(step):
+        first_step.append(step.seconds)
+        clock.tick()
+        clock.losses.append(step.loss)
+        clock.real.append(step.real)
+        clock.metrics.append(dict(step.metrics))
+
+    t_setup = time.perf_counter()
+    if method.startswith("sft"):
+        from linnet.train import train
+
+        examples = [Example.prompted(p, c) for p, c in zip(data["prompt"], data["completion"])]
+        rows = []
+        for bin_ in data["bins"][: spec["steps"]]:
+            (row,) = list(pack_groups([[examples[i] for i in bin_]], spec["tokens"]))
+            rows.append(row)
+        clock.begin()
+        train(model, rows, optimizer=optimizer, steps=spec["steps"], clip=1.0, on_step=on_step)
+    elif method == "dpo":
+        from linnet.train.dpo import dpo
+
+        n = spec["steps"] * spec["pairs_per_step"]
+        pairs = [Pair(p, c, r) for p, c, r in zip(data["prompt"][:n], data["chosen"][:n], data["rejected"][:n])]
+        clock.begin()
+        dpo(model, pairs, optimizer=optimizer, steps=spec["steps"], pairs_per_step=spec["pairs_per_step"],
+            beta=0.1, tokens=spec["tokens"], clip=1.0, on_step=on_step)
+        # dpo() computes every pair's reference log-probabilities before step 1 (its own
+        # clock starts after them): report them apart, and take them out of step 1
+        extra["reference_seconds"] = clock.seconds()[0] - first_step[0]
+        clock.start += extra["reference_seconds"]
+    elif method == "grpo":
+        from linnet.serve import Engine
+        from linnet.train.grpo import Prompt, grpo
+
+        engine = Engine(nest.load(spec["model_dir"], dtype=dtype))
+        target = spec["vocab"] // 2
+
+        def lower_half(prompt, completion):
+            return sum(1 for t in completion if 3 <= t < target) / max(len(completion), 1)
+
+        n = spec["steps"] * spec["prompts_per_step"]
+        prompts = [Prompt(p) for p in data["prompt"][:n]]
+        clock.begin()
+        grpo(model, engine, prompts, lower_half, optimizer=optimizer, steps=spec["steps"], group=spec["group"],
+             prompts_per_step=spec["prompts_per_step"], max_new_tokens=spec["max_new_tokens"], temperature=1.0,
+             stop=(spec["eos"],), tokens=spec["tokens"], max_grad_norm=1.0, seed=spec["seed"], verbose=False,
+             on_step=on_step)
+    else:
+        raise ValueError(method)
+    extra["setup_seconds"] = clock.start - t_setup
+    return extra
+
+
+# ---------------------------------------------------------------------------------------
+# TRL (+ PEFT)
+
+
+def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
+    import torch
+    import transformers
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    method, dtype = spec["method"], spec["dtype"]
+    lora = method != "sft-full"
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    if lora:
+        from peft import PeftModel
+
+        # the same adapter tensors linnet starts from (A drawn once, B zero)
+        model = PeftModel.from_pretrained(model, spec["adapter_dir"], is_trainable=True)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    extra: dict = {}
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            clock.begin()
+
+        def on_step_end(self, args, state, control, **kw):
+            clock.tick()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs and len(clock.losses) < len(clock.ends):
+                clock.losses.append(float(logs["loss"]))
+                clock.metrics.append({k: float(v) for k, v in logs.items() if isinstance(v, (int, float))})
+
+    common = dict(
+        output_dir=spec["scratch"], max_steps=spec["steps"], learning_rate=spec["lr"],
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        gradient_accumulation_steps=1, bf16=dtype == "bfloat16", activation_checkpointing=False,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, seed=spec["seed"], use_cpu=True,
+    )
+    t_setup = time.perf_counter()
+    if method.startswith("sft"):
+        from trl import SFTConfig, SFTTrainer
+
+        rows = [p + c for p, c in zip(data["prompt"], data["completion"])]
+        masks = [[0] * len(p) + [1] * len(c) for p, c in zip(data["prompt"], data["completion"])]
+        args = SFTConfig(**common, per_device_train_batch_size=1, packing=True, packing_strategy="bfd",
+                         max_length=spec["tokens"], completion_only_loss=True, padding_free=True,
+                         train_sampling_strategy="sequential")
+        trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer, callbacks=[Timer()],
+                             train_dataset=Dataset.from_dict({"input_ids": rows, "completion_mask": masks}))
+        # the rows TRL packed must be the ones linnet trains on, in the same order
+        got = trainer.train_dataset[: spec["steps"]]["input_ids"]
+        want = [[t for i in b for t in rows[i]] for b in data["bins"][: spec["steps"]]]
+        if [list(r) for r in got] != want:
+            raise AssertionError("TRL's packed rows differ from the bins given to linnet")
+        clock.real = [len(r) for r in want]
+    elif method == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        n = spec["steps"] * spec["pairs_per_step"]
+        words = data["words"]
+
+        def text(ids):
+            return " ".join(words[t] for t in ids)
+
+        ds = Dataset.from_dict({
+            "prompt": [text(p) + " " for p in data["prompt"][:n]],
+            "chosen": [text(c) for c in data["chosen"][:n]],  # each ends with the eos word: none is added
+            "rejected": [text(r) for r in data["rejected"][:n]],
+        })
+        micro = spec.get("trl_micro") or spec["pairs_per_step"]  # pairs a forward; the rest accumulates
+        common.update(gradient_accumulation_steps=spec["pairs_per_step"] // micro)
+        args = DPOConfig(**common, per_device_train_batch_size=micro, beta=0.1,
+                         loss_type=["sigmoid"], max_length=None, precompute_ref_log_probs=True,
+                         train_sampling_strategy="sequential")
+        t_ref = time.perf_counter()
+        trainer = DPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=ds,
+                             callbacks=[Timer()])
+        extra["reference_seconds"] = time.perf_counter() - t_ref
+        # the token ids TRL trains on must be linnet's
+        got = trainer.train_dataset[:n]
+        for key, want in (("prompt_ids", data["prompt"]), ("chosen_ids", data["chosen"]),
+                          ("rejected_ids", data["rejected"])):
+            if [list(x) for x in got[key]] != want[:n]:
+                raise AssertionError(f"TRL's {key} differ from linnet's")
+        clock.real = [sum(2 * len(data["prompt"][i]) + len(data["chosen"][i]) + len(data["rejected"][i])
+                          for i in range(s * spec["pairs_per_step"], (s + 1) * spec["pairs_per_step"]))
+                      for s in range(spec["steps"])]
+    elif method == "grpo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        n = spec["steps"] * spec["prompts_per_step"]
+        words = data["words"]
+        target = spec["vocab"] // 2
+
+        lengths: list[int] = []  # completion tokens of each step (for the real-token count)
+
+        def lower_half(completions, completion_ids, **kw):
+            lengths.append(sum(len(ids) for ids in completion_ids))
+            return [sum(1 for t in ids if 3 <= t < target) / max(len(ids), 1) for ids in completion_ids]
+
+        ds = Dataset.from_dict({"prompt": [" ".join(words[t] for t in p) for p in data["prompt"][:n]]})
+        group = spec["group"]
+        completions = group * spec["prompts_per_step"]
+        micro = spec.get("trl_micro") or completions  # completions a forward; one generation a step
+        common.update(gradient_accumulation_steps=completions // micro)
+        args = GRPOConfig(**common, per_device_train_batch_size=micro, generation_batch_size=completions,
+                          num_generations=group, max_completion_length=spec["max_new_tokens"], temperature=1.0,
+                          top_k=0, top_p=1.0, beta=0.0, loss_type="dapo", scale_rewards="group",
+                          num_iterations=1, shuffle_dataset=False, use_vllm=False)
+        trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=ds,
+                              reward_funcs=lower_half, callbacks=[Timer()])
+        extra["completion_tokens"] = lengths
+    else:
+        raise ValueError(method)
+    extra["setup_seconds"] = time.perf_counter() - t_setup
+    extra["versions"] = {"transformers": transformers.__version__}
+    trainer.train()
+    if method == "grpo":
+        prompt_tokens = [group * sum(len(p) for p in data["prompt"][s * spec["prompts_per_step"]:
+                                                                   (s + 1) * spec["prompts_per_step"]])
+                         for s in range(spec["steps"])]
+        clock.real = [a + b for a, b in zip(prompt_tokens, lengths)]
+    return extra
+
+
+def main() -> None:
+    spec_path, out_path = sys.argv[1], sys.argv[2]
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(spec["seed"])
+    if spec["library"] == "trl":
+        import datasets  # noqa: F401
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+        import trl  # noqa: F401
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+        run = run_trl
+    else:
+        import linnet.serve  # noqa: F401
+        import linnet.train  # noqa: F401
+        import linnet.train.dpo  # noqa: F401
+        import linnet.train.grpo  # noqa: F401
+
+        run = run_linnet
+    with open(spec["data"]) as f:
+        data = json.load(f)
+    baseline = vm_rss()
+    clock = Clock()
+    extra = run(spec, data, clock)
+    result = dict(spec=spec, seconds=clock.seconds(), cpu_seconds=clock.cpu_seconds(), losses=clock.losses, metrics=clock.metrics,
+                  real=clock.real, peak_bytes=peak_rss() - baseline, baseline_bytes=baseline, **extra)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
