@@ -105,6 +105,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_h[sl] = g @ wc_VD
                 if need_w:
                     _add_weight_grad_(grad_w, g, h_ND[sl])
+                del g
+            del z  # before the next block's logits: one block alive at a time
         ctx.save_for_backward(grad_h, grad_w)
         ctx.w_dtype = w_VD.dtype
         return total
@@ -112,7 +114,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+        # scale in f32: 1/count rounded to bf16 would bias every step's gradient
+        gh = None if grad_h is None else (grad_h.float() * grad_out).to(grad_h.dtype)
         gw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
         return gh, gw, None, None, None, None, None
 
@@ -138,6 +141,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             lse, _ = _shifted_exp_(z)
             out.append(picked - lse)
             lses.append(lse)
+            del z  # one block alive at a time
         ctx.save_for_backward(h_ND, w_VD, targets_N, torch.cat(lses))
         ctx.rows = rows
         return torch.cat(out)
@@ -160,6 +164,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
                 grad_h[sl] = g @ wc_VD
             if need_w:
                 _add_weight_grad_(grad_w, g, h_ND[sl])
+            del z, g  # one block alive at a time
         return grad_h, None if grad_w is None else grad_w.to(w_VD.dtype), None, None
 
 
