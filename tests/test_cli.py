@@ -53,3 +53,10 @@ def test_inductor_blocks_train_like_eager():
     ga = eager.model.layers[0].mlp.up_proj.weight.grad
     gb = compiled.model.layers[0].mlp.up_proj.weight.grad
     torch.testing.assert_close(gb, ga, rtol=1e-4, atol=1e-5)
+
+
+def test_specified_but_unbuilt_names_say_so():
+    with pytest.raises(NotImplementedError, match="fully_shard is not built yet"):
+        from linnet.torch import fully_shard  # noqa: F401
+    with pytest.raises(TypeError, match="tensor_parallel"):
+        nest.load("debug", weights="random", tensor_parallel=object())
