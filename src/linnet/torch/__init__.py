@@ -17,6 +17,6 @@ def __getattr__(name: str):
 # Names the specification gives that do not exist yet, with what to use meanwhile.
 NOT_BUILT = {
     "fully_shard": "under torchrun, linnet.train.train runs data-parallel with a whole copy per "
-                   "process (pass torch.distributed.optim.ZeroRedundancyOptimizer to split the optimizer state)",
+                   "process",
     "pipeline": "pipeline stages are not supported yet",
 }
