@@ -129,6 +129,38 @@ def ce_blocks(rows_bytes):
     return ce, lp
 
 
+def decode_bmm(self, tokens_B, pos, cache, cos_Sd, sin_Sd):
+    """Engine._decode with the one-query attention as two batched matmuls and a softmax
+    (query heads grouped over their kv head) instead of SDPA, whose CPU flash kernel
+    is built for long queries."""
+    m, dev = self.model, self.model.device
+    B, S = len(pos), max(pos) + 1
+    pos_B = torch.tensor(pos, device=dev)
+    rows_B = torch.arange(B, device=dev)
+    cos, sin = cos_Sd[pos_B][:, None], sin_Sd[pos_B][:, None]
+    bias = None
+    if min(pos) != max(pos):
+        bias = torch.zeros(B, S, device=dev).masked_fill_(
+            torch.arange(S, device=dev)[None] > pos_B[:, None], float("-inf")).view(B, 1, 1, S)
+    x = F.embedding(tokens_B, m.model.embed_tokens.weight).to(m.dtype)
+    for i, block in enumerate(m.model.layers):
+        attn = block.self_attn
+        H, K, d = attn.shape
+        q_BHd, k_BKd, v_BKd = engine_module._project(attn, block.input_layernorm(x), cos, sin)
+        k_cache, v_cache = cache[i, 0], cache[i, 1]
+        k_cache[rows_B, :, pos_B] = k_BKd
+        v_cache[rows_B, :, pos_B] = v_BKd
+        q = q_BHd.reshape(B, K, H // K, d)
+        scores = (q @ k_cache[:B, :, :S].transpose(-1, -2)).float() * d ** -0.5  # [B, K, G, S]
+        if bias is not None:
+            scores = scores + bias
+        out = torch.softmax(scores, dim=-1).to(q.dtype) @ v_cache[:B, :, :S]  # [B, K, G, d]
+        x = engine_module._finish(block, x, out.reshape(B, -1))
+    self.stats.decode_positions += B
+    self.stats.decode_steps += 1
+    return self._logits(x)
+
+
 class _FrozenHeadTokenLogProbs(torch.autograd.Function):
     """linear_token_log_probs for a frozen head (LoRA): d log p(t_n) / d h_n =
     (onehot(t_n) - softmax(z_n)) @ W does not depend on the incoming gradient, which only
@@ -195,6 +227,7 @@ def variant_changes(name):
         "trim": [(D, "_fields", trimmed_fields(D._fields)), (D, "log_probs_packed", trimmed_log_probs(D.log_probs_packed))],
         "pick": [(engine_module, "_pick", pick_inverse_cdf)],
         "frozen-head": [(model_module, "linear_token_log_probs", head_logp(losses.BLOCK_BYTES))],
+        "decode-bmm": [(engine_module.Engine, "_decode", decode_bmm)],
     }
     if name == "all5":  # the first five together
         return [c for k in ("attn-f32", "lora-addmm", "ce-16MiB", "trim", "pick") for c in table[k]]
@@ -202,6 +235,8 @@ def variant_changes(name):
         changes = [c for k in ("attn-f32", "lora-addmm", "trim", "pick") for c in table[k]]
         return changes + [(model_module, "linear_cross_entropy", ce),
                           (model_module, "linear_token_log_probs", head_logp(16 << 20))]
+    if name == "all+decode":
+        return variant_changes("all") + table["decode-bmm"]
     return table[name]
 
 

@@ -496,7 +496,7 @@ def write_markdown(path: Path, body: str) -> None:
             "Produced by `bench/compare.py`; numbers are measured, not edited. Ratios are linnet/TRL: "
             "above 1 for tokens/s favours linnet, below 1 for memory favours linnet.", "",
             "![linnet/TRL ratios](results.png)", ""]
-    path.write_text("\n".join(head) + body + "\n\n" + (kept or MARK + "\n"))
+    path.write_text("\n".join(head) + "\n" + body + "\n\n" + (kept or MARK + "\n"))
 
 
 def chart(rows: list[dict], path: Path) -> None:
@@ -511,6 +511,8 @@ def chart(rows: list[dict], path: Path) -> None:
     speed = [r["speed"] for r in rows]
     ax1.bar(x, speed, color=["tab:green" if s >= TARGETS[r["method"]] else "tab:orange" for s, r in zip(speed, rows)])
     ax1.scatter(x, [TARGETS[r["method"]] for r in rows], marker="_", s=400, color="black", zorder=3, label="target")
+    ax1.scatter(x, [r["speed_cpu"] for r in rows], marker="o", s=18, color="tab:blue", zorder=3,
+                label="ratio by CPU time")
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set_ylabel("real tokens/s, linnet / TRL")
     ax1.legend(loc="upper right")
