@@ -4,6 +4,10 @@
     python bench/_compare_candidates.py --method grpo --dtype f32 --variants base trim pick all
     python bench/_compare_candidates.py --method grpo --variants all --rounds 1   # one variant: prints its peak RSS
 
+Variants: base, split, attn-f32, lora-addmm, ce-16MiB, trim, pick, frozen-head, decode-bmm (each
+below, with the change it stands for); all5 (trim, ce-16MiB, attn-f32, lora-addmm, pick), all (all5
+with frozen-head, in 16 MiB blocks), all+decode. bench/compare.py --linnet-variant takes the same names.
+
 Each variant swaps one function of linnet for a bench-local version (below, each with the
 change it stands for) for the length of its runs, then restores it: nothing in src/ is
 edited. The variants run interleaved in one process (A B C A B C ...), each a fresh model
@@ -20,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -28,11 +31,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import compare  # noqa: E402
+import compare
 
-from linnet.torch import attention, losses, model as model_module  # noqa: E402
-from linnet.serve import engine as engine_module  # noqa: E402
-
+from linnet.serve import engine as engine_module
+from linnet.torch import attention, losses
+from linnet.torch import model as model_module
 
 # -- the candidates ----------------------------------------------------------------------
 

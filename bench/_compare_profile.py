@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import compare  # noqa: E402
+import compare
 
 
 def main() -> None:

@@ -285,18 +285,18 @@ def main() -> None:
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec["seed"])
     if spec["library"] == "trl":
-        import datasets  # noqa: F401
+        import datasets
         import peft  # noqa: F401
-        import transformers  # noqa: F401
+        import transformers
         import trl  # noqa: F401
 
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
         run = run_trl
     else:
-        import linnet.serve  # noqa: F401
-        import linnet.train  # noqa: F401
-        import linnet.train.dpo  # noqa: F401
+        import linnet.serve
+        import linnet.train
+        import linnet.train.dpo
         import linnet.train.grpo  # noqa: F401
 
         run = run_linnet

@@ -343,8 +343,8 @@ def main(argv=None) -> None:
     ap.add_argument("--trl-grpo-micro", type=int, default=GROUP,
                     help="TRL GRPO completions a forward (one generation a step, the rest accumulates)")
     ap.add_argument("--linnet-variant", default="base",
-                    help="apply a bench-local candidate change to linnet (bench/_compare_candidates.py); "
-                         "such runs print only unless --out is given")
+                    help="apply bench-local candidate changes to linnet: a variant of bench/_compare_candidates.py "
+                         "(all, all+decode, trim, ...); such runs print only unless --out is given")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads a process (default 1: on the shared 2-core machine a second thread spin-waits "
                          "whenever another job holds the other core)")
@@ -442,16 +442,16 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def report(rows, peaks, command, steps, args, seconds) -> str:
+    import peft
     import torch
     import transformers
     import trl
 
-    import peft
-
     lines = [
         f"- Command: `{command}` ({seconds / 60:.1f} min)",
         f"- Machine: {machine()}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__}, peft {peft.__version__}; {args.threads} threads a process. **Shared machine**: "
+        f"trl {trl.__version__}, peft {peft.__version__}; {args.threads} thread{'s' if args.threads > 1 else ''} a "
+        "process. **Shared machine**: "
         "other jobs ran at the same time, so absolute numbers drift (±25%); the ratios of runs made one after "
         "the other in one invocation are the result.",
         f"- Steps: {steps} a run; step time = median after the first two; {args.repeats} round(s) a case, "
