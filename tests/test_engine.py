@@ -105,6 +105,20 @@ def test_top_p_keeps_only_the_nucleus(saved):
     assert len({c.tokens[0] for c in wide}) > 5
 
 
+def test_sampling_follows_the_tempered_distribution():
+    """The inverse-CDF draw: frequencies match softmax(z / T) and filtered tokens never appear."""
+    from linnet.serve.engine import _pick, _Sampling
+
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0]).repeat(20000, 1)
+    g = torch.Generator().manual_seed(0)
+    tok, logp = _pick(logits, _Sampling(0.5, 0, 1.0, g, torch.tensor([])))
+    freq = torch.bincount(tok, minlength=5).double() / len(tok)
+    torch.testing.assert_close(freq, torch.softmax(logits[0].double() / 0.5, -1), atol=0.01, rtol=0)
+    assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
+    tok, _ = _pick(logits, _Sampling(1.0, 2, 1.0, g, torch.tensor([])))
+    assert set(tok.tolist()) == {0, 1}
+
+
 def test_group_prefix_is_computed_once(saved):
     model = nest.load(saved("llama"))
     engine = Engine(model)

@@ -47,6 +47,28 @@ def test_linear_token_log_probs_matches_plain(rows):
     )
 
 
+@pytest.mark.parametrize("rows", [1, 4, 100])
+def test_frozen_head_token_log_probs_matches_plain(rows):
+    """A frozen head takes the path that computes the hidden gradient in forward."""
+    h, w, t, _ = _case(seed=3)
+    w = w.detach()
+    plain = losses.token_log_probs(h @ w.T, t)
+    chunked = losses.linear_token_log_probs(h, w, t, block_bytes=_rows_bytes(rows, 13))
+    assert isinstance(chunked.grad_fn, torch.autograd.function.BackwardCFunction)
+    assert type(chunked.grad_fn).__name__.startswith("_FrozenHead")
+    torch.testing.assert_close(chunked, plain)
+    g = torch.randn(plain.shape, dtype=plain.dtype)
+    torch.testing.assert_close(torch.autograd.grad(chunked, h, g), torch.autograd.grad(plain, h, g))
+    assert torch.autograd.gradcheck(
+        lambda h: losses.linear_token_log_probs(h, w, t, block_bytes=_rows_bytes(rows, 13)), (h,)
+    )
+
+
+def test_block_size_follows_the_device():
+    assert losses.block_bytes_for(torch.device("cpu")) == losses.CPU_BLOCK_BYTES
+    assert losses.block_bytes_for(torch.device("cuda")) == losses.BLOCK_BYTES
+
+
 def test_gradcheck_chunked_losses():
     h, w, t, wt = _case(N=5, D=3, V=7)
     block = _rows_bytes(2, 7)

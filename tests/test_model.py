@@ -113,6 +113,24 @@ def test_packed_gradients_do_not_leak_across_documents():
     assert grad[:s1].sum() == 0 and grad[e1:].sum() == 0
 
 
+def test_padding_is_not_computed():
+    """A row's trailing padding never enters the layers; the entries keep the row's shape."""
+    model = nest.load("debug", weights="random")
+    docs = _documents(7)
+    (row,) = pack([Example.plain(d) for d in docs], tokens=64)
+    (full,) = pack([Example.plain(d) for d in docs], tokens=row.real)
+    assert row.real < 64 and full.real == len(full.tokens)
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    with torch.no_grad():
+        padded, unpadded = model.log_probs_packed(row), model.log_probs_packed(full)
+        hidden = model.hidden_packed(row)
+    handle.remove()
+    assert seen[0] == row.real and padded.shape == (64,) and hidden.shape[0] == 64
+    assert torch.equal(padded[: row.real], unpadded) and not padded[row.real :].any()
+    assert not hidden[row.real :].any()
+
+
 def test_trainable_patterns_and_master_dtype():
     model = nest.load("debug", weights="random", dtype="bfloat16", trainable=["model.layers.*.mlp.*"])
     for name, p in model.named_parameters():

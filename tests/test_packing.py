@@ -30,7 +30,7 @@ def test_rows_hold_whole_examples_in_order():
     assert [r.examples for r in rows] == [2, 2, 1]
     assert all(len(r.tokens) == 9 for r in rows)
     for r in rows:
-        for s, e in zip(r.bounds[:-1], r.bounds[1:]):
+        for s in r.bounds[:-1]:
             if s < r.real:
                 assert r.tokens[s] == 1 and r.positions[s] == 0  # each document starts whole
 

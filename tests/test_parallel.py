@@ -56,7 +56,7 @@ def test_two_processes_equal_one_process_over_both_batches():
         w.join(timeout=60)
         assert w.exitcode == 0
     step, params = _train(_batches(), accumulate=2)
-    for rank, loss, learned, norm, rank_params in results:
+    for _rank, loss, learned, norm, rank_params in results:
         assert learned == step.learned
         assert abs(loss - step.loss) < 1e-6 and abs(norm - step.grad_norm) < 1e-5
         for name, value in params.items():

@@ -187,7 +187,7 @@ class Method:
 
 
 # A loss computed a block of rows at a time holds one block of f32 logits, not the whole
-# [positions, vocab] matrix: 1 GiB, linnet.torch.losses.BLOCK_BYTES (a test keeps them equal).
+# [positions, vocab] matrix: 1 GiB on accelerators, linnet.torch.losses.BLOCK_BYTES (a test keeps them equal).
 LOSS_BLOCK_BYTES = 2**30
 
 

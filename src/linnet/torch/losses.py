@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_BYTES = 1 << 30  # f32 logits per block: 1 GiB, about 2K rows of Llama 3's vocabulary
+BLOCK_BYTES = 1 << 30  # f32 logits per block on accelerators: 1 GiB, about 2K rows of Llama 3's vocabulary
+# On a CPU a 1 GiB block streams through DRAM in six passes (matmul out, cast, max, exp,
+# divide, cast back); blocks that stay in cache made SFT-LoRA bf16 steps 1.25x faster.
+CPU_BLOCK_BYTES = 16 << 20
+
+
+def block_bytes_for(device: torch.device) -> int:
+    return CPU_BLOCK_BYTES if device.type == "cpu" else BLOCK_BYTES
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +127,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None, None
 
 
-def linear_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, block_bytes: int = BLOCK_BYTES):
-    """cross_entropy(h @ w.T, targets, weights) without holding the [N, V] logits."""
-    rows = _rows_per_block(w_VD.shape[0], block_bytes)
+def linear_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, block_bytes: int | None = None):
+    """cross_entropy(h @ w.T, targets, weights) without holding the [N, V] logits;
+    block_bytes defaults by device (block_bytes_for)."""
+    rows = _rows_per_block(w_VD.shape[0], block_bytes or block_bytes_for(h_ND.device))
     grad = torch.is_grad_enabled()
     need_h, need_w = grad and h_ND.requires_grad, grad and w_VD.requires_grad
     return _LinearCrossEntropy.apply(h_ND, w_VD, targets_N, weights_N, rows, need_h, need_w)
@@ -168,7 +176,39 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(w_VD.dtype), None, None
 
 
-def linear_token_log_probs(h_ND, w_VD, targets_N, *, block_bytes: int = BLOCK_BYTES):
-    """token_log_probs(h @ w.T, targets) without holding the [N, V] logits."""
-    rows = _rows_per_block(w_VD.shape[0], block_bytes)
+class _FrozenHeadTokenLogProbs(torch.autograd.Function):
+    """For a frozen head (LoRA): d log p(t_n) / d h_n = (onehot(t_n) - softmax(z_n)) @ W
+    does not depend on the incoming gradient, which only scales each row. Forward
+    computes it while each block's logits are in hand, so backward is one multiply: two
+    head matmuls a block instead of three (DPO steps 1.16x faster, bench/RESULTS.md)."""
+
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, rows):
+        out, wc_VD = [], w_VD.to(h_ND.dtype)
+        grad_h = torch.empty_like(h_ND)
+        for sl in _blocks(h_ND.shape[0], rows):
+            z = _block_logits(h_ND, wc_VD, sl)
+            t = targets_N[sl, None].long()
+            picked = z.gather(-1, t)[:, 0]
+            lse, sums = _shifted_exp_(z)
+            out.append(picked - lse)
+            g = z.div_(sums[:, None]).neg_()  # -softmax, in place of the logits
+            g.scatter_add_(-1, t, torch.ones_like(g[:, :1]))
+            grad_h[sl] = g.to(h_ND.dtype) @ wc_VD
+            del z, g  # one block alive at a time
+        ctx.save_for_backward(grad_h)
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        (grad_h,) = ctx.saved_tensors
+        return (grad_h.float() * _f32(grad_N)[:, None]).to(grad_h.dtype), None, None, None
+
+
+def linear_token_log_probs(h_ND, w_VD, targets_N, *, block_bytes: int | None = None):
+    """token_log_probs(h @ w.T, targets) without holding the [N, V] logits;
+    block_bytes defaults by device (block_bytes_for)."""
+    rows = _rows_per_block(w_VD.shape[0], block_bytes or block_bytes_for(h_ND.device))
+    if torch.is_grad_enabled() and h_ND.requires_grad and not w_VD.requires_grad:
+        return _FrozenHeadTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)
     return _LinearTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)
