@@ -301,17 +301,61 @@ def test_lora_sft_run_saves_an_adapter_peft_loads(base, tmp_path):
 
 
 def test_generate_greedy_equals_transformers(base):
+    """Left-padded prompts of 12 and 5 tokens; eos is a token row 0 emits at its third step,
+    so row 0 stops early and is padded while row 1 runs on."""
     directory, fresh = base
     hf = fresh().eval()
     lm = CausalLM(nest.load(directory)).eval()
     ids, mask, _ = _batch("left", seed=4)
-    ids, mask = ids[:, :12], mask[:, :12]  # left-padded prompts of 12, 5 and 0 real tokens
-    ids, mask = ids[:2], mask[:2]
+    ids, mask = ids[:2, :12], mask[:2, :12]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        free = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        eos = int(free[0, 14])
         theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
-                             eos_token_id=2, pad_token_id=0)
-    ours = lm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)
+                             eos_token_id=eos, pad_token_id=0)
+    ours = lm.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert (theirs[0, 15:] == 0).all() and eos not in theirs[1, 12:].tolist()  # the case is what it claims
     assert torch.equal(ours, theirs)
+    assert lm.generate(ids[:1, 7:], eos_token_id=[]).shape == (1, 20)  # transformers' default max_length
     with pytest.raises(ValueError, match="on the left"):
         lm.generate(ids.flip(1), attention_mask=mask.flip(1), max_new_tokens=1)
+    with pytest.raises(ValueError, match="row 1 is all padding"):
+        lm.generate(ids, attention_mask=torch.stack([mask[0], torch.zeros_like(mask[1])]), max_new_tokens=1)
+    with pytest.raises(ValueError, match="num_beams"):
+        lm.generate(ids, attention_mask=mask, generation_config=transformers.GenerationConfig(num_beams=2))
+
+
+def _greedy_without_cache(lm, ids, steps):
+    """Greedy continuation from the full logits of the whole sequence each step (no engine)."""
+    for _ in range(steps):
+        logits = lm(input_ids=ids, logits=True).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_generate_follows_the_weights_as_they_train(base, lora):
+    directory, _ = base
+    decoder = nest.load(directory, trainable=not lora)
+    if lora:
+        decoder.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, alpha=8)
+    lm = CausalLM(decoder)
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    greedy = dict(max_new_tokens=5, do_sample=False, eos_token_id=[])
+    before = lm.generate(ids, **greedy)
+    engine = lm._sampler
+    optimizer = torch.optim.Adam([p for p in lm.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(3):  # teach it to answer 42 to anything
+        lm(input_ids=ids, labels=torch.full_like(ids, 42)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = lm.generate(ids, **greedy)
+    assert lm._sampler is engine  # built once, refreshed
+    assert not torch.equal(after, before) and (after[:, 6:] == 42).any()
+    with torch.no_grad():
+        assert torch.equal(after, _greedy_without_cache(lm.eval(), ids, 5))
+    sampled = dict(max_new_tokens=5, do_sample=True, temperature=0.8, eos_token_id=[])
+    assert torch.equal(lm.generate(ids, top_k=1, **sampled), after)  # top-k 1 is greedy
+    runs = [lm.generate(ids, top_p=0.9, generator=torch.Generator().manual_seed(0), **sampled) for _ in range(2)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0][:, :6], ids)

@@ -1,4 +1,5 @@
-"""GRPO end to end on a tiny model: rewards rise, resume is exact, bad inputs are named."""
+"""GRPO end to end on a tiny model: rewards rise, resume is exact, bad inputs are named;
+held-out evaluation and the pass@k estimator against hand-computed numbers."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 from linnet import nest
-from linnet.serve import Engine
-from linnet.train.grpo import Prompt, grpo
+from linnet.serve import Completion, Engine
+from linnet.train.grpo import Prompt, evaluate, grpo, pass_at_k
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=16, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
@@ -78,3 +79,66 @@ def test_bad_inputs_name_the_item():
         grpo(policy, engine, [Prompt([3])], broken, **kw)
     with pytest.raises(ValueError, match="does not fit a row"):
         grpo(policy, engine, [Prompt(list(range(3, 15)) * 3)], sevens, **kw)
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # C(3,2) / C(5,2)
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # k = 1: the share correct
+    assert pass_at_k(20, 2, 5) == pytest.approx(1 - (15 * 14) / (20 * 19))  # = 17/38
+    assert pass_at_k(4, 0, 3) == 0.0
+    assert pass_at_k(3, 2, 2) == 1.0  # fewer than k wrong: every draw of k holds a right one
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(3, 1, 4)
+
+
+class ScriptedEngine:
+    """Returns fixed completions: the greedy call's, then the sampled call's (prompt-major)."""
+
+    def __init__(self, greedy, sampled):
+        self.replies, self.calls = [greedy, sampled], []
+
+    def load_weights(self, policy):
+        self.calls.append("load")
+
+    def sample(self, prompts, n=1, **options):
+        self.calls.append((n, options["temperature"], options.get("seed")))
+        tokens = self.replies.pop(0)
+        return [Completion(i // n, t, torch.zeros(len(t)), True) for i, t in enumerate(tokens)]
+
+
+def test_evaluate_scores_greedy_pass_at_1_and_sampled_pass_at_k():
+    right = lambda p, c: float(c[0] == 7)  # noqa: E731
+    shaped = lambda p, c: float(len(c) == 2)  # noqa: E731
+    greedy = [[7, 2], [5, 2]]  # prompt 0 right, prompt 1 wrong
+    # 4 samples each: prompt 0 has one right answer and two mis-shaped wrong ones,
+    # prompt 1 three right answers, one of them mis-shaped
+    sampled = [[7, 2], [5, 2], [4, 4, 2], [3, 3, 2], [7, 2], [7, 2], [7, 7, 2], [6, 2]]
+    engine = ScriptedEngine(greedy, sampled)
+    prompts = [Prompt([3]), Prompt([4])]
+    out = evaluate("policy", engine, prompts, {"right": right, "shaped": shaped}, k=2, samples=4,
+                   temperature=0.7, seed=5)
+    assert engine.calls == ["load", (1, 0.0, None), (4, 0.7, 5)]
+    assert out["reward"] == pytest.approx(1.5) and out["pass@1"] == 0.5
+    # a pass needs full marks (2): prompt 0 has c=1 of 4, prompt 1 c=2 of 4
+    assert out["pass@2"] == pytest.approx(((1 - 3 / 6) + (1 - 1 / 6)) / 2)
+    # passing=1: prompt 0 has c=2 of 4, prompt 1 c=4 of 4
+    lenient = evaluate("policy", ScriptedEngine(greedy, sampled), prompts, {"right": right, "shaped": shaped},
+                       k=2, samples=4, passing=1.0)
+    assert lenient["pass@1"] == 1.0 and lenient["pass@2"] == pytest.approx(((1 - 1 / 6) + 1) / 2)
+    with pytest.raises(ValueError, match="samples >= k"):
+        evaluate("policy", engine, prompts, right, k=4, samples=3)
+
+
+def test_evaluate_through_the_engine_sees_the_policy():
+    """The answers are the policy's own most and least likely first tokens: the engine (built
+    with other weights) must get the policy's to pass all, or none."""
+    untied = CARD.replace(tied_embeddings=False)  # tied, each token's likeliest successor is itself
+    policy = nest.load(untied, weights="random", seed=3, trainable=True)
+    engine = Engine(nest.load(untied, weights="random", seed=4))
+    with torch.no_grad():
+        logits = [policy(torch.tensor(p.ids))[-1] for p in _prompts(6)]
+    first = lambda p, c: float(c[0] == p.answer)  # noqa: E731
+    for pick, expected in ((torch.argmax, 1.0), (torch.argmin, 0.0)):
+        prompts = [Prompt(p.ids, int(pick(x))) for p, x in zip(_prompts(6), logits)]
+        out = evaluate(policy, engine, prompts, first, max_new_tokens=2, k=3, temperature=1e-3)
+        assert out == {"reward": expected, "pass@1": expected, "pass@3": expected}

@@ -27,16 +27,21 @@ def workspace(tmp_path_factory):
     return root
 
 
-def test_grpo_run_writes_metrics(workspace, tmp_path):
+def test_grpo_run_writes_metrics(workspace, tmp_path, capsys):
     config = load_config(GRPOConfig, None, [
         f"model.card={workspace / 'model'}", f"data.path={workspace / 'prompts.jsonl'}", "data.chat=false",
         "data.tokens=64", "data.eval_share=0.1", "grpo.group=4", "grpo.prompts_per_step=4",
-        "grpo.max_new_tokens=3", "grpo.rewards=[exact, numeric]", "training.steps=3", "training.eval_every=2",
+        "grpo.max_new_tokens=3", "grpo.rewards=[exact, numeric]", "grpo.pass_k=2", "grpo.pass_samples=3",
+        "training.steps=3", "training.eval_every=2",
         "schedule.warmup=1", f"output={tmp_path / 'run'}"])
     summary = run(config)
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3 and {"reward", "reward_exact", "reward_numeric", "uniform", "clip_fraction"} <= set(metrics[0])
     assert "held_out_reward" in summary and (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+    held_out = ["held_out_reward", "held_out_pass@1", "held_out_pass@2"]
+    assert [[key in m for key in held_out] for m in metrics] == [[False] * 3, [True] * 3, [True] * 3]
+    assert all(0 <= metrics[-1][key] <= 1 for key in held_out[1:]) and set(held_out) <= set(summary)
+    assert "held_out_pass@2" in capsys.readouterr().err  # on the progress line
 
 
 def test_builtin_rewards():
@@ -58,5 +63,9 @@ def test_builtin_rewards():
 def test_grpo_config_errors(capsys):
     with pytest.raises(ValueError, match="grpo.group"):
         load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.group=1"])
+    with pytest.raises(ValueError, match="grpo.pass_k"):
+        load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=1"])
+    with pytest.raises(ValueError, match="grpo.pass_samples"):
+        load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=4", "grpo.pass_samples=3"])
     assert cli.main(["grpo", "--template"]) == 0
     assert "correction_cap" in capsys.readouterr().out

@@ -52,6 +52,12 @@ class GRPOSettings:
     correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped")
     dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
     sequence_level: bool = option(False, "GSPO: one ratio per completion")
+    pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
+                            "top_k and top_p; 0: only the greedy reward and pass@1")
+    pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
+                                            "more lowers the estimate's variance); null: pass_k")
+    pass_reward: float | None = option(None, "a held-out completion passes when its summed reward reaches this; "
+                                             "null: one per reward (full marks from each built-in)")
 
 
 @dataclass
@@ -75,6 +81,10 @@ class GRPOConfig:
             raise ValueError("config: grpo.group >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
         if not g.rewards:
             raise ValueError("config: grpo.rewards lists no reward")
+        if g.pass_k < 0 or g.pass_k == 1:
+            raise ValueError("config: grpo.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
+        if g.pass_samples is not None and not 2 <= g.pass_k <= g.pass_samples:
+            raise ValueError("config: grpo.pass_samples needs grpo.pass_k >= 2, and must be at least pass_k")
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -108,7 +118,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
     from linnet import nest, rewards
     from linnet.data import load_tokenizer
     from linnet.serve import Engine
-    from linnet.train.grpo import grpo
+    from linnet.train.grpo import evaluate, grpo
 
     d, g, t = config.data, config.grpo, config.training
     card = nest.resolve(config.model.card)
@@ -134,14 +144,13 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
     optimizer = adamw(config.optimizer, policy)
     schedule = make_schedule(config.schedule, optimizer, steps)
 
-    def evaluate(step):
-        """Greedy completions of the held-out prompts, scored by the summed rewards."""
-        engine.load_weights(policy)
-        done = engine.sample([list(p.ids) for p in held_out], max_new_tokens=g.max_new_tokens, temperature=0.0)
-        scores = [sum(f(held_out[c.prompt], c.tokens) for f in functions.values()) for c in done]
-        return {"held_out_reward": float(np.mean(scores))}
+    def held_out_metrics(step):
+        found = evaluate(policy, engine, held_out, functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
+                         samples=g.pass_samples, passing=g.pass_reward, temperature=g.temperature,
+                         top_k=g.top_k, top_p=g.top_p, seed=t.seed)
+        return {f"held_out_{name}": value for name, value in found.items()}
 
-    log = MetricsLog(out, "grpo", steps, t.eval_every, evaluate if held_out else None)
+    log = MetricsLog(out, "grpo", steps, t.eval_every, held_out_metrics if held_out else None)
     t0 = time.perf_counter()
     try:
         history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,

@@ -66,7 +66,8 @@ class TrainingConfig:
     accumulate: int = option(1, "packed rows per optimizer step")
     clip: float | None = option(1.0, "global gradient-norm clip; null: measure only")
     seed: int = option(0, "seed for initialisation, shuffling and dropout")
-    eval_every: int = option(50, "held-out loss every this many steps (and at the end)")
+    eval_every: int = option(50, "held-out evaluation every this many steps (and at the end): loss; "
+                                 "grpo: reward, pass@1, pass@k")
     checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)")
     keep: int = option(2, "checkpoints kept")
 
@@ -137,7 +138,8 @@ def adamw(o: OptimizerConfig, model) -> torch.optim.AdamW:
 
 class MetricsLog:
     """Appends one JSON line a step to metrics.jsonl and moves the progress bar;
-    `evaluate(step) -> dict` adds held-out metrics every `every` steps and at the end."""
+    `evaluate(step) -> dict` adds held-out metrics every `every` steps and at the end
+    (the bar shows the latest of them)."""
 
     def __init__(self, out: Path, label: str, steps: int, every: int, evaluate=None):
         from linnet.progress import Progress
@@ -145,16 +147,18 @@ class MetricsLog:
         self.file = (out / "metrics.jsonl").open("a")
         self.bar = Progress(steps, label)
         self.steps, self.every, self.evaluate = steps, every, evaluate
+        self.latest: dict = {}
 
     def __call__(self, step) -> None:
         row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
                "learned": step.learned, "tokens_per_second": step.tokens_per_second,
                "seconds": step.seconds, **step.metrics}
         if self.evaluate is not None and (step.step % self.every == 0 or step.step == self.steps):
-            row.update(self.evaluate(step))
+            self.latest = self.evaluate(step)
+            row.update(self.latest)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        self.bar.update(step.step, loss=step.loss, tok_s=step.tokens_per_second)
+        self.bar.update(step.step, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
 
     def close(self) -> None:
         self.file.close()

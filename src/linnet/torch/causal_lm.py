@@ -31,7 +31,8 @@ padding, from the decoder's `hidden_packed`) and `get_output_embeddings()` (the 
 for its fused chunked loss; `logits=True` (constructor or call) returns [B, T, V] float32
 logits in the input's layout, computed without gradients. `save_pretrained` writes a
 directory transformers loads, or a PEFT adapter directory when the decoder has LoRA
-adapters. `generate` is a plain loop over the whole sequence (no KV cache; see its note).
+adapters. `generate` samples through `linnet.serve.Engine` (KV cache) on a frozen copy of
+the decoder that it refreshes with the current weights each call.
 
 Shapes: B rows and T columns of the trainer's batch, N = B*T, P positions of the packed
 row, D hidden, V vocabulary.
@@ -40,7 +41,6 @@ row, D hidden, V vocabulary.
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -284,6 +284,7 @@ class CausalLM(nn.Module):
         self.config = hf_config(decoder.card)
         self.generation_config = transformers.GenerationConfig.from_model_config(self.config)
         self.model_tags: list[str] = []
+        self._sampler = None  # generate's Engine, built on first use
         self.train(decoder.training)
 
     # -- what trainers read --------------------------------------------------------
@@ -453,14 +454,18 @@ class CausalLM(nn.Module):
                  generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
         """[B, T + new] prompts followed by their continuations, as transformers' `generate`
         returns them (rows that stopped are filled with pad_token_id). Prompts in a batch
-        must be padded on the left.
+        must be padded on the left; each needs one real token at least.
 
-        A plain loop that reruns the whole sequence for every new token (no KV cache): enough
-        for a trainer's occasional samples, slow for long outputs. Fast sampling is
-        `linnet.serve.Engine`'s job; routing this call through it is a follow-up."""
+        Sampled by a `linnet.serve.Engine` (KV cache) over a frozen copy of the decoder,
+        built on the first call and kept; every call copies the decoder's current weights
+        into it (adapters merged), so generation follows training."""
         kwargs.pop("use_cache", None)
         _refuse_extras(kwargs, "generate")
         gc = generation_config or self.generation_config
+        for name, off in _GENERATION_OFF.items():
+            if getattr(gc, name, None) not in (None, off):
+                raise ValueError(f"CausalLM.generate: generation_config.{name}={getattr(gc, name)!r} is not "
+                                 f"supported (greedy or sampled decoding only); set it to {off!r}")
         ids = torch.as_tensor(input_ids, device=self.device)
         ids = ids[None] if ids.ndim == 1 else ids
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, device=ids.device)
@@ -468,46 +473,65 @@ class CausalLM(nn.Module):
         if (mask[:, 1:] < mask[:, :-1]).any():
             raise ValueError("CausalLM.generate: prompts are padded on the right; pad them on the left "
                              "(tokenizer.padding_side = 'left')")
+        if not mask[:, -1].all():
+            raise ValueError(f"CausalLM.generate: row {int((mask[:, -1] == 0).nonzero()[0])} is all padding; "
+                             "every prompt needs at least one token (its bos token, if nothing else)")
+
+        def setting(value, name):
+            value = getattr(gc, name, None) if value is None else value
+            return _GENERATION_DEFAULTS[name] if value is None else value
+
         if max_new_tokens is None:
-            max_new_tokens = gc.max_new_tokens if gc.max_new_tokens is not None else max(gc.max_length - ids.shape[1], 0)
-        do_sample = gc.do_sample if do_sample is None else do_sample
-        temperature = gc.temperature if temperature is None else temperature
-        top_k = gc.top_k if top_k is None else top_k
-        top_p = gc.top_p if top_p is None else top_p
+            max_new_tokens = gc.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = setting(None, "max_length") - ids.shape[1]
+        if max_new_tokens < 1:
+            return ids
         eos = gc.eos_token_id if eos_token_id is None else eos_token_id
-        eos = torch.tensor([] if eos is None else [eos] if isinstance(eos, int) else list(eos),
-                           dtype=ids.dtype, device=ids.device)
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         pad = pad_token_id if pad_token_id is not None else gc.pad_token_id
-        pad = pad if pad is not None else (int(eos[0]) if len(eos) else 0)
-        head = self._decoder.head_weight
-        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        for _ in range(max_new_tokens):
-            h_BD = self.hidden_states(ids, mask)[:, -1]
-            logits_BV = (h_BD @ head.to(h_BD.dtype).T).float()
-            if do_sample:
-                token = _sample(logits_BV, temperature or 1.0, top_k, top_p, generator)
-            else:
-                token = logits_BV.argmax(-1)
-            token = torch.where(done, torch.full_like(token, pad), token)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            done |= torch.isin(token, eos)
-            if done.all():
-                break
-        return ids
+        pad = pad if pad is not None else (eos[0] if eos else 0)
+        sampled = setting(do_sample, "do_sample")
+        done = self._engine().sample(
+            [row[m != 0].tolist() for row, m in zip(ids, mask)], max_new_tokens=max_new_tokens,
+            temperature=setting(temperature, "temperature") if sampled else 0.0,
+            top_k=setting(top_k, "top_k"), top_p=setting(top_p, "top_p"), stop=eos, generator=generator)
+        new = ids.new_full((len(done), max(len(c.tokens) for c in done)), pad)
+        for b, c in enumerate(done):
+            new[b, : len(c.tokens)] = torch.tensor(c.tokens)
+        return torch.cat([ids, new], dim=1)
+
+    def _engine(self):
+        """The generation engine with the decoder's current weights; rebuilt when the
+        decoder has moved to another device or dtype."""
+        from linnet.serve import Engine
+
+        d, engine = self._decoder, self._sampler
+        if engine is None or engine.model.device != d.device or engine.model.dtype != d.dtype:
+            engine = self._sampler = Engine(_frozen_copy(d))
+        engine.load_weights(d)
+        return engine
 
 
-def _sample(logits_BV, temperature: float, top_k: int | None, top_p: float | None, generator):
-    logits_BV = logits_BV / temperature
-    if top_k:
-        kth = logits_BV.topk(min(top_k, logits_BV.shape[-1]), dim=-1).values[:, -1:]
-        logits_BV = logits_BV.masked_fill(logits_BV < kth, -math.inf)
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits_BV.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set holding top_p
-        logits_BV = logits_BV.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return torch.multinomial(logits_BV.softmax(-1), 1, generator=generator)[:, 0]
+def _frozen_copy(decoder):
+    """An empty frozen decoder like `decoder` (card, compute dtype, device, attention path):
+    frozen weights are stored in the compute dtype, and `Engine.load_weights` fills them all."""
+    from linnet.torch.model import Decoder
+
+    with torch.device("meta"):
+        copy = Decoder(decoder.card, dtype=decoder.dtype, attention=decoder.attention)
+        copy.set_trainable(False)
+    copy.to_empty(device=decoder.device)
+    copy.inv_freq = decoder.inv_freq.clone()
+    return copy
+
+
+# transformers' values for the generation settings a GenerationConfig leaves unset
+# (transformers 5 keeps them None in the config and fills them in at generate time)
+_GENERATION_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+# Settings the engine has no counterpart for, accepted only at their "off" value.
+_GENERATION_OFF = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "min_new_tokens": 0,
+                   "no_repeat_ngram_size": 0, "min_p": 0.0, "return_dict_in_generate": False}
 
 
 def hf_config(card) -> transformers.PretrainedConfig:

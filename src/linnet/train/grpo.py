@@ -12,6 +12,10 @@ pack prompt + completion into rows of `tokens` positions (the micro-batches: gro
 never decides them); recompute the policy's log-probabilities row by row, and take
 `iterations` optimizer steps on the clipped surrogate, averaged over every completion
 token of the step.
+
+`evaluate(policy, engine, held_out, reward, k=8)` scores held-out prompts through the
+engine (greedy reward and pass@1, and pass@k from sampled completions), for an `on_step`
+callback; `linnet grpo` calls it every `training.eval_every` steps.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from linnet.train.loop import (
 )
 from linnet.train.parallel import sum_across
 
-__all__ = ["Prompt", "grpo", "grpo_loss"]
+__all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,54 @@ def grpo(
     if save_to is not None:
         save_trained(policy, save_to)
     return history
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021,
+    arXiv:2107.03374): 1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without
+    replacement hold a correct one. Drawing more than k samples lowers its variance."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,
+             max_new_tokens: int = 256, k: int = 0, samples: int | None = None, passing: float | None = None,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             stop: Iterable[int] | None = None, seed: int = 0) -> dict[str, float]:
+    """Held-out metrics of `policy` (its weights are loaded into `engine` first):
+
+    reward   mean summed reward of the greedy completions
+    pass@1   share of prompts whose greedy completion passes
+    pass@k   with k >= 2: the mean over prompts of `pass_at_k` over `samples` (>= k,
+             default k) completions sampled with temperature/top_k/top_p and `seed`
+
+    A completion passes when its summed reward is at least `passing`; the default is one
+    per reward function, full marks when each reward's best is 1 (as for linnet's
+    built-in exact, numeric and format rewards).
+    """
+    functions = _reward_functions(reward)
+    passing = float(len(functions)) if passing is None else passing
+    samples = samples or k
+    if k == 1 or k < 0 or samples < k:
+        raise ValueError(f"evaluate: k={k}, samples={samples}; k is 0 (greedy only) or >= 2 (pass@1 is the "
+                         "greedy one), and samples >= k")
+    ids = [list(p.ids) for p in prompts]
+
+    def scores(done, n):
+        return np.array([sum(score(functions, prompts[c.prompt], c.tokens,
+                                   f"held-out prompt {c.prompt}, completion {i % n}").values())
+                         for i, c in enumerate(done)]).reshape(len(prompts), n)
+
+    engine.load_weights(policy)
+    greedy = scores(engine.sample(ids, max_new_tokens=max_new_tokens, temperature=0.0, stop=stop), 1)[:, 0]
+    out = {"reward": float(greedy.mean()), "pass@1": float(np.mean(greedy >= passing))}
+    if k:
+        sampled = scores(engine.sample(ids, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       top_k=top_k, top_p=top_p, stop=stop, seed=seed), samples)
+        correct = (sampled >= passing).sum(axis=1)
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(samples, int(c), k) for c in correct]))
+    return out
 
 
 def _print_batch_table(prompts_per_step: int, group: int, max_new_tokens: int, tokens: int, iterations: int) -> None:
