@@ -108,18 +108,25 @@ class Attention(nn.Module):
         self.qk_norm = c.qk_norm
         self.shape = (c.heads, c.kv_heads, c.head_dim)
 
-    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend):
+    def project(self, x_ND):
+        """q [N, H, d], k and v [N, K, d], q and k normed where the card says (Qwen3) and
+        not yet rotated: the caller rotates them in the layout its attention wants."""
         H, K, d = self.shape
-        P = x_PD.shape[0]
-        q = self.q_proj(x_PD).view(P, H, d)
-        k = self.k_proj(x_PD).view(P, K, d)
-        v = self.v_proj(x_PD).view(P, K, d)
+        N = x_ND.shape[0]
+        q = self.q_proj(x_ND).view(N, H, d)
+        k = self.k_proj(x_ND).view(N, K, d)
+        v = self.v_proj(x_ND).view(N, K, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend):
+        P = x_PD.shape[0]
+        q, k, v = self.project(x_PD)
         q_1HPd = rotate(q.transpose(0, 1), cos_Pd, sin_Pd)[None]
         k_1KPd = rotate(k.transpose(0, 1), cos_Pd, sin_Pd)[None]
         out = attend(q_1HPd, k_1KPd, v.transpose(0, 1)[None], bounds)
-        return self.o_proj(out[0].transpose(0, 1).reshape(P, H * d))
+        return self.o_proj(out[0].transpose(0, 1).reshape(P, -1))
 
 
 class MLP(nn.Module):
