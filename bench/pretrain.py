@@ -163,7 +163,7 @@ def bench_train(data: Path, work: Path, steps: dict[str, int], threads: int, dev
     import torch
 
     from linnet.pretrain.cache import open_cache
-    from linnet.pretrain.runner import flops_per_token, model_card, run
+    from linnet.pretrain.runner import cache_card, flops_per_token, run
 
     caches = shakespeare_caches(data, work)
     if device and device.startswith("cuda"):
@@ -191,7 +191,7 @@ def bench_train(data: Path, work: Path, steps: dict[str, int], threads: int, dev
         seconds = sum(r["seconds"] for r in timed)
         tokens = sum(r["targets"] - (rows[i - 1]["targets"] if i else 0) for i, r in enumerate(rows) if r in timed)
         tps = tokens / seconds
-        card = model_card(config, open_cache(caches[name]))
+        card = cache_card(config, open_cache(caches[name]))
         flops = tps * flops_per_token(card, config.training.context_length)
         loader = sum(r["loader_seconds"] for r in rows) / sum(r["seconds"] for r in rows)
         t = config.training

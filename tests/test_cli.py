@@ -36,8 +36,9 @@ def test_compiled_blocks_match_eager():
     eager = nest.load("debug", weights="random", seed=2)
     compiled = nest.load("debug", weights="random", seed=2, compile="aot_eager")
     row = _row()
-    with torch.no_grad():
-        torch.testing.assert_close(compiled.log_probs_packed(row), eager.log_probs_packed(row))
+    with torch.no_grad():  # compiled blocks keep the padding (fixed length), eager skips it
+        real = slice(0, row.real)
+        torch.testing.assert_close(compiled.log_probs_packed(row)[real], eager.log_probs_packed(row)[real])
 
 
 @pytest.mark.slow

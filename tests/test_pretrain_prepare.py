@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -264,6 +265,60 @@ def test_train_tokens_cap_cuts_the_same_place_for_any_worker_count(corpus, tmp_p
     cache = open_cache(tmp_path / "cache1")
     assert 1500 <= cache.train.tokens < 1500 + 32  # stops after the document that reaches the cap
     assert 0 < cache.validation.documents < 30  # validation read before the cut only
+
+
+def test_the_budget_sizes_the_cache_through_its_last_whole_shard_group(corpus, tmp_path, capsys):
+    """Given the whole config, a null train_tokens reads what the budget draws, rounded up
+    through its last whole shard group: the loader's stream over the budget is the whole
+    corpus's. The cache is reused for a smaller budget, refused for a larger one, and a
+    budget larger than the corpus is warned about (data reused)."""
+    from linnet.pretrain.budget import cache_tokens
+    from linnet.pretrain.loader import Loader
+
+    tok = _word_tokenizer(tmp_path / "tok.json")
+    sources = [corpus / "a.jsonl", corpus / "b.txt"]
+    sets = [f"data.source=[{', '.join(map(str, sources))}]", f"data.tokenizer={tok}", "data.shard_tokens=200",
+            "data.shuffle_group_size=2", "data.shuffle_buffer=30", "data.prepare_workers=1", "data.validation_every=25",
+            "training.context_length=16", "training.micro_batch_size=2", "training.accumulation=1",
+            "training.epochs=1", "model.hidden=8", "model.intermediate=16", "model.layers=1", "model.heads=1"]
+
+    def config(cache: str, targets: int, *more: str):
+        return load(None, [*sets, f"data.cache={tmp_path / cache}", f"training.total_targets={targets}", *more])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sized = prepare(config("sized", 1440))  # 45 updates of 2 sequences of 16 targets
+    assert cache_tokens(90, 16, 400) == 1601  # sequence 89 starts at 1424, in the group ending at 1600
+    assert (sized.need.sequences, sized.need.tokens) == (90, 1601)
+    assert 1601 <= sized.tokens["train"] < 1601 + 32 and sized.passes <= 1  # cut after the document at the cap
+    manifest = open_cache(sized.path).manifest
+    assert manifest["settings"]["train_tokens"] == 1601
+    assert manifest["budget"] == {"sequences": 90, "context": 16, "tokens": 1601}
+    whole = prepare(config("whole", 1440).data)  # the data group alone: the whole corpus
+    assert whole.need is None and whole.tokens["train"] > 4 * sized.tokens["train"]
+    bare = prepare(config("bare", 1440, "data.train_tokens=1441"))  # 90 sequences and a lookahead, cut mid-group
+    streams = []
+    for path in (sized.path, whole.path, bare.path):
+        with Loader(open_cache(path).train, context=16, group_size=2, seed=0) as loader:
+            streams.append(loader.sequences(90))
+    assert np.array_equal(streams[0], streams[1]) and not np.array_equal(streams[2], streams[1])
+
+    assert prepare(config("sized", 800)).reused  # 50 sequences: the cache holds them
+    with pytest.raises(ValueError, match=r"holds 1,6\d\d training tokens \(cut at 1,601\) and this config asks for "
+                                         r"2,401; a cache is never extended: prepare at a new data.cache path"):
+        prepare(config("sized", 2400))
+    assert cli(["--set", f"data.cache={tmp_path / 'sized'}", *sum((["--set", x] for x in sets), []),
+                "--set", "training.total_targets=800"]) == 0
+    out = capsys.readouterr().out
+    assert "budget needs           50 sequences of 16 tokens: 801 training tokens" in out
+    assert "passes over the cache  0.50" in out
+
+    with pytest.warns(UserWarning, match=r"draws 1,000 training sequences of 16 tokens, \d+\.\d\d passes over the "
+                                         r"cache's .*training will refuse it unless data.repeat=true"):
+        big = prepare(config("big", 16000))
+    assert big.tokens["train"] == whole.tokens["train"] and big.passes > 1  # the whole corpus, and short of it
+    with pytest.warns(UserWarning, match=r"training reuses the data \(data.repeat is true\)"):
+        prepare(config("big", 16000, "data.repeat=true"))  # reused: the same settings
 
 
 def test_a_datasets_source_streams_both_splits(tmp_path, monkeypatch):

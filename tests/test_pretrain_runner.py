@@ -1,10 +1,14 @@
 """`linnet pretrain` on a tiny model: exact resume (branch and in place), refusals of
-other recipes and damaged checkpoints, checkpoint policies, clipping, the CLI."""
+other recipes and damaged checkpoints, checkpoint policies, clipping, the CLI, and two
+processes (forked, gloo) equal to one."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -47,8 +51,8 @@ def workspace(tmp_path_factory):
     return root
 
 
-def _config(workspace: Path, out: Path, *changes: str):
-    sets = [
+def _sets(workspace: Path, out: Path, *changes: str) -> list[str]:
+    return [
         f"data.cache={workspace / 'cache'}", "data.shuffle_group_size=2",
         # vocab 1024 rather than the tokenizer's 42: linear_cross_entropy allocates an
         # arange of 2**28 / vocab rows per call, 51 MB (60 ms) at 42
@@ -56,9 +60,16 @@ def _config(workspace: Path, out: Path, *changes: str):
         "training.context_length=16", "training.micro_batch_size=4", "training.accumulation=2",
         f"training.total_targets={STEPS * 128}", "training.epochs=4",
         "optimizer.lr=0.01", "lr_schedule.warmup_steps=3", "evaluation.subset_sequences=8",
-        "evaluation.batch_size=4", "runtime.progress=false", f"runtime.output_dir={out}",
+        "evaluation.batch_size=4", "runtime.progress=false", f"runtime.output_dir={out}", *changes,
     ]
-    return load(None, sets + list(changes))
+
+
+def _config(workspace: Path, out: Path, *changes: str):
+    return load(None, _sets(workspace, out, *changes))
+
+
+def _cli_args(workspace: Path, out: Path, *changes: str) -> list[str]:
+    return [arg for x in _sets(workspace, out, *changes) for arg in ("--set", x)]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -224,3 +235,75 @@ def test_cli_plan_and_a_complete_run(workspace, straight, capsys):
     assert "32 (4,096 targets trained)" in out and "4 of 8-8 updates" in out
     assert cli(["--config", str(straight / "config.yaml")]) == 0  # complete: prints its summary
     assert json.loads((straight / "summary.json").read_text())["recipe"] in capsys.readouterr().out
+
+
+def _cli_process(rank: int, port: int, runs: list[list[str]], queue) -> None:
+    """One of two processes, joining the group as under torchrun (from the environment)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    outcomes = []
+    for args in runs:
+        try:
+            outcomes.append(cli(args))
+        except ValueError as e:
+            outcomes.append(str(e))
+    queue.put((rank, outcomes))
+
+
+def _two_processes(runs: list[list[str]]) -> list[list]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=_cli_process, args=(rank, port, runs, queue)) for rank in range(2)]
+    for w in workers:
+        w.start()
+    outcomes = [o for _, o in sorted(queue.get(timeout=120) for _ in workers)]
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    return outcomes
+
+
+def _close_weights(a: Path, b: Path, atol: float) -> None:
+    x, y = load_file(str(a)), load_file(str(b))
+    assert x.keys() == y.keys()
+    for k in x:
+        torch.testing.assert_close(x[k], y[k], atol=atol, rtol=0, msg=k)
+
+
+def test_two_processes_train_like_one_and_resume(workspace, straight, tmp_path):
+    """Two processes, one micro-batch each of the two an update: the straight run's losses,
+    validation, weights and files, with the same loader cursor in its checkpoints; a
+    branch resumed under two processes from their checkpoint, and one resumed in one
+    process, both finish like it. An accumulation that does not split is refused."""
+    two, branch, single = tmp_path / "two", tmp_path / "branch", tmp_path / "single"
+    keep = ["training.checkpoint_policy=interval", "training.save_epoch_training_state=true"]
+    outcomes = _two_processes([
+        _cli_args(workspace, two, *keep),
+        _cli_args(workspace, branch) + ["--resume", str(two / "checkpoints" / "step-00000016")],
+        _cli_args(workspace, tmp_path / "uneven", "training.accumulation=3"),
+    ])
+    assert outcomes[0][:2] == outcomes[1][:2] == [0, 0]
+    assert "training.accumulation=3 micro-batches an update do not split evenly over 2 processes" in outcomes[0][2]
+    assert not (tmp_path / "uneven").exists()
+
+    reference = _metrics(straight)
+    for run_dir in (two, branch):
+        rows = _metrics(run_dir)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], atol=1e-5, rtol=0)
+        held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
+        np.testing.assert_allclose(held, [r["held_out_loss"] for r in reference if "held_out_loss" in r], atol=1e-5)
+        _close_weights(run_dir / "final.safetensors", straight / "final.safetensors", atol=1e-5)
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in straight.iterdir())
+    assert json.loads((two / "run.json").read_text())["processes"] == 2
+    assert json.loads((two / "run.json").read_text())["recipe"] == json.loads((straight / "run.json").read_text())["recipe"]
+    state = torch.load(two / "checkpoints" / "step-00000016" / "state.pt", weights_only=True)
+    assert state["extra"]["cursor"] == torch.load(straight / "checkpoints" / "step-00000016" / "state.pt",
+                                                  weights_only=True)["extra"]["cursor"]
+    assert _same_weights(branch / "final.safetensors", two / "final.safetensors")  # the same layout: bitwise
+    run(_config(workspace, single), resume=two / "checkpoints" / "step-00000024")
+    _close_weights(single / "final.safetensors", two / "final.safetensors", atol=1e-5)

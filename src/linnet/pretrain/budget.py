@@ -95,3 +95,13 @@ def plan_budget(parameters: int, *, context: int, sequences_per_update: int, tar
             "(training.micro_batch_size, training.accumulation) or raise the budget"
         )
     return Budget(parameters, targets, context, sequences_per_update, tuple(boundaries))
+
+
+def cache_tokens(sequences: int, context: int, group_tokens: int) -> int:
+    """Training tokens a cache needs to serve the first `sequences` sequences of the
+    loader's stream from whole shard groups of `group_tokens` tokens: through the end of
+    the group that holds the last sequence's first token, up to the end of that group's
+    last sequence, plus its one token of lookahead. Any larger cache of the same corpus
+    and settings starts with the same whole groups, so its stream starts the same."""
+    group_end = ((sequences - 1) * context // group_tokens + 1) * group_tokens
+    return -(-group_end // context) * context + 1

@@ -54,7 +54,7 @@ class DataConfig:
     text_field: str = option("text", "field holding the text in JSONL, Parquet and dataset records")
     document_split: Literal["file", "paragraph", "line"] = option(
         "paragraph", ".txt files: one document per file, per blank-line-separated paragraph, or per line")
-    train_tokens: int | None = option(None, "stop reading the corpus once the training split holds this many tokens; null: all of it")
+    train_tokens: int | None = option(None, "stop reading the corpus once the training split holds this many tokens; null: what the training budget draws, rounded up through its last whole shard group (the whole corpus when that is less)")
     tokenizer: str | None = option(None, "tokenizer.json, a directory holding one, or a card name; null: train a byte-level BPE on the corpus")
     vocab_size: int = option(8192, "vocabulary of the BPE trained when tokenizer is null")
     eos_token: str | None = option(None, "token placed after every document; null: the tokenizer's own (<|endoftext|> for a trained one)")
@@ -156,8 +156,36 @@ class PretrainConfig:
         if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_fraction <= 1:
             raise ValueError("config: lr_schedule.min_lr_ratio must be in [0, 1] and decay_fraction in (0, 1]")
         if d.train_tokens is not None and d.train_tokens < 2:
-            raise ValueError(f"config: data.train_tokens={d.train_tokens}; use null (the whole corpus) or >= 2")
+            raise ValueError(f"config: data.train_tokens={d.train_tokens}; use null (what the budget draws) or >= 2")
         checkpoint_epochs(self)  # raises on a bad policy/epoch combination
+
+
+def model_card(config: PretrainConfig, vocab_size: int, eos_id: int, tokenizer: str | None = None):
+    """A Llama card with tied embeddings for the config's model group and a tokenizer of
+    `vocab_size` tokens whose `eos_id` ends each document."""
+    from linnet import nest  # here, not at the top: tokenizer workers import this module
+
+    m = config.model
+    vocab = m.vocab or vocab_size
+    if vocab < vocab_size:
+        raise ValueError(f"config: model.vocab={m.vocab} is smaller than the tokenizer's {vocab_size} tokens; use "
+                         "null (the tokenizer's size) or a larger vocabulary")
+    return nest.Card(
+        "pretrain", "llama", vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads or m.heads,
+        m.head_dim or m.hidden // m.heads, rope_base=m.rope_base, norm_eps=m.norm_eps, tied_embeddings=True,
+        max_positions=config.training.context_length, eos_token_ids=(eos_id,), pad_token_id=eos_id,
+        dtype=m.dtype or "bfloat16", tokenizer=nest.Location(path=tokenizer), source="linnet pretrain",
+    )
+
+
+def make_budget(config: PretrainConfig, parameters: int):
+    """The training budget (`linnet.pretrain.budget`) of a model of `parameters` unique
+    trainable parameters under this config."""
+    from linnet.pretrain.budget import plan_budget
+
+    t = config.training
+    return plan_budget(parameters, context=t.context_length, sequences_per_update=t.micro_batch_size * t.accumulation,
+                       targets_per_parameter=t.targets_per_parameter, total_targets=t.total_targets, epochs=t.epochs)
 
 
 def checkpoint_epochs(config: PretrainConfig) -> list[int]:

@@ -18,6 +18,8 @@ The stream depends only on the cache contents and shard layout, context length, 
 and seed: not on batch sizes, prefetch or the budget, so a longer budget's stream starts
 with a shorter one's, and `position` (sequences handed out) is the whole cursor. With
 `repeat`, the stream continues with a new pass over the groups (reshuffled by pass).
+Under several processes every loader follows the whole stream and `skip`s the sequences
+the other processes train on, so the cursor does not depend on the process count.
 
 Validation keeps a fixed, evenly spaced subset in memory (collected in one sequential
 scan) for epoch ends, and streams the whole split in order for the final full validation.
@@ -155,6 +157,11 @@ class Loader:
         if position < 0 or (not self.repeat and position > self.sequences_per_pass):
             raise ValueError(f"loader: position {position} outside the split's {self.sequences_per_pass} sequences")
         self.position = position
+
+    def skip(self, n: int) -> None:
+        """Pass over the next n sequences unread: the share of an update that other
+        processes train on (so the cursor is the same on every process)."""
+        self.seek(self.position + n)
 
     def locate(self, position: int) -> tuple[int, int, int]:
         """(pass, group slot, row within the group) of stream position `position`."""

@@ -15,8 +15,15 @@ directory beside the cache and renamed into place only after success: a failure,
 or kill publishes nothing (Ctrl-C and failures also cancel pending tasks and wait for the
 running ones), and a rerun starts clean.
 
-Preparing again at an existing path with the same settings re-verifies its checksums; with
-other settings it is refused, naming the settings that differ.
+How much training text is read: `data.train_tokens`, or, when it is null and the whole
+config is given (as `linnet prepare --config` does), what the config's training budget
+draws, rounded up through its last whole shard group (`budget.cache_tokens`); the whole
+corpus when that is less. The output and the manifest say how many passes over the cache
+the budget takes, and a budget that reuses the data gets a warning.
+
+Preparing again at an existing path with the same settings re-verifies its checksums and
+reuses it when it holds the training tokens asked for (or the whole corpus); with other
+settings, or too few tokens, it is refused, naming the reason.
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -466,9 +474,33 @@ class Writers:
 # Preparing a cache
 
 
+@dataclass(frozen=True)
+class Need:
+    """What a config's training budget draws from a cache."""
+
+    sequences: int  # training sequences of the whole budget
+    context: int
+    tokens: int  # training tokens that serve them from whole shard groups
+
+    def as_dict(self) -> dict[str, int]:
+        return {"sequences": self.sequences, "context": self.context, "tokens": self.tokens}
+
+
+def budget_need(config: PretrainConfig, vocab_size: int, eos_id: int) -> Need:
+    """The training text `config`'s budget needs, with a tokenizer of `vocab_size`."""
+    from linnet.pretrain.budget import cache_tokens
+    from linnet.pretrain.config import make_budget, model_card
+
+    t, d = config.training, config.data
+    budget = make_budget(config, model_card(config, vocab_size, eos_id).params())
+    return Need(budget.sequences, t.context_length,
+                cache_tokens(budget.sequences, t.context_length, d.shuffle_group_size * d.shard_tokens))
+
+
 @dataclass
 class Prepared:
-    """What `prepare` did: the cache, its sizes and the time taken."""
+    """What `prepare` did: the cache, its sizes and the time taken, and what the
+    config's budget needs from it (when the whole config was given)."""
 
     path: Path
     documents: dict[str, int]
@@ -479,7 +511,14 @@ class Prepared:
     workers: int
     reused: bool = False
     fingerprint: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
+    need: Need | None = None
+
+    @property
+    def passes(self) -> float | None:
+        """Passes over the training split that the budget takes (above 1: data reused)."""
+        if self.need is None:
+            return None
+        return self.need.sequences / max((self.tokens["train"] - 1) // self.need.context, 1)
 
     @property
     def documents_per_second(self) -> float:
@@ -495,6 +534,11 @@ class Prepared:
             rows.append(("status", "already prepared with these settings; every checksum verified"))
         for s in SPLITS:
             rows.append((f"{s}", f"{self.documents[s]:,} documents, {self.tokens[s]:,} tokens, {self.shards[s]} shards"))
+        if self.need is not None:
+            n = self.need
+            rows += [("budget needs", f"{n.sequences:,} sequences of {n.context} tokens: {n.tokens:,} training tokens "
+                                      "through its last whole shard group"),
+                     ("passes over the cache", f"{self.passes:.2f}" + (" (data reused)" if self.passes > 1 else ""))]
         rows += [("vocabulary", f"{self.vocab_size:,}"), ("seconds", f"{self.seconds:.2f}")]
         if not self.reused:
             rows += [("workers", str(self.workers)),
@@ -541,8 +585,10 @@ def _tokenizer_setting_requested(d: DataConfig) -> dict[str, Any]:
 
 
 def settings_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """'data.KEY: cache has A, config asks B' for each setting that differs, leaving out
+    train_tokens: a capacity, not an identity (see `_covers`)."""
     out = []
-    for key in sorted(set(saved) | set(wanted)):
+    for key in sorted((set(saved) | set(wanted)) - {"train_tokens"}):
         a, b = saved.get(key), wanted.get(key)
         if key == "tokenizer" and isinstance(a, dict) and isinstance(b, dict):
             if b.get("eos_token") is None:  # not asked for: the tokenizer's own is fine
@@ -553,7 +599,16 @@ def settings_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[
     return out
 
 
-def _check_existing(path: Path, d: DataConfig) -> Prepared:
+def _covers(manifest: dict[str, Any], wanted: int | None) -> bool:
+    """Whether a cache holds `wanted` training tokens (None: the whole corpus): as many,
+    or the whole corpus (its reading was not cut short). Its first whole shard groups are
+    then the ones a fresh preparation would write."""
+    cap, tokens = manifest["settings"]["train_tokens"], manifest["splits"]["train"]["tokens"]
+    whole_corpus = cap is None or tokens < cap
+    return whole_corpus or (wanted is not None and tokens >= wanted)
+
+
+def _check_existing(path: Path, d: DataConfig, config: PretrainConfig | None) -> Prepared:
     manifest = cache_format.read_manifest(path)
     differences = settings_differences(manifest["settings"], requested_settings(d))
     if differences:
@@ -562,12 +617,20 @@ def _check_existing(path: Path, d: DataConfig) -> Prepared:
             + "; ".join(differences)
             + ". Prepare at a new data.cache path, or restore the settings above to reuse this cache"
         )
+    need = None if config is None else budget_need(config, manifest["vocab_size"], manifest["eos_id"])
+    wanted = d.train_tokens if d.train_tokens is not None or need is None else need.tokens
+    if not _covers(manifest, wanted):
+        tokens = manifest["splits"]["train"]["tokens"]
+        asked = "the whole corpus" if wanted is None else f"{wanted:,}"
+        raise ValueError(f"{path}: holds {tokens:,} training tokens (cut at {manifest['settings']['train_tokens']:,}) "
+                         f"and this config asks for {asked}; a cache is never extended: prepare at a new data.cache "
+                         "path")
     t0 = time.perf_counter()
     cache = cache_format.verify_cache(path)
     return Prepared(
         path, {s: cache.splits[s].documents for s in SPLITS}, {s: cache.splits[s].tokens for s in SPLITS},
         {s: len(cache.splits[s].shards) for s in SPLITS}, cache.vocab_size, time.perf_counter() - t0,
-        d.prepare_workers, reused=True, fingerprint=cache.fingerprint,
+        d.prepare_workers, reused=True, fingerprint=cache.fingerprint, need=need,
     )
 
 
@@ -648,15 +711,31 @@ def _tokenize_pool(d: DataConfig, tokenizer_file: Path, eos: int, dtype: np.dtyp
     pool.shutdown(wait=True)
 
 
-def prepare(d: DataConfig, *, verify_existing: bool = True) -> Prepared:
-    """Prepare the token cache at `d.cache` (see the module docstring)."""
+def prepare(config: PretrainConfig | DataConfig) -> Prepared:
+    """Prepare the token cache at `data.cache` (see the module docstring). Given the whole
+    config, a null data.train_tokens reads what its budget needs; given the data group
+    alone, the whole corpus."""
+    whole = config if isinstance(config, PretrainConfig) else None
+    d = config.data if whole else config
+    result = _prepare(d, whole)
+    if result.passes is not None and result.passes > 1:
+        then = ("training reuses the data (data.repeat is true)" if d.repeat else
+                "training will refuse it unless data.repeat=true; or add to the corpus, or lower the budget "
+                "(training.targets_per_parameter or training.total_targets)")
+        warnings.warn(f"{result.path}: the budget draws {result.need.sequences:,} training sequences of "
+                      f"{result.need.context} tokens, {result.passes:.2f} passes over the cache's "
+                      f"{result.tokens['train']:,} training tokens: {then}", stacklevel=2)
+    return result
+
+
+def _prepare(d: DataConfig, config: PretrainConfig | None) -> Prepared:
     if not d.cache:
         raise ValueError("config: data.cache is required (the directory the token cache is written to)")
     if not d.source and d.dataset is None:
         raise ValueError("config: give data.source (corpus files) or data.dataset (a datasets name)")
     target = Path(d.cache)
     if target.exists():
-        return _check_existing(target, d)
+        return _check_existing(target, d, config)
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
@@ -667,6 +746,9 @@ def prepare(d: DataConfig, *, verify_existing: bool = True) -> Prepared:
         tok, eos, tokenizer_setting = resolve_tokenizer(d)
         tok.save(str(tmp / TOKENIZER))
         vocab = tok.get_vocab_size(with_added_tokens=True)
+        need = None if config is None else budget_need(config, vocab, eos)
+        if need is not None and d.train_tokens is None:
+            d = replace(d, train_tokens=need.tokens)  # the cap actually used is what the manifest records
         dtype = token_dtype(vocab)
         writers = Writers(tmp, d, dtype)
         if d.prepare_workers == 1:
@@ -686,6 +768,7 @@ def prepare(d: DataConfig, *, verify_existing: bool = True) -> Prepared:
             "vocab_size": vocab,
             "tokenizer": {"file": TOKENIZER, "sha256": cache_format.sha256_file(tmp / TOKENIZER)},
             "splits": splits,
+            "budget": None if need is None else need.as_dict(),
         }
         manifest["fingerprint"] = cache_format.fingerprint(manifest)
         write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -695,7 +778,7 @@ def prepare(d: DataConfig, *, verify_existing: bool = True) -> Prepared:
             if not (target / MANIFEST).is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # another run published first: check it
-            return _check_existing(target, d)
+            return _check_existing(target, d, config)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -703,7 +786,7 @@ def prepare(d: DataConfig, *, verify_existing: bool = True) -> Prepared:
     return Prepared(
         target, {s: splits[s]["documents"] for s in SPLITS}, {s: splits[s]["tokens"] for s in SPLITS},
         {s: len(splits[s]["shards"]) for s in SPLITS}, vocab, seconds, d.prepare_workers,
-        fingerprint=manifest["fingerprint"],
+        fingerprint=manifest["fingerprint"], need=need,
     )
 
 
@@ -744,9 +827,13 @@ def cli(argv: list[str] | None = None) -> int:
     if config is None:
         parser.error("give --config FILE (and/or --set KEY=VALUE), or --verify CACHE")
     try:
-        result = prepare(config.data)
+        with warnings.catch_warnings(record=True) as caught:  # printed after the table, where they are seen
+            warnings.simplefilter("always")
+            result = prepare(config)
     except KeyboardInterrupt:
         print("linnet prepare: interrupted; workers drained, nothing was published", file=sys.stderr)
         return 130
     _print_table(result.table())
+    for w in caught:
+        print(f"linnet prepare: warning: {w.message}", file=sys.stderr)
     return 0

@@ -7,12 +7,21 @@ checkpoint policies and exact resume.
         --set runtime.output_dir=runs/tiny-branch
     linnet pretrain --config a.yaml --config b.yaml      # run (or finish) several experiments
     linnet pretrain --config a.yaml --plan               # the budget table, no training
+    torchrun --nproc_per_node 2 -m linnet.cli pretrain --config configs/pretrain-tiny-cpu.yaml
 
 The step is visible below: N microbatches from the loader, backward of each summed token
 loss divided by the update's target count, then `linnet.train.loop.optimizer_step`
-(clip, a non-finite norm stops, step, schedule). At the end of each virtual epoch the
-fixed validation subset is evaluated, best.json updated, and the epoch's retained files
-written. A run directory holds:
+(reduce across processes, clip, a non-finite norm stops, step, schedule). At the end of
+each virtual epoch the fixed validation subset is evaluated, best.json updated, and the
+epoch's retained files written.
+
+Under P processes (torchrun; gloo on CPU, NCCL on GPUs) the global batch is the same
+sample stream as in one process: each process trains `accumulation / P` of the update's
+microbatches and skips the others', so the losses equal a one-process run's to rounding,
+and the cursor, checkpoints and recipe identity do not depend on P (a run may resume under
+another process count). The first process alone writes the run directory.
+
+A run directory holds:
 
     config.yaml   the resolved config (pass it back with --config to resume)
     run.json      recipe identity and fields, budget, cache, environment
@@ -33,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -48,12 +58,14 @@ import numpy as np
 import torch
 
 from linnet.files import write_text
-from linnet.pretrain.budget import Budget, plan_budget
+from linnet.pretrain.budget import Budget
 from linnet.pretrain.cache import TokenCache, open_cache, sha256_file
 from linnet.pretrain.config import (
     PretrainConfig,
     checkpoint_epochs,
     load,
+    make_budget,
+    model_card,
     recipe_differences,
     recipe_fields,
     recipe_identity,
@@ -69,28 +81,9 @@ STATE_FILES = ("trained.safetensors", "optimizer.pt", "state.pt")
 # The model, optimizer and schedule of a config
 
 
-def model_card(config: PretrainConfig, cache: TokenCache):
-    """A Llama card with tied embeddings for the config's model group and the cache's
-    tokenizer (its vocabulary, its EOS)."""
-    from linnet import nest
-
-    m = config.model
-    vocab = m.vocab or cache.vocab_size
-    if vocab < cache.vocab_size:
-        raise ValueError(f"config: model.vocab={m.vocab} is smaller than the cache tokenizer's {cache.vocab_size} "
-                         "tokens; use null (the tokenizer's size) or a larger vocabulary")
-    return nest.Card(
-        "pretrain", "llama", vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads or m.heads,
-        m.head_dim or m.hidden // m.heads, rope_base=m.rope_base, norm_eps=m.norm_eps, tied_embeddings=True,
-        max_positions=config.training.context_length, eos_token_ids=(cache.eos_id,), pad_token_id=cache.eos_id,
-        dtype=m.dtype or "bfloat16", tokenizer=nest.Location(path=str(cache.path)), source="linnet pretrain",
-    )
-
-
-def make_budget(config: PretrainConfig, parameters: int) -> Budget:
-    t = config.training
-    return plan_budget(parameters, context=t.context_length, sequences_per_update=t.micro_batch_size * t.accumulation,
-                       targets_per_parameter=t.targets_per_parameter, total_targets=t.total_targets, epochs=t.epochs)
+def cache_card(config: PretrainConfig, cache: TokenCache):
+    """The config's model card for the cache's tokenizer (its vocabulary, its EOS)."""
+    return model_card(config, cache.vocab_size, cache.eos_id, str(cache.path))
 
 
 def make_optimizer(model, config: PretrainConfig) -> torch.optim.Optimizer:
@@ -125,18 +118,23 @@ def flops_per_token(card, context: int) -> float:
 
 
 def evaluate(model, batches) -> float:
-    """Mean token loss over `batches` (no gradients)."""
+    """Mean token loss over `batches` (no gradients); under several processes each
+    evaluates every P-th batch and the sums are combined."""
+    from linnet.train.parallel import sum_across, world
+
+    rank, processes = world()
     total = torch.zeros((), dtype=torch.float64, device=model.device)
     count = 0.0
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for batch in batches:
+        for batch in itertools.islice(batches, rank, None, processes):
             loss, _ = model.loss_packed(batch)
             total += loss.double()
             count += batch.real
     model.train(was_training)
-    return float(total) / max(count, 1.0)
+    total_all, count_all = sum_across([float(total), count])
+    return total_all / max(count_all, 1.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,10 +215,14 @@ class Progress:
 
 
 def save_state(out: Path, *, model, optimizer, schedule, loader, progress: Progress, kind: str,
-               fields: dict[str, Any], identity: str) -> Path:
+               fields: dict[str, Any], identity: str) -> Path | None:
     """A resumable snapshot: linnet.train.checkpoint's directory plus checksums.json,
-    written last (a checkpoint without it is incomplete)."""
+    written last (a checkpoint without it is incomplete). First process only."""
     from linnet.train.checkpoint import save_checkpoint
+    from linnet.train.parallel import world
+
+    if world()[0] != 0:
+        return None
 
     extra = {
         "kind": kind,
@@ -287,11 +289,13 @@ class Start:
     checkpoint: Path | None = None
     state: dict[str, Any] | None = None
     complete: dict[str, Any] | None = None  # the summary of a run already finished
+    clear: bool = False  # delete the output directory first (--overwrite)
 
 
 def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: str,
            resume: str | os.PathLike | None, overwrite: bool) -> Start:
-    """Decide (and check) where the run starts; nothing is deleted before the checks pass."""
+    """Decide (and check) where the run starts. It only reads, so that every process
+    decides alike before the first one deletes anything (`Start.clear`)."""
 
     def refuse_other_recipe(where: Path, run_dir: Path, saved_fields: dict[str, Any], saved_identity: str) -> None:
         differences = recipe_differences(saved_fields, fields, ("run", "config"))
@@ -329,40 +333,66 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
                              "or pass --overwrite")
         checkpoint, run_dir = found[-1], out
     else:
-        if overwrite and out.exists():
-            shutil.rmtree(out)
-        return Start()
+        return Start(clear=overwrite and out.exists())
     state = verify_checkpoint(checkpoint)
     recipe = state["extra"]["recipe"]
     refuse_other_recipe(checkpoint, run_dir, recipe["fields"], recipe["identity"])
-    if overwrite and used and out.resolve() != run_dir.resolve():
-        shutil.rmtree(out)
-    return Start(checkpoint, state)
+    return Start(checkpoint, state, clear=overwrite and used and out.resolve() != run_dir.resolve())
 
 
 # ---------------------------------------------------------------------------------------
 # The run
 
 
+def _open_run_directory(out: Path, start: Start, progress: Progress, config: PretrainConfig,
+                        record: dict[str, Any]) -> None:
+    """The run directory at the start of a session (first process): metrics kept up to
+    the checkpoint (rows a resumed run would otherwise log twice), best.json, the
+    resolved config and run.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    if start.checkpoint is None:
+        write_text(out / "metrics.jsonl", "")
+    else:
+        source_run = start.checkpoint.parent.parent
+        _keep_metrics(source_run / "metrics.jsonl", out / "metrics.jsonl", progress.step)
+        print(f"resuming from {start.checkpoint} (epoch {progress.epoch}, update {progress.step})", file=sys.stderr)
+        if progress.best is not None:
+            if progress.best["weights"] and source_run.resolve() != out.resolve():  # a branch: name the original
+                kept = source_run / progress.best["weights"]
+                progress.best["weights"] = str(kept) if kept.is_file() else None
+            write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
+    write_text(out / "config.yaml", to_yaml(config))
+    write_text(out / "run.json", json.dumps(record, indent=1) + "\n")
+
+
 def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Pretrain as `config` says (resuming when told, or when its output directory holds
-    an incomplete run); returns the summary written to summary.json."""
+    an incomplete run); returns the summary written to summary.json, on every process."""
     from linnet import nest
     from linnet.pretrain.loader import Loader, Validation
     from linnet.train.checkpoint import load_checkpoint
     from linnet.train.loop import Step, optimizer_step, trained_parameters
-    from linnet.train.parallel import world
+    from linnet.train.parallel import barrier, from_first, sum_across, world
 
-    if world()[1] > 1:
-        raise NotImplementedError("linnet pretrain runs in one process for now; launch it without torchrun")
     m, d, t, rt = config.model, config.data, config.training, config.runtime
+    rank, processes = world()
+    lead = rank == 0  # writes the run directory
+    if t.accumulation % processes:
+        raise ValueError(f"config: training.accumulation={t.accumulation} micro-batches an update do not split "
+                         f"evenly over {processes} processes; use a multiple of {processes} (the global batch, "
+                         "micro_batch_size x accumulation sequences, is part of the recipe)")
+    device = torch.device(rt.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and processes > 1:  # one GPU a process
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        torch.cuda.set_device(device)
     if not d.cache:
         raise ValueError("config: data.cache is required (prepare it with `linnet prepare --config …`)")
     cache = open_cache(d.cache)
     _check_cache_settings(config, cache)
     fields = recipe_fields(config, cache.fingerprint)
     identity = recipe_identity(fields)
-    card = model_card(config, cache)
+    card = cache_card(config, cache)
     budget = make_budget(config, card.params())
     if not d.repeat:
         from linnet.pretrain.loader import shard_groups
@@ -379,10 +409,12 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     start = _start(config, out, fields, identity, resume, overwrite)
     if start.complete is not None:
         return start.complete
+    barrier()  # every process has read the output directory before the first one changes it
+    if lead and start.clear:
+        shutil.rmtree(out)
 
     if rt.threads:
         torch.set_num_threads(rt.threads)
-    device = torch.device(rt.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if rt.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -398,54 +430,48 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     progress = Progress()
     loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
                      prefetch=d.prefetch, device=device)
-    out.mkdir(parents=True, exist_ok=True)
     if start.checkpoint is not None:
         extra = start.state["extra"]
         load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, schedule=schedule)
         _set_rng_state(extra["rng"])
         progress = Progress(**extra["progress"])
         loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
-        _keep_metrics(start.checkpoint.parent.parent / "metrics.jsonl", out / "metrics.jsonl", progress.step)
-        print(f"resuming from {start.checkpoint} (epoch {progress.epoch}, update {progress.step})", file=sys.stderr)
     else:
         loader = Loader(cache.train, **loader_kw)
-        write_text(out / "metrics.jsonl", "")
-    if progress.best is not None:
-        source_run = start.checkpoint.parent.parent
-        if progress.best["weights"] and source_run.resolve() != out.resolve():  # a branch: name the original file
-            kept = source_run / progress.best["weights"]
-            progress.best["weights"] = str(kept) if kept.is_file() else None
-        write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
-    write_text(out / "config.yaml", to_yaml(config))
-    run_record = {
-        "recipe": {"identity": identity, "fields": fields},
-        "checkpoint_policy": t.checkpoint_policy,
-        "budget": {"parameters": budget.parameters, "targets": budget.targets, "steps": budget.steps,
-                   "epochs": budget.epochs, "boundaries": list(budget.boundaries),
-                   "batch_targets": budget.batch_targets, "flops_per_token": flops_per_token(card, t.context_length)},
-        "cache": {"path": str(cache.path), "fingerprint": cache.fingerprint, "train_tokens": cache.train.tokens,
-                  "validation_tokens": cache.validation.tokens, "vocab_size": cache.vocab_size},
-        "loader": {"sequences_per_pass": loader.sequences_per_pass,
-                   "passes": budget.sequences / loader.sequences_per_pass},
-        "environment": _environment(device),
-        "resumed_from": None if start.checkpoint is None else str(start.checkpoint),
-    }
-    write_text(out / "run.json", json.dumps(run_record, indent=1) + "\n")
+    if lead:
+        _open_run_directory(out, start, progress, config, {
+            "recipe": {"identity": identity, "fields": fields},
+            "checkpoint_policy": t.checkpoint_policy,
+            "budget": {"parameters": budget.parameters, "targets": budget.targets, "steps": budget.steps,
+                       "epochs": budget.epochs, "boundaries": list(budget.boundaries),
+                       "batch_targets": budget.batch_targets,
+                       "flops_per_token": flops_per_token(card, t.context_length)},
+            "cache": {"path": str(cache.path), "fingerprint": cache.fingerprint, "train_tokens": cache.train.tokens,
+                      "validation_tokens": cache.validation.tokens, "vocab_size": cache.vocab_size},
+            "loader": {"sequences_per_pass": loader.sequences_per_pass,
+                       "passes": budget.sequences / loader.sequences_per_pass},
+            "processes": processes,
+            "environment": _environment(device),
+            "resumed_from": None if start.checkpoint is None else str(start.checkpoint),
+        })
     validation = Validation(cache.validation, context=t.context_length,
                             subset_sequences=config.evaluation.subset_sequences, device=device) \
         if (config.evaluation.subset_sequences or config.evaluation.full_validation) else None
 
     save_kw = dict(model=model, optimizer=optimizer, schedule=schedule, loader=loader, fields=fields, identity=identity)
     bar = None
-    if rt.progress:
-        from linnet.progress import Progress as Bar
+    if lead:
+        print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
+              f"{budget.trained_targets:,} targets on {device} x {processes} (recipe {identity})", file=sys.stderr)
+        if rt.progress:
+            from linnet.progress import Progress as Bar
 
-        bar = Bar(budget.steps, "pretrain")
-    print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
-          f"{budget.trained_targets:,} targets on {device} (recipe {identity})", file=sys.stderr)
-    metrics = (out / "metrics.jsonl").open("a")
+            bar = Bar(budget.steps, "pretrain")
+    metrics = (out / "metrics.jsonl").open("a") if lead else None
     A, B = t.accumulation, t.micro_batch_size
-    learned = A * B * t.context_length
+    share = A // processes  # this process's micro-batches of each update, after `before` sequences
+    before, after = rank * share * B, (processes - 1 - rank) * share * B
+    learned = A * B * t.context_length  # the global batch's targets, every one learned
     clip = config.optimizer.grad_clip
     session_start, session_steps = time.perf_counter(), 0
     try:
@@ -455,14 +481,16 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                 t0 = time.perf_counter()
                 waited = 0.0
                 total = torch.zeros((), device=device)
-                for _ in range(A):
+                loader.skip(before)
+                for _ in range(share):
                     tl = time.perf_counter()
                     batch = loader.batch(B)
                     waited += time.perf_counter() - tl
                     loss_sum, _ = model.loss_packed(batch)
                     (loss_sum / learned).backward()
                     total += loss_sum.detach()
-                loss = float(total) / learned  # the update's one host sync
+                loader.skip(after)
+                loss = sum_across([float(total)])[0] / learned  # the update's one host sync
                 norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, out / CHECKPOINTS)
                 seconds = time.perf_counter() - t0
                 record = Step(step, loss, learned, learned, norm, lr, seconds, {"loader_seconds": waited})
@@ -478,35 +506,44 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                         kept = t.checkpoint_policy != "none" and epoch in selected
                         progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
                                          "weights": f"epoch-{epoch:03d}.safetensors" if kept else None}
-                        write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                if bar is not None:
-                    bar.update(step, loss=loss, tok_s=record.tokens_per_second)
+                        if lead:
+                            write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
+                if lead:
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                    if bar is not None:
+                        bar.update(step, loss=loss, tok_s=record.tokens_per_second)
             progress.epoch = epoch
             if t.checkpoint_policy != "none" and epoch in selected:
-                model.save_weights(out / f"epoch-{epoch:03d}.safetensors", dtype=torch.float32)
+                if lead:
+                    model.save_weights(out / f"epoch-{epoch:03d}.safetensors", dtype=torch.float32)
                 if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
                     save_state(out, progress=progress, kind="epoch", **save_kw)
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
         loader.close()
         if bar is not None:
             bar.close()
     if t.checkpoint_policy != "none":
         if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
             save_state(out, progress=progress, kind="final", **save_kw)
-        model.save_weights(out / "final.safetensors", dtype=torch.float32)
-    summary = _summary(config, out, budget, card, progress, identity, session_steps,
-                       time.perf_counter() - session_start)
+        if lead:
+            model.save_weights(out / "final.safetensors", dtype=torch.float32)
+    full = None
     if validation is not None and config.evaluation.full_validation:
         t0 = time.perf_counter()
         full = evaluate(model, validation.full_batches(config.evaluation.batch_size))
-        summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
-                       full_validation_sequences=validation.total,
-                       full_validation_seconds=round(time.perf_counter() - t0, 2))
-    write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    return summary
+        full_seconds = time.perf_counter() - t0
+    summary = None
+    if lead:
+        summary = _summary(config, out, budget, card, progress, identity, session_steps,
+                           time.perf_counter() - session_start)
+        if full is not None:
+            summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
+                           full_validation_sequences=validation.total, full_validation_seconds=round(full_seconds, 2))
+        write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    return from_first(summary)
 
 
 def _summary(config, out: Path, budget: Budget, card, progress: Progress, identity: str, session_steps: int,
@@ -539,7 +576,7 @@ def _summary(config, out: Path, budget: Budget, card, progress: Progress, identi
 def plan(config: PretrainConfig) -> list[tuple[str, str]]:
     """The budget table of a config (needs its cache for the vocabulary)."""
     cache = open_cache(config.data.cache)
-    card = model_card(config, cache)
+    card = cache_card(config, cache)
     budget = make_budget(config, card.params())
     return budget.table() + [
         ("cache", f"{cache.path} ({cache.train.tokens:,} training tokens)"),
@@ -569,20 +606,28 @@ def cli(argv: list[str] | None = None) -> int:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
     if args.resume and len(paths) > 1:
         parser.error("--resume takes one --config")
-    for path in paths:
-        config = load(path, args.set)
-        if args.plan:
-            rows = plan(config)
-        else:
-            try:
-                summary = run(config, resume=args.resume, overwrite=args.overwrite)
-            except KeyboardInterrupt:
-                found = _checkpoint_dirs(Path(config.runtime.output_dir) / CHECKPOINTS)
-                where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "
-                print(f"linnet pretrain: interrupted; {where}running the same command resumes the run",
-                      file=sys.stderr)
-                return 130
-            rows = [(k, json.dumps(v) if isinstance(v, dict) else str(v)) for k, v in summary.items()]
-        width = max(len(k) for k, _ in rows)
-        print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    from linnet.train.parallel import join, world
+
+    joined = join()  # under torchrun
+    try:
+        for path in paths:
+            config = load(path, args.set)
+            if args.plan:
+                rows = plan(config)
+            else:
+                try:
+                    summary = run(config, resume=args.resume, overwrite=args.overwrite)
+                except KeyboardInterrupt:
+                    found = _checkpoint_dirs(Path(config.runtime.output_dir) / CHECKPOINTS)
+                    where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "
+                    print(f"linnet pretrain: interrupted; {where}running the same command resumes the run",
+                          file=sys.stderr)
+                    return 130
+                rows = [(k, json.dumps(v) if isinstance(v, dict) else str(v)) for k, v in summary.items()]
+            if world()[0] == 0:
+                width = max(len(k) for k, _ in rows)
+                print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
     return 0

@@ -6,6 +6,8 @@ so the trainers call them unconditionally.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,31 @@ def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def join() -> bool:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE > 1),
+    unless already in one: gloo for CPU tensors, NCCL for CUDA ones where CUDA is
+    present. Returns whether it joined (the caller then destroys the group)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    return True
+
+
+def barrier() -> None:
+    """Wait for every process (a no-op alone)."""
+    if world()[1] > 1:
+        dist.barrier()
+
+
+def from_first(value):
+    """The first process's `value`, on every process (any picklable object)."""
+    if world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _device() -> torch.device:
