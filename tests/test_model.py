@@ -131,6 +131,37 @@ def test_padding_is_not_computed():
     assert not hidden[row.real :].any()
 
 
+@pytest.mark.parametrize("attention", ["documents", "dense", "flex"])
+def test_shared_prompts_give_the_same_log_probs_and_gradients(attention):
+    """Completions attending to one copy of their prompt: each learned position's
+    log-probability and the weights' gradient equal those of prompt + completion rows."""
+    from linnet.packing import pack_prompted
+
+    g = np.random.default_rng(11)
+    groups = [(g.integers(3, 97, size=n).tolist(), [g.integers(3, 97, size=m).tolist() for m in ms])
+              for n, ms in ((9, (4, 7, 1)), (1, (5, 2)), (2, (3,)), (13, (6, 6)))]
+    train = attention != "flex"  # flex has no backward on CPU
+    model = nest.load(nest.resolve("debug").replace(vocab=97), weights="random", attention=attention,
+                      trainable=train, seed=4)
+    results = []
+    for share in (True, False):
+        (row,) = pack_prompted(groups, tokens=128, share=share)
+        assert row.examples == 8 and (row.prefix is not None) == share
+        model.zero_grad()
+        with torch.set_grad_enabled(train):
+            logp = model.log_probs_packed(row)
+        learned = logp[torch.as_tensor(np.flatnonzero(row.weights > 0))]
+        if train:
+            (learned * torch.linspace(0.5, 1.5, len(learned))).sum().backward()
+        grad = model.model.layers[0].self_attn.k_proj.weight.grad
+        results.append((learned.detach(), None if grad is None else grad.clone()))
+    (shared, g_shared), (alone, g_alone) = results
+    assert len(shared) == sum(len(c) for _, cs in groups for c in cs)
+    torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
+    if train:
+        torch.testing.assert_close(g_shared, g_alone, rtol=1e-4, atol=1e-6)
+
+
 def test_trainable_patterns_and_master_dtype():
     model = nest.load("debug", weights="random", dtype="bfloat16", trainable=["model.layers.*.mlp.*"])
     for name, p in model.named_parameters():

@@ -95,3 +95,32 @@ def test_pack_groups_keeps_each_group_in_one_row():
     assert rows[0].bounds.tolist() == [0, 3, 7, 10]
     with pytest.raises(ValueError, match="group 0 holds 7 tokens"):
         list(pack_groups(pairs, tokens=6))
+
+
+def test_pack_prompted_places_each_prompt_once():
+    from linnet.packing import pack_prompted
+
+    (row,) = pack_prompted([([1, 2, 3, 4], [[5, 6], [7]]), ([9], [[8]])], tokens=12)
+    # prompt less its last token; each completion opens with that token, positions continuing
+    assert row.tokens.tolist()[:10] == [1, 2, 3, 4, 5, 6, 4, 7, 9, 8]
+    assert row.positions.tolist()[:10] == [0, 1, 2, 3, 4, 5, 3, 4, 0, 1]
+    assert row.bounds.tolist() == [0, 3, 6, 8, 10, 12] and row.prefix.tolist() == [-1, 0, 0, -1, -1]
+    assert row.examples == 3 and row.real == 10
+    learned = row.targets[row.weights > 0].tolist()
+    assert learned == [5, 6, 7, 8]  # every completion token, predicted from what precedes it
+    (plain,) = pack_prompted([([1, 2, 3, 4], [[5, 6], [7]])], tokens=12, share=False)
+    assert plain.prefix is None and plain.targets[plain.weights > 0].tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match="group 0"):
+        list(pack_prompted([([1, 2, 3], [[4, 5, 6]] * 3)], tokens=8))
+
+
+def test_grpo_splits_a_group_longer_than_a_row():
+    from types import SimpleNamespace
+
+    from linnet.train.grpo import _prompt_groups
+
+    prompts = [SimpleNamespace(ids=[1, 2, 3, 4])]
+    samples = [SimpleNamespace(prompt=0, tokens=[5] * n) for n in (3, 3, 3)]
+    shared = list(_prompt_groups(samples, prompts, tokens=12, share=True))
+    assert [len(c) for _, c in shared] == [2, 1]  # 4 + (1 + 3) * 2 fits 12, a third does not
+    assert [len(c) for _, c in _prompt_groups(samples, prompts, tokens=12, share=False)] == [1, 1, 1]

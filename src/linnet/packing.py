@@ -80,6 +80,9 @@ class Packed:
     real       positions holding example tokens (P less the padding)
     examples   examples in the row
     truncated  examples cut to fit the row
+    prefix     [D] for rows with shared prompts (`pack_prompted`): the document whose
+               keys each document also attends to (its prompt), -1 for none; None when
+               no document has one
     """
 
     tokens: np.ndarray
@@ -90,6 +93,7 @@ class Packed:
     real: int
     examples: int
     truncated: int = 0
+    prefix: np.ndarray | None = None
 
     @property
     def learned(self) -> int:
@@ -97,33 +101,55 @@ class Packed:
         return int((np.asarray(self.weights) > 0).sum())
 
 
-def _row(parts: list[Example], tokens: int, pad_id: int, truncated: int) -> Packed:
+@dataclass(frozen=True)
+class _Document:
+    """Tokens placed in a row as one document: learned flags, the first position, and
+    where the document whose keys it continues sits (-1: the one before, …), if any."""
+
+    tokens: np.ndarray
+    learned: np.ndarray
+    start: int = 0
+    prefix: int | None = None
+
+    @classmethod
+    def of(cls, ex: Example, start: int = 0, prefix: int | None = None) -> _Document:
+        return cls(ex.tokens, ex.learned, start, prefix)
+
+
+def _row(parts: list[_Document], tokens: int, pad_id: int, truncated: int) -> Packed:
     ids = np.full(tokens, pad_id, np.int64)
     targets = np.zeros(tokens, np.int64)
     weights = np.zeros(tokens, np.float32)
     positions = np.zeros(tokens, np.int64)
+    prefix = np.full(len(parts) + 1, -1, np.int64)
     bounds = [0]
-    for ex in parts:
-        s, n = bounds[-1], len(ex)
-        ids[s : s + n] = ex.tokens
-        targets[s : s + n - 1] = ex.tokens[1:]
-        weights[s : s + n - 1] = ex.learned[1:]
-        positions[s : s + n] = np.arange(n)
+    for j, doc in enumerate(parts):
+        s, n = bounds[-1], len(doc.tokens)
+        ids[s : s + n] = doc.tokens
+        targets[s : s + n - 1] = doc.tokens[1:]
+        weights[s : s + n - 1] = doc.learned[1:]
+        positions[s : s + n] = np.arange(doc.start, doc.start + n)
+        if doc.prefix is not None:
+            prefix[j] = j + doc.prefix
         bounds.append(s + n)
     real = bounds[-1]
     if real < tokens:
         positions[real:] = np.arange(tokens - real)
         bounds.append(tokens)
-    return Packed(ids, targets, weights, positions, np.asarray(bounds, np.int64), real, len(parts), truncated)
+    shared = prefix[: len(bounds) - 1] if (prefix >= 0).any() else None
+    examples = sum(bool(doc.learned[1:].any()) for doc in parts)
+    return Packed(ids, targets, weights, positions, np.asarray(bounds, np.int64), real, int(examples), truncated,
+                  shared)
 
 
 def _fill(groups: Iterable[tuple[list[Example], bool]], tokens: int, pad_id: int) -> Iterator[Packed]:
     """Rows of whole groups in order: a group that does not fit the space left starts
     the next row. Each group comes with whether it was cut to fit."""
-    parts: list[Example] = []
+    parts: list[_Document] = []
     used = cut = 0
     for group, was_cut in groups:
-        size = sum(len(ex) for ex in group)
+        group = [d if isinstance(d, _Document) else _Document.of(d) for d in group]
+        size = sum(len(d.tokens) for d in group)
         if used + size > tokens:
             yield _row(parts, tokens, pad_id, cut)
             parts, used, cut = [], 0, 0
@@ -190,3 +216,39 @@ def pack_groups(groups: Iterable[Sequence[Example]], tokens: int, *, pad_id: int
             yield group, False
 
     return _fill(checked(), tokens, pad_id)
+
+
+def _shared_prompt(prompt: Sequence[int], completions: Sequence[Sequence[int]]) -> list[_Document]:
+    """The prompt once (less its last token) and each completion as a document that
+    starts with that last token and attends to the prompt's keys: what every completion
+    predicts is unchanged, and the prompt is computed once instead of once a completion."""
+    prompt = np.asarray(prompt, np.int64)
+    if len(prompt) < 2:  # nothing to share
+        return [_Document.of(Example.prompted(prompt, c)) for c in completions]
+    docs = [_Document(prompt[:-1], np.zeros(len(prompt) - 1, bool))]
+    for i, c in enumerate(completions):
+        docs.append(_Document.of(Example.prompted(prompt[-1:], c), len(prompt) - 1, -(i + 1)))
+    return docs
+
+
+def pack_prompted(groups: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]], tokens: int, *,
+                  share: bool = True, pad_id: int = 0) -> Iterator[Packed]:
+    """Rows of (prompt, completions) groups, each completion learned after its prompt,
+    every group whole in one row and in order (DPO's answers, GRPO's samples).
+
+    share=True places each prompt once and lets its completions attend to it
+    (`Packed.prefix`): the same log-probabilities as one prompt+completion example a
+    completion, with the prompt computed once. A group longer than a row is an error."""
+    def laid_out():
+        for i, (prompt, completions) in enumerate(groups):
+            if share:
+                docs = _shared_prompt(prompt, completions)
+            else:
+                docs = [_Document.of(Example.prompted(prompt, c)) for c in completions]
+            size = sum(len(d.tokens) for d in docs)
+            if size > tokens:
+                raise ValueError(f"pack_prompted: group {i} (a prompt and its {len(completions)} completions) "
+                                 f"holds {size} tokens, more than a row of {tokens}")
+            yield docs, False
+
+    return _fill(laid_out(), tokens, pad_id)

@@ -3,7 +3,9 @@
 Shapes: H query heads, K key/value heads, P positions of a packed row, d head dim.
 Every path takes q [1, H, P, d], k and v [1, K, P, d] and the row's document offsets
 `bounds` (host ints: 0 = b0 < b1 < … < bn = P; padding at the end is a document of its
-own) and returns [1, H, P, d].
+own) and returns [1, H, P, d]. Rows with shared prompts (`linnet.packing.pack_prompted`)
+also pass `prefix`: for each document, the earlier document whose keys it sees in full
+before its own (its prompt), or -1; every path but varlen takes it.
 
 Paths (bench/attention.md has the measurements behind `choose`: on CPU the per-document loop
 beat every dense variant in all 24 cases, a row filled by one document included):
@@ -25,10 +27,10 @@ PATHS = ("auto", "documents", "dense", "flex", "varlen")
 
 
 @torch.compiler.disable  # document lengths vary per row: keep them out of compiled graphs
-def documents(q, k, v, bounds: list[int]):
+def documents(q, k, v, bounds: list[int], prefix: list[int] | None = None):
     gqa = q.shape[1] != k.shape[1]
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    if len(set(lengths)) == 1 and len(lengths) > 1:
+    if len(set(lengths)) == 1 and len(lengths) > 1 and prefix is None:
         # equal documents (pretraining sequences): one batched call, documents as the batch
         n_tokens, n = lengths[0], len(lengths)
 
@@ -39,10 +41,18 @@ def documents(q, k, v, bounds: list[int]):
         return out.transpose(0, 1).flatten(1, 2)[None]
     # split, not slices: a slice's backward fills a zero gradient of the whole row for
     # every document, split's concatenates once (bench/attention.md: 1.4x on average)
-    outs = [
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
-        for qd, kd, vd in zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
-    ]
+    qs, ks, vs = q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2)
+    outs = []
+    for j, (qd, kd, vd) in enumerate(zip(qs, ks, vs)):
+        i = -1 if prefix is None else prefix[j]
+        if i < 0:
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa))
+            continue
+        # the prompt's keys in full, then causal over the document's own
+        seen, n = lengths[i], lengths[j]
+        mask = torch.ones(n, seen + n, dtype=torch.bool, device=q.device).tril_(seen)
+        outs.append(F.scaled_dot_product_attention(qd, torch.cat((ks[i], kd), 2), torch.cat((vs[i], vd), 2),
+                                                   attn_mask=mask, enable_gqa=gqa))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
@@ -52,15 +62,27 @@ def document_ids(bounds: list[int], device) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
 
 
-def block_causal_mask(bounds: list[int], device) -> torch.Tensor:
-    """[P, P] boolean: True where query i may attend key j (same document, j <= i)."""
+def _may_attend(doc, prefix: list[int] | None, device):
+    """(query index, key index) -> bool over [P] document ids: same document and not
+    later, or the key in the query's prompt document."""
+    seen = None if prefix is None else torch.tensor(prefix, device=device)[doc]  # [P] each query's prompt doc
+
+    def allowed(qi, ki):
+        own = (doc[qi] == doc[ki]) & (ki <= qi)
+        return own if seen is None else own | (seen[qi] == doc[ki])
+    return allowed
+
+
+def block_causal_mask(bounds: list[int], device, prefix: list[int] | None = None) -> torch.Tensor:
+    """[P, P] boolean: True where query i may attend key j (same document, j <= i; or j
+    in i's prompt document)."""
     doc = document_ids(bounds, device)
     idx = torch.arange(len(doc), device=device)
-    return (doc[:, None] == doc[None, :]) & (idx[None, :] <= idx[:, None])
+    return _may_attend(doc, prefix, device)(idx[:, None], idx[None, :])
 
 
-def dense(q, k, v, bounds: list[int]):
-    mask = block_causal_mask(bounds, q.device)
+def dense(q, k, v, bounds: list[int], prefix: list[int] | None = None):
+    mask = block_causal_mask(bounds, q.device, prefix)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -73,22 +95,25 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex(q, k, v, bounds: list[int]):
+def flex(q, k, v, bounds: list[int], prefix: list[int] | None = None):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    doc = document_ids(bounds, q.device)
+    allowed = _may_attend(document_ids(bounds, q.device), prefix, q.device)
 
-    def same_document_causal(b, h, qi, ki):
-        return (doc[qi] == doc[ki]) & (ki <= qi)
+    def mask_mod(b, h, qi, ki):
+        return allowed(qi, ki)
 
     P = q.shape[2]
-    mask = create_block_mask(same_document_causal, None, None, P, P, device=q.device)
+    mask = create_block_mask(mask_mod, None, None, P, P, device=q.device)
     return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def varlen(q, k, v, bounds: list[int]):
+def varlen(q, k, v, bounds: list[int], prefix: list[int] | None = None):
     from torch.nn.attention.varlen import varlen_attn
 
+    if prefix is not None:
+        raise ValueError("attention='varlen' does not take shared prompts; pack with share=False "
+                         "(linnet.torch.attention.shares_prompts says which paths do)")
     cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
     out = varlen_attn(
@@ -96,6 +121,11 @@ def varlen(q, k, v, bounds: list[int]):
         longest, longest, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.transpose(0, 1)[None]
+
+
+def shares_prompts(path: str, device: torch.device) -> bool:
+    """Whether `path` takes rows whose completions share their prompt (prefix)."""
+    return choose(path, device) is not varlen
 
 
 def choose(path: str, device: torch.device):

@@ -19,9 +19,10 @@ F intermediate, V vocabulary.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -162,6 +163,13 @@ class Body(nn.Module):
         self.norm = RMSNorm(card.hidden, card.norm_eps)
 
 
+class _Layout(NamedTuple):
+    """Where a packed row's documents start and end, and which see a shared prompt."""
+
+    bounds: list[int]
+    prefix: list[int] | None
+
+
 class Decoder(nn.Module):
     """A decoder with the packed entries every trainer calls.
 
@@ -192,9 +200,11 @@ class Decoder(nn.Module):
 
     # -- the trunk ------------------------------------------------------------------
 
-    def _trunk(self, tokens_P, positions_P, bounds: list[int]):
-        """Final-normed hidden states [P, D] of one packed row."""
+    def _trunk(self, tokens_P, positions_P, bounds: list[int], prefix: list[int] | None = None):
+        """Final-normed hidden states [P, D] of one packed row (`prefix`: shared prompts)."""
         attend = attention_paths.choose(self.attention, self.device)
+        if prefix is not None:
+            attend = functools.partial(attend, prefix=prefix)
         angles = positions_P[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
@@ -217,6 +227,8 @@ class Decoder(nn.Module):
                 f"length {len(batch.tokens)}; build batches with linnet.packing.pack"
             )
         fields = batch.tokens, batch.positions, batch.targets, batch.weights
+        prefix = getattr(batch, "prefix", None)
+        prefix = None if prefix is None else [int(i) for i in prefix]
         real = int(getattr(batch, "real", bounds[-1]))
         if real < bounds[-1] and not self.compiled:
             # the trailing padding is a document of its own that every layer would compute
@@ -224,8 +236,9 @@ class Decoder(nn.Module):
             # the entries pad their results back (bench/RESULTS.md: DPO steps 2.3x faster)
             bounds = [b for b in bounds if b <= real]
             fields = [x[:real] for x in fields]
+            prefix = None if prefix is None else prefix[: len(bounds) - 1]
         tokens, positions, targets, weights = (tensor(x) for x in fields)
-        return tokens, positions, bounds, targets, weights
+        return tokens, positions, _Layout(bounds, prefix), targets, weights
 
     def _padded(self, x, batch):
         """x with its first dimension padded with zeros back to the row's length."""
@@ -236,22 +249,22 @@ class Decoder(nn.Module):
 
     def hidden_packed(self, batch) -> torch.Tensor:
         """[P, D] final hidden states of a packed row (after the last norm)."""
-        tokens, positions, bounds, _, _ = self._fields(batch)
-        return self._padded(self._trunk(tokens, positions, bounds), batch)
+        tokens, positions, layout, _, _ = self._fields(batch)
+        return self._padded(self._trunk(tokens, positions, *layout), batch)
 
     def loss_packed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of weighted token cross-entropies, sum of weights), both float32: the
         caller divides once by the count over everything it accumulates."""
-        tokens, positions, bounds, targets, weights = self._fields(batch)
-        h = self._trunk(tokens, positions, bounds)
+        tokens, positions, layout, targets, weights = self._fields(batch)
+        h = self._trunk(tokens, positions, *layout)
         loss = linear_cross_entropy(h, self.head_weight, targets, weights)
         return loss, weights.float().sum()
 
     def log_probs_packed(self, batch) -> torch.Tensor:
         """[P] float32 log-probability of each position's target (meaningless where the
         weight is 0: the last token of each document and padding)."""
-        tokens, positions, bounds, targets, _ = self._fields(batch)
-        h = self._trunk(tokens, positions, bounds)
+        tokens, positions, layout, targets, _ = self._fields(batch)
+        h = self._trunk(tokens, positions, *layout)
         return self._padded(linear_token_log_probs(h, self.head_weight, targets), batch)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

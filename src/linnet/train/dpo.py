@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from linnet.packing import Pair, pack_groups
-from linnet.torch.attention import document_ids
+from linnet.packing import Pair, pack_prompted
+from linnet.torch.attention import document_ids, shares_prompts
 from linnet.train.loop import (
     History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
 )
@@ -51,17 +51,22 @@ def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, labe
 
 
 def answer_log_probs(model, row) -> torch.Tensor:
-    """[documents] summed log-probability of each document's learned tokens."""
+    """[answers] summed log-probability of each answer's learned tokens, in row order
+    (documents without learned tokens, a shared prompt or the padding, are skipped)."""
     logp = model.log_probs_packed(row)
     bounds = row.bounds.tolist()
     docs = document_ids(bounds, logp.device)
     weights = torch.as_tensor(np.asarray(row.weights), device=logp.device)
     sums = torch.zeros(len(bounds) - 1, dtype=logp.dtype, device=logp.device)
-    return sums.index_add(0, docs, logp * weights)[: row.examples]
+    answers = np.flatnonzero(np.add.reduceat(np.asarray(row.weights), bounds[:-1]) > 0)
+    return sums.index_add(0, docs, logp * weights)[torch.as_tensor(answers, device=logp.device)]
 
 
-def _rows(pairs: Sequence[Pair], tokens: int):
-    return pack_groups((p.examples() for p in pairs), tokens)
+def _rows(pairs: Sequence[Pair], tokens: int, *models):
+    """Each pair's prompt once, its two answers attending to it, where every model's
+    attention path takes shared prompts."""
+    share = all(hasattr(m, "attention") and shares_prompts(m.attention, m.device) for m in models if m is not None)
+    return pack_prompted(((p.prompt, (p.chosen, p.rejected)) for p in pairs), tokens, share=share)
 
 
 @torch.no_grad()
@@ -69,7 +74,7 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
     """[pairs, 2] (chosen, rejected) summed log-probabilities under `model`."""
     was_training = model.training
     model.eval()
-    out = [answer_log_probs(model, row).double().cpu() for row in _rows(pairs, tokens)]
+    out = [answer_log_probs(model, row).double().cpu() for row in _rows(pairs, tokens, model)]
     model.train(was_training)
     return torch.cat(out).view(-1, 2).numpy()
 
@@ -157,7 +162,7 @@ def dpo(
         (count,) = sum_across([float(len(batch))])
         total = correct = margin_sum = real = learned = 0.0
         done = 0
-        for row in _rows(batch, tokens):
+        for row in _rows(batch, tokens, model, reference):
             n = row.examples // 2
             logp = answer_log_probs(model, row).view(n, 2)
             if fixed is not None:

@@ -8,8 +8,8 @@ steps through the policy's `log_probs_packed` entry. The objective is in grpo_lo
 Each step: copy the policy's weights into the engine (adapters merged); sample `group`
 completions of each of the step's prompts (a prompt passes the model once); score each
 with `reward(prompt, completion_ids)`; turn rewards into group-relative advantages;
-pack prompt + completion into rows of `tokens` positions (the micro-batches: group size
-never decides them); recompute the policy's log-probabilities row by row, and take
+pack each prompt once with its completions attending to it into rows of `tokens` positions
+(the micro-batches: group size never decides them); recompute the policy's log-probabilities row by row, and take
 `iterations` optimizer steps on the clipped surrogate, averaged over every completion
 token of the step.
 
@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet.packing import Example, pack
+from linnet.packing import pack_prompted
+from linnet.torch.attention import shares_prompts
 from linnet.train.grpo_loss import group_advantages, grpo_loss
 from linnet.train.loop import (
     History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
@@ -101,13 +102,28 @@ class _Rollout:
     real: int
 
 
+def _prompt_groups(samples, prompts, tokens: int, share: bool):
+    """(prompt, completions) of consecutive samples of one prompt, split where one row of
+    `tokens` positions could not hold them together (`pack_prompted`'s layout)."""
+    for prompt, run in itertools.groupby(samples, key=lambda s: s.prompt):
+        ids = list(prompts[prompt].ids)
+        base, each = (len(ids), 1) if share else (0, len(ids))
+        chunk, size = [], base
+        for s in run:
+            if chunk and size + each + len(s.tokens) > tokens:
+                yield ids, chunk
+                chunk, size = [], base
+            chunk.append(s.tokens)
+            size += each + len(s.tokens)
+        yield ids, chunk
+
+
 def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int,
-             sequence_level: bool) -> _Rollout | None:
+             sequence_level: bool, share: bool) -> _Rollout | None:
     kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
     if not kept:
         return None
-    examples = [Example.prompted(list(prompts[s.prompt].ids), s.tokens) for _, s in kept]
-    rows = list(pack(examples, tokens))
+    rows = list(pack_prompted(_prompt_groups([s for _, s in kept], prompts, tokens, share), tokens, share=share))
     out = _Rollout(rows, [], [], [], [], len(kept), sum(len(s.tokens) for _, s in kept), sum(r.real for r in rows))
     it = iter(kept)
     for row in rows:
@@ -187,6 +203,8 @@ def grpo(
         raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
                          "no top_k or top_p")
     params = trained_parameters(policy)
+    # a prompt once a row, its completions attending to it, where the attention path allows
+    share = all(shares_prompts(m.attention, m.device) for m in (policy, reference) if m is not None)
     if isinstance(prompts, Sequence):
         _check_prompts(enumerate(prompts), tokens, max_new_tokens)
     start = resume(checkpoint, policy, optimizer, schedule)
@@ -211,7 +229,7 @@ def grpo(
         uniform = rewards.std(axis=1) == 0
         advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
         keep_mask = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
-        rollout = _rollout(samples, advantages, keep_mask, step_prompts, tokens, sequence_level)
+        rollout = _rollout(samples, advantages, keep_mask, step_prompts, tokens, sequence_level, share)
         sequences, n_tokens, real = sum_across([
             0.0 if rollout is None else rollout.sequences,
             0.0 if rollout is None else rollout.tokens,
