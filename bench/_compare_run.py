@@ -103,6 +103,16 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         clock.real.append(step.real)
         clock.metrics.append(dict(step.metrics))
 
+    def count_work(steps_done):
+        """Real tokens as TRL's run counts them (each sequence's prompt + answer): linnet
+        computes a shared prompt once, so its own count (positions computed) is lower for
+        the same work."""
+        if method == "dpo":
+            clock.real = dpo_tokens(data, spec)
+        elif method == "grpo":
+            completions = spec["group"] * spec["prompts_per_step"]
+            clock.real = grpo_tokens(data, spec, [round(m["completion_length"] * completions) for m in steps_done])
+
     t_setup = time.perf_counter()
     if method.startswith("sft"):
         from linnet.train import train
@@ -126,6 +136,7 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         # clock starts after them): report them apart, and take them out of step 1
         extra["reference_seconds"] = clock.seconds()[0] - first_step[0]
         clock.start += extra["reference_seconds"]
+        count_work(clock.metrics)
     elif method == "grpo":
         from linnet.serve import Engine
         from linnet.train.grpo import Prompt, grpo
@@ -143,6 +154,7 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
              prompts_per_step=spec["prompts_per_step"], max_new_tokens=spec["max_new_tokens"], temperature=1.0,
              stop=(spec["eos"],), tokens=spec["tokens"], max_grad_norm=1.0, seed=spec["seed"], verbose=False,
              on_step=on_step)
+        count_work(clock.metrics)
     else:
         raise ValueError(method)
     extra["setup_seconds"] = clock.start - t_setup
@@ -235,9 +247,7 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
                           ("rejected_ids", data["rejected"])):
             if [list(x) for x in got[key]] != want[:n]:
                 raise AssertionError(f"TRL's {key} differ from linnet's")
-        clock.real = [sum(2 * len(data["prompt"][i]) + len(data["chosen"][i]) + len(data["rejected"][i])
-                          for i in range(s * spec["pairs_per_step"], (s + 1) * spec["pairs_per_step"]))
-                      for s in range(spec["steps"])]
+        clock.real = dpo_tokens(data, spec)
     elif method == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -269,11 +279,22 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
     extra["versions"] = {"transformers": transformers.__version__}
     trainer.train()
     if method == "grpo":
-        prompt_tokens = [group * sum(len(p) for p in data["prompt"][s * spec["prompts_per_step"]:
-                                                                   (s + 1) * spec["prompts_per_step"]])
-                         for s in range(spec["steps"])]
-        clock.real = [a + b for a, b in zip(prompt_tokens, lengths)]
+        clock.real = grpo_tokens(data, spec, lengths)
     return extra
+
+
+def dpo_tokens(data, spec) -> list[int]:
+    """Each step's real tokens: every pair's prompt twice, and both answers."""
+    k = spec["pairs_per_step"]
+    return [sum(2 * len(data["prompt"][i]) + len(data["chosen"][i]) + len(data["rejected"][i])
+                for i in range(s * k, (s + 1) * k)) for s in range(spec["steps"])]
+
+
+def grpo_tokens(data, spec, completion_tokens: list[int]) -> list[int]:
+    """Each step's real tokens: every prompt once a completion, and the completions."""
+    k = spec["prompts_per_step"]
+    return [spec["group"] * sum(len(p) for p in data["prompt"][s * k:(s + 1) * k]) + c
+            for s, c in enumerate(completion_tokens)]
 
 
 def main() -> None:
