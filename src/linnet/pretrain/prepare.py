@@ -681,17 +681,40 @@ def _worker_context():
     return multiprocessing.get_context("spawn")
 
 
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Hold a Ctrl-C until the block ends: `ProcessPoolExecutor.submit` starts workers
+    under the pool's lock, and an interrupt half-way through can leave a pool that never
+    shuts down. (Only the main thread receives signals; elsewhere this does nothing.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def _tokenize_pool(d: DataConfig, tokenizer_file: Path, eos: int, dtype: np.dtype, writers: Writers) -> None:
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     workers = d.prepare_workers
-    pool = ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_start_worker,
-                               initargs=(str(tokenizer_file), eos, dtype.str, os.getpid()))
+    with _ctrl_c_held():
+        pool = ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_start_worker,
+                                   initargs=(str(tokenizer_file), eos, dtype.str, os.getpid()))
     in_flight: deque = deque()
     try:
         for split, texts, positions in _batches(d, lambda: writers.full):
-            in_flight.append((split, positions, pool.submit(encode_documents, texts)))
+            with _ctrl_c_held():
+                in_flight.append((split, positions, pool.submit(encode_documents, texts)))
             while len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
                 split_done, done_positions, future = in_flight.popleft()
                 writers.write(split_done, *future.result(), done_positions)
