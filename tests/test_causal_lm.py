@@ -359,3 +359,7 @@ def test_generate_follows_the_weights_as_they_train(base, lora):
     assert torch.equal(lm.generate(ids, top_k=1, **sampled), after)  # top-k 1 is greedy
     runs = [lm.generate(ids, top_p=0.9, generator=torch.Generator().manual_seed(0), **sampled) for _ in range(2)]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0][:, :6], ids)
+    three = lm.generate(ids, top_k=1, num_return_sequences=3, **sampled)  # each prompt's 3 in consecutive rows
+    assert torch.equal(three, after.repeat_interleave(3, dim=0))
+    with pytest.raises(ValueError, match="do_sample"):
+        lm.generate(ids, num_return_sequences=2, **greedy)

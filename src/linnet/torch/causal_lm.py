@@ -450,11 +450,13 @@ class CausalLM(nn.Module):
     def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int | None = None,
                  do_sample: bool | None = None, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-                 pad_token_id: int | None = None, generation_config=None,
-                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
-        """[B, T + new] prompts followed by their continuations, as transformers' `generate`
-        returns them (rows that stopped are filled with pad_token_id). Prompts in a batch
-        must be padded on the left; each needs one real token at least.
+                 pad_token_id: int | None = None, num_return_sequences: int | None = None,
+                 generation_config=None, generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
+        """[B * n, T + new] prompts followed by their continuations, as transformers'
+        `generate` returns them (rows that stopped are filled with pad_token_id; each
+        prompt's n = num_return_sequences samples in consecutive rows, the prompt passing
+        the model once for all n). Prompts in a batch must be padded on the left; each
+        needs one real token at least.
 
         Sampled by a `linnet.serve.Engine` (KV cache) over a frozen copy of the decoder,
         built on the first call and kept; every call copies the decoder's current weights
@@ -492,14 +494,18 @@ class CausalLM(nn.Module):
         pad = pad_token_id if pad_token_id is not None else gc.pad_token_id
         pad = pad if pad is not None else (eos[0] if eos else 0)
         sampled = setting(do_sample, "do_sample")
+        n = setting(num_return_sequences, "num_return_sequences")
+        if n > 1 and not sampled:
+            raise ValueError(f"CausalLM.generate: num_return_sequences={n} needs do_sample=True (greedy "
+                             "decoding gives one sequence a prompt)")
         done = self._engine().sample(
-            [row[m != 0].tolist() for row, m in zip(ids, mask)], max_new_tokens=max_new_tokens,
+            [row[m != 0].tolist() for row, m in zip(ids, mask)], n=n, max_new_tokens=max_new_tokens,
             temperature=setting(temperature, "temperature") if sampled else 0.0,
             top_k=setting(top_k, "top_k"), top_p=setting(top_p, "top_p"), stop=eos, generator=generator)
         new = ids.new_full((len(done), max(len(c.tokens) for c in done)), pad)
         for b, c in enumerate(done):
             new[b, : len(c.tokens)] = torch.tensor(c.tokens)
-        return torch.cat([ids, new], dim=1)
+        return torch.cat([ids.repeat_interleave(n, dim=0), new], dim=1)
 
     def _engine(self):
         """The generation engine with the decoder's current weights; rebuilt when the
@@ -528,9 +534,10 @@ def _frozen_copy(decoder):
 
 # transformers' values for the generation settings a GenerationConfig leaves unset
 # (transformers 5 keeps them None in the config and fills them in at generate time)
-_GENERATION_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+_GENERATION_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+                        "num_return_sequences": 1}
 # Settings the engine has no counterpart for, accepted only at their "off" value.
-_GENERATION_OFF = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "min_new_tokens": 0,
+_GENERATION_OFF = {"num_beams": 1, "repetition_penalty": 1.0, "min_new_tokens": 0,
                    "no_repeat_ngram_size": 0, "min_p": 0.0, "return_dict_in_generate": False}
 
 
