@@ -65,8 +65,12 @@ def test_frozen_head_token_log_probs_matches_plain(rows):
 
 
 def test_block_size_follows_the_device():
-    assert losses.block_bytes_for(torch.device("cpu")) == losses.CPU_BLOCK_BYTES
-    assert losses.block_bytes_for(torch.device("cuda")) == losses.BLOCK_BYTES
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert losses.rows_per_block(8192, cpu) == 512  # 16 MiB of f32 logits
+    assert losses.rows_per_block(1024, cpu) == 4096
+    assert losses.rows_per_block(128256, cpu) == losses.CPU_MIN_ROWS  # not 32 rows
+    assert losses.rows_per_block(128256, cuda) == 2092  # 1 GiB
+    assert losses.rows_per_block(13, cpu, block_bytes=4 * 13 * 3) == 3
 
 
 def test_gradcheck_chunked_losses():

@@ -16,12 +16,20 @@ import torch
 
 BLOCK_BYTES = 1 << 30  # f32 logits per block on accelerators: 1 GiB, about 2K rows of Llama 3's vocabulary
 # On a CPU a 1 GiB block streams through DRAM in six passes (matmul out, cast, max, exp,
-# divide, cast back); blocks that stay in cache made SFT-LoRA bf16 steps 1.25x faster.
+# divide, cast back); blocks that stay in cache made SFT-LoRA bf16 steps 1.25x faster. But
+# never fewer than CPU_MIN_ROWS rows: a trainable head's f32 gradient [V, D] is updated
+# once a block, and a few-row matmul is slow.
 CPU_BLOCK_BYTES = 16 << 20
+CPU_MIN_ROWS = 512
 
 
-def block_bytes_for(device: torch.device) -> int:
-    return CPU_BLOCK_BYTES if device.type == "cpu" else BLOCK_BYTES
+def rows_per_block(V: int, device: torch.device, block_bytes: int | None = None) -> int:
+    """Rows of f32 [rows, V] logits a loss block holds: about `block_bytes`, or by device."""
+    if block_bytes is not None:
+        return max(1, block_bytes // (4 * V))
+    if device.type == "cpu":
+        return max(CPU_MIN_ROWS, CPU_BLOCK_BYTES // (4 * V))
+    return max(1, BLOCK_BYTES // (4 * V))
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -47,10 +55,6 @@ def token_log_probs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.T
 def cross_entropy(logits_NV, targets_N, weights_N) -> torch.Tensor:
     """sum_n weights[n] * -log p(targets[n]): divide by the count you want a mean over."""
     return -(token_log_probs(logits_NV, targets_N) * _f32(weights_N)).sum()
-
-
-def _rows_per_block(V: int, block_bytes: int) -> int:
-    return max(1, block_bytes // (4 * V))
 
 
 def _blocks(N: int, rows: int):
@@ -129,8 +133,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, block_bytes: int | None = None):
     """cross_entropy(h @ w.T, targets, weights) without holding the [N, V] logits;
-    block_bytes defaults by device (block_bytes_for)."""
-    rows = _rows_per_block(w_VD.shape[0], block_bytes or block_bytes_for(h_ND.device))
+    block_bytes defaults by device (rows_per_block)."""
+    rows = rows_per_block(w_VD.shape[0], h_ND.device, block_bytes)
     grad = torch.is_grad_enabled()
     need_h, need_w = grad and h_ND.requires_grad, grad and w_VD.requires_grad
     return _LinearCrossEntropy.apply(h_ND, w_VD, targets_N, weights_N, rows, need_h, need_w)
@@ -207,8 +211,8 @@ class _FrozenHeadTokenLogProbs(torch.autograd.Function):
 
 def linear_token_log_probs(h_ND, w_VD, targets_N, *, block_bytes: int | None = None):
     """token_log_probs(h @ w.T, targets) without holding the [N, V] logits;
-    block_bytes defaults by device (block_bytes_for)."""
-    rows = _rows_per_block(w_VD.shape[0], block_bytes or block_bytes_for(h_ND.device))
+    block_bytes defaults by device (rows_per_block)."""
+    rows = rows_per_block(w_VD.shape[0], h_ND.device, block_bytes)
     if torch.is_grad_enabled() and h_ND.requires_grad and not w_VD.requires_grad:
         return _FrozenHeadTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)
     return _LinearTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)
