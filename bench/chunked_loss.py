@@ -25,13 +25,11 @@ Variants:
   plain      logits = h @ W.T (bf16, [P, V]), then `linnet.torch.losses.cross_entropy`
              (log-softmax in f32).
   chunked    `linnet.torch.losses.linear_cross_entropy` at each `--block-bytes`.
-  chunked/candidate*  a bench-local copy of the shipped algorithm (not shipped code) with
-             three changes: (1) each block's f32 logits are freed once cast to bf16, and
-             the bf16 softmax before the next block starts (the shipped loop rebinds its
-             names, so the previous block's tensors live on while the next is computed);
-             (2) backward scales the saved f32 weight gradient in place rather than
-             allocating a second [V, D] f32 copy; (3) it scales grad_h in f32 (the shipped
-             one rounds the incoming scale, e.g. 1/count, to bf16 first).
+  chunked/candidate*  a bench-local copy of the shipped algorithm (not shipped code) whose
+             backward scales W's saved f32 gradient in place rather than allocating a
+             second [V, D] f32 copy (the shipped backward keeps the saved one intact, so a
+             retained graph can run backward again). Session 1's candidate also freed
+             each block before the next and scaled grad_h in f32: both have shipped.
 
 Shapes: P positions, D hidden, V vocabulary.
 """
@@ -404,30 +402,29 @@ def main(argv=None) -> None:
             f"## Where the shipped chunked loss holds memory (losses.py at {revision()})", "",
             "The candidate runs the shipped algorithm and differs only in the numbered points of the script's "
             "docstring, so the differences between their rows measure those points:", "",
-            f"1. The block loop rebinds `z` and `g` instead of freeing them, so the previous block's f32 logits "
-            f"and bf16 softmax are alive while the next block's are computed. Frozen head, block {fmt_bytes(big)}: "
-            f"{f_ship:.2f} GiB shipped, {f_cand:.2f} GiB when each block's tensors go before the next block's.",
-            f"2. Backward's `(grad_w * grad_out)` allocates a second [V, D] f32 ({V * D * 4 / GiB:.2f} GiB) while "
+            f"1. Backward's `(grad_w * grad_out)` allocates a second [V, D] f32 ({V * D * 4 / GiB:.2f} GiB) while "
             f"the saved one is alive, so backward holds twice W's gradient; that sets the peak when the forward's "
             f"blocks are small. Trainable head, block {fmt_bytes(small)}: "
             f"{peak('trainable', 'chunked', small):.2f} GiB shipped, {peak('trainable', 'chunked/candidate', small):.2f} "
-            f"GiB with points 1 and 2; block {fmt_bytes(big)}: {t_ship:.2f} GiB shipped, {t_cand:.2f} GiB (there "
-            "the forward's blocks set the peak and the gap is point 1's).",
-            f"3. What the candidate still holds beyond W's f32 gradient: the bf16 cast of the f32 master weight "
+            f"GiB scaling in place; block {fmt_bytes(big)}: {t_ship:.2f} GiB shipped, {t_cand:.2f} GiB (there "
+            "the forward's blocks set the peak). Frozen head (no W gradient), block "
+            f"{fmt_bytes(big)}: {f_ship:.2f} GiB shipped, {f_cand:.2f} GiB: the same algorithm.",
+            f"2. What remains beyond W's f32 gradient: the bf16 cast of the f32 master weight "
             f"({V * D * 2 / GiB:.2f} GiB; the plain variant has it too) and about 1.5 blocks (a block's bf16 "
             "product and its f32 copy coexist: CPU matmuls have no bf16-in/f32-out form).",
-            f"4. The default block ({fmt_bytes(1 << 30)}) is {(1 << 30) / logits_f32:.0%} of the whole [P, V] f32 "
-            f"logits at P={P}, so at this P the default saves little even with point 1 fixed; {fmt_bytes(small)} "
-            f"blocks keep the frozen-head peak at {peak('frozen', 'chunked', small):.2f} GiB (shipped).", "",
+            f"3. The 1 GiB block (the default on accelerators) is {(1 << 30) / logits_f32:.0%} of the whole [P, V] "
+            f"f32 logits at P={P}. On a CPU the default is 16 MiB of logits but at least 512 rows "
+            f"(`losses.rows_per_block`: {max(512, (16 << 20) // (4 * V))} rows at this V, close to the "
+            f"{fmt_bytes(small)} row): the frozen-head peak is then {peak('frozen', 'chunked', small):.2f} GiB.", "",
         ]
     bias = grad_scale_bias()
     why += [
         "## Numerics: the incoming gradient's scale", "",
-        "Trainers divide the loss sum by a token count before backward. The shipped backward multiplies the "
-        "saved bf16 grad_h by `grad_out.to(bf16)`, rounding the scale itself: with a count of 3000, "
-        f"grad_h comes out scaled by 1{bias['shipped']['h']:+.2e} relative to W's gradient (whose scale stays "
-        f"f32: {bias['shipped']['w']:+.1e}). Scaling in f32 (the candidate) gives {bias['candidate']['h']:+.1e}. "
-        "A systematic bias, small, the same for every element of every step that uses this count.", "",
+        "Trainers divide the loss sum by a token count before backward. The shipped backward scales the saved "
+        "bf16 grad_h in f32 and rounds once: with a count of 3000, grad_h comes out scaled by "
+        f"1{bias['shipped']['h']:+.2e} relative to W's gradient (whose scale stays f32: "
+        f"{bias['shipped']['w']:+.1e}), the rounding of one bf16 product. (Session 1's code rounded the scale "
+        "itself to bf16 first: +1.40e-03, a systematic bias on every step with that count.)", "",
     ]
     lines += ["## Findings", ""] + findings + [""] + why
     text = "\n".join(lines)
