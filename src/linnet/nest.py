@@ -391,32 +391,33 @@ def resolve(x: str | os.PathLike | Card) -> Card:
 def weights_directory(card: Card) -> Path:
     """The local directory holding the card's safetensors: its own path, else the
     Hugging Face cache or hub (needs `huggingface_hub`, and the network for a download)."""
-    if card.weights.path is not None:
-        return Path(card.weights.path)
-    if card.weights.repo is None:
+    if card.weights.path is None and card.weights.repo is None:
         raise ValueError(
             f"card {card.name!r} has no published weights; pass weights='random' to "
             "initialise from a seed, or weights=DIR"
         )
+    return local_directory(card.weights, ["*.safetensors", "*.json", "*.jinja"],
+                           f"card {card.name!r}: weights", "pass weights=DIR (a local copy), or weights='random'")
+
+
+def local_directory(where: Location, patterns: list[str], what: str, instead: str) -> Path:
+    """`where`'s local path, else its hub repository's files matching `patterns` from the
+    Hugging Face cache, else downloaded. `what` and `instead` word the errors."""
+    if where.path is not None:
+        return Path(where.path)
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ValueError(
-            f"card {card.name!r}: weights live in the hub repository {card.weights.repo}; "
-            "pass weights=DIR (a local copy) or install huggingface_hub"
-        ) from None
-    patterns = ["*.safetensors", "*.json", "*.jinja"]
+        raise ValueError(f"{what} live in the hub repository {where.repo}; {instead}, or install "
+                         "huggingface_hub") from None
     try:
-        return Path(snapshot_download(card.weights.repo, allow_patterns=patterns, local_files_only=True))
+        return Path(snapshot_download(where.repo, allow_patterns=patterns, local_files_only=True))
     except Exception:
         pass
     try:
-        return Path(snapshot_download(card.weights.repo, allow_patterns=patterns))
+        return Path(snapshot_download(where.repo, allow_patterns=patterns))
     except Exception as e:
-        raise ValueError(
-            f"card {card.name!r}: cannot fetch {card.weights.repo} ({type(e).__name__}); "
-            "pass weights=DIR (a local copy), or weights='random'"
-        ) from None
+        raise ValueError(f"{what}: cannot fetch {where.repo} ({type(e).__name__}); {instead}") from None
 
 
 def load(

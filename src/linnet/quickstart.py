@@ -1,4 +1,4 @@
-"""The quickstart: the whole SFT path on an embedded task, no files and no network.
+"""The quickstart: SFT, DPO and GRPO on an embedded task, no files and no network.
 
     linnet quickstart                   # a few minutes on 2 CPU cores
     linnet quickstart --steps 100 --out runs/qs
@@ -186,7 +186,8 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
                                                    pairs_per_step=32, beta=0.5, tokens=tokens, on_step=report))
 
     prompts = [Prompt([BOS] + encode(p), encode(a) + [EOS]) for p, a in practice]
-    optimizer = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.0)
+    # small steps again: at lr 1e-4 the near-perfect model drifted (98% -> 95% held out)
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
     stage("grpo", grpo_steps, lambda report: grpo(
         model, engine, prompts, exact_answer, optimizer=optimizer, steps=grpo_steps, group=8,
         prompts_per_step=16, max_new_tokens=digits + 2, tokens=tokens, seed=seed, on_step=report,

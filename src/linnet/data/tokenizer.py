@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from linnet.nest import Card, resolve
+from linnet.nest import Card, local_directory, resolve
 
 BACKENDS = ("auto", "transformers", "tokenizers")
 
@@ -173,33 +173,13 @@ def load_tokenizer(
 def _tokenizer_directory(card: Card) -> Path:
     """The local directory of the card's tokenizer files: its own path, else the Hugging
     Face cache or hub (needs `huggingface_hub`, and the network for a download)."""
-    if card.tokenizer.path is not None:
-        return Path(card.tokenizer.path)
-    if card.tokenizer.repo is None:
+    if card.tokenizer.path is None and card.tokenizer.repo is None:
         raise ValueError(
             f"card {card.name!r} has no tokenizer; build one with the tokenizers library and "
             "pass it: load_tokenizer(tokenizers.Tokenizer(...), chat_template=..., eos=...)"
         )
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ValueError(
-            f"card {card.name!r}: its tokenizer lives in the hub repository {card.tokenizer.repo}; "
-            "pass a local model directory instead, or install huggingface_hub"
-        ) from None
-    try:
-        return Path(
-            snapshot_download(card.tokenizer.repo, allow_patterns=_TOKENIZER_FILES, local_files_only=True)
-        )
-    except Exception:
-        pass
-    try:
-        return Path(snapshot_download(card.tokenizer.repo, allow_patterns=_TOKENIZER_FILES))
-    except Exception as e:
-        raise ValueError(
-            f"card {card.name!r}: cannot fetch the tokenizer of {card.tokenizer.repo} "
-            f"({type(e).__name__}); pass a local model directory instead"
-        ) from None
+    return local_directory(card.tokenizer, _TOKENIZER_FILES, f"card {card.name!r}: the tokenizer files",
+                           "pass a local model directory instead")
 
 
 def _read_directory(root: Path) -> tuple[Any, dict[str, str | None], str | None]:
