@@ -182,3 +182,25 @@ def test_schedules():
     assert _lrs(constant_schedule(opt, 4), opt, 6) == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="floor"):
         cosine_schedule(opt, 1, 10, floor=2.0)
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_rngs_come_back(tmp_path):
+    import random
+
+    model = _model(trainable=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    save_checkpoint(tmp_path, model=model, optimizer=opt, step=1)
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    save_checkpoint(tmp_path, model=model, optimizer=opt, step=2)
+    drawn = (random.random(), np.random.random(), torch.rand(()).item())
+    load_checkpoint(tmp_path, model=model)  # Python's, NumPy's and torch's generators rewind
+    assert (random.random(), np.random.random(), torch.rand(()).item()) == drawn
+    latest = checkpoints(tmp_path)[-1]
+    data = bytearray((latest / "optimizer.pt").read_bytes())
+    data[len(data) // 2] ^= 1
+    (latest / "optimizer.pt").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"optimizer.pt: corrupt or truncated .*previous checkpoint is .*step-00000001"):
+        load_checkpoint(tmp_path, model=model, optimizer=opt)
+    assert load_checkpoint(checkpoints(tmp_path)[0], model=model, optimizer=opt)["step"] == 1

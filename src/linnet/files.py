@@ -1,9 +1,11 @@
 """Writing files so that a crash at any instant leaves either the old file or the new
-one, never a torn one: write beside the target under a temporary name, then rename."""
+one, never a torn one: write beside the target under a temporary name, then rename.
+And their checksums, to tell a damaged file from a good one."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -29,3 +31,11 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
 def write_text(target: str | os.PathLike, text: str) -> None:
     with atomic_path(target) as tmp:
         tmp.write_text(text)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

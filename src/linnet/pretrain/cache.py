@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from linnet.files import sha256_file
+
 FORMAT = "linnet-token-cache"
 VERSION = 1
 SPLITS = ("train", "validation")
@@ -34,14 +36,6 @@ TOKENIZER = "tokenizer.json"
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits (vocab <= 65,536), else uint32."""
     return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fingerprint(manifest: dict[str, Any]) -> str:

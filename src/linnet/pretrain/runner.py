@@ -59,7 +59,7 @@ import torch
 
 from linnet.files import write_text
 from linnet.pretrain.budget import Budget
-from linnet.pretrain.cache import TokenCache, open_cache, sha256_file
+from linnet.pretrain.cache import TokenCache, open_cache
 from linnet.pretrain.config import (
     PretrainConfig,
     checkpoint_epochs,
@@ -71,10 +71,9 @@ from linnet.pretrain.config import (
     recipe_identity,
     to_yaml,
 )
+from linnet.train.checkpoint import CHECKSUMS, verify_checkpoint
 
 CHECKPOINTS = "checkpoints"
-CHECKSUMS = "checksums.json"
-STATE_FILES = ("trained.safetensors", "optimizer.pt", "state.pt")
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,34 +146,6 @@ def _checkpoint_dirs(root: Path) -> list[Path]:
     return checkpoints(root)
 
 
-def _earlier(path: Path) -> str:
-    earlier = [p for p in _checkpoint_dirs(path.parent) if p.name < path.name and (p / CHECKSUMS).is_file()]
-    return f"; the previous checkpoint is {earlier[-1]}: pass it to --resume" if earlier else ""
-
-
-def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Check a checkpoint's files against its checksums.json and return its state
-    (step and extra). A missing, truncated or altered file is refused by name."""
-    path = Path(path)
-    if not (path / "state.pt").is_file() and not (path / CHECKSUMS).is_file():
-        raise ValueError(f"{path}: not a checkpoint directory (no state.pt); pass a run's checkpoints/step-… "
-                         "directory or the run directory")
-    if not (path / CHECKSUMS).is_file():
-        raise ValueError(f"{path}: incomplete checkpoint (no {CHECKSUMS}: its write was interrupted){_earlier(path)}")
-    try:
-        recorded = json.loads((path / CHECKSUMS).read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
-        raise ValueError(f"{path / CHECKSUMS}: unreadable; the checkpoint is damaged{_earlier(path)}") from None
-    for name, want in recorded.items():
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file}: missing from the checkpoint{_earlier(path)}")
-        if sha256_file(file) != want:
-            raise ValueError(f"{file}: corrupt or truncated (its SHA-256 differs from {CHECKSUMS}); refusing to "
-                             f"resume from it{_earlier(path)}")
-    return torch.load(path / "state.pt", weights_only=True)
-
-
 def find_checkpoint(source: str | os.PathLike) -> Path:
     """A checkpoint directory, or the latest checkpoint of a run directory."""
     path = Path(source)
@@ -185,18 +156,6 @@ def find_checkpoint(source: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"{path}: no checkpoint there (expected a checkpoints/step-… directory or a run "
                                 "directory holding checkpoints/)")
     return found[-1]
-
-
-def _rng_state() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 @dataclass
@@ -229,14 +188,9 @@ def save_state(out: Path, *, model, optimizer, schedule, loader, progress: Progr
         "progress": progress.as_dict(),
         "cursor": loader.cursor(),
         "recipe": {"identity": identity, "fields": fields},
-        "rng": _rng_state(),
     }
-    path = save_checkpoint(out / CHECKPOINTS, model=model, optimizer=optimizer, step=progress.step,
+    return save_checkpoint(out / CHECKPOINTS, model=model, optimizer=optimizer, step=progress.step,
                            schedule=schedule, keep=0, extra=extra)
-    checksums = {name: sha256_file(path / name) for name in STATE_FILES}
-    record = {"files": checksums, "kind": kind, "step": progress.step, "epoch": progress.epoch, "recipe": identity}
-    write_text(path / CHECKSUMS, json.dumps(record, indent=1) + "\n")
-    return path
 
 
 # ---------------------------------------------------------------------------------------
@@ -433,7 +387,6 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     if start.checkpoint is not None:
         extra = start.state["extra"]
         load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, schedule=schedule)
-        _set_rng_state(extra["rng"])
         progress = Progress(**extra["progress"])
         loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
     else:
