@@ -201,3 +201,15 @@ def test_equal_documents_batched_attention_matches_dense():
     torch.testing.assert_close(attention.documents(q, k, v, bounds), attention.dense(q, k, v, bounds))
     uneven = [0, 5, 12, 18, 24]
     torch.testing.assert_close(attention.documents(q, k, v, uneven), attention.dense(q, k, v, uneven))
+
+
+def test_flex_builds_one_block_mask_a_row():
+    from linnet.torch import attention
+
+    attention._flex_mask.cache_clear()
+    model = nest.load("debug", weights="random", attention="flex")
+    (row,) = pack([Example.plain(d) for d in _documents(9)], tokens=48)
+    with torch.no_grad():
+        model.loss_packed(row)
+    info = attention._flex_mask.cache_info()
+    assert model.card.layers > 1 and (info.misses, info.hits) == (1, model.card.layers - 1)

@@ -95,16 +95,21 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex(q, k, v, bounds: list[int], prefix: list[int] | None = None):
+@functools.lru_cache(maxsize=4)
+def _flex_mask(bounds: tuple[int, ...], prefix: tuple[int, ...] | None, device: torch.device):
+    """The row's BlockMask, built once for all the layers that attend over it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    allowed = _may_attend(document_ids(bounds, q.device), prefix, q.device)
+    allowed = _may_attend(document_ids(list(bounds), device), None if prefix is None else list(prefix), device)
 
     def mask_mod(b, h, qi, ki):
         return allowed(qi, ki)
 
-    P = q.shape[2]
-    mask = create_block_mask(mask_mod, None, None, P, P, device=q.device)
+    return create_block_mask(mask_mod, None, None, bounds[-1], bounds[-1], device=device)
+
+
+def flex(q, k, v, bounds: list[int], prefix: list[int] | None = None):
+    mask = _flex_mask(tuple(bounds), None if prefix is None else tuple(prefix), q.device)
     return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
