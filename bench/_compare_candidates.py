@@ -1,7 +1,7 @@
 """Candidate changes to linnet, measured on bench/compare.py's workload before they are made.
 
-    python bench/_compare_candidates.py --method sft-lora --dtype bf16 --variants base attn-f32
-    python bench/_compare_candidates.py --method grpo --variants attn-f32 --rounds 1   # one variant: prints its peak RSS
+    python bench/_compare_candidates.py --method sft-lora --dtype bf16 --variants base NEW
+    python bench/_compare_candidates.py --method grpo --variants NEW --rounds 1   # one variant: prints its peak RSS
 
 Each variant swaps functions of linnet for bench-local versions for the length of its runs,
 then restores them: nothing in src/ is edited. The variants run interleaved in one process
@@ -12,7 +12,8 @@ change that is meant to be exact. bench/compare.py --linnet-variant takes the sa
 
 The candidates measured here and since landed in src/ (padding skipped, frozen-head
 log-probabilities, CPU-sized loss blocks, split attention, LoRA as one addmm, inverse-CDF
-sampling, decode attention as matmuls) are listed with their effects in bench/RESULTS.md.
+sampling, decode attention as matmuls, shared prompts, bf16 attention in f32) are listed with
+their effects in bench/RESULTS.md.
 Add a new candidate as a function below and a row in `variant_changes`.
 """
 
@@ -32,20 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import compare
 
-from linnet.torch import attention
-
 # -- the candidates ----------------------------------------------------------------------
-
-_documents = attention.documents
-
-
-def documents_f32(q, k, v, bounds, prefix=None):
-    """attention.documents with q, k, v in float32 when they are bf16: torch's CPU flash
-    attention backward is several times slower in bf16 than in f32 (measured 1.06x on
-    SFT-LoRA bf16 before split attention landed, slower than split alone)."""
-    if q.dtype == torch.float32:
-        return _documents(q, k, v, bounds, prefix)
-    return _documents(q.float(), k.float(), v.float(), bounds, prefix).to(q.dtype)
+# None open: every measured candidate has landed (bench/RESULTS.md). A new one is a function
+# here and a row in `variant_changes`, e.g. (module, "name", replacement).
 
 
 @contextlib.contextmanager
@@ -63,7 +53,6 @@ def patched(changes):
 def variant_changes(name):
     table = {
         "base": [],
-        "attn-f32": [(attention, "documents", documents_f32)],
     }
     if name not in table:
         raise SystemExit(f"unknown variant {name!r}; choose from {', '.join(table)}")
@@ -75,7 +64,7 @@ def main() -> None:
     ap.add_argument("--method", default="sft-lora", choices=compare.METHODS)
     ap.add_argument("--size", default="7m", choices=list(compare.SIZES))
     ap.add_argument("--dtype", default="bf16", choices=list(compare.DTYPES))
-    ap.add_argument("--variants", nargs="+", default=["base", "attn-f32"])
+    ap.add_argument("--variants", nargs="+", default=["base"])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()

@@ -2,7 +2,7 @@
 
     python bench/_compare_profile.py --method sft-lora --size 7m --dtype f32
     python bench/_compare_profile.py --method sft-lora --library trl      # TRL's step, for contrast
-    python bench/_compare_profile.py --method sft-lora --variant attn-f32 # with a candidate change
+    python bench/_compare_profile.py --method sft-lora --variant NEW      # with a candidate change
 
 Builds the workload like bench/compare.py (same model, adapters, rows), runs two warm-up
 steps, then profiles one step and prints the top operators by self CPU time.

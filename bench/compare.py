@@ -4,7 +4,7 @@ and step count; step time, real tokens/s, peak memory, losses, and the linnet/TR
     python bench/compare.py                                  # 7M: 4 methods x f32/bf16; 60M: SFT-LoRA bf16 (~15 min)
     python bench/compare.py --all                            # + 60M: every method and dtype (~45 min)
     python bench/compare.py --quick                          # 7M only (~10 min)
-    python bench/compare.py --quick --linnet-variant attn-f32  # linnet with a candidate change (print only)
+    python bench/compare.py --quick --linnet-variant NEW       # linnet with a candidate change (print only)
     python bench/compare.py --method sft-lora --size 7m --dtype bf16
     python bench/compare.py --out -                          # print only; default writes bench/RESULTS.md + results.png
 
@@ -347,7 +347,7 @@ def main(argv=None) -> None:
                     help="TRL GRPO completions a forward (one generation a step, the rest accumulates)")
     ap.add_argument("--linnet-variant", default="base",
                     help="apply bench-local candidate changes to linnet: a variant of bench/_compare_candidates.py "
-                         "(attn-f32, ...); such runs print only unless --out is given")
+                         "(see its docstring); such runs print only unless --out is given")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads a process (default 1: on the shared 2-core machine a second thread spin-waits "
                          "whenever another job holds the other core)")

@@ -213,3 +213,15 @@ def test_flex_builds_one_block_mask_a_row():
         model.loss_packed(row)
     info = attention._flex_mask.cache_info()
     assert model.card.layers > 1 and (info.misses, info.hits) == (1, model.card.layers - 1)
+
+
+def test_documents_attention_runs_low_precision_in_f32_on_cpu():
+    from linnet.torch import attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
+    bounds = [0, 9, 30, 40]
+    low = attention.documents(q.bfloat16(), k.bfloat16(), v.bfloat16(), bounds)
+    assert low.dtype == torch.bfloat16
+    assert torch.equal(low, attention.documents(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
+                                                bounds).bfloat16())

@@ -9,7 +9,8 @@ before its own (its prompt), or -1; every path but varlen takes it.
 
 Paths (bench/attention.md has the measurements behind `choose`: on CPU the per-document loop
 beat every dense variant in all 24 cases, a row filled by one document included):
-  documents  one causal SDPA call per document: no wasted work, a Python loop.
+  documents  one causal SDPA call per document: no wasted work, a Python loop (in f32
+             on CPU for bf16/f16 inputs: faster there).
   dense      one SDPA call with a [P, P] block-diagonal causal mask: one kernel,
              but P² work most of which is masked out.
   flex       flex_attention with a block mask; compiled. Forward only on CPU.
@@ -28,6 +29,14 @@ PATHS = ("auto", "documents", "dense", "flex", "varlen")
 
 @torch.compiler.disable  # document lengths vary per row: keep them out of compiled graphs
 def documents(q, k, v, bounds: list[int], prefix: list[int] | None = None):
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        # torch's CPU flash attention is slower in bf16 than in f32, its backward above all:
+        # f32 made bf16 steps 1.04-1.18x faster (bench/RESULTS.md), at no measured memory cost
+        return _documents(q.float(), k.float(), v.float(), bounds, prefix).to(q.dtype)
+    return _documents(q, k, v, bounds, prefix)
+
+
+def _documents(q, k, v, bounds: list[int], prefix: list[int] | None):
     gqa = q.shape[1] != k.shape[1]
     lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     if len(set(lengths)) == 1 and len(lengths) > 1 and prefix is None:
