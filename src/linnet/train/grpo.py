@@ -210,7 +210,7 @@ def grpo(
     start = resume(checkpoint, policy, optimizer, schedule)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
     if verbose:
-        _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations)
+        _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations, share)
     history = History()
     for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
         t0 = time.perf_counter()
@@ -340,14 +340,17 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
     return out
 
 
-def _print_batch_table(prompts_per_step: int, group: int, max_new_tokens: int, tokens: int, iterations: int) -> None:
+def _print_batch_table(prompts_per_step: int, group: int, max_new_tokens: int, tokens: int, iterations: int,
+                       share: bool) -> None:
     completions = prompts_per_step * group
+    layout = ("each prompt once with its completions attending to it" if share
+              else "whole prompt + completion each")
     rows = [
         ("prompts per step", prompts_per_step),
         ("completions per step", f"{completions} ({group} per prompt)"),
         ("optimizer steps per sampling step", iterations),
         ("completion tokens per step", f"at most {completions * max_new_tokens:,}"),
-        ("micro-batch", f"packed rows of {tokens:,} positions (whole prompt + completion each)"),
+        ("micro-batch", f"packed rows of {tokens:,} positions ({layout})"),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), file=sys.stderr)
