@@ -375,3 +375,17 @@ def test_plan_reads_a_run_config(tmp_path, capsys):
     assert plan.cli(["--config", str(config), "--method", "full", "--json"]) == 0  # flags override the file
     assert json.loads(capsys.readouterr().out)["method"]["name"] == "full"
     assert plan.cli([]) == 2
+
+
+def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
+    config = tmp_path / "grpo.yaml"
+    config.write_text("model: {card: llama-3.2-1b-instruct}\ndata: {path: p.jsonl, tokens: 1024}\n"
+                      "grpo: {group: 8, prompts_per_step: 4}\n")
+    assert plan.cli(["--config", str(config), "--json"]) == 0
+    sampling = json.loads(capsys.readouterr().out)["sampling"]
+    card = plan.nest.resolve("llama-3.2-1b-instruct")  # 16 layers, 8 kv heads of 64
+    assert sampling["rows"] == 32 and sampling["slots"] == 1024
+    assert sampling["cache_bytes"] == 32 * 1024 * 16 * 2 * 8 * 64 * 2
+    assert sampling["weights_bytes"] == card.params() * 2
+    assert plan.cli(["--config", str(config)]) == 0
+    assert "sampling engine" in capsys.readouterr().out

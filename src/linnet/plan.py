@@ -745,7 +745,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"a registered card ({', '.join(sorted(nest.REGISTRY))}) or a Hugging Face model directory",
     )
     parser.add_argument("--config", metavar="YAML",
-                        help="plan the run a `linnet sft` / `linnet dpo` config describes (flags override it)")
+                        help="plan the run a `linnet sft` / `dpo` / `grpo` config describes (flags override it)")
 
     what = parser.add_argument_group("what is trained").add_argument
     what("--method", choices=METHODS, help=f"full fine-tuning or an adapter method (default {method.name})")
@@ -800,7 +800,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def settings_from_run_config(path: str) -> dict[str, Any]:
-    """The card and plan settings of a `linnet sft` / `linnet dpo` YAML, read as plain
+    """The card and plan settings of a `linnet sft` / `dpo` / `grpo` YAML, read as plain
     data (no torch): LoRA or full, rank, adapted layers, the packed row as the sequence,
     linnet's blockwise loss, and the token count when the steps are fixed."""
     import fnmatch
@@ -828,7 +828,18 @@ def settings_from_run_config(path: str) -> dict[str, Any]:
         settings["method"] = "full"
     if training.get("steps"):
         settings["tokens"] = training["steps"] * training.get("accumulate", 1) * settings["seq"]
+    if "grpo" in config:  # the grpo defaults of linnet.reinforce.GRPOSettings
+        g = config["grpo"] or {}
+        settings["sampling_rows"] = g.get("prompts_per_step", 8) * g.get("group", 8)
     return settings
+
+
+def sampling_memory(card: nest.Card, rows: int, slots: int) -> dict[str, float]:
+    """Bytes GRPO's sampling engine holds beside training: its own copy of the weights in
+    bf16, and a KV cache of `rows` completions x `slots` positions (keys and values, every
+    layer, bf16). Not part of `estimate`'s totals."""
+    cache = rows * slots * card.layers * 2 * card.kv_heads * card.head_dim * BF16_BYTES
+    return {"rows": rows, "slots": slots, "weights_bytes": card.params() * BF16_BYTES, "cache_bytes": cache}
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -836,10 +847,12 @@ def cli(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
     config = args.pop("config")
+    sampling_rows = None
     try:
         if config is not None:
             settings = settings_from_run_config(config)
             config_card = settings.pop("card")
+            sampling_rows = settings.pop("sampling_rows", None)
             card = card or config_card
             args = {**settings, **{k: v for k, v in args.items() if v is not None}}
         if card is None:
@@ -850,14 +863,24 @@ def cli(argv: list[str] | None = None) -> int:
             plans = compare(card, **inputs, names=names)
         else:
             plans = [estimate(card, **inputs)]
+        # a completion and its prompt fit one packed row, so the cache needs at most seq slots
+        sampling = None if sampling_rows is None else sampling_memory(
+            nest.resolve(card), sampling_rows, inputs["batch"].seq)
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
     if as_json:
         data = [p.to_dict() for p in plans]
-        print(json.dumps(data if side_by_side else data[0], indent=2))
+        data = data if side_by_side else data[0]
+        if sampling is not None:
+            data = {"plans": data, "sampling": sampling} if side_by_side else {**data, "sampling": sampling}
+        print(json.dumps(data, indent=2))
     else:
         print(render(plans))
+        if sampling is not None:
+            print(f"GRPO also holds its sampling engine, not in the totals above: a bf16 copy of the weights "
+                  f"({_gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions x at most "
+                  f"{sampling['slots']:,} positions ({_gb(sampling['cache_bytes'])}).")
     return 0
 
 
