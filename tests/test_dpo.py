@@ -42,10 +42,11 @@ def test_dpo_gradient_matches_a_hand_written_loss():
     model = nest.load(CARD, weights="random", trainable=True, seed=1)
     pairs = _pairs(3)
     ref = torch.tensor(reference_log_probs(model, pairs, tokens=64), dtype=torch.float32) - 0.3
-    from linnet.packing import pack_groups
+    from linnet.train.dpo import _rows
 
     total = 0.0
-    for row in pack_groups((p.examples() for p in pairs), 64):
+    for row in _rows(pairs, 64, model):  # the rows dpo() trains on: each prompt once, shared
+        assert row.prefix is not None
         n = row.examples // 2
         logp = answer_log_probs(model, row).view(n, 2)
         total = total + dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:n, 0], ref[:n, 1], beta=0.1).sum()
