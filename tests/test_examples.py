@@ -30,6 +30,16 @@ def test_sft_full_example(tmp_path):
     assert "loss" in out and (tmp_path / "full" / "config.json").is_file()
 
 
+def test_dpo_example(tmp_path):
+    out = _run("04_dpo.py", "--steps", "2", "--out", str(tmp_path / "dpo"))
+    assert "loss 0.693 ->" in out and (tmp_path / "dpo" / "adapter_config.json").is_file()
+
+
+def test_grpo_example(tmp_path):
+    out = _run("05_grpo.py", "--sft-steps", "2", "--steps", "2", "--out", str(tmp_path / "grpo"))
+    assert "mean reward" in out and (tmp_path / "grpo" / "adapter_config.json").is_file()
+
+
 @pytest.mark.slow
 def test_resume_example():
     assert _run("03_resume.py").strip().endswith("identical")
