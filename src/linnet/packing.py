@@ -142,7 +142,7 @@ def _row(parts: list[_Document], tokens: int, pad_id: int, truncated: int) -> Pa
                   shared)
 
 
-def _fill(groups: Iterable[tuple[list[Example], bool]], tokens: int, pad_id: int) -> Iterator[Packed]:
+def _fill(groups: Iterable[tuple[list[Example | _Document], bool]], tokens: int, pad_id: int) -> Iterator[Packed]:
     """Rows of whole groups in order: a group that does not fit the space left starts
     the next row. Each group comes with whether it was cut to fit."""
     parts: list[_Document] = []

@@ -8,10 +8,10 @@ steps through the policy's `log_probs_packed` entry. The objective is in grpo_lo
 Each step: copy the policy's weights into the engine (adapters merged); sample `group`
 completions of each of the step's prompts (a prompt passes the model once); score each
 with `reward(prompt, completion_ids)`; turn rewards into group-relative advantages;
-pack each prompt once with its completions attending to it into rows of `tokens` positions
-(the micro-batches: group size never decides them); recompute the policy's log-probabilities row by row, and take
-`iterations` optimizer steps on the clipped surrogate, averaged over every completion
-token of the step.
+pack each prompt once, its completions attending to it, into rows of `tokens` positions
+(the micro-batches: group size never decides them); recompute the policy's
+log-probabilities row by row, and take `iterations` optimizer steps on the clipped
+surrogate, averaged over every completion token of the step.
 
 `evaluate(policy, engine, held_out, reward, k=8)` scores held-out prompts through the
 engine (greedy reward and pass@1, and pass@k from sampled completions), for an `on_step`
