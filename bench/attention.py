@@ -48,10 +48,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _machine import revision, write_report
 
 from linnet import nest
 from linnet.packing import Example, pack
 from linnet.torch import attention as A
+
+SOURCE = "src/linnet/torch/attention.py"  # the code measured: its commit is in the report
 
 THREADS = 2
 
@@ -392,17 +395,6 @@ def _ms(s) -> str:
     return "—" if s is None else f"{1e3 * s:.1f}"
 
 
-def revision() -> str:
-    """The commit of the checkout, marked dirty when attention.py differs from it (read only)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "src/linnet/torch/attention.py"],
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown revision"
-    return f"{head}{' + local changes to attention.py' if dirty else ''}" if head else "unknown revision"
-
 
 def machine() -> dict[str, str]:
     try:
@@ -708,7 +700,7 @@ def main(argv=None) -> None:
              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: default)')}",
              f"- Load average at start / end: {info['load']} / {info_end['load']} (the machine is shared; "
              "paths are interleaved within each case so drift hits them alike)",
-             f"- Code: linnet at {revision()}",
+             f"- Code: linnet at {revision(SOURCE)}",
              f"- Run time: {elapsed:.0f} s",
              f"- `choose(\"auto\", cpu)` currently returns `{A.choose('auto', torch.device('cpu')).__name__}`", "",
              "Mixes (documents packed whole until the next does not fit; the rest is a padding document): "
@@ -727,13 +719,7 @@ def main(argv=None) -> None:
                   "for the timed call; `flex` is a no-grad forward.", ""]
     lines += policy_lines
     lines += conclusion(cases, e2e_rows)
-    text = "\n".join(lines)
-    print()
-    print(text)
-    if args.out != "-":
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 
-GiB = 1 << 30
+from _machine import GiB, machine, revision, write_report
+
+SOURCE = "src/linnet/torch/losses.py"  # the code measured: its commit is in the report
 
 
 def parse_bytes(text: str) -> int:
@@ -244,27 +245,8 @@ def run_child(variant, head, block_bytes, args) -> dict:
     return {**json.loads(lines[-1][len("RESULT "):]), "others": others}
 
 
-def revision() -> str:
-    """The commit of the checkout, marked dirty when losses.py differs from it (read only)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "src/linnet/torch/losses.py"],
-                               capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown revision"
-    return f"{head}{' + local changes' if dirty else ''}" if head else "unknown revision"
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    with open("/proc/meminfo") as f:
-        mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-    return f"{model}, {os.cpu_count()} CPUs, {mem / GiB:.0f} GiB RAM"
 
 
 def main(argv=None) -> None:
@@ -324,7 +306,7 @@ def main(argv=None) -> None:
              "Produced by `bench/chunked_loss.py`; numbers are measured, not edited.", "",
              f"- Command: `python {' '.join(['bench/chunked_loss.py', *sys.argv[1:]])}`",
              f"- Machine: {machine()}; torch {torch.__version__}; {args.threads} threads",
-             f"- Code: linnet at {revision()}",
+             f"- Code: linnet at {revision(SOURCE)}",
              f"- Shapes: P={P}, D={D}, V={V}; h bf16 [P, D] requiring grad; targets random; a third of "
              "the positions and the last 64 weigh 0",
              f"- Run time: {elapsed:.0f} s",
@@ -399,7 +381,7 @@ def main(argv=None) -> None:
     t_ship, t_cand = peak("trainable", "chunked", big), peak("trainable", "chunked/candidate", big)
     if None not in (f_ship, f_cand, t_ship, t_cand):
         why = [
-            f"## Where the shipped chunked loss holds memory (losses.py at {revision()})", "",
+            f"## Where the shipped chunked loss holds memory (losses.py at {revision(SOURCE)})", "",
             "The candidate runs the shipped algorithm and differs only in the numbered points of the script's "
             "docstring, so the differences between their rows measure those points:", "",
             f"1. Backward's `(grad_w * grad_out)` allocates a second [V, D] f32 ({V * D * 4 / GiB:.2f} GiB) while "
@@ -427,13 +409,7 @@ def main(argv=None) -> None:
         "itself to bf16 first: +1.40e-03, a systematic bias on every step with that count.)", "",
     ]
     lines += ["## Findings", ""] + findings + [""] + why
-    text = "\n".join(lines)
-    print()
-    print(text)
-    if args.out != "-":
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

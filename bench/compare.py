@@ -52,7 +52,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -63,7 +62,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-GiB = 1 << 30
+from _machine import GiB, machine
 PAD, BOS, EOS = 0, 1, 2
 
 SIZES = {
@@ -87,16 +86,7 @@ GROUP, PROMPTS_PER_STEP, MAX_NEW = 8, 4, 64
 SLOW = {("60m", m, d) for m in METHODS for d in DTYPES} - {("60m", "sft-lora", "bf16")}
 
 
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        amx = "amx_bf16" in out
-    except (OSError, StopIteration):
-        model, amx = platform.processor(), False
-    with open("/proc/meminfo") as f:
-        mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-    return f"{model} ({'AMX-BF16' if amx else 'no AMX'}), {os.cpu_count()} CPUs, {mem / GiB:.0f} GiB RAM"
+
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,27 +28,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
-
-GiB = 1 << 30
-
-
-def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    with open("/proc/meminfo") as f:
-        mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
-    return f"{model}, {os.cpu_count()} CPUs, {mem / GiB:.0f} GiB RAM"
+from _machine import machine, write_report
 
 
 def build(directory: str, quick: bool) -> dict:
@@ -201,13 +187,7 @@ def main(argv=None) -> None:
         "greedy path can part at a near-tie and the rest of that row differs.",
         "",
     ]
-    text = "\n".join(lines)
-    if args.out == "-":
-        print(text)
-    else:
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"wrote {args.out}")
+    write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

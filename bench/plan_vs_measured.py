@@ -85,7 +85,9 @@ import sys
 import time
 
 GB = 1e9  # the planner's unit
-GiB = 1 << 30
+import _machine
+
+GiB = _machine.GiB
 
 # Small Llama-shaped cards (untied head, GQA, SwiGLU, 32K vocabulary), built from the debug card.
 CARDS = {
@@ -420,16 +422,9 @@ def run_child(card_name, method, dtype, seq, args, env=None) -> dict:
 
 
 def machine() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    with open("/proc/meminfo") as f:
-        mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
     libc = "-".join(platform.libc_ver())
-    return (f"{model}, {os.cpu_count()} CPUs, {mem / GiB:.0f} GiB RAM; {platform.system()} {platform.release()}, "
-            f"{libc}, Python {platform.python_version()}")
+    return (f"{_machine.machine()}; {platform.system()} {platform.release()}, {libc}, "
+            f"Python {platform.python_version()}")
 
 
 def gb(n: float | None) -> str:
