@@ -230,7 +230,7 @@ class Decoder(nn.Module):
         prefix = getattr(batch, "prefix", None)
         prefix = None if prefix is None else [int(i) for i in prefix]
         real = int(getattr(batch, "real", bounds[-1]))
-        if real < bounds[-1] and not self.compiled:
+        if real < bounds[-1] and real in bounds and not self.compiled:
             # the trailing padding is a document of its own that every layer would compute
             # (a P² causal attention included); eager code needs no fixed row length, and
             # the entries pad their results back (bench/RESULTS.md: DPO steps 2.3x faster)
