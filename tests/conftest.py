@@ -56,3 +56,19 @@ def hf_dir(request, tmp_path):
     directory = tmp_path / request.param
     model.save_pretrained(directory)
     return request.param, model, directory
+
+
+WORDS = [f"w{i}" for i in range(40)]  # the pretraining tests' corpus vocabulary
+
+
+def word_tokenizer(path, extra: int = 0):
+    """A whitespace word-level tokenizer.json over WORDS (<eos> 0, <unk> 1) and `extra`
+    more words x0, x1, …; returns `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    vocab.update({f"x{i}": len(WORDS) + 2 + i for i in range(extra)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path

@@ -11,22 +11,19 @@ from linnet.pretrain.cache import open_cache
 from linnet.pretrain.config import load
 from linnet.pretrain.loader import Loader, Validation, shard_groups
 from linnet.pretrain.prepare import prepare
+from tests.conftest import WORDS, word_tokenizer
 
 torch.set_num_threads(1)
 T = 16
-WORDS = [f"w{i}" for i in range(40)]
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """Shards of 97 tokens (not a multiple of T): most shard ends fall inside a sequence."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     root = tmp_path_factory.mktemp("loader")
-    vocab = {"<eos>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(root / "tok.json"))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(word_tokenizer(root / "tok.json")))
     g = np.random.default_rng(0)
     docs = [" ".join(g.choice(WORDS, size=int(g.integers(2, 25)))) for _ in range(300)]
     (root / "train.txt").write_text("\n".join(docs[:260]) + "\n")

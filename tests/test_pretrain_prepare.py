@@ -20,24 +20,13 @@ from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import open_cache, token_dtype, verify_cache
 from linnet.pretrain.config import load
 from linnet.pretrain.prepare import cli, encode_documents, prepare
+from tests.conftest import WORDS, word_tokenizer
 
-WORDS = [f"w{i}" for i in range(40)]
 
 
 def _texts(n: int, seed: int = 0) -> list[str]:
     g = np.random.default_rng(seed)
     return [" ".join(g.choice(WORDS, size=int(g.integers(3, 30)))) for _ in range(n)]
-
-
-def _word_tokenizer(path: Path, extra: int = 0) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<eos>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    vocab.update({f"x{i}": len(WORDS) + 2 + i for i in range(extra)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path))
-    return path
 
 
 def _data(tmp: Path, cache: str, sources: list[Path], **fields):
@@ -129,7 +118,7 @@ def test_a_failure_publishes_nothing_and_a_rerun_succeeds(corpus, tmp_path):
     bad = tmp_path / "bad.jsonl"
     lines = [json.dumps({"text": t}) for t in _texts(200)]
     bad.write_text("\n".join(lines[:150] + ['{"text": "cut'] + lines[150:]) + "\n")
-    tok = _word_tokenizer(tmp_path / "tok.json")
+    tok = word_tokenizer(tmp_path / "tok.json")
     d = _data(tmp_path, "cache", [bad], tokenizer=tok, shard_tokens=300, prepare_workers=2,
               prepare_batch_documents=8)
     with pytest.raises(ValueError, match=r"bad.jsonl line 151: not valid JSON"):
@@ -141,7 +130,7 @@ def test_a_failure_publishes_nothing_and_a_rerun_succeeds(corpus, tmp_path):
 
 def test_missing_text_field_names_the_line_and_the_fix(tmp_path):
     (tmp_path / "c.jsonl").write_text('{"text": "w1 w2"}\n{"body": "w3"}\n')
-    d = _data(tmp_path, "cache", [tmp_path / "c.jsonl"], tokenizer=_word_tokenizer(tmp_path / "t.json"),
+    d = _data(tmp_path, "cache", [tmp_path / "c.jsonl"], tokenizer=word_tokenizer(tmp_path / "t.json"),
               prepare_workers=1)
     with pytest.raises(ValueError, match=r"c.jsonl line 2: no field 'text' \(fields: body\); set data.text_field"):
         prepare(d)
@@ -210,7 +199,7 @@ def _feed_until_a_shard(fifo: Path, tmp_path: Path, proc: subprocess.Popen, line
 def test_a_stopped_preparation_publishes_nothing_and_a_rerun_succeeds(tmp_path, how):
     """Killed (SIGKILL) or interrupted (Ctrl-C) while its workers hold tasks: no cache
     appears, the workers exit, and preparing again succeeds."""
-    tok = _word_tokenizer(tmp_path / "tok.json")
+    tok = word_tokenizer(tmp_path / "tok.json")
     fifo = tmp_path / "corpus.txt"
     os.mkfifo(fifo)
     lines = _texts(300, seed=1)
@@ -246,7 +235,7 @@ def test_a_stopped_preparation_publishes_nothing_and_a_rerun_succeeds(tmp_path, 
 
 def test_large_vocabularies_use_uint32(tmp_path):
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
-    tok = _word_tokenizer(tmp_path / "tok.json", extra=70000)
+    tok = word_tokenizer(tmp_path / "tok.json", extra=70000)
     (tmp_path / "c.txt").write_text("w1 x69999 w2\n\nx5 w3\n")
     d = _data(tmp_path, "cache", [tmp_path / "c.txt"], tokenizer=tok, prepare_workers=1, validation_every=0)
     prepare(d)
@@ -256,7 +245,7 @@ def test_large_vocabularies_use_uint32(tmp_path):
 
 
 def test_train_tokens_cap_cuts_the_same_place_for_any_worker_count(corpus, tmp_path):
-    tok = _word_tokenizer(tmp_path / "tok.json")
+    tok = word_tokenizer(tmp_path / "tok.json")
     results = {}
     for workers in (1, 3):
         d = _data(tmp_path, f"cache{workers}", [corpus / "a.jsonl"], tokenizer=tok, train_tokens=1500,
@@ -278,7 +267,7 @@ def test_the_budget_sizes_the_cache_through_its_last_whole_shard_group(corpus, t
     from linnet.pretrain.budget import cache_tokens
     from linnet.pretrain.loader import Loader
 
-    tok = _word_tokenizer(tmp_path / "tok.json")
+    tok = word_tokenizer(tmp_path / "tok.json")
     sources = [corpus / "a.jsonl", corpus / "b.txt"]
     sets = [f"data.source=[{', '.join(map(str, sources))}]", f"data.tokenizer={tok}", "data.shard_tokens=200",
             "data.shuffle_group_size=2", "data.shuffle_buffer=30", "data.prepare_workers=1", "data.validation_every=25",
@@ -335,7 +324,7 @@ def test_a_datasets_source_streams_both_splits(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     d = load(None, [f"data.cache={tmp_path / 'cache'}", "data.dataset=allenai/c4", "data.dataset_config=en",
-                    f"data.tokenizer={_word_tokenizer(tmp_path / 'tok.json')}", "data.prepare_workers=1"]).data
+                    f"data.tokenizer={word_tokenizer(tmp_path / 'tok.json')}", "data.prepare_workers=1"]).data
     result = prepare(d)
     assert calls == [("allenai/c4", "en", "train", True), ("allenai/c4", "en", "validation", True)]
     assert result.documents == {"train": 40, "validation": 6}
@@ -344,7 +333,7 @@ def test_a_datasets_source_streams_both_splits(tmp_path, monkeypatch):
 def test_a_missing_datasets_library_is_named(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     d = load(None, [f"data.cache={tmp_path / 'cache'}", "data.dataset=allenai/c4",
-                    f"data.tokenizer={_word_tokenizer(tmp_path / 'tok.json')}", "data.prepare_workers=1"]).data
+                    f"data.tokenizer={word_tokenizer(tmp_path / 'tok.json')}", "data.prepare_workers=1"]).data
     with pytest.raises(ValueError, match=r"needs the datasets library: pip install linnet\[data\]"):
         prepare(d)
     assert not (tmp_path / "cache").exists()
@@ -357,7 +346,7 @@ def test_parquet_sources(tmp_path):
     texts = _texts(30)
     pq.write_table(pa.table({"body": texts}), tmp_path / "c.parquet")
     d = _data(tmp_path, "cache", [tmp_path / "c.parquet"], text_field="body", validation_every=0,
-              shuffle_buffer=1, prepare_workers=1, tokenizer=_word_tokenizer(tmp_path / "tok.json"))
+              shuffle_buffer=1, prepare_workers=1, tokenizer=word_tokenizer(tmp_path / "tok.json"))
     prepare(d)
     cache = open_cache(tmp_path / "cache")
     assert cache.train.documents == 30

@@ -19,22 +19,17 @@ from safetensors.torch import load_file
 from linnet.pretrain.config import load
 from linnet.pretrain.prepare import prepare
 from linnet.pretrain.runner import cli, run
+from tests.conftest import WORDS, word_tokenizer
 
 torch.set_num_threads(1)
-WORDS = [f"w{i}" for i in range(40)]
 STEPS = 32  # 4 epochs of 8 updates of 2 x 4 sequences of 16 tokens
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A learnable corpus (each word has three possible successors) and its cache."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     root = tmp_path_factory.mktemp("pretrain")
-    vocab = {"<eos>": 0, "<unk>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(root / "tok.json"))
+    word_tokenizer(root / "tok.json")
     g = np.random.default_rng(0)
     successors = g.integers(0, 40, size=(40, 3))
     docs = []
