@@ -12,12 +12,9 @@ it is switched off.
 """
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 import trl
 from datasets import Dataset
 
@@ -31,11 +28,7 @@ parser.add_argument("--out", default="runs/example-trl-sft")
 args = parser.parse_args()
 torch.manual_seed(0)
 
-# The quickstart's character tokenizer, as the transformers tokenizer TRL expects.
-tokenizer_file = Path(tempfile.mkdtemp()) / "tokenizer.json"
-quickstart.save_tokenizer(tokenizer_file)
-tokenizer = transformers.PreTrainedTokenizerFast(
-    tokenizer_file=str(tokenizer_file), pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+tokenizer = quickstart.transformers_tokenizer()  # the quickstart's characters, as TRL expects
 
 # A stand-in for a pretrained model: the quickstart's architecture, random weights.
 decoder = nest.load(quickstart.CARD, weights="random", trainable=not args.lora)

@@ -13,12 +13,9 @@ training on packed rows without padding.
 """
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 import trl
 from datasets import Dataset
 
@@ -32,10 +29,7 @@ parser.add_argument("--out", default="runs/example-trl-dpo")
 args = parser.parse_args()
 torch.manual_seed(0)
 
-tokenizer_file = Path(tempfile.mkdtemp()) / "tokenizer.json"
-quickstart.save_tokenizer(tokenizer_file)
-tokenizer = transformers.PreTrainedTokenizerFast(
-    tokenizer_file=str(tokenizer_file), pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+tokenizer = quickstart.transformers_tokenizer()  # the quickstart's characters, as TRL expects
 
 # A stand-in for an SFT model: the quickstart's architecture, random weights (seed 0).
 policy = CausalLM(nest.load(quickstart.CARD, weights="random", seed=0, trainable=True))

@@ -106,6 +106,19 @@ def held_out_loss(model, rows) -> float:
     return total / count
 
 
+def transformers_tokenizer():
+    """The character tokenizer as the `transformers` tokenizer that its trainers (and
+    TRL's) expect."""
+    import tempfile
+
+    import transformers
+
+    path = Path(tempfile.mkdtemp()) / "tokenizer.json"
+    save_tokenizer(path)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
 def save_tokenizer(path: Path) -> None:
     """A tokenizer.json for the character vocabulary (tokenizers' WordLevel model), its
     control tokens special so decoding drops them."""
