@@ -72,3 +72,52 @@ def word_tokenizer(path, extra: int = 0):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(path))
     return path
+
+
+def in_processes(fn, *args, processes: int = 2) -> list:
+    """[fn(rank, *args) for every rank], each rank a forked process (one thread) in one
+    gloo group, joined as under torchrun (from the environment). A failing rank's
+    traceback is raised here rather than left to a timeout."""
+    import multiprocessing
+    import os
+    import socket
+    import traceback
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def main(rank, queue):
+        import torch.distributed as dist
+
+        from linnet.train.parallel import join
+
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        try:
+            join()
+            queue.put((rank, fn(rank, *args), None))
+        except BaseException:
+            queue.put((rank, None, traceback.format_exc()))
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=main, args=(rank, queue)) for rank in range(processes)]
+    for w in workers:
+        w.start()
+    results = {}
+    while len(results) < processes:
+        rank, value, error = queue.get(timeout=120)
+        if error is not None:  # the others may wait in a collective for it: stop them
+            for w in workers:
+                w.terminate()
+            raise AssertionError(f"process {rank} failed:\n{error}")
+        results[rank] = value
+    for w in workers:
+        w.join(timeout=60)
+    assert all(w.exitcode == 0 for w in workers)
+    return [results[rank] for rank in range(processes)]

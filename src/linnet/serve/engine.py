@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from linnet.torch import attention as attention_paths
 from linnet.torch.model import Decoder, Linear, rotate
+from linnet.torch.sharding import full
 
 
 @dataclass
@@ -140,10 +141,10 @@ class Engine:
                     f"Engine.load_weights: the policy has {name!r}, which the engine's model "
                     "lacks; load the engine from the same card as the policy"
                 )
-            src = _full(p.detach())
+            src = full(p.detach())
             layer = adapted.get(name)
             if layer is not None:
-                delta = _full(layer.lora_b.detach()).float() @ _full(layer.lora_a.detach()).float()
+                delta = full(layer.lora_b.detach()).float() @ full(layer.lora_a.detach()).float()
                 src = src.float() + delta * layer.lora_scale
             dst = own[name]
             if src.shape != dst.shape:
@@ -431,13 +432,6 @@ def _defaults(options: dict) -> dict:
     if unknown:
         raise TypeError(f"Engine.stream: unexpected options {', '.join(sorted(unknown))}")
     return {**allowed, **options}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a possibly sharded (DTensor) parameter."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _project(attn, h_ND, cos_N1d, sin_N1d):

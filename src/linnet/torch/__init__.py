@@ -1,6 +1,6 @@
 """The PyTorch backend: the decoder, its losses and weight I/O."""
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "fully_shard"]
 
 
 def __getattr__(name: str):
@@ -9,6 +9,10 @@ def __getattr__(name: str):
         from linnet.torch.causal_lm import CausalLM
 
         return CausalLM
+    if name == "fully_shard":
+        from linnet.torch.sharding import fully_shard
+
+        return fully_shard
     if name in NOT_BUILT:
         raise NotImplementedError(f"linnet.torch.{name} is not built yet: {NOT_BUILT[name]}")
     raise AttributeError(f"module 'linnet.torch' has no attribute {name!r}")
@@ -16,7 +20,5 @@ def __getattr__(name: str):
 
 # Names the specification gives that do not exist yet, with what to use meanwhile.
 NOT_BUILT = {
-    "fully_shard": "under torchrun, linnet.train.train runs data-parallel with a whole copy per "
-                   "process",
     "pipeline": "pipeline stages are not supported yet",
 }

@@ -76,6 +76,11 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
 
 def merge_lora(model) -> None:
     """W += scale * B @ A (in float32) for every adapter, then drop the adapters."""
+    from linnet.torch.sharding import is_sharded
+
+    if is_sharded(model):
+        raise ValueError("merge_lora: this model is sharded (fully_shard); save the adapters (save_to=) and "
+                         "merge them on one process, into a model loaded whole")
     for layer in _linears(model).values():
         if layer.lora_a is None:
             continue

@@ -91,17 +91,22 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, include: Sequenc
     """Write the parameters (those matching `include` globs, default all) as safetensors
     in `dtype` (default: the model's compute dtype). A path ending in .safetensors is
     one file; otherwise a directory gets model.safetensors and, for a whole model, the
-    config.json and tokenizer files transformers needs to load it."""
+    config.json and tokenizer files transformers needs to load it. Under torchrun every
+    process calls it (a sharded model's parts are gathered) and the first writes."""
     from linnet.torch.model import as_dtype, select
+    from linnet.torch.sharding import full
+    from linnet.train.parallel import world
 
     dtype = model.dtype if dtype is None else as_dtype(dtype)
     names = [n for n, _ in model.named_parameters()]
     chosen = select(names, True if include is None else include, what="include")
     tensors = {
-        n: p.detach().to("cpu", dtype).contiguous()
+        n: full(p.detach()).to("cpu", dtype).contiguous()
         for n, p in model.named_parameters()
         if n in chosen
     }
+    if world()[0] != 0:
+        return
     path = Path(path)
     target = path if path.suffix == ".safetensors" else path / "model.safetensors"
     with atomic_path(target) as tmp:

@@ -2,9 +2,12 @@
 
 Layout: `<dir>/step-00000010/` holding trained.safetensors (the parameters that train,
 in float32: the adapters alone for a LoRA run), optimizer.pt, state.pt and
-checksums.json (the SHA-256 of the other three). Each is written under a temporary
-directory name and renamed into place, so a run killed at any instant leaves only
-complete checkpoints; the `keep` latest are kept. Loading checks every file against its
+checksums.json (the SHA-256 of every other file). A sharded model's (fully_shard)
+checkpoint has a `sharded/` directory instead of the first two, where each process
+writes its parts of the trained parameters and optimizer state
+(torch.distributed.checkpoint; it loads back under another process count, or whole).
+Each checkpoint is written under a temporary directory name and renamed into place, so
+a run killed at any instant leaves only complete checkpoints; the `keep` latest are kept. Loading checks every file against its
 checksum first: a truncated or altered checkpoint is refused by name, never half-loaded.
 The RNG state covers torch (and CUDA), Python's `random` and NumPy's global generator.
 """
@@ -15,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from linnet.files import sha256_file
-from linnet.train.parallel import world
+from linnet.torch.sharding import is_sharded
+from linnet.train.parallel import barrier, from_first, world
 
 PREFIX = "step-"
 CHECKSUMS = "checksums.json"
-STATE_FILES = ("trained.safetensors", "optimizer.pt", "state.pt")
+SHARDED = "sharded"
 
 
 def checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -70,20 +75,30 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int, schedule=None,
                     keep: int = 2, extra: dict[str, Any] | None = None) -> Path | None:
-    """Write the checkpoint of `step` (first process only) and prune to the `keep`
-    latest. `extra` holds what a caller's loop needs back (plain Python values)."""
+    """Write the checkpoint of `step` and prune to the `keep` latest: the first process
+    writes it, with every process writing its parts of a sharded model. `extra` holds
+    what a caller's loop needs back (plain Python values)."""
     rank, _ = world()
+    sharded = is_sharded(model)
     root = Path(directory)
     final = root / f"{PREFIX}{step:08d}"
-    if rank != 0:
+    if rank != 0 and not sharded:
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in _trained(model).items()}
-    save_file(tensors, str(tmp / "trained.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    tmp = root / f".{final.name}.tmp-{from_first(os.getpid()) if sharded else os.getpid()}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if sharded:
+        barrier()  # the directory exists before anyone writes into it
+        _save_parts(tmp / SHARDED, model, optimizer)
+        if rank != 0:
+            barrier()
+            return final
+    else:
+        tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in _trained(model).items()}
+        save_file(tensors, str(tmp / "trained.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     state = {
         "step": step,
         "schedule": None if schedule is None else schedule.state_dict(),
@@ -91,7 +106,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int
         "extra": extra or {},
     }
     torch.save(state, tmp / "state.pt")
-    sums = {"files": {name: sha256_file(tmp / name) for name in STATE_FILES}}
+    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    sums = {"files": {name: sha256_file(tmp / name) for name in files}}
     (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
     if final.exists():  # the same step written again: swap it out whole
         stale = root / f".{final.name}.old-{os.getpid()}"
@@ -102,6 +118,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int
         os.rename(tmp, final)
     for old in checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
+    if sharded:
+        barrier()  # every process returns with the checkpoint in place
     return final
 
 
@@ -115,25 +133,68 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
         if path is None:
             return None
     state = verify_checkpoint(path)
-    tensors = load_file(str(path / "trained.safetensors"))
-    trained = _trained(model)
-    if set(tensors) != set(trained):
-        extra_names = sorted(set(tensors) - set(trained))[:2]
-        missing = sorted(set(trained) - set(tensors))[:2]
+    if (path / SHARDED).is_dir():
+        _load_parts(path, model, optimizer)
+    elif is_sharded(model):
+        raise ValueError(f"{path}: written by a run without fully_shard; resume it unsharded (or load its "
+                         "trained.safetensors with bind_weights and start the sharded run afresh)")
+    else:
+        tensors = load_file(str(path / "trained.safetensors"))
+        trained = _trained(model)
+        _same_names(path, tensors, trained)
+        with torch.no_grad():
+            for name, p in trained.items():
+                p.copy_(tensors[name])
+        if optimizer is not None:
+            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    if schedule is not None and state["schedule"] is not None:
+        schedule.load_state_dict(state["schedule"])
+    _set_rng_state(state["rng"])
+    return {"step": state["step"], "extra": state["extra"], "path": path}
+
+
+def _same_names(path: Path, saved, trained) -> None:
+    if set(saved) != set(trained):
+        extra_names = sorted(set(saved) - set(trained))[:2]
+        missing = sorted(set(trained) - set(saved))[:2]
         raise ValueError(
             f"{path}: the checkpoint trains other parameters than this model "
             f"(only in the checkpoint: {extra_names}; only in the model: {missing}); "
             "load the model as the run loaded it (same card, trainable=, add_lora patterns)"
         )
-    with torch.no_grad():
-        for name, p in trained.items():
-            p.copy_(tensors[name])
-    if optimizer is not None:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    if schedule is not None and state["schedule"] is not None:
-        schedule.load_state_dict(state["schedule"])
-    _set_rng_state(state["rng"])
-    return {"step": state["step"], "extra": state["extra"], "path": path}
+
+
+def _save_parts(path: Path, model, optimizer) -> None:
+    """Every process writes its parts of the trained parameters and optimizer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    params, optim = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    dcp.save({"model": params, "optimizer": optim}, checkpoint_id=path)
+
+
+def _load_parts(path: Path, model, optimizer) -> None:
+    """Read `path`/sharded into the model (sharded or whole) and the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    saved = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
+    _same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, _trained(model))
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model, options=options)}
+    else:  # get_state_dict fills a fresh optimizer's state by an lr=0 step; the load overwrites it
+        params, optim = get_state_dict(model, optimizer, options=options)
+        state = {"model": params, "optimizer": optim}
+    with warnings.catch_warnings():  # one process reading parts is intended, not a mistake
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=path / SHARDED, no_dist=world()[1] == 1)
+    if optimizer is None:
+        set_model_state_dict(model, state["model"], options=options)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
 
 
 def _earlier(path: Path) -> str:

@@ -31,7 +31,7 @@ from linnet.torch.attention import document_ids, shares_prompts
 from linnet.train.loop import (
     History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
 )
-from linnet.train.parallel import sum_across
+from linnet.train.parallel import idle_passes, passes_short, sum_across
 
 
 def check_pairs(pairs: Sequence[Pair]) -> None:
@@ -74,7 +74,10 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
     """[pairs, 2] (chosen, rejected) summed log-probabilities under `model`."""
     was_training = model.training
     model.eval()
-    out = [answer_log_probs(model, row).double().cpu() for row in _rows(pairs, tokens, model)]
+    rows = list(_rows(pairs, tokens, model))
+    short = passes_short(len(rows), model)
+    out = [answer_log_probs(model, row).double().cpu() for row in rows]
+    idle_passes(short, model)
     model.train(was_training)
     return torch.cat(out).view(-1, 2).numpy()
 
@@ -162,7 +165,10 @@ def dpo(
         (count,) = sum_across([float(len(batch))])
         total = correct = margin_sum = real = learned = 0.0
         done = 0
-        for row in _rows(batch, tokens, model, reference):
+        rows = list(_rows(batch, tokens, model, reference))
+        live_reference = reference if fixed is None else None
+        short = passes_short(len(rows), model, live_reference)
+        for row in rows:
             n = row.examples // 2
             logp = answer_log_probs(model, row).view(n, 2)
             if fixed is not None:
@@ -182,6 +188,7 @@ def dpo(
             real += row.real
             learned += row.learned
             done += n
+        idle_passes(short, model, live_reference, row=rows[0])
         total, correct, margin_sum, real, learned = sum_across([total, correct, margin_sum, real, learned])
         loss = total / count
         norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint)

@@ -38,7 +38,7 @@ from linnet.train.grpo_loss import group_advantages, grpo_loss
 from linnet.train.loop import (
     History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
 )
-from linnet.train.parallel import sum_across
+from linnet.train.parallel import idle_passes, passes_short, sum_across
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
 
@@ -240,13 +240,15 @@ def grpo(
             normaliser = sequences * max_new_tokens
         else:
             normaliser = n_tokens
+        rows = rollout.rows if rollout is not None else []
+        short = passes_short(len(rows), policy, reference if beta else None)
         stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "mismatch": 0.0}
         norms, lrs = [], []
         old: list[torch.Tensor] = []  # the policy's log-probs before this step's first update
         policy.train()
         for iteration in range(iterations):
             stats.update(loss=0.0, clipped=0.0, kl=0.0)  # reported for the last iteration
-            for r, row in enumerate(rollout.rows if rollout is not None else []):
+            for r, row in enumerate(rows):
                 logp = _completion_log_probs(policy, row)
                 dev = logp.device
                 if iteration == 0:
@@ -267,6 +269,7 @@ def grpo(
                 stats["loss"] += float(loss.detach())
                 stats["clipped"] += s["clipped"]
                 stats["kl"] += s.get("kl", 0.0)
+            idle_passes(short, policy, reference if beta else None)
             (iteration_loss,) = sum_across([stats["loss"]])
             norm, lr = optimizer_step(params, optimizer, schedule, max_grad_norm,
                                       iteration_loss / max(normaliser, 1.0), step, checkpoint)

@@ -65,15 +65,14 @@ def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def save_trained(model, path: str | os.PathLike) -> None:
     """The run's result: the adapters alone (PEFT format) after add_lora, else the
-    whole model's weights. First process only."""
-    if world()[0] != 0:
-        return
-    if getattr(model, "lora", None):
+    whole model's weights (gathered from every process when sharded). The first
+    process writes."""
+    if not getattr(model, "lora", None):
+        model.save_weights(path)
+    elif world()[0] == 0:
         from linnet.torch.lora import save_peft
 
         save_peft(model, path)
-    else:
-        model.save_weights(path)
 
 
 def _count(batch, name: str) -> float:

@@ -10,6 +10,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def world() -> tuple[int, int]:
@@ -60,14 +61,54 @@ def sum_across(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def most_across(value: int) -> int:
+    """The largest `value` of any process."""
+    if world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def _sharded(models) -> bool:
+    return any(isinstance(p, DTensor) for m in models if m is not None for p in m.parameters())
+
+
+def passes_short(passes: int, *models) -> int:
+    """How many passes this process must add to a step's `passes` to make as many as the
+    busiest process: a sharded model's (fully_shard) every forward and backward gathers
+    and reduces across the processes, so each must make every one. 0 unless a model is
+    sharded. A collective itself: call it before the step's first pass."""
+    return most_across(passes) - passes if _sharded(models) else 0
+
+
+def idle_passes(count: int, *models, row=None) -> None:
+    """`count` passes of `row` (by default a two-token row) through every model given,
+    adding zero to the gradients (see `passes_short`)."""
+    if count and row is None:
+        from linnet.packing import Example, pack
+
+        row = next(pack([Example.plain([0, 0])], tokens=2))
+    for _ in range(count):
+        for m in models:
+            if m is None:
+                continue
+            out = m.log_probs_packed(row)
+            if out.requires_grad:
+                (out.sum() * 0).backward()
+
+
 def reduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
     """Sum gradients over processes in one flat buffer per dtype. Each process has
     already divided by the global count of learned positions, so the sum is the mean
-    over every token of the step. A parameter without a gradient counts as zero."""
+    over every token of the step. A parameter without a gradient counts as zero.
+    Sharded parameters (fully_shard) are skipped: FSDP has reduced them already."""
     if world()[1] == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for p in parameters:
+        if isinstance(p, DTensor):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         by_dtype.setdefault(p.grad.dtype, []).append(p)
@@ -83,11 +124,28 @@ def reduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
 
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """The global gradient norm (float32), after scaling gradients down to `max_norm`
-    when it is exceeded; None only measures."""
+    when it is exceeded; None only measures. Sharded gradients (fully_shard) add their
+    parts' squares across processes; whole ones count once."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    parts = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    squares = _squares(whole, grads[0].device)
+    if parts:
+        split = _squares(parts, squares.device)
+        dist.all_reduce(split, group=next(g for g in grads if isinstance(g, DTensor)).device_mesh.get_group())
+        squares = squares + split
+    norm = squares.sqrt()
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in parts + whole:
+            g.mul_(scale.to(g.device))
     return norm
+
+
+def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squares of every element, in float32."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) ** 2 for t in tensors]).sum()

@@ -1,0 +1,71 @@
+"""fully_shard: split a decoder's parameters, gradients and optimizer state across the
+processes (FSDP), with PyTorch's FSDP2 doing the gathering and reducing.
+
+    parallel.join()                    # under torchrun
+    model = nest.load(card, device=..., trainable=True)
+    fully_shard(model)                 # parts in f32, gathered in the model's dtype
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    train(model, pack(examples_of_this_process, tokens=4096), optimizer=optimizer, steps=1000)
+
+Each block is one FSDP unit, gathered just before it runs and dropped after (and gathered
+again in backward); the embedding, final norm and head form the root unit, gathered for
+the packed entries (registered as FSDP forward methods, since trainers call those rather
+than `forward`). Gradients are reduced into the parts in float32 and *summed*, not
+averaged: every process already divides its loss by the step's global count of learned
+positions, so the sum is the mean over every token.
+
+LoRA adapters stay whole on every process (FSDP ignores them); `reduce_gradients` sums
+their gradients as it does without sharding, and the frozen weights they adapt are split
+in their own dtype, with no float32 copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# The methods trainers call in place of forward: each gathers the root unit's parameters.
+ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
+
+
+def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
+    """Shard `model` (a linnet Decoder, adapters added first) over `mesh` (default: every
+    process of the group). Call after add_lora and before building the optimizer;
+    returns the model, changed in place."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard as fsdp
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("fully_shard needs a process group: run under torchrun and call "
+                           "linnet.train.parallel.join() (or torch.distributed.init_process_group) first")
+    if is_sharded(model):
+        raise ValueError("fully_shard: this model is sharded already")
+    adapters = {p for name, p in model.named_parameters() if name.endswith((".lora_a", ".lora_b"))}
+    options = dict(mesh=mesh, ignored_params=adapters or None,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))
+    for block in model.model.layers:
+        fsdp(block, reshard_after_forward=reshard_after_forward, **options)
+    fsdp(model, **options)
+    for name in ENTRIES:
+        register_fsdp_forward_method(model, name)
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a possibly sharded (DTensor) one; every process must call
+    this together for a sharded tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a sharded tensor, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,190 @@
+"""fully_shard: two forked processes (gloo) train a sharded model like one process
+training the whole model on both their batches; checkpoints hold each process's parts
+and resume under two processes or one."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import in_processes
+from safetensors.torch import load_file
+
+from linnet import nest
+from linnet.packing import Example, Pair, pack
+from linnet.torch import fully_shard
+from linnet.train import train
+from linnet.train.checkpoint import load_checkpoint, save_checkpoint
+from linnet.train.dpo import dpo
+from linnet.train.grpo import Prompt, grpo
+
+CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
+                                     layers=2, tied_embeddings=False)
+STEPS = 4
+
+
+def _rows():
+    """Eight rows of unequal learned counts: step s takes rows 2s and 2s + 1."""
+    g = np.random.default_rng(0)
+    docs = [Example.prompted(g.integers(3, 64, 4).tolist(), g.integers(3, 64, int(n)).tolist())
+            for n in g.integers(1, 12, size=48)]
+    rows = list(pack(docs, tokens=40))[: 2 * STEPS]
+    assert len(rows) == 2 * STEPS and len({r.learned for r in rows}) > 2
+    return rows
+
+
+def _model(lora: bool, dtype: str):
+    model = nest.load(CARD, weights="random", seed=0, trainable=not lora, dtype=dtype)
+    if lora:
+        model.add_lora("*_proj.weight", rank=4)
+    return model
+
+
+def _run(model, rows, accumulate, **kw):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    history = train(model, rows, optimizer=opt, steps=STEPS, accumulate=accumulate, clip=0.5, **kw)
+    return [(s.loss, s.grad_norm, s.learned) for s in history.steps]
+
+
+def _sharded_run(rank, lora, dtype, out):
+    model = fully_shard(_model(lora, dtype))
+    return _run(model, _rows()[rank::2], 1, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
+
+
+def _held(rank):
+    """(elements this process holds, elements of the whole model) of the weights and,
+    after a step, of AdamW's state."""
+    from linnet.torch.sharding import local
+
+    model = fully_shard(_model(False, "float32"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train(model, _rows()[rank::2][:1], optimizer=opt, steps=1)
+    held = sum(local(p).numel() for p in model.parameters())
+    held += sum(local(v).numel() for s in opt.state.values() for k, v in s.items() if k != "step")
+    return held, 3 * sum(p.numel() for p in model.parameters())
+
+
+def test_each_process_holds_half_the_weights_and_optimizer_state():
+    for held, whole in in_processes(_held):
+        assert held == whole // 2
+
+
+@pytest.mark.parametrize("lora,dtype,tol", [(False, "float32", 1e-5), (True, "bfloat16", 2e-3)])
+def test_sharded_processes_train_like_one(tmp_path, lora, dtype, tol):
+    """Losses, gradient norms and the saved result equal one process's over both
+    batches: sharded f32 full fine-tuning, and LoRA over bf16 weights split in bf16."""
+    steps = in_processes(_sharded_run, lora, dtype, tmp_path / "two")
+    model = _model(lora, dtype)
+    reference = _run(model, _rows(), 2, save_to=tmp_path / "one")
+    assert steps[0] == steps[1]
+    for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(steps[0], reference, strict=True):
+        assert learned == ref_learned
+        assert loss == pytest.approx(ref_loss, rel=tol) and norm == pytest.approx(ref_norm, rel=10 * tol)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    two, one = load_file(str(tmp_path / "two" / "final" / name)), load_file(str(tmp_path / "one" / name))
+    assert two.keys() == one.keys()
+    for key in one:
+        torch.testing.assert_close(two[key].float(), one[key].float(), atol=10 * tol, rtol=0, msg=key)
+    parts = sorted(p.name for p in (tmp_path / "two" / "ckpt" / "step-00000004" / "sharded").iterdir())
+    assert parts == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each process writes its parts
+
+
+def _resumed(rank, start, out):
+    model = fully_shard(_model(False, "float32"))
+    return _run(model, _rows()[rank::2], 1, checkpoint=out, checkpoint_every=2)
+
+
+def test_sharded_checkpoint_resumes_under_two_processes_or_one(tmp_path):
+    """Resuming the step-2 checkpoint gives the straight run's steps 3 and 4, whether two
+    sharded processes or one whole model read it."""
+    straight = in_processes(_sharded_run, False, "float32", tmp_path / "straight")[0]
+    for copy in ("two", "one"):
+        (tmp_path / copy).mkdir()
+        src = tmp_path / "straight" / "ckpt" / "step-00000002"
+        shutil.copytree(src, tmp_path / copy / src.name)
+    two = in_processes(_resumed, 2, tmp_path / "two")[0]
+    one = _run(_model(False, "float32"), _rows(), 2, checkpoint=tmp_path / "one")
+    for resumed in (two, one):
+        assert len(resumed) == 2
+        for (loss, norm, _), (ref_loss, ref_norm, _) in zip(resumed, straight[2:], strict=True):
+            assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def _refuse_plain_checkpoint(rank, path):
+    model = fully_shard(_model(False, "float32"))
+    with pytest.raises(ValueError, match="without fully_shard"):
+        load_checkpoint(path, model=model)
+    with pytest.raises(ValueError, match="sharded already"):
+        fully_shard(model)
+    from linnet.torch.lora import merge_lora
+
+    with pytest.raises(ValueError, match="merge them on one process"):
+        merge_lora(model)
+    return True
+
+
+def test_sharding_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        fully_shard(_model(False, "float32"))
+    model = _model(False, "float32")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain = save_checkpoint(tmp_path, model=model, optimizer=opt, step=1)
+    assert in_processes(_refuse_plain_checkpoint, plain) == [True, True]
+
+
+def _pairs(process: int, step: int) -> list[Pair]:
+    """Two pairs; process 0's fill a row each, process 1's share one."""
+    g = np.random.default_rng(10 * step + process)
+    n = 14 if process == 0 else 3
+    return [Pair(g.integers(3, 64, 4).tolist(), g.integers(3, 64, n).tolist(), g.integers(3, 64, n).tolist())
+            for _ in range(2)]
+
+
+def _dpo(model, pairs, per_step):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    history = dpo(model, pairs, optimizer=opt, steps=2, pairs_per_step=per_step, tokens=40)
+    return [(s.loss, s.grad_norm, s.metrics["accuracy"]) for s in history.steps]
+
+
+def _sharded_dpo(rank):
+    return _dpo(fully_shard(_model(True, "float32")), [p for s in range(2) for p in _pairs(rank, s)], 2)
+
+
+def test_sharded_dpo_with_uneven_rows_trains_like_one_process():
+    """Process 0 packs two rows a step, process 1 one: process 1 makes idle passes so
+    their gathers and reductions meet, and the steps equal one process over all pairs
+    (its own log-probabilities before training as the reference)."""
+    steps = in_processes(_sharded_dpo)
+    reference = _dpo(_model(True, "float32"), [p for s in range(2) for r in range(2) for p in _pairs(r, s)], 4)
+    assert steps[0] == steps[1]
+    for got, want in zip(steps[0], reference, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def _sharded_grpo(rank, out):
+    from linnet.serve import Engine
+
+    policy = fully_shard(_model(False, "float32"))
+    engine = Engine(nest.load(CARD, weights="random", seed=0))
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    prompts = [Prompt([3 + rank, 4, 5])] * 2
+    # process 1's reward is constant: its groups are uniform and dropped, leaving it no row
+    reward = (lambda prompt, completion: float(sum(completion) % 5)) if rank == 0 else (lambda p, c: 1.0)
+    history = grpo(policy, engine, prompts, reward, optimizer=opt, steps=3, group=4, prompts_per_step=1,
+                   max_new_tokens=4, tokens=32, drop_uniform=True, save_to=out, verbose=False, seed=rank)
+    engine.load_weights(policy)  # gathers the trained parts on both processes
+    return [(s.grad_norm, s.metrics["uniform"]) for s in history.steps], engine.model.lm_head.weight.numpy().copy()
+
+
+def test_sharded_grpo_runs_when_a_process_has_nothing_to_train(tmp_path):
+    """A process whose groups were all dropped still meets the other's passes; the
+    engine takes the gathered policy on both processes."""
+    (steps0, head0), (steps1, head1) = in_processes(_sharded_grpo, tmp_path)
+    assert [n for n, _ in steps0] == [n for n, _ in steps1] and all(n > 0 for n, _ in steps0)
+    assert [u for _, u in steps0] == [0.0] * 3 and [u for _, u in steps1] == [1.0] * 3
+    saved = load_file(str(tmp_path / "model.safetensors"))["lm_head.weight"].numpy()
+    np.testing.assert_array_equal(head0, head1)
+    np.testing.assert_allclose(saved, head0, atol=1e-6)
+    assert not np.allclose(saved, _model(False, "float32").lm_head.weight.detach().numpy(), atol=1e-4)
