@@ -1,13 +1,13 @@
-"""Two processes (gloo, forked) train like one process over both their batches."""
+"""Two processes (gloo, forked) train like one process over both their batches, with
+the optimizer whole on each or split across them (ZeroRedundancyOptimizer)."""
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
-
 import numpy as np
+import pytest
 import torch
-import torch.distributed as dist
+from tests.conftest import in_processes
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from linnet import nest
 from linnet.packing import Example, pack
@@ -16,13 +16,13 @@ from linnet.train import train
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8)
 
 
-def _batches():
+def _batches(n=2):
     g = np.random.default_rng(0)
     docs = [Example.prompted(g.integers(3, 64, 4).tolist(), g.integers(3, 64, int(n)).tolist())
-            for n in g.integers(1, 12, size=12)]
-    rows = list(pack(docs, tokens=40))
+            for n in g.integers(1, 12, size=12 * n)]
+    rows = list(pack(docs, tokens=40))[:n]
     assert len({r.learned for r in rows[:2]}) == 2  # the processes' counts differ
-    return rows[:2]
+    return rows
 
 
 def _train(batches, accumulate):
@@ -32,32 +32,42 @@ def _train(batches, accumulate):
     return history.steps[0], {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def _worker(rank, port, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        step, params = _train([_batches()[rank]], accumulate=1)
-        queue.put((rank, step.loss, step.learned, step.grad_norm, params))
-    finally:
-        dist.destroy_process_group()
+def _one_batch_each(rank):
+    step, params = _train([_batches()[rank]], accumulate=1)
+    return step.loss, step.learned, step.grad_norm, params
 
 
 def test_two_processes_equal_one_process_over_both_batches():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    workers = [ctx.Process(target=_worker, args=(rank, port, queue)) for rank in range(2)]
-    for w in workers:
-        w.start()
-    results = sorted(queue.get(timeout=120) for _ in workers)
-    for w in workers:
-        w.join(timeout=60)
-        assert w.exitcode == 0
     step, params = _train(_batches(), accumulate=2)
-    for _rank, loss, learned, norm, rank_params in results:
+    for loss, learned, norm, rank_params in in_processes(_one_batch_each):
         assert learned == step.learned
         assert abs(loss - step.loss) < 1e-6 and abs(norm - step.grad_norm) < 1e-5
         for name, value in params.items():
             np.testing.assert_allclose(rank_params[name], value, atol=1e-6, rtol=0, err_msg=name)
+
+
+def _adamw(model, zero: bool):
+    params = list(model.parameters())
+    if zero:
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _zero_run(rank, checkpoint, steps):
+    model = nest.load(CARD, weights="random", seed=0, trainable=True)
+    history = train(model, _batches(8)[rank::2], optimizer=_adamw(model, zero=True), steps=steps, clip=0.5,
+                    checkpoint=checkpoint, checkpoint_every=2)
+    return [(s.loss, s.grad_norm) for s in history.steps]
+
+
+def test_zero_redundancy_optimizer_trains_and_resumes_like_one_process(tmp_path):
+    """The optimizer state split across two processes: the same steps as AdamW whole in
+    one process, and a run stopped at step 2 resumes to the same steps 3 and 4."""
+    model = nest.load(CARD, weights="random", seed=0, trainable=True)
+    whole = train(model, _batches(8), optimizer=_adamw(model, zero=False), steps=4, accumulate=2, clip=0.5)
+    straight = in_processes(_zero_run, tmp_path / "straight", 4)[0]
+    in_processes(_zero_run, tmp_path / "resumed", 2)
+    resumed = in_processes(_zero_run, tmp_path / "resumed", 4)[0]
+    assert [round(n, 5) for _, n in straight] == [round(s.grad_norm, 5) for s in whole.steps]
+    assert [loss for loss, _ in straight] == pytest.approx(whole.losses, rel=1e-6)
+    assert resumed == pytest.approx(straight[2:], rel=1e-6)

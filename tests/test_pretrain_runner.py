@@ -5,10 +5,7 @@ processes (forked, gloo) equal to one."""
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import shutil
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,7 @@ from safetensors.torch import load_file
 from linnet.pretrain.config import load
 from linnet.pretrain.prepare import prepare
 from linnet.pretrain.runner import cli, run
-from tests.conftest import WORDS, word_tokenizer
+from tests.conftest import WORDS, in_processes, word_tokenizer
 
 torch.set_num_threads(1)
 STEPS = 32  # 4 epochs of 8 updates of 2 x 4 sequences of 16 tokens
@@ -232,33 +229,15 @@ def test_cli_plan_and_a_complete_run(workspace, straight, capsys):
     assert json.loads((straight / "summary.json").read_text())["recipe"] in capsys.readouterr().out
 
 
-def _cli_process(rank: int, port: int, runs: list[list[str]], queue) -> None:
-    """One of two processes, joining the group as under torchrun (from the environment)."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _cli_runs(rank: int, runs: list[list[str]]) -> list:
+    """One of two processes running the CLI once per argument list (each joins the
+    group as under torchrun; a refusal is kept as its message)."""
     outcomes = []
     for args in runs:
         try:
             outcomes.append(cli(args))
         except ValueError as e:
             outcomes.append(str(e))
-    queue.put((rank, outcomes))
-
-
-def _two_processes(runs: list[list[str]]) -> list[list]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    workers = [ctx.Process(target=_cli_process, args=(rank, port, runs, queue)) for rank in range(2)]
-    for w in workers:
-        w.start()
-    outcomes = [o for _, o in sorted(queue.get(timeout=120) for _ in workers)]
-    for w in workers:
-        w.join(timeout=60)
-        assert w.exitcode == 0
     return outcomes
 
 
@@ -276,7 +255,7 @@ def test_two_processes_train_like_one_and_resume(workspace, straight, tmp_path):
     process, both finish like it. An accumulation that does not split is refused."""
     two, branch, single = tmp_path / "two", tmp_path / "branch", tmp_path / "single"
     keep = ["training.checkpoint_policy=interval", "training.save_epoch_training_state=true"]
-    outcomes = _two_processes([
+    outcomes = in_processes(_cli_runs, [
         _cli_args(workspace, two, *keep),
         _cli_args(workspace, branch) + ["--resume", str(two / "checkpoints" / "step-00000016")],
         _cli_args(workspace, tmp_path / "uneven", "training.accumulation=3"),

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import in_processes
+from tests.conftest import in_processes
 from safetensors.torch import load_file
 
 from linnet import nest

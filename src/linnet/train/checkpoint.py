@@ -82,6 +82,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int
     sharded = is_sharded(model)
     root = Path(directory)
     final = root / f"{PREFIX}{step:08d}"
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: each process holds a part
+        optimizer.consolidate_state_dict(to=0)
     if rank != 0 and not sharded:
         return final
     tmp = root / f".{final.name}.tmp-{from_first(os.getpid()) if sharded else os.getpid()}"
