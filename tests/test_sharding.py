@@ -35,8 +35,9 @@ def _rows():
     return rows
 
 
-def _model(lora: bool, dtype: str):
-    model = nest.load(CARD, weights="random", seed=0, trainable=not lora, dtype=dtype)
+def _model(lora: bool, dtype: str, tied: bool = False):
+    card = CARD.replace(tied_embeddings=tied)
+    model = nest.load(card, weights="random", seed=0, trainable=not lora, dtype=dtype)
     if lora:
         model.add_lora("*_proj.weight", rank=4)
     return model
@@ -48,8 +49,8 @@ def _run(model, rows, accumulate, **kw):
     return [(s.loss, s.grad_norm, s.learned) for s in history.steps]
 
 
-def _sharded_run(rank, lora, dtype, out):
-    model = fully_shard(_model(lora, dtype))
+def _sharded_run(rank, lora, dtype, out, tied=False):
+    model = fully_shard(_model(lora, dtype, tied))
     return _run(model, _rows()[rank::2], 1, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
 
 
@@ -71,12 +72,14 @@ def test_each_process_holds_half_the_weights_and_optimizer_state():
         assert held == whole // 2
 
 
-@pytest.mark.parametrize("lora,dtype,tol", [(False, "float32", 1e-5), (True, "bfloat16", 2e-3)])
-def test_sharded_processes_train_like_one(tmp_path, lora, dtype, tol):
+@pytest.mark.parametrize("lora,dtype,tied,tol", [(False, "float32", False, 1e-5), (False, "float32", True, 1e-5),
+                                                 (True, "bfloat16", False, 2e-3)])
+def test_sharded_processes_train_like_one(tmp_path, lora, dtype, tied, tol):
     """Losses, gradient norms and the saved result equal one process's over both
-    batches: sharded f32 full fine-tuning, and LoRA over bf16 weights split in bf16."""
-    steps = in_processes(_sharded_run, lora, dtype, tmp_path / "two")
-    model = _model(lora, dtype)
+    batches: sharded f32 full fine-tuning (the head apart or tied to the embedding), and
+    LoRA over bf16 weights split in bf16."""
+    steps = in_processes(_sharded_run, lora, dtype, tmp_path / "two", tied)
+    model = _model(lora, dtype, tied)
     reference = _run(model, _rows(), 2, save_to=tmp_path / "one")
     assert steps[0] == steps[1]
     for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(steps[0], reference, strict=True):
