@@ -57,7 +57,7 @@ def test_inductor_blocks_train_like_eager():
 
 
 def test_specified_but_unbuilt_names_say_so():
-    with pytest.raises(NotImplementedError, match="fully_shard is not built yet"):
-        from linnet.torch import fully_shard  # noqa: F401
+    with pytest.raises(NotImplementedError, match="pipeline is not built yet"):
+        from linnet.torch import pipeline  # noqa: F401
     with pytest.raises(TypeError, match="tensor_parallel"):
         nest.load("debug", weights="random", tensor_parallel=object())
