@@ -29,12 +29,15 @@ def workspace(tmp_path_factory):
     return root
 
 
+def _overrides(workspace, out, *extra):
+    return [f"model.card={workspace / 'model'}", f"data.path={workspace / 'pairs.jsonl'}", "data.chat=false",
+            "data.tokens=128", "data.eval_share=0.1", "dpo.pairs_per_step=16", "dpo.beta=0.5",
+            "lora.rank=8", "optimizer.lr=3e-3", "schedule.warmup=1", "training.steps=8",
+            "training.eval_every=4", f"output={out}", *extra]
+
+
 def _config(workspace, out, *extra):
-    return load_config(DPOConfig, None, [
-        f"model.card={workspace / 'model'}", f"data.path={workspace / 'pairs.jsonl'}", "data.chat=false",
-        "data.tokens=128", "data.eval_share=0.1", "dpo.pairs_per_step=16", "dpo.beta=0.5",
-        "lora.rank=8", "optimizer.lr=3e-3", "schedule.warmup=1", "training.steps=8",
-        "training.eval_every=4", f"output={out}", *extra])
+    return load_config(DPOConfig, None, _overrides(workspace, out, *extra))
 
 
 def test_dpo_run_writes_metrics_and_an_adapter(workspace, tmp_path):
@@ -62,3 +65,28 @@ def test_dpo_template(capsys):
     assert cli.main(["dpo", "--template"]) == 0
     out = capsys.readouterr().out
     assert "label_smoothing" in out and "pairs_per_step" in out
+
+
+def _dpo_process(rank, overrides):
+    from linnet.preference import cli as dpo_cli
+
+    return dpo_cli([a for o in overrides for a in ("--set", o)])
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
+    """Under torchrun each process takes half of every step's pairs (and of the held-out
+    pairs): the same steps and held-out metrics as one process."""
+    from tests.conftest import in_processes
+
+    overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", f"training.shard={shard}")
+    assert in_processes(_dpo_process, overrides) == [0, 0]
+    with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):
+        in_processes(_dpo_process, _overrides(workspace, tmp_path / "odd", "dpo.pairs_per_step=5"))
+    run(_config(workspace, tmp_path / "one", "training.steps=4"))
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    assert len(two) == len(one) == 4
+    for a, b in zip(two, one):
+        for key in ("loss", "grad_norm", "accuracy", "margin", "pairs", "held_out_loss", "held_out_accuracy"):
+            assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key), rel=1e-4, abs=1e-6), key

@@ -27,14 +27,15 @@ def workspace(tmp_path_factory):
     return root
 
 
+def _overrides(workspace, out, *extra):
+    return [f"model.card={workspace / 'model'}", f"data.path={workspace / 'prompts.jsonl'}", "data.chat=false",
+            "data.tokens=64", "data.eval_share=0.1", "grpo.group=4", "grpo.prompts_per_step=4",
+            "grpo.max_new_tokens=3", "grpo.rewards=[exact, numeric]", "grpo.pass_k=2", "grpo.pass_samples=3",
+            "training.steps=3", "training.eval_every=2", "schedule.warmup=1", f"output={out}", *extra]
+
+
 def test_grpo_run_writes_metrics(workspace, tmp_path, capsys):
-    config = load_config(GRPOConfig, None, [
-        f"model.card={workspace / 'model'}", f"data.path={workspace / 'prompts.jsonl'}", "data.chat=false",
-        "data.tokens=64", "data.eval_share=0.1", "grpo.group=4", "grpo.prompts_per_step=4",
-        "grpo.max_new_tokens=3", "grpo.rewards=[exact, numeric]", "grpo.pass_k=2", "grpo.pass_samples=3",
-        "training.steps=3", "training.eval_every=2",
-        "schedule.warmup=1", f"output={tmp_path / 'run'}"])
-    summary = run(config)
+    summary = run(load_config(GRPOConfig, None, _overrides(workspace, tmp_path / "run")))
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3 and {"reward", "reward_exact", "reward_numeric", "uniform", "clip_fraction"} <= set(metrics[0])
     assert "held_out_reward" in summary and (tmp_path / "run" / "final" / "adapter_config.json").is_file()
@@ -69,3 +70,25 @@ def test_grpo_config_errors(capsys):
         load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=4", "grpo.pass_samples=3"])
     assert cli.main(["grpo", "--template"]) == 0
     assert "correction_cap" in capsys.readouterr().out
+
+
+def _grpo_process(rank, overrides):
+    from linnet.reinforce import cli as grpo_cli
+
+    return grpo_cli([a for o in overrides for a in ("--set", o)])
+
+
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_two_processes_share_the_prompts(workspace, tmp_path, shard):
+    """Under torchrun each process samples and trains on half of every step's prompts
+    (with its own sampling seed) and evaluates half the held-out ones; the first writes
+    one metrics line a step with held-out means over both halves."""
+    from tests.conftest import in_processes
+
+    out = tmp_path / "two"
+    assert in_processes(_grpo_process, _overrides(workspace, out, f"training.shard={shard}")) == [0, 0]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["learned"] > 0 and np.isfinite(m["loss"]) for m in metrics)
+    assert all(0 <= metrics[-1][k] <= 1 for k in ("held_out_pass@1", "held_out_pass@2"))
+    assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -138,3 +138,37 @@ def test_schedule_that_cannot_fit_fails_before_anything_is_written(workspace, tm
     with pytest.raises(ValueError, match="warmup"):
         run(config)
     assert not (tmp_path / "run").exists()
+
+
+def _sft_process(rank, overrides):
+    from linnet.sft import cli as sft_cli
+
+    return sft_cli([a for o in overrides for a in ("--set", o)])
+
+
+@pytest.mark.parametrize("shard", ["none", "zero", "fsdp"])
+def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
+    """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
+    optimizer split, or everything split) takes the steps one process takes with twice
+    the accumulation: the same losses, held-out losses and final weights, written once."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import in_processes
+
+    common = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", "data.chat=false",
+              "data.tokens=256", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
+              "schedule.warmup=2", "training.eval_every=3", "training.checkpoint_every=3", "training.steps=6"]
+    assert in_processes(_sft_process, common + [f"output={tmp_path / 'two'}", "training.accumulate=1",
+                                                f"training.shard={shard}"]) == [0, 0]
+    run(load_config(SFTConfig, None, common + [f"output={tmp_path / 'one'}", "training.accumulate=2"]))
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    assert len(two) == len(one) == 6
+    for a, b in zip(two, one):
+        assert a["learned"] == b["learned"]
+        for key in ("loss", "grad_norm", "held_out_loss"):
+            assert (key in a) == (key in b) and a.get(key) == pytest.approx(b.get(key), rel=1e-5), key
+    x, y = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("two", "one"))
+    for key in y:
+        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]

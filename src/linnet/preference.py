@@ -17,8 +17,9 @@ import torch
 from linnet.config import group, option
 from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
-    make_schedule, open_run, parse_command, print_table, summarize,
+    make_schedule, open_run, parse_command, print_table, split_per_step, summarize,
 )
+from linnet.train.parallel import process_group, sum_across, world
 
 
 @dataclass
@@ -91,28 +92,33 @@ def prepare(config: DPOConfig):
 
 
 def held_out_preferences(model, pairs, reference: np.ndarray, beta: float, tokens: int) -> dict:
-    """Held-out DPO loss, accuracy and margin against precomputed reference log-probs."""
+    """Held-out DPO loss, accuracy and margin against precomputed reference log-probs
+    (under torchrun, `pairs` are this process's share; the means are over every share)."""
     from linnet.train.dpo import dpo_sigmoid, reference_log_probs
 
-    policy = torch.as_tensor(reference_log_probs(model, pairs, tokens=tokens))
-    ref = torch.as_tensor(reference)
+    policy = torch.as_tensor(reference_log_probs(model, pairs, tokens=tokens)).view(-1, 2)
+    ref = torch.as_tensor(reference).view(-1, 2)
     loss = dpo_sigmoid(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=beta)
     margins = beta * ((policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1]))
-    return {"held_out_loss": float(loss.mean()), "held_out_accuracy": float((margins > 0).double().mean()),
-            "held_out_margin": float(margins.mean())}
+    n, loss_sum, right, margin_sum = sum_across(
+        [len(pairs), float(loss.sum()), float((margins > 0).sum()), float(margins.sum())])
+    return {"held_out_loss": loss_sum / n, "held_out_accuracy": right / n, "held_out_margin": margin_sum / n}
 
 
 def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
     from linnet.train.dpo import dpo, reference_log_probs
 
     card, pairs, held_out, steps = prepare(config)
-    out = open_run(config, overwrite=overwrite, resume=resume)
     t, d, s = config.training, config.data, config.dpo
-    model = load_model(card, config.model, config.lora, t.seed)
-    optimizer = adamw(config.optimizer, model)
+    per_process = split_per_step("dpo.pairs_per_step", s.pairs_per_step)
+    rank, processes = world()
+    pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
+    out = open_run(config, overwrite=overwrite, resume=resume)
+    model = load_model(card, config.model, config.lora, t.seed, t.shard)
+    optimizer = adamw(config.optimizer, model, t.shard)
     schedule = make_schedule(config.schedule, optimizer, steps)
     evaluate = None
-    if held_out:
+    if sum_across([len(held_out)])[0]:
         held_ref = reference_log_probs(model, held_out, tokens=d.tokens)  # before any step: the reference
 
         def evaluate(step):
@@ -121,7 +127,7 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
     log = MetricsLog(out, "dpo", steps, t.eval_every, evaluate)
     t0 = time.perf_counter()
     try:
-        history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=s.pairs_per_step,
+        history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
                       beta=s.beta, label_smoothing=s.label_smoothing, reference_cache=s.reference_cache,
                       tokens=d.tokens, clip=t.clip, schedule=schedule, save_to=out / "final",
                       checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every, keep=t.keep,
@@ -135,5 +141,6 @@ def cli(argv: list[str] | None = None) -> int:
     args, config = parse_command(argv, "linnet dpo", "Direct preference optimization from a YAML config.",
                                  DPOConfig, training=True)
     if config is not None:
-        print_table(run(config, overwrite=args.overwrite, resume=args.resume))
+        with process_group():
+            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
     return 0

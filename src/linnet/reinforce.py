@@ -17,8 +17,9 @@ import torch
 from linnet.config import group, option
 from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
-    make_schedule, open_run, parse_command, print_table, summarize,
+    make_schedule, open_run, parse_command, print_table, split_per_step, summarize,
 )
+from linnet.train.parallel import process_group, sum_across, world
 
 
 @dataclass
@@ -133,33 +134,43 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
         held_out, prompts = [prompts[i] for i in order[:n]], [prompts[i] for i in sorted(order[n:])]
     steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
     make_schedule(config.schedule, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps)
+    per_process = split_per_step("grpo.prompts_per_step", g.prompts_per_step)
+    rank, processes = world()
+    prompts, held_out = prompts[rank::processes], held_out[rank::processes]  # this process's share
     out = open_run(config, overwrite=overwrite, resume=resume)
     m = config.model
-    policy = load_model(card, m, config.lora, t.seed)
+    policy = load_model(card, m, config.lora, t.seed, t.shard)
     engine_model = nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=t.seed)
     engine = Engine(engine_model)
     reference = None
     if g.beta:
         reference = nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=t.seed)
-    optimizer = adamw(config.optimizer, policy)
+    optimizer = adamw(config.optimizer, policy, t.shard)
     schedule = make_schedule(config.schedule, optimizer, steps)
+    names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
 
     def held_out_metrics(step):
-        found = evaluate(policy, engine, held_out, functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
-                         samples=g.pass_samples, passing=g.pass_reward, temperature=g.temperature,
-                         top_k=g.top_k, top_p=g.top_p, seed=t.seed)
-        return {f"held_out_{name}": value for name, value in found.items()}
+        """Means over every process's held-out prompts."""
+        if held_out:
+            found = evaluate(policy, engine, held_out, functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
+                             samples=g.pass_samples, passing=g.pass_reward, temperature=g.temperature,
+                             top_k=g.top_k, top_p=g.top_p, seed=t.seed)
+        else:  # none here; still take the policy's weights, with every process, as evaluate does
+            engine.load_weights(policy)
+        n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
+        return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
 
-    log = MetricsLog(out, "grpo", steps, t.eval_every, held_out_metrics if held_out else None)
+    log = MetricsLog(out, "grpo", steps, t.eval_every, held_out_metrics if sum_across([len(held_out)])[0] else None)
     t0 = time.perf_counter()
     try:
         history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,
-                       prompts_per_step=g.prompts_per_step, max_new_tokens=g.max_new_tokens,
+                       prompts_per_step=per_process, max_new_tokens=g.max_new_tokens,
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, iterations=g.iterations,
                        clip=(g.clip_low, g.clip_high), drop_uniform=g.drop_uniform, beta=g.beta,
                        reference=reference, correction_cap=g.correction_cap, dr_grpo=g.dr_grpo,
                        sequence_level=g.sequence_level, tokens=d.tokens, max_grad_norm=t.clip,
-                       schedule=schedule, seed=t.seed, save_to=out / "final", checkpoint=out / "checkpoints",
+                       schedule=schedule, seed=t.seed + 7919 * rank, save_to=out / "final",
+                       checkpoint=out / "checkpoints",
                        checkpoint_every=t.checkpoint_every, keep=t.keep, on_step=log)
     finally:
         log.close()
@@ -169,5 +180,6 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
 def cli(argv: list[str] | None = None) -> int:
     args, config = parse_command(argv, "linnet grpo", "GRPO from a YAML config.", GRPOConfig, training=True)
     if config is not None:
-        print_table(run(config, overwrite=args.overwrite, resume=args.resume))
+        with process_group():
+            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 
 from linnet.config import load_config, option, template, to_dict
 from linnet.files import write_text
+from linnet.train.parallel import from_first, world
 
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 
@@ -70,6 +72,9 @@ class TrainingConfig:
                                  "grpo: reward, pass@1, pass@k")
     checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)")
     keep: int = option(2, "checkpoints kept")
+    shard: Literal["none", "zero", "fsdp"] = option(
+        "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the "
+                "processes), fsdp (weights, gradients and optimizer state split: fully_shard)")
 
 
 def make_schedule(s: ScheduleConfig, optimizer, steps: int):
@@ -106,34 +111,69 @@ def _output_directory(path: Path, config_json: str, *, overwrite: bool, resume: 
 
 
 
+def split_per_step(name: str, per_step: int) -> int:
+    """A step's items for this process: `per_step` split evenly over the processes."""
+    processes = world()[1]
+    if per_step % processes:
+        raise ValueError(f"config: {name}={per_step} does not split evenly over {processes} processes; "
+                         f"use a multiple of {processes}")
+    return per_step // processes
+
+
 def open_run(config: Any, *, overwrite: bool, resume: bool) -> Path:
-    """Create (or reopen, with resume) the run directory and write its config.json."""
+    """Create (or reopen, with resume) the run directory and write its config.json; the
+    first process does, and every process gets its refusal."""
     out = Path(config.output)
     config_json = json.dumps(to_dict(config), indent=2) + "\n"
-    _output_directory(out, config_json, overwrite=overwrite, resume=resume)
-    write_text(out / "config.json", config_json)
+    refusal = None
+    if world()[0] == 0:
+        try:
+            _output_directory(out, config_json, overwrite=overwrite, resume=resume)
+            write_text(out / "config.json", config_json)
+        except ValueError as e:
+            refusal = str(e)
+    refusal = from_first(refusal)
+    if refusal:
+        raise ValueError(refusal)
     return out
 
 
-def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int):
-    """The model to train: the base frozen with adapters, or every weight trainable."""
+def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int, shard: str = "none"):
+    """The model to train: the base frozen with adapters, or every weight trainable;
+    split across the processes with shard="fsdp"."""
     from linnet import nest
+    from linnet.torch.sharding import fully_shard
 
     torch.manual_seed(seed)
+    rank, processes = world()
     device = m.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and processes > 1:  # one GPU a process
+        device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
+        torch.cuda.set_device(device)
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora)
+    if shard == "fsdp" and processes > 1:
+        fully_shard(model)
     trained = [p for p in model.parameters() if p.requires_grad]
-    print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
-          f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {device}", file=sys.stderr)
+    if rank == 0:
+        on = f"{processes} processes ({shard})" if processes > 1 else device
+        print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
+              f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
     return model
 
 
-def adamw(o: OptimizerConfig, model) -> torch.optim.AdamW:
+def adamw(o: OptimizerConfig, model, shard: str = "none") -> torch.optim.Optimizer:
+    """AdamW over the trained parameters; its state split across the processes with
+    shard="zero" (ZeroRedundancyOptimizer)."""
     trained = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(trained, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+    options = dict(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+    if shard == "zero" and world()[1] > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(trained, optimizer_class=torch.optim.AdamW, **options)
+    return torch.optim.AdamW(trained, **options)
 
 
 class MetricsLog:
@@ -144,8 +184,9 @@ class MetricsLog:
     def __init__(self, out: Path, label: str, steps: int, every: int, evaluate=None):
         from linnet.progress import Progress
 
-        self.file = (out / "metrics.jsonl").open("a")
-        self.bar = Progress(steps, label)
+        lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
+        self.file = (out / "metrics.jsonl").open("a") if lead else None
+        self.bar = Progress(steps, label) if lead else None
         self.steps, self.every, self.evaluate = steps, every, evaluate
         self.latest: dict = {}
 
@@ -156,17 +197,22 @@ class MetricsLog:
         if self.evaluate is not None and (step.step % self.every == 0 or step.step == self.steps):
             self.latest = self.evaluate(step)
             row.update(self.latest)
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
-        self.bar.update(step.step, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
+        if self.file is not None:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+            self.bar.update(step.step, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
 
     def close(self) -> None:
-        self.file.close()
-        self.bar.close()
+        if self.file is not None:
+            self.file.close()
+            self.bar.close()
 
 
 def summarize(out: Path, history, seconds: float, **extra: Any) -> dict:
-    """summary.json from the whole metrics log (earlier runs of a resumed one included)."""
+    """summary.json from the whole metrics log (earlier runs of a resumed one included);
+    the first process writes and returns it, the others return {}."""
+    if world()[0] != 0:
+        return {}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in history.steps]
     summary = {
@@ -208,6 +254,8 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
 
 def print_table(rows) -> None:
     rows = list(rows.items()) if isinstance(rows, dict) else rows
+    if not rows:
+        return
     width = max(len(str(k)) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -9,6 +9,7 @@ add_lora, train): the command adds the config, the run directory and the reporti
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -22,6 +23,7 @@ from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
     make_schedule, open_run, parse_command, print_table, summarize,
 )
+from linnet.train.parallel import idle_passes, passes_short, process_group, sum_across, world
 
 
 @dataclass
@@ -101,14 +103,20 @@ def prepare(config: SFTConfig) -> Prepared:
         raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
     rows = sum(1 for _ in pack(examples, d.tokens, pad_id=tokenizer.pad_id))
     t = config.training
-    steps = t.steps or max(1, math.ceil(t.epochs * rows / t.accumulate))
+    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulate * world()[1])))
     make_schedule(config.schedule, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps)  # check it now
     return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
 
 
 def epochs_of_rows(prepared: Prepared):
     """Packed rows, epoch after epoch; each epoch reshuffles the examples by seed, so a
-    resumed run sees the same stream."""
+    resumed run sees the same stream. Under torchrun each process takes every
+    processes-th row."""
+    rank, processes = world()
+    return itertools.islice(_all_rows(prepared), rank, None, processes)
+
+
+def _all_rows(prepared: Prepared):
     from linnet.train import pack
 
     d, seed = prepared.config.data, prepared.config.training.seed
@@ -131,29 +139,38 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     real = sum(r.real for r in rows)
     learned = sum(r.learned for r in rows)
     positions = len(rows) * d.tokens
+    processes = world()[1]
+    per_step = t.accumulate * processes
     return [
         ("training examples", f"{len(prepared.train_examples):,}"),
         ("held-out examples", f"{len(prepared.eval_examples):,}"),
         ("packed rows per epoch", f"{len(rows):,} of {d.tokens} positions"),
         ("padding share", f"{1 - real / positions:.1%}"),
         ("learned tokens per epoch", f"{learned:,} ({learned / real:.0%} of real tokens)"),
-        ("rows per step", f"{t.accumulate}"),
-        ("learned tokens per step", f"{learned / len(rows) * t.accumulate:,.0f} (mean)"),
-        ("steps per epoch", f"{len(rows) / t.accumulate:,.1f}"),
-        ("steps", f"{prepared.steps:,} ({prepared.steps * t.accumulate / len(rows):.2f} epochs)"),
+        ("rows per step", f"{per_step}" + (f" ({t.accumulate} in each of {processes} processes)"
+                                              if processes > 1 else "")),
+        ("learned tokens per step", f"{learned / len(rows) * per_step:,.0f} (mean)"),
+        ("steps per epoch", f"{len(rows) / per_step:,.1f}"),
+        ("steps", f"{prepared.steps:,} ({prepared.steps * per_step / len(rows):.2f} epochs)"),
     ]
 
 
 def held_out_loss(model, rows) -> float:
-    """Mean loss per learned token over packed rows, without gradients."""
+    """Mean loss per learned token over packed rows, without gradients (each process
+    takes its share of the rows)."""
+    rank, processes = world()
+    mine = rows[rank::processes]
+    short = passes_short(len(mine), model)
     total = count = 0.0
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for row in rows:
+        for row in mine:
             loss, n = model.loss_packed(row)
             total, count = total + float(loss), count + float(n)
+        idle_passes(short, model)
     model.train(was_training)
+    total, count = sum_across([total, count])
     return total / max(count, 1.0)
 
 
@@ -164,8 +181,8 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
     prepared = prepare(config)  # data errors before anything is written
     out = open_run(config, overwrite=overwrite, resume=resume)
     t = config.training
-    model = load_model(prepared.card, config.model, config.lora, t.seed)
-    optimizer = adamw(config.optimizer, model)
+    model = load_model(prepared.card, config.model, config.lora, t.seed, t.shard)
+    optimizer = adamw(config.optimizer, model, t.shard)
     schedule = make_schedule(config.schedule, optimizer, prepared.steps)
     eval_rows = list(pack(prepared.eval_examples, config.data.tokens, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
@@ -197,10 +214,12 @@ def _highlight(tokenizer, example, color: bool) -> str:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    args, config = parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config.", SFTConfig,
+    args, config = parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config (under "
+                                 "torchrun, each process trains on its share of the rows).", SFTConfig,
                                  training=True)
     if config is not None:
-        print_table(run(config, overwrite=args.overwrite, resume=args.resume))
+        with process_group():
+            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
     return 0
 
 

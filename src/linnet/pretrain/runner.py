@@ -559,10 +559,9 @@ def cli(argv: list[str] | None = None) -> int:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
     if args.resume and len(paths) > 1:
         parser.error("--resume takes one --config")
-    from linnet.train.parallel import join, world
+    from linnet.train.parallel import process_group, world
 
-    joined = join()  # under torchrun
-    try:
+    with process_group():  # under torchrun
         for path in paths:
             config = load(path, args.set)
             if args.plan:
@@ -580,7 +579,4 @@ def cli(argv: list[str] | None = None) -> int:
             if world()[0] == 0:
                 width = max(len(k) for k, _ in rows)
                 print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    finally:
-        if joined:
-            torch.distributed.destroy_process_group()
     return 0

@@ -79,7 +79,7 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
     out = [answer_log_probs(model, row).double().cpu() for row in rows]
     idle_passes(short, model)
     model.train(was_training)
-    return torch.cat(out).view(-1, 2).numpy()
+    return torch.cat(out).view(-1, 2).numpy() if out else np.zeros((0, 2))
 
 
 def cache_key(reference, pairs: Sequence[Pair]) -> str:

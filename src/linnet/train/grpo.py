@@ -38,7 +38,7 @@ from linnet.train.grpo_loss import group_advantages, grpo_loss
 from linnet.train.loop import (
     History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
 )
-from linnet.train.parallel import idle_passes, passes_short, sum_across
+from linnet.train.parallel import idle_passes, passes_short, sum_across, world
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
 
@@ -209,7 +209,7 @@ def grpo(
         _check_prompts(enumerate(prompts), tokens, max_new_tokens)
     start = resume(checkpoint, policy, optimizer, schedule)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
-    if verbose:
+    if verbose and world()[0] == 0:
         _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations, share)
     history = History()
     for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):

@@ -7,6 +7,7 @@ so the trainers call them unconditionally.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,18 @@ def join() -> bool:
         return False
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return True
+
+
+@contextmanager
+def process_group():
+    """Join the process group torchrun describes for a command's duration and leave it
+    after (nothing in one process, or when already in a group)."""
+    joined = join()
+    try:
+        yield
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
 
 def barrier() -> None:
