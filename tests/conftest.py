@@ -74,6 +74,12 @@ def word_tokenizer(path, extra: int = 0):
     return path
 
 
+def pytest_collection_modifyitems(config, items):
+    """JAX tests run last: JAX starts threads, and the process tests fork afterwards
+    would risk a deadlock (the JAX test modules import jax inside their tests only)."""
+    items.sort(key=lambda item: item.get_closest_marker("jax") is not None)
+
+
 def in_processes(fn, *args, processes: int = 2) -> list:
     """[fn(rank, *args) for every rank], each rank a forked process (one thread) in one
     gloo group, joined as under torchrun (from the environment). A failing rank's
@@ -81,7 +87,10 @@ def in_processes(fn, *args, processes: int = 2) -> list:
     import multiprocessing
     import os
     import socket
+    import sys
     import traceback
+
+    assert "jax" not in sys.modules, "forking after JAX started is unsafe: mark the JAX test with pytest.mark.jax"
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -116,8 +116,8 @@ def test_bad_card_values():
         nest.load("debug", weights="random", dtype="float8")
     with pytest.raises(ValueError, match="attention path"):
         nest.load("debug", weights="random", attention="fast")
-    with pytest.raises(NotImplementedError, match="JAX"):
-        nest.load("debug", backend="jax")
+    with pytest.raises(ValueError, match="unknown backend"):
+        nest.load("debug", backend="tensorflow")
 
 
 def test_seed_spelling_is_accepted():

@@ -442,12 +442,12 @@ def load(
     trainable: True, False, or glob patterns over parameter paths.
     compile: True or "inductor" compiles each block with torch.compile; another string
     names a torch.compile backend.
+    backend="jax" (or the seed's "jax_source") gives a linnet.jax.JaxModel (needs the
+    `jax` extra); it takes weights, dtype and seed.
     """
     card = resolve(card)
-    if backend in ("jax", "jax_source"):
-        raise NotImplementedError("the JAX backend is not built yet; use backend='torch'")
-    if backend != "torch":
-        raise ValueError(f"unknown backend {backend!r}; use 'torch'")
+    if backend not in ("torch", "jax", "jax_source"):
+        raise ValueError(f"unknown backend {backend!r}; use 'torch' or 'jax'")
     if "cast_dtype" in seed_spelling:
         seed_spelling.pop("cast_dtype")  # trainable weights are always f32, cast on use
     generics = seed_spelling.pop("generics", None) or {}
@@ -455,6 +455,16 @@ def load(
         dtype = generics["T"]
     if seed_spelling:
         raise TypeError(f"load() got unexpected arguments: {', '.join(seed_spelling)}")
+    if backend != "torch":
+        unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
+                                                   ("compile", compile, False), ("attention", attention, "auto"))
+                  if value != default]
+        if unused:
+            raise ValueError(f"backend={backend!r} does not take {', '.join(unused)}: JAX places arrays itself, "
+                             "compiles every step, and picks what trains in linnet.jax.train.train(trainable=)")
+        from linnet.jax import load_model
+
+        return load_model(card, weights=weights, dtype=dtype, seed=seed)
     from linnet.torch.model import build
 
     return build(

@@ -1,0 +1,266 @@
+"""The Llama-family decoder in JAX: pure functions over a dict of arrays keyed by the
+Hugging Face checkpoint paths (the same paths as the PyTorch model), driven by a card.
+
+    model = linnet.jax.load_model(card, weights="path/to/model", dtype="bfloat16")
+    loss_sum, count = model.loss_packed(row)            # row: a linnet.packing.Packed
+    logp = model.log_probs_packed(row)                  # [P]
+
+Numerics as in PyTorch: parameters may be stored in float32 and are cast to the compute
+dtype where used; norms, RoPE tables, attention scores and losses run in float32.
+Attention stays inside each document of a packed row (a document-causal mask built from
+the row's bounds). Shapes: P positions, D hidden, H query heads, K kv heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
+from linnet.nest import Card
+
+Params = dict[str, jax.Array]
+
+_DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+           "float16": jnp.float16, "f16": jnp.float16}
+
+
+def as_dtype(dtype: Any):
+    if dtype is None:
+        return jnp.float32
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.").removeprefix("jax.numpy.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
+
+
+def row_arrays(batch) -> dict[str, np.ndarray]:
+    """A packed row as the arrays the functions here take: tokens, targets, weights,
+    positions and each position's document (`segments`)."""
+    if getattr(batch, "prefix", None) is not None:
+        raise ValueError("the JAX backend does not take rows with shared prompts (Packed.prefix) yet; "
+                         "pack each prompt with its completion (linnet.packing.pack)")
+    bounds = np.asarray(batch.bounds)
+    arrays = {name: np.asarray(getattr(batch, name)) for name in ("tokens", "targets", "positions")}
+    arrays["weights"] = np.asarray(batch.weights, dtype=np.float32)
+    arrays["segments"] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds)).astype(np.int32)
+    return arrays
+
+
+def _linear(params: Params, path: str, x, bias: bool):
+    y = x @ params[f"{path}.weight"].astype(x.dtype).T
+    return y + params[f"{path}.bias"].astype(x.dtype) if bias else y
+
+
+def _rms_norm(x, weight, eps: float):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _rotate(x, cos, sin):
+    """RoPE in the half-split layout; x [P, heads, d], cos and sin [P, 1, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+def _attention(params: Params, card: Card, i: int, x, cos, sin, mask):
+    c, path = card, f"model.layers.{i}.self_attn"
+    P = x.shape[0]
+    q = _linear(params, f"{path}.q_proj", x, c.qkv_bias).reshape(P, c.heads, c.head_dim)
+    k = _linear(params, f"{path}.k_proj", x, c.qkv_bias).reshape(P, c.kv_heads, c.head_dim)
+    v = _linear(params, f"{path}.v_proj", x, c.qkv_bias).reshape(P, c.kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = _rms_norm(q, params[f"{path}.q_norm.weight"], c.norm_eps)
+        k = _rms_norm(k, params[f"{path}.k_norm.weight"], c.norm_eps)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    groups = c.heads // c.kv_heads
+    q = q.reshape(P, c.kv_heads, groups, c.head_dim).astype(jnp.float32)
+    scores = jnp.einsum("qkgd,tkd->kgqt", q, k.astype(jnp.float32)) / np.sqrt(c.head_dim)
+    scores = jnp.where(mask, scores, -jnp.inf)
+    out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    return _linear(params, f"{path}.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias)
+
+
+def _mlp(params: Params, card: Card, i: int, x):
+    path, bias = f"model.layers.{i}.mlp", card.mlp_bias
+    gate = _linear(params, f"{path}.gate_proj", x, bias)
+    return _linear(params, f"{path}.down_proj", jax.nn.silu(gate) * _linear(params, f"{path}.up_proj", x, bias), bias)
+
+
+def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, inv_freq=None):
+    """[P, D] final-normed hidden states of one packed row (see `row_arrays`)."""
+    inv_freq = rope_frequencies(card) if inv_freq is None else inv_freq
+    positions, segments = row["positions"], row["segments"]
+    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    index = jnp.arange(positions.shape[0])
+    mask = (segments[:, None] == segments[None, :]) & (index[:, None] >= index[None, :])
+    x = params["model.embed_tokens.weight"][row["tokens"]].astype(dtype)
+    for i in range(card.layers):
+        x = x + _attention(params, card, i, _rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"],
+                                                       card.norm_eps), cos, sin, mask)
+        x = x + _mlp(params, card, i, _rms_norm(x, params[f"model.layers.{i}.post_attention_layernorm.weight"],
+                                                 card.norm_eps))
+    return _rms_norm(x, params["model.norm.weight"], card.norm_eps)
+
+
+def head_weight(params: Params, card: Card):
+    return params["model.embed_tokens.weight" if card.tied_embeddings else "lm_head.weight"]
+
+
+def loss_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, rows: int = 1024):
+    """(sum of weighted token cross-entropies, sum of weights), both float32."""
+    h = hidden(params, card, row, dtype)
+    return linear_cross_entropy(h, head_weight(params, card), row["targets"], row["weights"], rows), \
+        row["weights"].sum()
+
+
+def log_probs_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, rows: int = 1024):
+    """[P] float32 log-probability of each position's target."""
+    return linear_token_log_probs(hidden(params, card, row, dtype), head_weight(params, card), row["targets"], rows)
+
+
+def rope_frequencies(card: Card) -> np.ndarray:
+    """[d/2] float32 inverse frequencies, as the PyTorch model computes them."""
+    from linnet.torch.model import rope_frequencies as torch_frequencies
+
+    return torch_frequencies(card).numpy()
+
+
+@dataclass
+class JaxModel:
+    """A card, its parameters (path -> array) and the compute dtype; the packed entries
+    as methods over `params` (or parameters passed in, as a training step does)."""
+
+    card: Card
+    params: Params
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        self._entries = {name: jax.jit(fn, static_argnums=(1, 3)) for name, fn in
+                         (("loss", loss_packed), ("log_probs", log_probs_packed), ("hidden", hidden))}
+
+    def _call(self, entry: str, batch, params: Params | None):
+        return self._entries[entry](self.params if params is None else params, self.card, row_arrays(batch),
+                                    self.dtype)
+
+    def loss_packed(self, batch, params: Params | None = None):
+        """(sum of weighted token cross-entropies, sum of weights) of a packed row."""
+        return self._call("loss", batch, params)
+
+    def log_probs_packed(self, batch, params: Params | None = None):
+        """[P] log-probability of each position's target."""
+        return self._call("log_probs", batch, params)
+
+    def hidden_packed(self, batch, params: Params | None = None):
+        """[P, D] final hidden states."""
+        return self._call("hidden", batch, params)
+
+    def save_weights(self, path: str | os.PathLike, params: Params | None = None) -> None:
+        """safetensors under the checkpoint names (a .safetensors path, or a directory
+        that gets model.safetensors and config.json)."""
+        save_weights(self.card, self.params if params is None else params, path)
+
+
+def parameter_shapes(card: Card) -> dict[str, tuple[int, ...]]:
+    """Every parameter path of the card's decoder and its shape."""
+    c = card
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab, c.hidden)}
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    for i in range(c.layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (c.hidden,)
+        for name, out, bias in (("q", q, c.qkv_bias), ("k", kv, c.qkv_bias), ("v", kv, c.qkv_bias)):
+            shapes[f"{p}.self_attn.{name}_proj.weight"] = (out, c.hidden)
+            if bias:
+                shapes[f"{p}.self_attn.{name}_proj.bias"] = (out,)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (c.hidden, q)
+        if c.o_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (c.hidden,)
+        if c.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (c.hidden,)
+        for name, shape in (("gate", (c.intermediate, c.hidden)), ("up", (c.intermediate, c.hidden)),
+                            ("down", (c.hidden, c.intermediate))):
+            shapes[f"{p}.mlp.{name}_proj.weight"] = shape
+            if c.mlp_bias:
+                shapes[f"{p}.mlp.{name}_proj.bias"] = (shape[0],)
+    shapes["model.norm.weight"] = (c.hidden,)
+    if not c.tied_embeddings:
+        shapes["lm_head.weight"] = (c.vocab, c.hidden)
+    return shapes
+
+
+def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, seed: int = 0) -> JaxModel:
+    """The card's decoder in JAX. weights: a directory or .safetensors file; None takes the
+    card's own; "random" draws N(0, 0.02) matrices (zero biases, unit norms) from `seed`.
+    Parameters are kept in float32; `dtype` (default float32) is the compute dtype."""
+    from linnet import nest
+
+    card = nest.resolve(card)
+    shapes = parameter_shapes(card)
+    if isinstance(weights, str) and weights == "random":
+        rng = np.random.default_rng(seed)
+        params = {}
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                params[name] = np.ones(shape, np.float32)
+            elif name.endswith(".bias"):
+                params[name] = np.zeros(shape, np.float32)
+            else:
+                params[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
+    else:
+        params = _read_weights(card, nest.weights_directory(card) if weights is None else weights, shapes)
+    return JaxModel(card, {k: jnp.asarray(v) for k, v in params.items()}, as_dtype(dtype))
+
+
+def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    from linnet.torch.weights import weight_files
+
+    found: dict[str, np.ndarray] = {}
+    for file in weight_files(source):
+        with safe_open(str(file), framework="numpy") as f:
+            for key in f.keys():
+                if key not in shapes:
+                    if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and card.tied_embeddings):
+                        continue
+                    raise ValueError(f"{file}: {key} has no place in card {card.name!r}; check the card's "
+                                     "family and flags")
+                value = f.get_tensor(key)
+                if tuple(value.shape) != shapes[key]:
+                    raise ValueError(f"{file}: {key} has shape {tuple(value.shape)} but card {card.name!r} needs "
+                                     f"{shapes[key]}; are these weights for this card?")
+                found[key] = value.astype(np.float32)
+    missing = sorted(set(shapes) - set(found))
+    if missing:
+        raise ValueError(f"{source}: {len(missing)} parameters of card {card.name!r} are missing "
+                         f"(e.g. {missing[0]}); is the checkpoint complete?")
+    return found
+
+
+def save_weights(card: Card, params: Params, path: str | os.PathLike) -> None:
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import save_file
+
+    from linnet.files import atomic_path, write_text
+
+    path = Path(path)
+    target = path if path.suffix == ".safetensors" else path / "model.safetensors"
+    tensors = {k: np.asarray(jnp.asarray(v, jnp.float32)) for k, v in params.items()}
+    with atomic_path(target) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    if target is not path:
+        config = card.hf_config()
+        config["torch_dtype"] = "float32"
+        write_text(path / "config.json", json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,155 @@
+"""The JAX backend against the PyTorch decoder on the same weights: hidden states,
+losses, log-probabilities and gradients of packed rows for each family's flags, the
+blockwise loss against plain autodiff, and training steps equal to PyTorch's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+
+pytestmark = pytest.mark.jax  # last in the run: see tests/conftest.py
+
+BASE = nest.resolve("debug").replace(vocab=96, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8, layers=2)
+FLAGS = {
+    "llama": {},
+    "llama3-scaled-untied": {"tied_embeddings": False},
+    "qwen2-biases": {"qkv_bias": True},
+    "qwen3-qk-norm": {"qk_norm": True, "tied_embeddings": False},
+    "all-biases": {"qkv_bias": True, "o_bias": True, "mlp_bias": True},
+}
+
+
+@pytest.fixture(scope="module")
+def jx():
+    """(jax, linnet.jax.model): imported inside the tests only (see pytestmark)."""
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", False)
+    from linnet.jax import model
+
+    return jax, model
+
+
+def _rows(n=2, tokens=48, seed=0):
+    g = np.random.default_rng(seed)
+    docs = [Example.prompted(g.integers(3, 96, 3).tolist(), g.integers(3, 96, int(k)).tolist())
+            for k in g.integers(2, 14, size=8 * n)]
+    return list(pack(docs, tokens=tokens))[:n]
+
+
+def _pair(jx, flags, tmp_path):
+    """The same random weights as a torch model and a JAX model (read from safetensors)."""
+    _, model = jx
+    card = BASE.replace(**flags)
+    torch_model = nest.load(card, weights="random", seed=3, trainable=True)
+    with torch.no_grad():  # norms and biases away from their init, so they count
+        for name, p in torch_model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    torch_model.save_weights(tmp_path / "w.safetensors", dtype=torch.float32)
+    return torch_model, nest.load(card, backend="jax", weights=str(tmp_path / "w.safetensors"))
+
+
+@pytest.mark.parametrize("family", sorted(FLAGS))
+def test_packed_entries_equal_pytorch(jx, family, tmp_path):
+    jax, _ = jx
+    torch_model, jax_model = _pair(jx, FLAGS[family], tmp_path)
+    for row in _rows():
+        with torch.no_grad():
+            loss, count = torch_model.loss_packed(row)
+        jloss, jcount = jax_model.loss_packed(row)
+        assert float(jcount) == float(count)
+        assert float(jloss) == pytest.approx(float(loss), rel=1e-5)
+        real = row.real  # torch leaves the trailing padding uncomputed (zeros)
+        np.testing.assert_allclose(np.asarray(jax_model.hidden_packed(row))[:real],
+                                   torch_model.hidden_packed(row).detach().numpy()[:real], atol=2e-5, rtol=0)
+        learned = row.weights > 0
+        np.testing.assert_allclose(np.asarray(jax_model.log_probs_packed(row))[learned],
+                                   torch_model.log_probs_packed(row).detach().numpy()[learned], atol=2e-5, rtol=0)
+
+
+def test_gradients_equal_pytorch(jx, tmp_path):
+    jax, model = jx
+    torch_model, jax_model = _pair(jx, FLAGS["qwen3-qk-norm"], tmp_path)
+    row = _rows(1)[0]
+    loss, _ = torch_model.loss_packed(row)
+    loss.backward()
+    arrays = model.row_arrays(row)
+    grads = jax.jit(jax.grad(lambda p: model.loss_packed(p, jax_model.card, arrays, rows=16)[0]))(jax_model.params)
+    assert set(grads) == {n for n, _ in torch_model.named_parameters()}
+    for name, p in torch_model.named_parameters():
+        np.testing.assert_allclose(np.asarray(grads[name]), p.grad.numpy(), atol=2e-5, rtol=1e-4, err_msg=name)
+
+
+def test_blockwise_losses_equal_plain_autodiff(jx):
+    """The custom_vjp losses over blocks that do not divide the rows (padding) against
+    jax.nn on whole logits, values and gradients, cross-entropy and log-probabilities."""
+    jax, _ = jx
+    import jax.numpy as jnp
+
+    from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
+
+    g = np.random.default_rng(0)
+    h, w = jnp.asarray(g.normal(size=(37, 16)), jnp.float32), jnp.asarray(g.normal(size=(50, 16)), jnp.float32)
+    t = jnp.asarray(g.integers(0, 50, 37))
+    wt = jnp.asarray(g.integers(0, 2, 37), jnp.float32)
+    coef = jnp.asarray(g.normal(size=37), jnp.float32)
+
+    def plain_logp(h, w):
+        return jnp.take_along_axis(jax.nn.log_softmax(h @ w.T), t[:, None], axis=-1)[:, 0]
+
+    cases = [(lambda h, w: linear_cross_entropy(h, w, t, wt, 8), lambda h, w: -(plain_logp(h, w) * wt).sum()),
+             (lambda h, w: (linear_token_log_probs(h, w, t, 8) * coef).sum(),
+              lambda h, w: (plain_logp(h, w) * coef).sum())]
+    for blockwise, plain in cases:
+        np.testing.assert_allclose(blockwise(h, w), plain(h, w), rtol=1e-5)
+        for a, b in zip(jax.jit(jax.grad(blockwise, (0, 1)))(h, w), jax.grad(plain, (0, 1))(h, w)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_training_steps_equal_pytorch(jx, tmp_path):
+    """Four SGD steps of two accumulated rows, clipped: the same losses and gradient
+    norms as linnet.train.train, and the same weights after (saved and read back)."""
+    import optax
+
+    from linnet.jax.train import train as jax_train
+    from linnet.train import train
+
+    torch_model, jax_model = _pair(jx, FLAGS["llama3-scaled-untied"], tmp_path)
+    rows = _rows(8, seed=1)
+    history = train(torch_model, rows, optimizer=torch.optim.SGD(torch_model.parameters(), lr=0.5), steps=4,
+                    accumulate=2, clip=0.3)
+    params, jhistory = jax_train(jax_model, rows, optimizer=optax.sgd(0.5), steps=4, accumulate=2, clip=0.3,
+                                 save_to=tmp_path / "jax")
+    assert jhistory.losses == pytest.approx(history.losses, rel=1e-5)
+    assert [s.grad_norm for s in jhistory.steps] == pytest.approx([s.grad_norm for s in history.steps], rel=1e-4)
+    back = nest.load(str(tmp_path / "jax"), weights=str(tmp_path / "jax"))
+    for name, p in torch_model.named_parameters():
+        np.testing.assert_allclose(np.asarray(params[name]), p.detach().numpy(), atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(dict(back.named_parameters())[name].detach().numpy(), p.detach().numpy(),
+                                   atol=1e-5, err_msg=name)
+
+
+def test_trainable_patterns_and_refusals(jx, tmp_path):
+    import optax
+
+    from linnet.jax.train import train as jax_train
+
+    _, jax_model = _pair(jx, {}, tmp_path)
+    before = {k: np.asarray(v) for k, v in jax_model.params.items()}
+    params, history = jax_train(jax_model, _rows(2), optimizer=optax.inject_hyperparams(optax.adamw)(1e-2),
+                                steps=2, trainable="model.layers.*.mlp.*")
+    assert len(history) == 2 and history.steps[0].lr == pytest.approx(1e-2)
+    for name, value in params.items():
+        assert np.array_equal(np.asarray(value), before[name]) == (".mlp." not in name), name
+    with pytest.raises(ValueError, match="matches no parameter"):
+        jax_train(jax_model, _rows(1), optimizer=optax.sgd(0.1), steps=1, trainable="nothing.*")
+    with pytest.raises(ValueError, match="does not take trainable"):
+        nest.load(BASE, backend="jax", weights="random", trainable=True)
+    with pytest.raises(ValueError, match="shared prompts"):
+        from linnet.packing import pack_prompted
+
+        jax_model.loss_packed(next(pack_prompted([([5, 6, 7], [[8, 9], [10, 11]])], 32)))
