@@ -153,3 +153,56 @@ def test_trainable_patterns_and_refusals(jx, tmp_path):
         from linnet.packing import pack_prompted
 
         jax_model.loss_packed(next(pack_prompted([([5, 6, 7], [[8, 9], [10, 11]])], 32)))
+
+
+def _lora_pair(jx, tmp_path):
+    """A torch model and a JAX model with the same base weights and the same adapters
+    (B away from zero, so the adapters count from the first step)."""
+    torch_model, jax_model = _pair(jx, {"tied_embeddings": False, "qkv_bias": True}, tmp_path)
+    patterns = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
+    layers = torch_model.add_lora(patterns, rank=4, alpha=8)
+    assert jax_model.add_lora(patterns, rank=4, alpha=8) == layers
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in torch_model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.05, generator=g)
+    import jax.numpy as jnp
+
+    for name, p in torch_model.named_parameters():
+        if name.endswith(("lora_a", "lora_b")):
+            jax_model.params[name] = jnp.asarray(p.detach().numpy())
+    return torch_model, jax_model
+
+
+def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path):
+    """Adapters alone train by default; the steps equal PyTorch's LoRA steps; the saved
+    PEFT directory binds into a PyTorch model; merging changes no output."""
+    import optax
+
+    from linnet.jax.lora import merge_lora
+    from linnet.jax.train import train as jax_train
+    from linnet.torch.weights import bind_weights
+    from linnet.train import train
+
+    torch_model, jax_model = _lora_pair(jx, tmp_path)
+    rows = _rows(6, seed=2)
+    adapters = [p for p in torch_model.parameters() if p.requires_grad]
+    history = train(torch_model, rows, optimizer=torch.optim.SGD(adapters, lr=0.5), steps=3, accumulate=2)
+    params, jhistory = jax_train(jax_model, rows, optimizer=optax.sgd(0.5), steps=3, accumulate=2,
+                                 save_to=tmp_path / "peft")
+    assert jhistory.losses == pytest.approx(history.losses, rel=1e-5)
+    for name, p in torch_model.named_parameters():
+        assert np.array_equal(np.asarray(params[name]), np.asarray(jax_model.params[name])) == (not p.requires_grad)
+    fresh = nest.load(jax_model.card, weights=str(tmp_path / "w.safetensors"))
+    fresh.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, alpha=8)
+    bind_weights(fresh, tmp_path / "peft")
+    row = rows[0]
+    with torch.no_grad():
+        want = float(fresh.loss_packed(row)[0])
+    assert float(jax_model.loss_packed(row, params)[0]) == pytest.approx(want, rel=1e-5)
+    merged = merge_lora(jax_model, params)
+    assert not any(k.endswith(("lora_a", "lora_b")) for k in merged)
+    from linnet.jax.model import loss_packed, row_arrays
+
+    assert float(loss_packed(merged, jax_model.card, row_arrays(row))[0]) == pytest.approx(want, rel=1e-5)

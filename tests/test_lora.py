@@ -93,6 +93,9 @@ def test_lora_errors(tmp_path):
     model = nest.load("debug", weights="random")
     with pytest.raises(ValueError, match="matches no linear"):
         model.add_lora("model.layers.*.attn.*")
+    untied = nest.load(nest.resolve("debug").replace(tied_embeddings=False), weights="random")
+    with pytest.raises(ValueError, match="the output head takes no adapter"):
+        untied.add_lora("lm_head")  # the losses read its weight directly: an adapter there would never train
     with pytest.raises(ValueError, match="rank"):
         model.add_lora(PATTERNS, rank=0)
     model.add_lora(PATTERNS, rank=2)

@@ -14,6 +14,7 @@ the row's bounds). Shapes: P positions, D hidden, H query heads, K kv heads, d h
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,9 +53,15 @@ def row_arrays(batch) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _linear(params: Params, path: str, x, bias: bool):
+def _linear(params: Params, path: str, x, bias: bool, lora_scale: float):
+    """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale)."""
     y = x @ params[f"{path}.weight"].astype(x.dtype).T
-    return y + params[f"{path}.bias"].astype(x.dtype) if bias else y
+    if bias:
+        y = y + params[f"{path}.bias"].astype(x.dtype)
+    if f"{path}.lora_a" in params:
+        y = y + (x @ params[f"{path}.lora_a"].astype(x.dtype).T) @ params[f"{path}.lora_b"].astype(x.dtype).T \
+            * lora_scale
+    return y
 
 
 def _rms_norm(x, weight, eps: float):
@@ -69,12 +76,12 @@ def _rotate(x, cos, sin):
     return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
-def _attention(params: Params, card: Card, i: int, x, cos, sin, mask):
+def _attention(params: Params, card: Card, i: int, x, cos, sin, mask, s: float):
     c, path = card, f"model.layers.{i}.self_attn"
     P = x.shape[0]
-    q = _linear(params, f"{path}.q_proj", x, c.qkv_bias).reshape(P, c.heads, c.head_dim)
-    k = _linear(params, f"{path}.k_proj", x, c.qkv_bias).reshape(P, c.kv_heads, c.head_dim)
-    v = _linear(params, f"{path}.v_proj", x, c.qkv_bias).reshape(P, c.kv_heads, c.head_dim)
+    q = _linear(params, f"{path}.q_proj", x, c.qkv_bias, s).reshape(P, c.heads, c.head_dim)
+    k = _linear(params, f"{path}.k_proj", x, c.qkv_bias, s).reshape(P, c.kv_heads, c.head_dim)
+    v = _linear(params, f"{path}.v_proj", x, c.qkv_bias, s).reshape(P, c.kv_heads, c.head_dim)
     if c.qk_norm:
         q = _rms_norm(q, params[f"{path}.q_norm.weight"], c.norm_eps)
         k = _rms_norm(k, params[f"{path}.k_norm.weight"], c.norm_eps)
@@ -84,17 +91,19 @@ def _attention(params: Params, card: Card, i: int, x, cos, sin, mask):
     scores = jnp.einsum("qkgd,tkd->kgqt", q, k.astype(jnp.float32)) / np.sqrt(c.head_dim)
     scores = jnp.where(mask, scores, -jnp.inf)
     out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
-    return _linear(params, f"{path}.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias)
+    return _linear(params, f"{path}.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s)
 
 
-def _mlp(params: Params, card: Card, i: int, x):
+def _mlp(params: Params, card: Card, i: int, x, s: float):
     path, bias = f"model.layers.{i}.mlp", card.mlp_bias
-    gate = _linear(params, f"{path}.gate_proj", x, bias)
-    return _linear(params, f"{path}.down_proj", jax.nn.silu(gate) * _linear(params, f"{path}.up_proj", x, bias), bias)
+    gate = _linear(params, f"{path}.gate_proj", x, bias, s)
+    return _linear(params, f"{path}.down_proj", jax.nn.silu(gate) * _linear(params, f"{path}.up_proj", x, bias, s),
+                   bias, s)
 
 
-def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, inv_freq=None):
-    """[P, D] final-normed hidden states of one packed row (see `row_arrays`)."""
+def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0, inv_freq=None):
+    """[P, D] final-normed hidden states of one packed row (see `row_arrays`);
+    `lora_scale` weighs the adapters where `params` has them."""
     inv_freq = rope_frequencies(card) if inv_freq is None else inv_freq
     positions, segments = row["positions"], row["segments"]
     angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]
@@ -105,9 +114,9 @@ def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, inv_freq=No
     x = params["model.embed_tokens.weight"][row["tokens"]].astype(dtype)
     for i in range(card.layers):
         x = x + _attention(params, card, i, _rms_norm(x, params[f"model.layers.{i}.input_layernorm.weight"],
-                                                       card.norm_eps), cos, sin, mask)
+                                                       card.norm_eps), cos, sin, mask, lora_scale)
         x = x + _mlp(params, card, i, _rms_norm(x, params[f"model.layers.{i}.post_attention_layernorm.weight"],
-                                                 card.norm_eps))
+                                                 card.norm_eps), lora_scale)
     return _rms_norm(x, params["model.norm.weight"], card.norm_eps)
 
 
@@ -115,16 +124,19 @@ def head_weight(params: Params, card: Card):
     return params["model.embed_tokens.weight" if card.tied_embeddings else "lm_head.weight"]
 
 
-def loss_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, rows: int = 1024):
+def loss_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0,
+                rows: int = 1024):
     """(sum of weighted token cross-entropies, sum of weights), both float32."""
-    h = hidden(params, card, row, dtype)
+    h = hidden(params, card, row, dtype, lora_scale)
     return linear_cross_entropy(h, head_weight(params, card), row["targets"], row["weights"], rows), \
         row["weights"].sum()
 
 
-def log_probs_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, rows: int = 1024):
+def log_probs_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0,
+                     rows: int = 1024):
     """[P] float32 log-probability of each position's target."""
-    return linear_token_log_probs(hidden(params, card, row, dtype), head_weight(params, card), row["targets"], rows)
+    h = hidden(params, card, row, dtype, lora_scale)
+    return linear_token_log_probs(h, head_weight(params, card), row["targets"], rows)
 
 
 def rope_frequencies(card: Card) -> np.ndarray:
@@ -142,14 +154,28 @@ class JaxModel:
     card: Card
     params: Params
     dtype: Any = jnp.float32
+    lora: dict | None = None  # the add_lora settings, while adapters are in place
 
     def __post_init__(self):
-        self._entries = {name: jax.jit(fn, static_argnums=(1, 3)) for name, fn in
+        self._entries = {name: jax.jit(fn, static_argnums=(1, 3, 4)) for name, fn in
                          (("loss", loss_packed), ("log_probs", log_probs_packed), ("hidden", hidden))}
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora["scale"] if self.lora else 0.0
 
     def _call(self, entry: str, batch, params: Params | None):
         return self._entries[entry](self.params if params is None else params, self.card, row_arrays(batch),
-                                    self.dtype)
+                                    self.dtype, self.lora_scale)
+
+    def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32, *, rslora: bool = False,
+                 seed: int = 0) -> list[str]:
+        """Give each linear weight whose path matches an adapter (A [r, in] drawn as PEFT
+        draws it, B [out, r] zero); `linnet.jax.train.train` then trains the adapters alone
+        by default. Returns the adapted layer paths."""
+        from linnet.jax.lora import add_lora
+
+        return add_lora(self, patterns, rank=rank, alpha=alpha, rslora=rslora, seed=seed)
 
     def loss_packed(self, batch, params: Params | None = None):
         """(sum of weighted token cross-entropies, sum of weights) of a packed row."""
@@ -218,7 +244,7 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
                 params[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
     else:
         params = _read_weights(card, nest.weights_directory(card) if weights is None else weights, shapes)
-    return JaxModel(card, {k: jnp.asarray(v) for k, v in params.items()}, as_dtype(dtype))
+    return JaxModel(card, {k: jnp.asarray(params[k]) for k in shapes}, as_dtype(dtype))  # in the model's order
 
 
 def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:

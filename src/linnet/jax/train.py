@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linnet.jax.lora import ADAPTERS, save_peft
 from linnet.jax.model import JaxModel, Params, loss_packed, row_arrays, save_weights
 from linnet.train.loop import History, Step
 
@@ -41,13 +42,14 @@ def split_trainable(params: Params, trainable: bool | str | Sequence[str]) -> tu
 
 
 def _make_step(model: JaxModel, optimizer, clip: float | None):
-    card, dtype = model.card, model.dtype
+    card, dtype, lora_scale = model.card, model.dtype, model.lora_scale
 
     def step(trained, frozen, opt_state, rows):
         learned = rows["weights"].sum()
 
         def micro(grads, row):
-            loss, g = jax.value_and_grad(lambda t: loss_packed({**frozen, **t}, card, row, dtype)[0])(trained)
+            loss, g = jax.value_and_grad(lambda t: loss_packed({**frozen, **t}, card, row, dtype, lora_scale)[0])(
+                trained)
             return jax.tree.map(jnp.add, grads, g), loss
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
@@ -71,15 +73,20 @@ def _learning_rate(opt_state) -> float:
 
 
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
-          clip: float | None = 1.0, trainable: bool | str | Sequence[str] = True,
+          clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
           save_to=None, on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
-    early when the batches run out. `save_to` writes the result as safetensors."""
+    early when the batches run out. trainable: default every parameter, or the adapters
+    alone after add_lora. `save_to` writes the result: the weights as safetensors, or
+    the adapters as a PEFT directory."""
     if accumulate < 1 or steps < 0:
         raise ValueError("train: accumulate must be >= 1 and steps >= 0")
+    if trainable is None:
+        trainable = list(ADAPTERS) if model.lora else True
     trained, frozen = split_trainable(model.params, trainable)
-    trained = {k: v.astype(jnp.float32) for k, v in trained.items()}
+    # copies: each step donates its input buffers, and the model's own arrays must survive
+    trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
     opt_state = optimizer.init(trained)
     step_fn = _make_step(model, optimizer, clip)
     history = History()
@@ -105,6 +112,8 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         if on_step is not None:
             on_step(record)
     params = {**frozen, **trained}
-    if save_to is not None:
+    if save_to is not None and model.lora:
+        save_peft(model, save_to, params)
+    elif save_to is not None:
         save_weights(model.card, params, save_to)
     return params, history

@@ -47,15 +47,18 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
-    linears = _linears(model)
+    # the output head feeds the blockwise losses directly, never through Linear.forward
+    linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     chosen: list[str] = []
     for pattern in patterns:
         hits = [n for n in linears if fnmatch.fnmatch(f"{n}.weight", pattern) or fnmatch.fnmatch(n, pattern)]
         if not hits:
+            head = fnmatch.fnmatch("lm_head.weight", pattern) or fnmatch.fnmatch("lm_head", pattern)
             raise ValueError(
                 f"add_lora: pattern {pattern!r} matches no linear weight; paths look like "
-                "model.layers.0.self_attn.q_proj.weight"
+                "model.layers.0.self_attn.q_proj.weight" + ("; the output head takes no adapter (train it in "
+                                                            "full with trainable='lm_head.weight')" if head else "")
             )
         chosen += [n for n in hits if n not in chosen]
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
@@ -110,19 +113,22 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
     """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors."""
     if not getattr(model, "lora", None):
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
-    info = model.lora
-    tensors = {
-        to_peft_name(n): p.detach().to("cpu", torch.float32).contiguous()
-        for n, p in model.named_parameters()
-        if n.endswith((".lora_a", ".lora_b"))
-    }
+    adapters = {n: p.detach().to("cpu", torch.float32) for n, p in model.named_parameters()
+                if n.endswith((".lora_a", ".lora_b"))}
+    write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)
+
+
+def write_peft(directory: str | os.PathLike, adapters: dict[str, torch.Tensor], info: dict, base_model) -> None:
+    """The PEFT files for `adapters` (linnet path -> tensor) and the add_lora settings
+    `info` (rank, alpha, dropout, rslora, layers); shared by both backends."""
+    tensors = {to_peft_name(n): t.contiguous() for n, t in adapters.items()}
     directory = Path(directory)
     with atomic_path(directory / "adapter_model.safetensors") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model or model.card.weights.repo or model.card.weights.path,
+        "base_model_name_or_path": base_model,
         "r": info["rank"],
         "lora_alpha": info["alpha"],
         "lora_dropout": info["dropout"],
