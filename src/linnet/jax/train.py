@@ -13,9 +13,10 @@ kept in float32 and cast to the compute dtype on use; the others do not change.
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,8 @@ import numpy as np
 
 from linnet.jax.lora import ADAPTERS, save_peft
 from linnet.jax.model import JaxModel, Params, loss_packed, row_arrays, save_weights
-from linnet.train.loop import History, Step
+from linnet.train.checkpoint import find_checkpoint, publish, same_names, verify_checkpoint, write_state
+from linnet.train.loop import History, Step, step_items
 
 
 def split_trainable(params: Params, trainable: bool | str | Sequence[str]) -> tuple[Params, Params]:
@@ -72,29 +74,66 @@ def _learning_rate(opt_state) -> float:
     return float(hyper["learning_rate"]) if hyper and "learning_rate" in hyper else float("nan")
 
 
+def save_checkpoint(directory, step: int, trained: Params, opt_state, *, keep: int = 2) -> Path:
+    """A checkpoint as PyTorch's trainers write them (atomic, checksummed, the `keep`
+    latest kept): trained.safetensors, optimizer.npz (the optax state's leaves in tree
+    order) and state.pt (the step)."""
+    from safetensors.numpy import save_file
+
+    def write(tmp: Path) -> None:
+        save_file({k: np.asarray(v, np.float32) for k, v in trained.items()}, str(tmp / "trained.safetensors"))
+        np.savez(tmp / "optimizer.npz", **{f"{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(opt_state))})
+        write_state(tmp, step)
+
+    return publish(directory, step, write, keep=keep)
+
+
+def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params, Any]:
+    """(step, trained parameters, optimizer state) from the latest checkpoint in
+    `directory`, shaped like the fresh `trained` and `opt_state`; (0, them) when there is none."""
+    from safetensors.numpy import load_file
+
+    path = find_checkpoint(directory)
+    if path is None:
+        return 0, trained, opt_state
+    state = verify_checkpoint(path)
+    tensors = load_file(str(path / "trained.safetensors"))
+    same_names(path, tensors, trained)
+    leaves, tree = jax.tree.flatten(opt_state)
+    with np.load(path / "optimizer.npz") as saved:
+        loaded = [saved[f"{i:05d}"] for i in range(len(saved.files))]
+    if [np.shape(x) for x in loaded] != [np.shape(x) for x in leaves]:
+        raise ValueError(f"{path / 'optimizer.npz'}: its state does not fit this optimizer; resume with the "
+                         "optimizer the run used")
+    restored = jax.tree.unflatten(tree, [jnp.asarray(x, getattr(y, "dtype", None)) for x, y in zip(loaded, leaves)])
+    return state["step"], {k: jnp.asarray(tensors[k]) for k in trained}, restored
+
+
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
           clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
-          save_to=None, on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
+          save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2,
+          on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
-    early when the batches run out. trainable: default every parameter, or the adapters
-    alone after add_lora. `save_to` writes the result: the weights as safetensors, or
-    the adapters as a PEFT directory."""
-    if accumulate < 1 or steps < 0:
-        raise ValueError("train: accumulate must be >= 1 and steps >= 0")
+    early, with a warning, when the batches run out. trainable: default every
+    parameter, or the adapters alone after add_lora. With `checkpoint`, resume from the
+    latest checkpoint there (skipping the batches its steps took) and write one every
+    `checkpoint_every` steps and at the end, keeping `keep`. `save_to` writes the
+    result: the weights as safetensors, or the adapters as a PEFT directory."""
+    if accumulate < 1 or steps < 0 or checkpoint_every < 1:
+        raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     if trainable is None:
         trainable = list(ADAPTERS) if model.lora else True
     trained, frozen = split_trainable(model.params, trainable)
     # copies: each step donates its input buffers, and the model's own arrays must survive
     trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
     opt_state = optimizer.init(trained)
+    start = 0
+    if checkpoint is not None:
+        start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)
     step_fn = _make_step(model, optimizer, clip)
     history = History()
-    stream = iter(batches)
-    for step in range(1, steps + 1):
-        chunk = list(itertools.islice(stream, accumulate))
-        if len(chunk) < accumulate:
-            break
+    for step, chunk in step_items(batches, accumulate, start=start, steps=steps, what="train: the batches"):
         t0 = time.perf_counter()
         arrays = [row_arrays(b) for b in chunk]
         rows = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
@@ -111,6 +150,8 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         history.steps.append(record)
         if on_step is not None:
             on_step(record)
+        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
+            save_checkpoint(checkpoint, step, trained, opt_state, keep=keep)
     params = {**frozen, **trained}
     if save_to is not None and model.lora:
         save_peft(model, save_to, params)

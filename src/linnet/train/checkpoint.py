@@ -78,49 +78,61 @@ def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int
     """Write the checkpoint of `step` and prune to the `keep` latest: the first process
     writes it, with every process writing its parts of a sharded model. `extra` holds
     what a caller's loop needs back (plain Python values)."""
-    rank, _ = world()
     sharded = is_sharded(model)
-    root = Path(directory)
-    final = root / f"{PREFIX}{step:08d}"
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: each process holds a part
         optimizer.consolidate_state_dict(to=0)
-    if rank != 0 and not sharded:
+
+    def write(tmp: Path) -> None:
+        if sharded:
+            _save_parts(tmp / SHARDED, model, optimizer)
+        if world()[0] != 0:
+            return
+        if not sharded:
+            tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in _trained(model).items()}
+            save_file(tensors, str(tmp / "trained.safetensors"))
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        write_state(tmp, step, schedule=None if schedule is None else schedule.state_dict(), extra=extra)
+
+    return publish(directory, step, write, keep=keep, every_process=sharded)
+
+
+def write_state(tmp: Path, step: int, *, schedule=None, extra: dict[str, Any] | None = None) -> None:
+    """state.pt: the step, the schedule's state, the RNG states and the caller's extras."""
+    torch.save({"step": step, "schedule": schedule, "rng": _rng_state(), "extra": extra or {}}, tmp / "state.pt")
+
+
+def publish(directory: str | os.PathLike, step: int, write, *, keep: int = 2, every_process: bool = False) -> Path:
+    """Make `<directory>/step-<step>` all at once: `write(tmp)` fills a temporary
+    directory (on every process with every_process, else on the first alone); the first
+    process then records every file's checksum, renames it into place and prunes to the
+    `keep` latest."""
+    rank = world()[0]
+    root = Path(directory)
+    final = root / f"{PREFIX}{step:08d}"
+    if rank != 0 and not every_process:
         return final
-    tmp = root / f".{final.name}.tmp-{from_first(os.getpid()) if sharded else os.getpid()}"
+    tmp = root / f".{final.name}.tmp-{from_first(os.getpid()) if every_process else os.getpid()}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    if sharded:
+    if every_process:
         barrier()  # the directory exists before anyone writes into it
-        _save_parts(tmp / SHARDED, model, optimizer)
-        if rank != 0:
-            barrier()
-            return final
-    else:
-        tensors = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in _trained(model).items()}
-        save_file(tensors, str(tmp / "trained.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    state = {
-        "step": step,
-        "schedule": None if schedule is None else schedule.state_dict(),
-        "rng": _rng_state(),
-        "extra": extra or {},
-    }
-    torch.save(state, tmp / "state.pt")
-    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-    sums = {"files": {name: sha256_file(tmp / name) for name in files}}
-    (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
-    if final.exists():  # the same step written again: swap it out whole
-        stale = root / f".{final.name}.old-{os.getpid()}"
-        os.rename(final, stale)
-        os.rename(tmp, final)
-        shutil.rmtree(stale)
-    else:
-        os.rename(tmp, final)
-    for old in checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    if sharded:
+    write(tmp)
+    if rank == 0:
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        sums = {"files": {name: sha256_file(tmp / name) for name in files}}
+        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
+        if final.exists():  # the same step written again: swap it out whole
+            stale = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(tmp, final)
+        for old in checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    if every_process:
         barrier()  # every process returns with the checkpoint in place
     return final
 
@@ -129,11 +141,9 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
     """Restore the latest checkpoint in `directory` (or a checkpoint directory itself)
     into the model's trained parameters, the optimizer, the schedule and the RNG.
     Returns {"step": …, "extra": …}, or None when there is none yet."""
-    path = Path(directory)
-    if not (path / "state.pt").is_file() and not (path / CHECKSUMS).is_file():
-        path = latest_checkpoint(path)
-        if path is None:
-            return None
+    path = find_checkpoint(directory)
+    if path is None:
+        return None
     state = verify_checkpoint(path)
     if (path / SHARDED).is_dir():
         _load_parts(path, model, optimizer)
@@ -143,7 +153,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
     else:
         tensors = load_file(str(path / "trained.safetensors"))
         trained = _trained(model)
-        _same_names(path, tensors, trained)
+        same_names(path, tensors, trained)
         with torch.no_grad():
             for name, p in trained.items():
                 p.copy_(tensors[name])
@@ -155,7 +165,16 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
     return {"step": state["step"], "extra": state["extra"], "path": path}
 
 
-def _same_names(path: Path, saved, trained) -> None:
+def find_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """`directory` itself when it is a checkpoint, else its latest checkpoint (None: none yet)."""
+    path = Path(directory)
+    if (path / "state.pt").is_file() or (path / CHECKSUMS).is_file():
+        return path
+    return latest_checkpoint(path)
+
+
+def same_names(path: Path, saved, trained) -> None:
+    """Refuse a checkpoint that trains other parameters than the model, naming some."""
     if set(saved) != set(trained):
         extra_names = sorted(set(saved) - set(trained))[:2]
         missing = sorted(set(trained) - set(saved))[:2]
@@ -183,7 +202,7 @@ def _load_parts(path: Path, model, optimizer) -> None:
 
     options = StateDictOptions(ignore_frozen_params=True)
     saved = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
-    _same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, _trained(model))
+    same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, _trained(model))
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
     else:  # get_state_dict fills a fresh optimizer's state by an lr=0 step; the load overwrites it
