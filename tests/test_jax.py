@@ -26,8 +26,12 @@ FLAGS = {
 @pytest.fixture(scope="module")
 def jx():
     """(jax, linnet.jax.model): imported inside the tests only (see pytestmark)."""
+    import os
+    import sys
+
+    if "jax" not in sys.modules:  # four host devices for the mesh test, set before JAX starts
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     jax = pytest.importorskip("jax")
-    jax.config.update("jax_enable_x64", False)
     from linnet.jax import model
 
     return jax, model
@@ -203,9 +207,7 @@ def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path):
     assert float(jax_model.loss_packed(row, params)[0]) == pytest.approx(want, rel=1e-5)
     merged = merge_lora(jax_model, params)
     assert not any(k.endswith(("lora_a", "lora_b")) for k in merged)
-    from linnet.jax.model import loss_packed, row_arrays
-
-    assert float(loss_packed(merged, jax_model.card, row_arrays(row))[0]) == pytest.approx(want, rel=1e-5)
+    assert float(jax_model.loss_packed(row, merged)[0]) == pytest.approx(want, rel=1e-5)
 
 
 def test_resume_equals_an_uninterrupted_run(jx, tmp_path):
@@ -217,7 +219,8 @@ def test_resume_equals_an_uninterrupted_run(jx, tmp_path):
 
     _, jax_model = _pair(jx, {}, tmp_path)
     rows = _rows(8, seed=4)
-    run = lambda steps, ckpt: jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=steps, accumulate=2,
+    adamw = optax.adamw(1e-2)  # one object: the runs share one compiled step
+    run = lambda steps, ckpt: jax_train(jax_model, rows, optimizer=adamw, steps=steps, accumulate=2,
                                         checkpoint=ckpt, checkpoint_every=2)
     _, straight = run(4, tmp_path / "straight")
     run(2, tmp_path / "resumed")
@@ -228,3 +231,27 @@ def test_resume_equals_an_uninterrupted_run(jx, tmp_path):
     damaged.write_bytes(damaged.read_bytes()[:-8])
     with pytest.raises(ValueError, match="optimizer.npz: corrupt or truncated"):
         run(6, tmp_path / "resumed")
+
+
+def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
+    """Two devices, a row each per micro-step, parameters and AdamW state split between
+    them: the losses and weights of one device accumulating both rows."""
+    jax, _ = jx
+    import optax
+    from jax.sharding import Mesh
+
+    from linnet.jax.train import train as jax_train
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count was set too late)")
+    _, jax_model = _pair(jx, {"tied_embeddings": False}, tmp_path)
+    rows = _rows(8, seed=5)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    split, history = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=2, mesh=mesh)
+    whole, reference = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=4)
+    assert history.losses == pytest.approx(reference.losses, rel=1e-5)
+    assert [s.learned for s in history.steps] == [s.learned for s in reference.steps]
+    embed = split["model.embed_tokens.weight"]
+    assert embed.addressable_shards[0].data.shape[0] * 2 == embed.shape[0]  # each device holds half
+    for name, value in whole.items():
+        np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), atol=2e-5, err_msg=name)

@@ -13,7 +13,9 @@ kept in float32 and cast to the compute dtype on use; the others do not change.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,15 +45,22 @@ def split_trainable(params: Params, trainable: bool | str | Sequence[str]) -> tu
     return {k: v for k, v in params.items() if k in chosen}, {k: v for k, v in params.items() if k not in chosen}
 
 
-def _make_step(model: JaxModel, optimizer, clip: float | None):
-    card, dtype, lora_scale = model.card, model.dtype, model.lora_scale
+@functools.lru_cache(maxsize=8)
+def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None):
+    """The compiled step, cached: another run with the same model and optimizer object
+    (a resumed one) does not compile again."""
+
+    def rows_loss(trained, frozen, rows):
+        """Summed loss of [n, P] rows (one a device over a mesh: GSPMD splits the vmap)."""
+        losses, _ = jax.vmap(loss_packed, in_axes=(None, None, 0, None, None))(
+            {**frozen, **trained}, card, rows, dtype, lora_scale)
+        return losses.sum()
 
     def step(trained, frozen, opt_state, rows):
         learned = rows["weights"].sum()
 
-        def micro(grads, row):
-            loss, g = jax.value_and_grad(lambda t: loss_packed({**frozen, **t}, card, row, dtype, lora_scale)[0])(
-                trained)
+        def micro(grads, micro_rows):
+            loss, g = jax.value_and_grad(rows_loss)(trained, frozen, micro_rows)
             return jax.tree.map(jnp.add, grads, g), loss
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
@@ -66,6 +75,18 @@ def _make_step(model: JaxModel, optimizer, clip: float | None):
         return trained, opt_state, losses.sum() / learned, norm
 
     return jax.jit(step, donate_argnums=(0, 2))
+
+
+def _part(x, mesh):
+    """A NamedSharding splitting `x` along its largest axis the mesh's device count
+    divides (FSDP); whole on every device when none does."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axis = mesh.axis_names[0]
+    for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+        if x.shape[d] % mesh.shape[axis] == 0:
+            return NamedSharding(mesh, PartitionSpec(*[axis if i == d else None for i in range(x.ndim)]))
+    return NamedSharding(mesh, PartitionSpec())
 
 
 def _learning_rate(opt_state) -> float:
@@ -111,7 +132,7 @@ def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params,
 
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
           clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
-          save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2,
+          save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None,
           on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
@@ -119,7 +140,11 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
     parameter, or the adapters alone after add_lora. With `checkpoint`, resume from the
     latest checkpoint there (skipping the batches its steps took) and write one every
     `checkpoint_every` steps and at the end, keeping `keep`. `save_to` writes the
-    result: the weights as safetensors, or the adapters as a PEFT directory."""
+    result: the weights as safetensors, or the adapters as a PEFT directory.
+
+    mesh: a one-axis `jax.sharding.Mesh` for data-parallel, fully sharded training: every
+    accumulated micro-step takes one row a device, and every parameter, its gradient and
+    optimizer state are split along the largest axis the device count divides."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     if trainable is None:
@@ -127,17 +152,31 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
     trained, frozen = split_trainable(model.params, trainable)
     # copies: each step donates its input buffers, and the model's own arrays must survive
     trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
+    per_micro, row_sharding = 1, None
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        per_micro = mesh.shape[mesh.axis_names[0]]
+        row_sharding = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
+        trained = {k: jax.device_put(v, _part(v, mesh)) for k, v in trained.items()}
+        frozen = {k: jax.device_put(v, _part(v, mesh)) for k, v in frozen.items()}
     opt_state = optimizer.init(trained)
     start = 0
     if checkpoint is not None:
         start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)
-    step_fn = _make_step(model, optimizer, clip)
+    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip)
     history = History()
-    for step, chunk in step_items(batches, accumulate, start=start, steps=steps, what="train: the batches"):
+    per_step = accumulate * per_micro
+    for step, chunk in step_items(batches, per_step, start=start, steps=steps, what="train: the batches"):
+        if len(chunk) < per_step:
+            warnings.warn(f"train: the batches ran out during step {step} of {steps}", stacklevel=2)
+            break
         t0 = time.perf_counter()
         arrays = [row_arrays(b) for b in chunk]
-        rows = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+        rows = {k: np.stack([a[k] for a in arrays]).reshape(accumulate, per_micro, -1) for k in arrays[0]}
         learned = float(rows["weights"].sum())
+        if row_sharding is not None:
+            rows = jax.device_put(rows, row_sharding)
         if learned == 0:
             raise ValueError(f"step {step}: its {accumulate} batches hold no learned position")
         trained, opt_state, loss, norm = step_fn(trained, frozen, opt_state, rows)
