@@ -84,6 +84,10 @@ def test_gradients_equal_pytorch(jx, tmp_path):
     arrays = model.row_arrays(row)
     grads = jax.jit(jax.grad(lambda p: model.loss_packed(p, jax_model.card, arrays, rows=16)[0]))(jax_model.params)
     assert set(grads) == {n for n, _ in torch_model.named_parameters()}
+    for remat in (False, True):  # remat: each layer is a checkpoint (recomputed in backward)
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: model.loss_packed(p, jax_model.card, arrays, remat=remat)[0]))(
+            jax_model.params))
+        assert ("checkpoint" in jaxpr or "remat" in jaxpr) == remat
     for name, p in torch_model.named_parameters():
         np.testing.assert_allclose(np.asarray(grads[name]), p.grad.numpy(), atol=2e-5, rtol=1e-4, err_msg=name)
 
@@ -235,7 +239,8 @@ def test_resume_equals_an_uninterrupted_run(jx, tmp_path):
 
 def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     """Two devices, a row each per micro-step, parameters and AdamW state split between
-    them: the losses and weights of one device accumulating both rows."""
+    them, layers recomputed in backward: the losses and weights of one device
+    accumulating both rows without recomputation."""
     jax, _ = jx
     import optax
     from jax.sharding import Mesh
@@ -247,7 +252,8 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     _, jax_model = _pair(jx, {"tied_embeddings": False}, tmp_path)
     rows = _rows(8, seed=5)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    split, history = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=2, mesh=mesh)
+    split, history = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=2, mesh=mesh,
+                               remat=True)
     whole, reference = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=4)
     assert history.losses == pytest.approx(reference.losses, rel=1e-5)
     assert [s.learned for s in history.steps] == [s.learned for s in reference.steps]

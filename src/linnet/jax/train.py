@@ -46,14 +46,14 @@ def split_trainable(params: Params, trainable: bool | str | Sequence[str]) -> tu
 
 
 @functools.lru_cache(maxsize=8)
-def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None):
+def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, remat: bool):
     """The compiled step, cached: another run with the same model and optimizer object
     (a resumed one) does not compile again."""
 
     def rows_loss(trained, frozen, rows):
         """Summed loss of [n, P] rows (one a device over a mesh: GSPMD splits the vmap)."""
-        losses, _ = jax.vmap(loss_packed, in_axes=(None, None, 0, None, None))(
-            {**frozen, **trained}, card, rows, dtype, lora_scale)
+        losses, _ = jax.vmap(loss_packed, in_axes=(None, None, 0, None, None, None))(
+            {**frozen, **trained}, card, rows, dtype, lora_scale, remat)
         return losses.sum()
 
     def step(trained, frozen, opt_state, rows):
@@ -132,7 +132,7 @@ def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params,
 
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
           clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
-          save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None,
+          save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None, remat: bool = False,
           on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
@@ -144,7 +144,8 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
 
     mesh: a one-axis `jax.sharding.Mesh` for data-parallel, fully sharded training: every
     accumulated micro-step takes one row a device, and every parameter, its gradient and
-    optimizer state are split along the largest axis the device count divides."""
+    optimizer state are split along the largest axis the device count divides.
+    remat: recompute each layer in backward (see `linnet.jax.model.hidden`)."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     if trainable is None:
@@ -164,7 +165,7 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
     start = 0
     if checkpoint is not None:
         start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)
-    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip)
+    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, remat)
     history = History()
     per_step = accumulate * per_micro
     for step, chunk in step_items(batches, per_step, start=start, steps=steps, what="train: the batches"):
