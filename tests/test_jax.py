@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from linnet import nest
-from linnet.packing import Example, pack
+from linnet.packing import Example, Pair, pack
 
 pytestmark = pytest.mark.jax  # last in the run: see tests/conftest.py
 
@@ -261,3 +261,29 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     assert embed.addressable_shards[0].data.shape[0] * 2 == embed.shape[0]  # each device holds half
     for name, value in whole.items():
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), atol=2e-5, err_msg=name)
+
+
+def test_dpo_steps_equal_pytorch(jx, tmp_path):
+    """LoRA DPO, the model's own starting log-probabilities as the reference: the losses,
+    gradient norms, accuracies and margins of linnet.train.dpo.dpo."""
+    import optax
+
+    from linnet.jax.dpo import dpo as jax_dpo
+    from linnet.train.dpo import dpo
+
+    torch_model, jax_model = _lora_pair(jx, tmp_path)
+    g = np.random.default_rng(6)
+    pairs = [Pair(g.integers(3, 96, 4).tolist(), g.integers(3, 96, int(g.integers(1, 6))).tolist(),
+                  g.integers(3, 96, int(g.integers(1, 6))).tolist()) for _ in range(8)]
+    adapters = [p for p in torch_model.parameters() if p.requires_grad]
+    history = dpo(torch_model, pairs, optimizer=torch.optim.SGD(adapters, lr=1.0), steps=2, pairs_per_step=4,
+                  beta=0.5, label_smoothing=0.1, tokens=32)
+    _, jhistory = jax_dpo(jax_model, pairs, optimizer=optax.sgd(1.0), steps=2, pairs_per_step=4, beta=0.5,
+                          label_smoothing=0.1, tokens=32)
+    assert jhistory.losses == pytest.approx(history.losses, rel=1e-5)
+    for got, want in zip(jhistory.steps, history.steps):
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+        assert got.metrics["margin"] == pytest.approx(want.metrics["margin"], rel=1e-4, abs=1e-6)
+    # step 1's margins are zero up to rounding (policy = reference); step 2's are not
+    assert abs(jhistory.steps[1].metrics["margin"]) > 1e-3
+    assert jhistory.steps[1].metrics["accuracy"] == history.steps[1].metrics["accuracy"]

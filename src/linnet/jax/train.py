@@ -65,16 +65,22 @@ def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, re
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
         grads, losses = jax.lax.scan(micro, zeros, rows)
-        grads = jax.tree.map(lambda g: g / learned, grads)
-        norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
-        if clip is not None:
-            scale = jnp.minimum(1.0, clip / (norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, trained)
-        trained = jax.tree.map(lambda p, u: p + u.astype(p.dtype), trained, updates)
+        trained, opt_state, norm = apply_gradients(jax.tree.map(lambda g: g / learned, grads), trained, opt_state,
+                                                   optimizer, clip)
         return trained, opt_state, losses.sum() / learned, norm
 
     return jax.jit(step, donate_argnums=(0, 2))
+
+
+def apply_gradients(grads: Params, trained: Params, opt_state, optimizer, clip: float | None):
+    """(trained, optimizer state, global gradient norm) after clipping the norm to `clip`
+    and applying the optimizer: the end of every JAX trainer's compiled step."""
+    norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+    if clip is not None:
+        scale = jnp.minimum(1.0, clip / (norm + 1e-6))
+        grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, trained)
+    return jax.tree.map(lambda p, u: p + u.astype(p.dtype), trained, updates), opt_state, norm
 
 
 def _part(x, mesh):
@@ -89,7 +95,7 @@ def _part(x, mesh):
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _learning_rate(opt_state) -> float:
+def learning_rate(opt_state) -> float:
     """The rate the step used, when the optimizer exposes it (optax.inject_hyperparams); else NaN."""
     hyper = getattr(opt_state, "hyperparams", None)
     return float(hyper["learning_rate"]) if hyper and "learning_rate" in hyper else float("nan")
@@ -148,23 +154,13 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
     remat: recompute each layer in backward (see `linnet.jax.model.hidden`)."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
-    if trainable is None:
-        trainable = list(ADAPTERS) if model.lora else True
-    trained, frozen = split_trainable(model.params, trainable)
-    # copies: each step donates its input buffers, and the model's own arrays must survive
-    trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
+    trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint, mesh)
     per_micro, row_sharding = 1, None
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec
 
         per_micro = mesh.shape[mesh.axis_names[0]]
         row_sharding = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
-        trained = {k: jax.device_put(v, _part(v, mesh)) for k, v in trained.items()}
-        frozen = {k: jax.device_put(v, _part(v, mesh)) for k, v in frozen.items()}
-    opt_state = optimizer.init(trained)
-    start = 0
-    if checkpoint is not None:
-        start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)
     step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, remat)
     history = History()
     per_step = accumulate * per_micro
@@ -181,20 +177,50 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         if learned == 0:
             raise ValueError(f"step {step}: its {accumulate} batches hold no learned position")
         trained, opt_state, loss, norm = step_fn(trained, frozen, opt_state, rows)
-        loss, norm = float(loss), float(norm)
-        if not (np.isfinite(loss) and np.isfinite(norm)):
-            raise FloatingPointError(f"step {step}: loss {loss} and gradient norm {norm}; lower the learning "
-                                     "rate or check the data")
-        record = Step(step, loss, int(learned), int(sum(b.real for b in chunk)), norm, _learning_rate(opt_state),
-                      time.perf_counter() - t0)
-        history.steps.append(record)
-        if on_step is not None:
-            on_step(record)
-        if checkpoint is not None and (step % checkpoint_every == 0 or step == steps):
-            save_checkpoint(checkpoint, step, trained, opt_state, keep=keep)
+        record = Step(step, float(loss), int(learned), int(sum(b.real for b in chunk)), float(norm),
+                      learning_rate(opt_state), time.perf_counter() - t0)
+        end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,
+                 checkpoint_every=checkpoint_every, keep=keep)
+    return finish(model, trained, frozen, save_to), history
+
+
+def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):
+    """(trained, frozen, optimizer state, step to start from): the parameters split by
+    `trainable` (default all, or the adapters after add_lora), trained ones as float32
+    copies (each step donates its buffers; the model's arrays must survive), placed in
+    parts over `mesh`, and resumed from `checkpoint` when it holds one."""
+    if trainable is None:
+        trainable = list(ADAPTERS) if model.lora else True
+    trained, frozen = split_trainable(model.params, trainable)
+    trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
+    if mesh is not None:
+        trained = {k: jax.device_put(v, _part(v, mesh)) for k, v in trained.items()}
+        frozen = {k: jax.device_put(v, _part(v, mesh)) for k, v in frozen.items()}
+    opt_state = optimizer.init(trained)
+    start = 0
+    if checkpoint is not None:
+        start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)
+    return trained, frozen, opt_state, start
+
+
+def end_step(record: Step, history: History, on_step, trained: Params, opt_state, *, steps: int, checkpoint,
+             checkpoint_every: int, keep: int) -> None:
+    """Refuse a non-finite step, keep and report it, and checkpoint when due."""
+    if not (np.isfinite(record.loss) and np.isfinite(record.grad_norm)):
+        raise FloatingPointError(f"step {record.step}: loss {record.loss} and gradient norm {record.grad_norm}; "
+                                 "lower the learning rate or check the data")
+    history.steps.append(record)
+    if on_step is not None:
+        on_step(record)
+    if checkpoint is not None and (record.step % checkpoint_every == 0 or record.step == steps):
+        save_checkpoint(checkpoint, record.step, trained, opt_state, keep=keep)
+
+
+def finish(model: JaxModel, trained: Params, frozen: Params, save_to) -> Params:
+    """All the parameters, written to `save_to` when given (adapters as PEFT after add_lora)."""
     params = {**frozen, **trained}
     if save_to is not None and model.lora:
         save_peft(model, save_to, params)
     elif save_to is not None:
         save_weights(model.card, params, save_to)
-    return params, history
+    return params

@@ -1,0 +1,111 @@
+"""Direct preference optimization of the JAX decoder, as `linnet.train.dpo.dpo` does it in
+PyTorch and with the same options:
+
+    params, history = dpo(model, pairs, optimizer=optax.adamw(1e-6), steps=100, pairs_per_step=32)
+
+A pair's two answers share a packed row (each answer after its own copy of the prompt);
+the loss is -log sigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
+averaged over the step's pairs, with `label_smoothing` of them taken as labelled the
+wrong way round. `reference` is a dict of parameters (path -> array); without it the
+model's own log-probabilities before training are computed for every pair first.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from linnet.jax.model import JaxModel, Params, log_probs_packed, row_arrays
+from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, start_run
+from linnet.packing import Pair, pack_prompted
+from linnet.train.loop import History, Step, step_items
+
+
+def _rows(pairs: Sequence[Pair], tokens: int):
+    """(stacked row arrays [R, P], [pairs, 2, 2] (row, document) of each chosen and
+    rejected answer, real positions): the answers are the documents with learned
+    tokens, in row order."""
+    rows = list(pack_prompted(((p.prompt, (p.chosen, p.rejected)) for p in pairs), tokens, share=False))
+    where = [(r, d) for r, row in enumerate(rows)
+             for d in np.flatnonzero(np.add.reduceat(np.asarray(row.weights), np.asarray(row.bounds)[:-1]) > 0)]
+    arrays = [row_arrays(row) for row in rows]
+    stacked = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
+    return stacked, np.asarray(where, np.int32).reshape(len(pairs), 2, 2), sum(row.real for row in rows)
+
+
+def _answer_log_probs(params: Params, card, rows, where, dtype, lora_scale: float):
+    """[pairs, 2] summed log-probabilities of each pair's chosen and rejected answer."""
+    logp = jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None))(params, card, rows, dtype, lora_scale)
+    P = logp.shape[1]
+    sums = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=P))(logp * rows["weights"], rows["segments"])
+    return sums[where[..., 0], where[..., 1]]
+
+
+def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0):
+    """Per-pair DPO loss (as linnet.train.dpo.dpo_sigmoid)."""
+    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    return -(1 - label_smoothing) * jax.nn.log_sigmoid(margin) - label_smoothing * jax.nn.log_sigmoid(-margin)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, beta: float, label_smoothing: float):
+    def loss_fn(trained, frozen, rows, where, ref):
+        logp = _answer_log_probs({**frozen, **trained}, card, rows, where, dtype, lora_scale)
+        losses = dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], beta=beta, label_smoothing=label_smoothing)
+        return losses.mean(), beta * (logp - ref)
+
+    def step(trained, frozen, opt_state, rows, where, ref):
+        (loss, rewards), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, frozen, rows, where, ref)
+        trained, opt_state, norm = apply_gradients(grads, trained, opt_state, optimizer, clip)
+        margins = rewards[:, 0] - rewards[:, 1]
+        return trained, opt_state, loss, norm, (margins > 0).mean(), margins.mean()
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def reference_log_probs(model: JaxModel, pairs: Sequence[Pair], *, params: Params | None = None,
+                        tokens: int = 4096, chunk: int = 32) -> np.ndarray:
+    """[pairs, 2] (chosen, rejected) summed log-probabilities under `params` (default the
+    model's), `chunk` pairs at a time."""
+    params = model.params if params is None else params
+    score = jax.jit(_answer_log_probs, static_argnums=(1, 4, 5))
+    out = [np.asarray(score(params, model.card, *_rows(pairs[i : i + chunk], tokens)[:2], model.dtype,
+                            model.lora_scale)) for i in range(0, len(pairs), chunk)]
+    return np.concatenate(out) if out else np.zeros((0, 2))
+
+
+def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_per_step: int = 32,
+        beta: float = 0.1, label_smoothing: float = 0.0, reference: Params | None = None, tokens: int = 4096,
+        clip: float | None = 1.0, trainable=None, save_to=None, checkpoint=None, checkpoint_every: int = 100,
+        keep: int = 2, on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
+    """Train on preference pairs for `steps` steps of `pairs_per_step` pairs (the
+    sequence repeated as epochs); returns (parameters, history). Each Step's metrics
+    hold accuracy (share of pairs ranked right) and margin (mean reward margin)."""
+    from linnet.train.dpo import check_pairs
+
+    if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
+        raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    pairs = list(pairs)
+    check_pairs(pairs)
+    fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)
+    trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint)
+    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing)
+    history = History()
+    stream = itertools.cycle(enumerate(pairs))
+    for step, chunk in step_items(stream, pairs_per_step, start=start, steps=steps, what="dpo: the pairs"):
+        t0 = time.perf_counter()
+        rows, where, real = _rows([p for _, p in chunk], tokens)
+        ref = fixed[[i for i, _ in chunk]].astype(np.float32)
+        trained, opt_state, loss, norm, accuracy, margin = step_fn(trained, frozen, opt_state, rows, where, ref)
+        record = Step(step, float(loss), int(rows["weights"].sum()), real, float(norm), learning_rate(opt_state),
+                      time.perf_counter() - t0,
+                      metrics={"pairs": len(chunk), "accuracy": float(accuracy), "margin": float(margin)})
+        end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,
+                 checkpoint_every=checkpoint_every, keep=keep)
+    return finish(model, trained, frozen, save_to), history
