@@ -4,6 +4,8 @@ blockwise loss against plain autodiff, and training steps equal to PyTorch's."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -85,8 +87,9 @@ def test_gradients_equal_pytorch(jx, tmp_path):
     grads = jax.jit(jax.grad(lambda p: model.loss_packed(p, jax_model.card, arrays, rows=16)[0]))(jax_model.params)
     assert set(grads) == {n for n, _ in torch_model.named_parameters()}
     for remat in (False, True):  # remat: each layer is a checkpoint (recomputed in backward)
-        jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: model.loss_packed(p, jax_model.card, arrays, remat=remat)[0]))(
-            jax_model.params))
+        loss = functools.partial(lambda p, remat: model.loss_packed(p, jax_model.card, arrays, remat=remat)[0],
+                                 remat=remat)
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(jax_model.params))
         assert ("checkpoint" in jaxpr or "remat" in jaxpr) == remat
     for name, p in torch_model.named_parameters():
         np.testing.assert_allclose(np.asarray(grads[name]), p.grad.numpy(), atol=2e-5, rtol=1e-4, err_msg=name)

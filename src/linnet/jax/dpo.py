@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from linnet.jax.model import JaxModel, Params, log_probs_packed, row_arrays
