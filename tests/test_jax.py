@@ -241,7 +241,7 @@ def test_resume_equals_an_uninterrupted_run(jx, tmp_path):
 
 
 def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
-    """Two devices, a row each per micro-step, parameters and AdamW state split between
+    """Two devices, a row each per micro-step, parameters and optimizer state split between
     them, layers recomputed in backward: the losses and weights of one device
     accumulating both rows without recomputation."""
     jax, _ = jx
@@ -255,9 +255,10 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     _, jax_model = _pair(jx, {"tied_embeddings": False}, tmp_path)
     rows = _rows(8, seed=5)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    split, history = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=2, mesh=mesh,
-                               remat=True)
-    whole, reference = jax_train(jax_model, rows, optimizer=optax.adamw(1e-2), steps=2, accumulate=4)
+    # momentum SGD: a sharded optimizer state, without Adam's amplifying of rounding where gradients are tiny
+    split, history = jax_train(jax_model, rows, optimizer=optax.sgd(0.5, momentum=0.9), steps=2, accumulate=2,
+                               mesh=mesh, remat=True)
+    whole, reference = jax_train(jax_model, rows, optimizer=optax.sgd(0.5, momentum=0.9), steps=2, accumulate=4)
     assert history.losses == pytest.approx(reference.losses, rel=1e-5)
     assert [s.learned for s in history.steps] == [s.learned for s in reference.steps]
     embed = split["model.embed_tokens.weight"]
