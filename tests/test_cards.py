@@ -121,5 +121,7 @@ def test_bad_card_values():
 
 
 def test_seed_spelling_is_accepted():
-    model = nest.load("debug", weights="random", generics={"T": "bf16"}, cast_dtype=True)
+    model = nest.load("debug", weights="random", generics={"T": "bf16"}, cast_dtype=True, entry="loss_packed")
     assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="entry='logits'"):
+        nest.load("debug", weights="random", entry="logits")

@@ -5,6 +5,7 @@
     linnet dpo --config F      preference optimization (DPO) from a YAML config
     linnet grpo --config F     GRPO with the KV-cache engine and built-in or custom rewards
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)
+    linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --remat)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
     linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume
@@ -83,6 +84,7 @@ COMMANDS = {
     "inspect": "linnet.sft:inspect_cli",
     "prepare": "linnet.pretrain.prepare:cli",
     "pretrain": "linnet.pretrain.runner:cli",
+    "jax": "linnet.jax.sft:cli",
     "plot": "linnet.plots:cli",
     "info": "linnet.cli:info",
     "plan": "linnet.plan:cli",

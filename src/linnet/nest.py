@@ -450,6 +450,9 @@ def load(
         raise ValueError(f"unknown backend {backend!r}; use 'torch' or 'jax'")
     if "cast_dtype" in seed_spelling:
         seed_spelling.pop("cast_dtype")  # trainable weights are always f32, cast on use
+    entry = seed_spelling.pop("entry", None)  # every model has every packed entry
+    if entry not in (None, "loss_packed", "log_probs_packed", "hidden_packed"):
+        raise ValueError(f"entry={entry!r}: the models have loss_packed, log_probs_packed and hidden_packed")
     generics = seed_spelling.pop("generics", None) or {}
     if dtype is None and "T" in generics:
         dtype = generics["T"]

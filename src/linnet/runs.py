@@ -14,6 +14,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -230,9 +231,10 @@ def summarize(out: Path, history, seconds: float, **extra: Any) -> dict:
     return summary
 
 
-def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool):
+def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool,
+                  flags: Sequence[tuple[str, str]] = ()):
     """(args, config) for a command that reads a YAML config; config is None when the
-    command only printed the template."""
+    command only printed the template. `flags`: (name, help) of the command's own switches."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML config (see --template)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -243,6 +245,8 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
         parser.add_argument("--resume", action="store_true", help="continue the run in the run directory")
     else:
         parser.add_argument("--examples", type=int, default=3, help="examples to show (default: 3)")
+    for name, text in flags:
+        parser.add_argument(name, action="store_true", help=text)
     args = parser.parse_args(argv)
     if args.template:
         print(template(config_class))

@@ -2,6 +2,6 @@
 (`linnet.jax.model`), the blockwise losses (`linnet.jax.loss`) and an optax trainer
 (`linnet.jax.train`). Needs the `jax` extra (jax, optax)."""
 
-from linnet.jax.model import JaxModel, load_model
+from linnet.jax.model import JaxModel, load_model, save_weights
 
-__all__ = ["JaxModel", "load_model"]
+__all__ = ["JaxModel", "load_model", "save_weights"]

@@ -199,7 +199,7 @@ class JaxModel:
     def save_weights(self, path: str | os.PathLike, params: Params | None = None) -> None:
         """safetensors under the checkpoint names (a .safetensors path, or a directory
         that gets model.safetensors and config.json)."""
-        save_weights(self.card, self.params if params is None else params, path)
+        save_weights(self.params if params is None else params, path, self.card)
 
 
 def parameter_shapes(card: Card) -> dict[str, tuple[int, ...]]:
@@ -280,7 +280,10 @@ def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dic
     return found
 
 
-def save_weights(card: Card, params: Params, path: str | os.PathLike) -> None:
+def save_weights(params: Params, path: str | os.PathLike, card: Card | None = None) -> None:
+    """`params` as float32 safetensors under their paths (which `load_model` and the
+    PyTorch model read back): a .safetensors path is one file; a directory gets
+    model.safetensors and, given the card, the config.json transformers needs."""
     import json
     from pathlib import Path
 
@@ -293,7 +296,7 @@ def save_weights(card: Card, params: Params, path: str | os.PathLike) -> None:
     tensors = {k: np.asarray(jnp.asarray(v, jnp.float32)) for k, v in params.items()}
     with atomic_path(target) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-    if target is not path:
+    if target is not path and card is not None:
         config = card.hf_config()
         config["torch_dtype"] = "float32"
         write_text(path / "config.json", json.dumps(config, indent=2) + "\n")

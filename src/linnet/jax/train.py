@@ -139,6 +139,7 @@ def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params,
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
           clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
           save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None, remat: bool = False,
+          evaluate: Callable[[Params], dict] | None = None, evaluate_every: int = 50,
           on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
@@ -151,7 +152,9 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
     mesh: a one-axis `jax.sharding.Mesh` for data-parallel, fully sharded training: every
     accumulated micro-step takes one row a device, and every parameter, its gradient and
     optimizer state are split along the largest axis the device count divides.
-    remat: recompute each layer in backward (see `linnet.jax.model.hidden`)."""
+    remat: recompute each layer in backward (see `linnet.jax.model.hidden`).
+    evaluate: params -> metrics, every `evaluate_every` steps and at the last, added to
+    the step's metrics before `on_step` sees it."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint, mesh)
@@ -179,6 +182,8 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         trained, opt_state, loss, norm = step_fn(trained, frozen, opt_state, rows)
         record = Step(step, float(loss), int(learned), int(sum(b.real for b in chunk)), float(norm),
                       learning_rate(opt_state), time.perf_counter() - t0)
+        if evaluate is not None and (step % evaluate_every == 0 or step == steps):
+            record.metrics.update(evaluate({**frozen, **trained}))
         end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,
                  checkpoint_every=checkpoint_every, keep=keep)
     return finish(model, trained, frozen, save_to), history
@@ -222,5 +227,5 @@ def finish(model: JaxModel, trained: Params, frozen: Params, save_to) -> Params:
     if save_to is not None and model.lora:
         save_peft(model, save_to, params)
     elif save_to is not None:
-        save_weights(model.card, params, save_to)
+        save_weights(params, save_to, model.card)
     return params
