@@ -1,7 +1,7 @@
 """Training-step tokens/s of the JAX backend against the PyTorch one: the same card,
 weights, packed rows and optimizer, full fine-tuning, on this CPU.
 
-    python bench/jax_vs_torch.py                 # ~7M and ~27M parameters, f32; ~3 min
+    python bench/jax_vs_torch.py                 # ~7M and ~36M parameters, f32; ~5 min
     python bench/jax_vs_torch.py --quick         # the small model only
     python bench/jax_vs_torch.py --out -         # print only
 
@@ -31,7 +31,7 @@ from linnet.packing import Example, pack  # noqa: E402
 
 SIZES = {  # name: card fields
     "7M": dict(vocab=8192, hidden=256, intermediate=768, layers=4, heads=8, kv_heads=4, head_dim=32),
-    "27M": dict(vocab=16384, hidden=512, intermediate=1536, layers=6, heads=8, kv_heads=4, head_dim=64),
+    "36M": dict(vocab=16384, hidden=512, intermediate=1536, layers=6, heads=8, kv_heads=4, head_dim=64),
 }
 
 
