@@ -140,10 +140,10 @@ def test_schedule_that_cannot_fit_fails_before_anything_is_written(workspace, tm
     assert not (tmp_path / "run").exists()
 
 
-def _sft_process(rank, overrides):
+def _sft_process(rank, overrides, *flags):
     from linnet.sft import cli as sft_cli
 
-    return sft_cli([a for o in overrides for a in ("--set", o)])
+    return sft_cli([a for o in overrides for a in ("--set", o)] + list(flags))
 
 
 @pytest.mark.parametrize("shard", ["none", "zero", "fsdp"])
@@ -173,3 +173,11 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     for key in y:
         torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
+    if shard == "fsdp":  # killed after step 4: step 3's parts and three metrics lines remain; --resume finishes alike
+        shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-00000006")
+        metrics = tmp_path / "two" / "metrics.jsonl"
+        metrics.write_text("\n".join(metrics.read_text().splitlines()[:3]) + "\n")
+        args = common + [f"output={tmp_path / 'two'}", "training.accumulate=1", f"training.shard={shard}"]
+        assert in_processes(_sft_process, args, "--resume") == [0, 0]
+        again = [json.loads(x) for x in metrics.read_text().splitlines()]
+        assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in two], rel=1e-6)
