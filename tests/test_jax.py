@@ -160,10 +160,27 @@ def test_trainable_patterns_and_refusals(jx, tmp_path):
         jax_train(jax_model, _rows(1), optimizer=optax.sgd(0.1), steps=1, trainable="nothing.*")
     with pytest.raises(ValueError, match="does not take trainable"):
         nest.load(BASE, backend="jax", weights="random", trainable=True)
-    with pytest.raises(ValueError, match="shared prompts"):
-        from linnet.packing import pack_prompted
 
-        jax_model.loss_packed(next(pack_prompted([([5, 6, 7], [[8, 9], [10, 11]])], 32)))
+
+def test_shared_prompt_rows_equal_pytorch_and_separate_documents(jx, tmp_path):
+    """A prompt placed once with its completions attending to it (Packed.prefix): the
+    completions' log-probabilities equal PyTorch's on the same row and the JAX model's on
+    separate prompt + completion documents."""
+    from linnet.packing import pack_prompted
+
+    torch_model, jax_model = _pair(jx, {"qk_norm": True}, tmp_path)
+    groups = [([5, 6, 7, 8], [[9, 10, 11], [12, 13], [14, 15, 16, 17]]), ([20, 21], [[22, 23], [24, 25, 26]])]
+    shared, separate = (next(pack_prompted(groups, 48, share=share)) for share in (True, False))
+    assert shared.prefix is not None and shared.real < separate.real
+
+    def answers(logp, row):  # each completion's learned log-probabilities, in order
+        return np.concatenate([np.asarray(logp)[a:b][np.asarray(row.weights)[a:b] > 0]
+                               for a, b in zip(row.bounds[:-1], row.bounds[1:])])
+
+    got = answers(jax_model.log_probs_packed(shared), shared)
+    with torch.no_grad():
+        np.testing.assert_allclose(got, answers(torch_model.log_probs_packed(shared).numpy(), shared), atol=2e-5)
+    np.testing.assert_allclose(got, answers(jax_model.log_probs_packed(separate), separate), atol=2e-5)
 
 
 def _lora_pair(jx, tmp_path):

@@ -3,7 +3,7 @@ PyTorch and with the same options:
 
     params, history = dpo(model, pairs, optimizer=optax.adamw(1e-6), steps=100, pairs_per_step=32)
 
-A pair's two answers share a packed row (each answer after its own copy of the prompt);
+A pair's two answers share a packed row and one copy of its prompt;
 the loss is -log sigmoid(beta * ((chosen - ref_chosen) - (rejected - ref_rejected)))
 averaged over the step's pairs, with `label_smoothing` of them taken as labelled the
 wrong way round. `reference` is a dict of parameters (path -> array); without it the
@@ -28,9 +28,9 @@ from linnet.train.loop import History, Step, step_items
 
 def _rows(pairs: Sequence[Pair], tokens: int):
     """(stacked row arrays [R, P], [pairs, 2, 2] (row, document) of each chosen and
-    rejected answer, real positions): the answers are the documents with learned
-    tokens, in row order."""
-    rows = list(pack_prompted(((p.prompt, (p.chosen, p.rejected)) for p in pairs), tokens, share=False))
+    rejected answer, real positions): each prompt once, both answers attending to it;
+    the answers are the documents with learned tokens, in row order."""
+    rows = list(pack_prompted(((p.prompt, (p.chosen, p.rejected)) for p in pairs), tokens))
     where = [(r, d) for r, row in enumerate(rows)
              for d in np.flatnonzero(np.add.reduceat(np.asarray(row.weights), np.asarray(row.bounds)[:-1]) > 0)]
     arrays = [row_arrays(row) for row in rows]

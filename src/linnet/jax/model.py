@@ -42,14 +42,16 @@ def as_dtype(dtype: Any):
 
 def row_arrays(batch) -> dict[str, np.ndarray]:
     """A packed row as the arrays the functions here take: tokens, targets, weights,
-    positions and each position's document (`segments`)."""
-    if getattr(batch, "prefix", None) is not None:
-        raise ValueError("the JAX backend does not take rows with shared prompts (Packed.prefix) yet; "
-                         "pack each prompt with its completion (linnet.packing.pack)")
+    positions, each position's document (`segments`) and the document it also attends
+    to (`shared`: its shared prompt, from `Packed.prefix`; -1 for none)."""
     bounds = np.asarray(batch.bounds)
     arrays = {name: np.asarray(getattr(batch, name)) for name in ("tokens", "targets", "positions")}
     arrays["weights"] = np.asarray(batch.weights, dtype=np.float32)
-    arrays["segments"] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds)).astype(np.int32)
+    lengths = np.diff(bounds)
+    arrays["segments"] = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    prefix = getattr(batch, "prefix", None)
+    prefix = np.full(len(lengths), -1) if prefix is None else np.asarray(prefix)
+    arrays["shared"] = np.repeat(prefix, lengths).astype(np.int32)
     return arrays
 
 
@@ -112,7 +114,8 @@ def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale:
     angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
     cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
     index = jnp.arange(positions.shape[0])
-    mask = (segments[:, None] == segments[None, :]) & (index[:, None] >= index[None, :])
+    same = (segments[:, None] == segments[None, :]) | (row["shared"][:, None] == segments[None, :])
+    mask = same & (index[:, None] >= index[None, :])  # within the document (and its shared prompt), causal
 
     def layer(x, i: int):
         path = f"model.layers.{i}"
