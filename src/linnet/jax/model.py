@@ -55,7 +55,7 @@ def row_arrays(batch) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _linear(params: Params, path: str, x, bias: bool, lora_scale: float):
+def linear(params: Params, path: str, x, bias: bool, lora_scale: float):
     """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale)."""
     y = x @ params[f"{path}.weight"].astype(x.dtype).T
     if bias:
@@ -66,40 +66,55 @@ def _linear(params: Params, path: str, x, bias: bool, lora_scale: float):
     return y
 
 
-def _rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return weight.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def _rotate(x, cos, sin):
+def rotate(x, cos, sin):
     """RoPE in the half-split layout; x [P, heads, d], cos and sin [P, 1, d]."""
     half = x.shape[-1] // 2
     return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
-def _attention(params: Params, card: Card, i: int, x, cos, sin, mask, s: float):
+def cos_sin(card: Card, positions, dtype):
+    """RoPE tables [..., 1, d] for integer `positions` [...], computed in float32."""
+    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(card)
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def project(params: Params, card: Card, i: int, x, cos, sin, s: float):
+    """Layer i's q [..., H, d], k and v [..., K, d] of normed inputs x [..., D], q and k
+    normed where the card says (Qwen3) and rotated; shared with the sampling engine."""
     c, path = card, f"model.layers.{i}.self_attn"
-    P = x.shape[0]
-    q = _linear(params, f"{path}.q_proj", x, c.qkv_bias, s).reshape(P, c.heads, c.head_dim)
-    k = _linear(params, f"{path}.k_proj", x, c.qkv_bias, s).reshape(P, c.kv_heads, c.head_dim)
-    v = _linear(params, f"{path}.v_proj", x, c.qkv_bias, s).reshape(P, c.kv_heads, c.head_dim)
+    lead = x.shape[:-1]
+    q = linear(params, f"{path}.q_proj", x, c.qkv_bias, s).reshape(*lead, c.heads, c.head_dim)
+    k = linear(params, f"{path}.k_proj", x, c.qkv_bias, s).reshape(*lead, c.kv_heads, c.head_dim)
+    v = linear(params, f"{path}.v_proj", x, c.qkv_bias, s).reshape(*lead, c.kv_heads, c.head_dim)
     if c.qk_norm:
-        q = _rms_norm(q, params[f"{path}.q_norm.weight"], c.norm_eps)
-        k = _rms_norm(k, params[f"{path}.k_norm.weight"], c.norm_eps)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q = rms_norm(q, params[f"{path}.q_norm.weight"], c.norm_eps)
+        k = rms_norm(k, params[f"{path}.k_norm.weight"], c.norm_eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def _attention(params: Params, card: Card, i: int, x, cos, sin, mask, s: float):
+    c = card
+    P = x.shape[0]
+    q, k, v = project(params, card, i, x, cos, sin, s)
     groups = c.heads // c.kv_heads
     q = q.reshape(P, c.kv_heads, groups, c.head_dim).astype(jnp.float32)
     scores = jnp.einsum("qkgd,tkd->kgqt", q, k.astype(jnp.float32)) / np.sqrt(c.head_dim)
     scores = jnp.where(mask, scores, -jnp.inf)
     out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
-    return _linear(params, f"{path}.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s)
+    return linear(params, f"model.layers.{i}.self_attn.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s)
 
 
-def _mlp(params: Params, card: Card, i: int, x, s: float):
+def mlp(params: Params, card: Card, i: int, x, s: float):
     path, bias = f"model.layers.{i}.mlp", card.mlp_bias
-    gate = _linear(params, f"{path}.gate_proj", x, bias, s)
-    return _linear(params, f"{path}.down_proj", jax.nn.silu(gate) * _linear(params, f"{path}.up_proj", x, bias, s),
+    gate = linear(params, f"{path}.gate_proj", x, bias, s)
+    return linear(params, f"{path}.down_proj", jax.nn.silu(gate) * linear(params, f"{path}.up_proj", x, bias, s),
                    bias, s)
 
 
@@ -110,24 +125,22 @@ def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale:
     layer in backward instead of keeping its values (jax.checkpoint): a step then keeps
     each layer's input alone, for about a third more compute."""
     positions, segments = row["positions"], row["segments"]
-    angles = positions[:, None].astype(jnp.float32) * rope_frequencies(card)[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    cos, sin = cos_sin(card, positions, dtype)
     index = jnp.arange(positions.shape[0])
     same = (segments[:, None] == segments[None, :]) | (row["shared"][:, None] == segments[None, :])
     mask = same & (index[:, None] >= index[None, :])  # within the document (and its shared prompt), causal
 
     def layer(x, i: int):
         path = f"model.layers.{i}"
-        x = x + _attention(params, card, i, _rms_norm(x, params[f"{path}.input_layernorm.weight"], card.norm_eps),
+        x = x + _attention(params, card, i, rms_norm(x, params[f"{path}.input_layernorm.weight"], card.norm_eps),
                            cos, sin, mask, lora_scale)
-        return x + _mlp(params, card, i, _rms_norm(x, params[f"{path}.post_attention_layernorm.weight"],
+        return x + mlp(params, card, i, rms_norm(x, params[f"{path}.post_attention_layernorm.weight"],
                                                    card.norm_eps), lora_scale)
 
     x = params["model.embed_tokens.weight"][row["tokens"]].astype(dtype)
     for i in range(card.layers):
         x = jax.checkpoint(layer, static_argnums=(1,))(x, i) if remat else layer(x, i)
-    return _rms_norm(x, params["model.norm.weight"], card.norm_eps)
+    return rms_norm(x, params["model.norm.weight"], card.norm_eps)
 
 
 def head_weight(params: Params, card: Card):
