@@ -54,7 +54,7 @@ class Prompt:
 Reward = Callable[[Prompt, list[int]], float]
 
 
-def _reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]:
+def reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]:
     if callable(reward):
         return {getattr(reward, "__name__", "reward"): reward}
     if isinstance(reward, Mapping) and reward and all(callable(f) for f in reward.values()):
@@ -76,7 +76,7 @@ def score(functions: dict[str, Reward], prompt: Prompt, completion: list[int], w
     return values
 
 
-def _check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
+def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
     """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row."""
     for i, p in prompts:
         if not isinstance(p, Prompt):
@@ -102,7 +102,7 @@ class _Rollout:
     real: int
 
 
-def _prompt_groups(samples, prompts, tokens: int, share: bool):
+def prompt_groups(samples, prompts, tokens: int, share: bool):
     """(prompt, completions) of consecutive samples of one prompt, split where one row of
     `tokens` positions could not hold them together (`pack_prompted`'s layout)."""
     for prompt, run in itertools.groupby(samples, key=lambda s: s.prompt):
@@ -123,7 +123,7 @@ def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens:
     kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
     if not kept:
         return None
-    rows = list(pack_prompted(_prompt_groups([s for _, s in kept], prompts, tokens, share), tokens, share=share))
+    rows = list(pack_prompted(prompt_groups([s for _, s in kept], prompts, tokens, share), tokens, share=share))
     out = _Rollout(rows, [], [], [], [], len(kept), sum(len(s.tokens) for _, s in kept), sum(r.real for r in rows))
     it = iter(kept)
     for row in rows:
@@ -194,7 +194,7 @@ def grpo(
         positions per packed micro-batch row. A sequence of prompts is repeated as
         epochs; an iterator is read once.
     """
-    functions = _reward_functions(reward)
+    functions = reward_functions(reward)
     if group < 2 or prompts_per_step < 1 or iterations < 1 or max_new_tokens < 1:
         raise ValueError("grpo: group must be >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
     if beta and reference is None:
@@ -206,7 +206,7 @@ def grpo(
     # a prompt once a row, its completions attending to it, where the attention path allows
     share = all(shares_prompts(m.attention, m.device) for m in (policy, reference) if m is not None)
     if isinstance(prompts, Sequence):
-        _check_prompts(enumerate(prompts), tokens, max_new_tokens)
+        check_prompts(enumerate(prompts), tokens, max_new_tokens)
     start = resume(checkpoint, policy, optimizer, schedule)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
     if verbose and world()[0] == 0:
@@ -214,7 +214,7 @@ def grpo(
     history = History()
     for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
         t0 = time.perf_counter()
-        _check_prompts(chunk, tokens, max_new_tokens)
+        check_prompts(chunk, tokens, max_new_tokens)
         step_prompts = [p for _, p in chunk]
         engine.load_weights(policy)
         t_sample = time.perf_counter()
@@ -319,7 +319,7 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
     per reward function, full marks when each reward's best is 1 (as for linnet's
     built-in exact, numeric and format rewards).
     """
-    functions = _reward_functions(reward)
+    functions = reward_functions(reward)
     passing = float(len(functions)) if passing is None else passing
     samples = samples or k
     if k == 1 or k < 0 or samples < k:

@@ -1,0 +1,181 @@
+"""GRPO for the JAX decoder, as `linnet.train.grpo.grpo` does it in PyTorch and with the
+same options:
+
+    engine = Engine(nest.load(card, backend="jax"))
+    params, history = grpo(policy, engine, [Prompt(ids, answer) for ...], reward,
+                           optimizer=optax.adamw(1e-6), steps=200, group=8, prompts_per_step=8)
+
+Each step: the engine takes the policy's current parameters (adapters merged) and samples
+`group` completions of each prompt; rewards give each completion its advantage (its
+reward less its group's mean, over the group's std unless dr_grpo); the completions are
+packed with each prompt once (`Packed.prefix`) and the policy takes `iterations` clipped
+policy-gradient steps on them, one compiled step each. The objective's terms are those of
+`linnet.train.grpo_loss`, in JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from linnet.jax.engine import Engine
+from linnet.jax.model import JaxModel, Params, log_probs_packed, row_arrays
+from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, start_run
+from linnet.packing import pack_prompted
+from linnet.train.grpo import Prompt, Reward, check_prompts, prompt_groups, reward_functions, score
+from linnet.train.grpo_loss import group_advantages
+from linnet.train.loop import History, Step, step_items
+
+
+def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int, sequence_level: bool):
+    """The kept samples packed into rows [R, P] (each prompt once), with per-position
+    advantage, engine log-probability, token weight (1, or 1/length for sequence-level)
+    and completion index; None when nothing is kept."""
+    kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
+    if not kept:
+        return None
+    rows = list(pack_prompted(prompt_groups([s for _, s in kept], prompts, tokens, True), tokens))
+    arrays = [row_arrays(row) for row in rows]
+    extra = {name: np.zeros((len(rows), tokens), np.float32) for name in ("advantage", "engine", "token_weight")}
+    extra["sequence"] = np.zeros((len(rows), tokens), np.int32)
+    it = iter(kept)
+    for r, row in enumerate(rows):
+        learned = np.flatnonzero(np.asarray(row.weights) > 0)  # the completions' tokens, in order
+        at = 0
+        for _ in range(row.examples):
+            i, s = next(it)
+            where = learned[at: at + len(s.tokens)]
+            extra["advantage"][r, where] = advantages[i]
+            extra["engine"][r, where] = np.asarray(s.logprobs)
+            extra["token_weight"][r, where] = 1.0 / len(s.tokens) if sequence_level else 1.0
+            extra["sequence"][r, where] = i
+            at += len(s.tokens)
+    stacked = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]} | extra
+    return stacked, len(kept), sum(len(s.tokens) for _, s in kept), sum(row.real for row in rows)
+
+
+def _policy_log_probs(params: Params, card, rows, dtype, lora_scale: float):
+    return jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None))(params, card, rows, dtype, lora_scale)
+
+
+@functools.lru_cache(maxsize=8)
+def _make_step(card, dtype, lora_scale: float, optimizer, max_grad_norm, clip: tuple[float, float], beta: float,
+               correction_cap, sequence_level: bool, sequences: int):
+    low, high = 1.0 - clip[0], 1.0 + clip[1]
+
+    def loss_fn(trained, frozen, rows, old, ref, normaliser):
+        logp = _policy_log_probs({**frozen, **trained}, card, rows, dtype, lora_scale)
+        mask = rows["weights"] > 0
+        log_ratio = jnp.where(mask, logp - old, 0.0)
+        if sequence_level:  # GSPO: the completion's mean log ratio on each of its tokens
+            seq = rows["sequence"]
+            sums = jax.ops.segment_sum(log_ratio.reshape(-1), seq.reshape(-1), num_segments=sequences)
+            counts = jax.ops.segment_sum(mask.reshape(-1).astype(jnp.float32), seq.reshape(-1),
+                                         num_segments=sequences)
+            log_ratio = (sums / jnp.maximum(counts, 1.0))[seq]
+        ratio = jnp.exp(log_ratio)
+        a = rows["advantage"]
+        unclipped, clipped = ratio * a, jnp.clip(ratio, low, high) * a
+        weight = rows["token_weight"]
+        if correction_cap is not None:
+            weight = weight * jnp.minimum(jnp.exp(old - rows["engine"]), correction_cap)
+        per_token = -jnp.minimum(unclipped, clipped) * weight
+        kl = jnp.zeros_like(per_token)
+        if beta:
+            r = ref - logp
+            kl = jnp.exp(r) - r - 1
+            per_token = per_token + beta * kl
+        total = jnp.sum(jnp.where(mask, per_token, 0.0))
+        return total / normaliser, (total, jnp.sum(mask & (clipped < unclipped)), jnp.sum(jnp.where(mask, kl, 0.0)))
+
+    def step(trained, frozen, opt_state, rows, old, ref, normaliser):
+        (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, frozen, rows, old, ref, normaliser)
+        trained, opt_state, norm = apply_gradients(grads, trained, opt_state, optimizer, max_grad_norm)
+        return trained, opt_state, norm, stats
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str, Reward], *,
+         optimizer, steps: int, group: int = 8, prompts_per_step: int = 8, max_new_tokens: int = 256,
+         temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+         stop: Iterable[int] | None = None, iterations: int = 1, clip: tuple[float, float] = (0.2, 0.2),
+         drop_uniform: bool = False, beta: float = 0.0, reference: Params | None = None,
+         correction_cap: float | None = None, dr_grpo: bool = False, sequence_level: bool = False,
+         tokens: int = 4096, max_grad_norm: float | None = 1.0, seed: int = 0, trainable=None, save_to=None,
+         checkpoint=None, checkpoint_every: int = 100, keep: int = 2,
+         on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
+    """Train `policy` with GRPO for `steps` steps (see the module docstring); returns
+    (parameters, history). `reference` (parameters, path -> array) is needed for beta > 0.
+    Each Step's metrics hold the mean reward (and each function's, when several), the
+    share of uniform groups, completion length, stop share, clip fraction, KL and the
+    engine/policy log-probability mismatch."""
+    if group < 2 or prompts_per_step < 1 or iterations < 1:
+        raise ValueError("grpo: group must be >= 2, prompts_per_step and iterations >= 1")
+    if beta and reference is None:
+        raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
+    if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
+        raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
+                         "no top_k or top_p")
+    functions = reward_functions(reward)
+    if isinstance(prompts, Sequence):
+        check_prompts(enumerate(prompts), tokens, max_new_tokens)
+    trained, frozen, opt_state, start = start_run(policy, optimizer, trainable, checkpoint)
+    card, dtype, lora_scale = policy.card, policy.dtype, policy.lora_scale
+    forward = jax.jit(_policy_log_probs, static_argnums=(1, 3, 4))
+    stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
+    history = History()
+    for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
+        t0 = time.perf_counter()
+        check_prompts(chunk, tokens, max_new_tokens)
+        step_prompts = [p for _, p in chunk]
+        engine.load_weights(policy, {**frozen, **trained})
+        t_sample = time.perf_counter()
+        samples = engine.sample([list(p.ids) for p in step_prompts], n=group, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                seed=seed * 1_000_003 + step)
+        t_sample = time.perf_counter() - t_sample
+        scores = [score(functions, step_prompts[s.prompt], s.tokens,
+                        f"prompt {chunk[s.prompt][0]}, completion {i % group}") for i, s in enumerate(samples)]
+        per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
+        rewards = np.sum(list(per_function.values()), axis=0).reshape(len(step_prompts), group)
+        uniform = rewards.std(axis=1) == 0
+        advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
+        keep_mask = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
+        rollout = _rollout(samples, advantages, keep_mask, step_prompts, tokens, sequence_level)
+        lengths = np.array([len(s.tokens) for s in samples])
+        loss = norm = clipped = kl = mismatch = 0.0
+        n_tokens = real = 0
+        if rollout is not None:
+            rows, sequences, n_tokens, real = rollout
+            normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
+            old = forward({**frozen, **trained}, card, rows, dtype, lora_scale)
+            ref = forward(reference, card, rows, dtype, 0.0) if beta else jnp.zeros_like(old)
+            mask = rows["weights"] > 0
+            mismatch = float(np.abs(np.asarray(old) - rows["engine"])[mask].sum())
+            step_fn = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta, correction_cap,
+                                 sequence_level, len(samples))
+            for _ in range(iterations):
+                trained, opt_state, norm, (loss_sum, clipped, kl) = step_fn(
+                    trained, frozen, opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))
+            loss = float(loss_sum) / max(normaliser, 1.0)
+        metrics = {
+            "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+            **{f"reward_{name}": float(v.mean()) for name, v in per_function.items() if len(functions) > 1},
+            "uniform": float(uniform.mean()), "completion_length": float(lengths.mean()),
+            "stopped": float(np.mean([s.stopped for s in samples])),
+            "clip_fraction": float(clipped) / max(n_tokens, 1), "kl": float(kl) / max(n_tokens, 1),
+            "mismatch": mismatch / max(n_tokens, 1), "sample_seconds": t_sample,
+        }
+        record = Step(step, loss, int(n_tokens), int(real), float(norm), learning_rate(opt_state),
+                      time.perf_counter() - t0, metrics)
+        end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,
+                 checkpoint_every=checkpoint_every, keep=keep)
+    return finish(policy, trained, frozen, save_to), history
