@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from linnet.jax.model import JaxModel, Params, log_probs_packed, row_arrays
-from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, start_run
+from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
+from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
 from linnet.packing import Pair, pack_prompted
 from linnet.train.loop import History, Step, step_items
 
@@ -38,9 +38,9 @@ def _rows(pairs: Sequence[Pair], tokens: int):
     return stacked, np.asarray(where, np.int32).reshape(len(pairs), 2, 2), sum(row.real for row in rows)
 
 
-def _answer_log_probs(params: Params, card, rows, where, dtype, lora_scale: float):
+def _answer_log_probs(params: Params, card, rows, where, dtype, lora_scale: float, remat: bool = False):
     """[pairs, 2] summed log-probabilities of each pair's chosen and rejected answer."""
-    logp = jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None))(params, card, rows, dtype, lora_scale)
+    logp = rows_log_probs(params, card, rows, dtype, lora_scale, remat)
     P = logp.shape[1]
     sums = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=P))(logp * rows["weights"], rows["segments"])
     return sums[where[..., 0], where[..., 1]]
@@ -53,9 +53,10 @@ def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, labe
 
 
 @functools.lru_cache(maxsize=8)
-def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, beta: float, label_smoothing: float):
+def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, beta: float, label_smoothing: float,
+               remat: bool):
     def loss_fn(trained, frozen, rows, where, ref):
-        logp = _answer_log_probs({**frozen, **trained}, card, rows, where, dtype, lora_scale)
+        logp = _answer_log_probs({**frozen, **trained}, card, rows, where, dtype, lora_scale, remat)
         losses = dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], beta=beta, label_smoothing=label_smoothing)
         return losses.mean(), beta * (logp - ref)
 
@@ -82,10 +83,13 @@ def reference_log_probs(model: JaxModel, pairs: Sequence[Pair], *, params: Param
 def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_per_step: int = 32,
         beta: float = 0.1, label_smoothing: float = 0.0, reference: Params | None = None, tokens: int = 4096,
         clip: float | None = 1.0, trainable=None, save_to=None, checkpoint=None, checkpoint_every: int = 100,
-        keep: int = 2, on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
+        keep: int = 2, mesh=None, remat: bool = False,
+        on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train on preference pairs for `steps` steps of `pairs_per_step` pairs (the
     sequence repeated as epochs); returns (parameters, history). Each Step's metrics
-    hold accuracy (share of pairs ranked right) and margin (mean reward margin)."""
+    hold accuracy (share of pairs ranked right) and margin (mean reward margin). `mesh`
+    and `remat` work as for `linnet.jax.train.train` (a step's rows split over the
+    devices, filled out with rows that learn nothing)."""
     from linnet.train.dpo import check_pairs
 
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
@@ -93,16 +97,18 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
     pairs = list(pairs)
     check_pairs(pairs)
     fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)
-    trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint)
-    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing)
+    trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint, mesh)
+    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat)
     history = History()
     stream = itertools.cycle(enumerate(pairs))
     for step, chunk in step_items(stream, pairs_per_step, start=start, steps=steps, what="dpo: the pairs"):
         t0 = time.perf_counter()
         rows, where, real = _rows([p for _, p in chunk], tokens)
+        learned = int(rows["weights"].sum())
         ref = fixed[[i for i, _ in chunk]].astype(np.float32)
-        trained, opt_state, loss, norm, accuracy, margin = step_fn(trained, frozen, opt_state, rows, where, ref)
-        record = Step(step, float(loss), int(rows["weights"].sum()), real, float(norm), learning_rate(opt_state),
+        trained, opt_state, loss, norm, accuracy, margin = step_fn(trained, frozen, opt_state, place_rows(rows, mesh),
+                                                                   where, ref)
+        record = Step(step, float(loss), learned, real, float(norm), learning_rate(opt_state),
                       time.perf_counter() - t0,
                       metrics={"pairs": len(chunk), "accuracy": float(accuracy), "margin": float(margin)})
         end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from linnet.jax.engine import Engine
-from linnet.jax.model import JaxModel, Params, log_probs_packed, row_arrays
-from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, start_run
+from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
+from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
 from linnet.packing import pack_prompted
 from linnet.train.grpo import Prompt, Reward, check_prompts, prompt_groups, reward_functions, score
 from linnet.train.grpo_loss import group_advantages
@@ -61,17 +61,13 @@ def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens:
     return stacked, len(kept), sum(len(s.tokens) for _, s in kept), sum(row.real for row in rows)
 
 
-def _policy_log_probs(params: Params, card, rows, dtype, lora_scale: float):
-    return jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None))(params, card, rows, dtype, lora_scale)
-
-
 @functools.lru_cache(maxsize=8)
 def _make_step(card, dtype, lora_scale: float, optimizer, max_grad_norm, clip: tuple[float, float], beta: float,
-               correction_cap, sequence_level: bool, sequences: int):
+               correction_cap, sequence_level: bool, sequences: int, remat: bool):
     low, high = 1.0 - clip[0], 1.0 + clip[1]
 
     def loss_fn(trained, frozen, rows, old, ref, normaliser):
-        logp = _policy_log_probs({**frozen, **trained}, card, rows, dtype, lora_scale)
+        logp = rows_log_probs({**frozen, **trained}, card, rows, dtype, lora_scale, remat)
         mask = rows["weights"] > 0
         log_ratio = jnp.where(mask, logp - old, 0.0)
         if sequence_level:  # GSPO: the completion's mean log ratio on each of its tokens
@@ -110,13 +106,15 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
          drop_uniform: bool = False, beta: float = 0.0, reference: Params | None = None,
          correction_cap: float | None = None, dr_grpo: bool = False, sequence_level: bool = False,
          tokens: int = 4096, max_grad_norm: float | None = 1.0, seed: int = 0, trainable=None, save_to=None,
-         checkpoint=None, checkpoint_every: int = 100, keep: int = 2,
+         checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None, remat: bool = False,
          on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train `policy` with GRPO for `steps` steps (see the module docstring); returns
     (parameters, history). `reference` (parameters, path -> array) is needed for beta > 0.
     Each Step's metrics hold the mean reward (and each function's, when several), the
     share of uniform groups, completion length, stop share, clip fraction, KL and the
-    engine/policy log-probability mismatch."""
+    engine/policy log-probability mismatch. `mesh` and `remat` work as for
+    `linnet.jax.train.train` (a step's rows split over the devices, filled out with rows
+    that learn nothing); the engine samples on its own."""
     if group < 2 or prompts_per_step < 1 or iterations < 1:
         raise ValueError("grpo: group must be >= 2, prompts_per_step and iterations >= 1")
     if beta and reference is None:
@@ -127,9 +125,9 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     functions = reward_functions(reward)
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
-    trained, frozen, opt_state, start = start_run(policy, optimizer, trainable, checkpoint)
+    trained, frozen, opt_state, start = start_run(policy, optimizer, trainable, checkpoint, mesh)
     card, dtype, lora_scale = policy.card, policy.dtype, policy.lora_scale
-    forward = jax.jit(_policy_log_probs, static_argnums=(1, 3, 4))
+    forward = jax.jit(rows_log_probs, static_argnums=(1, 3, 4))
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
     history = History()
     for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
@@ -154,14 +152,15 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         loss = norm = clipped = kl = mismatch = 0.0
         n_tokens = real = 0
         if rollout is not None:
-            rows, sequences, n_tokens, real = rollout
+            host, sequences, n_tokens, real = rollout
             normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
+            rows = place_rows(host, mesh)
             old = forward({**frozen, **trained}, card, rows, dtype, lora_scale)
             ref = forward(reference, card, rows, dtype, 0.0) if beta else jnp.zeros_like(old)
-            mask = rows["weights"] > 0
-            mismatch = float(np.abs(np.asarray(old) - rows["engine"])[mask].sum())
+            learned = np.asarray(rows["weights"]) > 0
+            mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
             step_fn = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta, correction_cap,
-                                 sequence_level, len(samples))
+                                 sequence_level, len(samples), remat)
             for _ in range(iterations):
                 trained, opt_state, norm, (loss_sum, clipped, kl) = step_fn(
                     trained, frozen, opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))

@@ -156,10 +156,17 @@ def loss_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_s
 
 
 def log_probs_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0,
-                     rows: int = 1024):
+                     remat: bool = False, rows: int = 1024):
     """[P] float32 log-probability of each position's target."""
-    h = hidden(params, card, row, dtype, lora_scale)
+    h = hidden(params, card, row, dtype, lora_scale, remat)
     return linear_token_log_probs(h, head_weight(params, card), row["targets"], rows)
+
+
+def rows_log_probs(params: Params, card: Card, rows: dict, dtype=jnp.float32, lora_scale: float = 0.0,
+                   remat: bool = False):
+    """[R, P] log_probs_packed of stacked rows (split over devices when the rows are)."""
+    return jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None, None))(
+        params, card, rows, dtype, lora_scale, remat)
 
 
 def rope_frequencies(card: Card) -> np.ndarray:

@@ -83,6 +83,19 @@ def apply_gradients(grads: Params, trained: Params, opt_state, optimizer, clip: 
     return jax.tree.map(lambda p, u: p + u.astype(p.dtype), trained, updates), opt_state, norm
 
 
+def place_rows(rows: dict[str, np.ndarray], mesh) -> dict:
+    """Stacked rows [R, ...] split over the mesh's devices, filled out to a multiple of
+    the device count with all-zero rows (which learn nothing); as they are without a mesh."""
+    if mesh is None:
+        return rows
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = mesh.shape[mesh.axis_names[0]]
+    missing = -len(rows["weights"]) % devices
+    rows = {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
+    return jax.device_put(rows, NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])))
+
+
 def _part(x, mesh):
     """A NamedSharding splitting `x` along its largest axis the mesh's device count
     divides (FSDP); whole on every device when none does."""
