@@ -281,6 +281,14 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     assert [s.learned for s in history.steps] == [s.learned for s in reference.steps]
     embed = split["model.embed_tokens.weight"]
     assert embed.addressable_shards[0].data.shape[0] * 2 == embed.shape[0]  # each device holds half
+    ckpt = tmp_path / "ckpt"  # a resumed mesh run keeps its parameters split
+    jax_train(jax_model, rows, optimizer=optax.sgd(0.5, momentum=0.9), steps=1, accumulate=2, mesh=mesh,
+              checkpoint=ckpt)
+    resumed, _ = jax_train(jax_model, rows, optimizer=optax.sgd(0.5, momentum=0.9), steps=2, accumulate=2,
+                           mesh=mesh, checkpoint=ckpt)
+    assert resumed["model.embed_tokens.weight"].addressable_shards[0].data.shape[0] * 2 == embed.shape[0]
+    for name, value in split.items():
+        np.testing.assert_allclose(np.asarray(resumed[name]), np.asarray(value), atol=2e-5, err_msg=name)
     for name, value in whole.items():
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), atol=2e-5, err_msg=name)
 

@@ -130,7 +130,8 @@ def save_checkpoint(directory, step: int, trained: Params, opt_state, *, keep: i
 
 def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params, Any]:
     """(step, trained parameters, optimizer state) from the latest checkpoint in
-    `directory`, shaped like the fresh `trained` and `opt_state`; (0, them) when there is none."""
+    `directory`, shaped and placed like the fresh `trained` and `opt_state`; (0, them)
+    when there is none."""
     from safetensors.numpy import load_file
 
     path = find_checkpoint(directory)
@@ -145,8 +146,11 @@ def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params,
     if [np.shape(x) for x in loaded] != [np.shape(x) for x in leaves]:
         raise ValueError(f"{path / 'optimizer.npz'}: its state does not fit this optimizer; resume with the "
                          "optimizer the run used")
-    restored = jax.tree.unflatten(tree, [jnp.asarray(x, getattr(y, "dtype", None)) for x, y in zip(loaded, leaves)])
-    return state["step"], {k: jnp.asarray(tensors[k]) for k in trained}, restored
+    def like(x, y):  # placed (and split over a mesh) as the fresh value is
+        return jax.device_put(jnp.asarray(x, y.dtype), y.sharding) if isinstance(y, jax.Array) else x
+
+    restored = jax.tree.unflatten(tree, [like(x, y) for x, y in zip(loaded, leaves)])
+    return state["step"], {k: like(tensors[k], v) for k, v in trained.items()}, restored
 
 
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
