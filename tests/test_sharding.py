@@ -192,3 +192,57 @@ def test_sharded_grpo_runs_when_a_process_has_nothing_to_train(tmp_path):
     np.testing.assert_array_equal(head0, head1)
     np.testing.assert_allclose(saved, head0, atol=1e-6)
     assert not np.allclose(saved, _model(False, "float32").lm_head.weight.detach().numpy(), atol=1e-4)
+
+
+def _split_run(rank, copies, out):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    split = 4 // copies if copies > 1 else 2
+    mesh = init_device_mesh("cpu", (copies, split), mesh_dim_names=("copies", "split"))
+    model = nest.load(CARD, weights="random", seed=0, trainable=True, tensor_parallel=mesh["split"])
+    copy = mesh.get_local_rank("copies")
+    heads = model.model.layers[0].self_attn.shape[0]
+    steps = _run(model, _rows()[copy::copies], 2 // copies, save_to=out / "final", checkpoint=out / "ckpt",
+                 checkpoint_every=2)
+    return steps, heads
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_split_processes_train_like_one(tmp_path, copies):
+    """tensor_parallel: two processes splitting every block (one copy), or two copies of a
+    two-way split (four processes), take the steps and write the weights of one process
+    training the whole model on every copy's batches; the parts' checkpoint resumes into a
+    whole model in one process."""
+    out = tmp_path / "split"
+    results = in_processes(_split_run, copies, out, processes=2 * copies)
+    assert all(heads == CARD.heads // 2 for _, heads in results)
+    assert all(steps == results[0][0] for steps, _ in results)
+    reference = _run(_model(False, "float32"), _rows(), 2, save_to=tmp_path / "one")
+    for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(results[0][0], reference, strict=True):
+        assert learned == ref_learned
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+    two, one = (load_file(str(d / "model.safetensors")) for d in (out / "final", tmp_path / "one"))
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=3e-4, rtol=0, msg=key)
+    (tmp_path / "whole").mkdir()
+    shutil.copytree(out / "ckpt" / "step-00000002", tmp_path / "whole" / "step-00000002")
+    resumed = _run(_model(False, "float32"), _rows(), 2, checkpoint=tmp_path / "whole")
+    assert [x[0] for x in resumed] == pytest.approx([x[0] for x in reference[2:]], rel=1e-5)
+
+
+def _split_refusals(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
+    with pytest.raises(ValueError, match="kv_heads=1, which 2 processes cannot split"):
+        nest.load(CARD.replace(kv_heads=1), weights="random", trainable=True, tensor_parallel=mesh)
+    model = nest.load(CARD, weights="random", trainable=True, tensor_parallel=mesh)
+    with pytest.raises(ValueError, match="adapters on a split model"):
+        model.add_lora("*_proj.weight")
+    with pytest.raises(ValueError, match="dpo does not train split models"):
+        dpo(model, [Pair([5], [6], [7])], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+    return True
+
+
+def test_split_models_refuse_what_they_cannot_do():
+    assert in_processes(_split_refusals) == [True, True]

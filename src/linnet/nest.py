@@ -431,6 +431,7 @@ def load(
     weights: str | os.PathLike | None = None,
     seed: int = 0,
     attention: str = "auto",
+    tensor_parallel: Any = None,
     **seed_spelling: Any,
 ):
     """Build the card's decoder for `backend`.
@@ -442,6 +443,8 @@ def load(
     trainable: True, False, or glob patterns over parameter paths.
     compile: True or "inductor" compiles each block with torch.compile; another string
     names a torch.compile backend.
+    tensor_parallel: a one-dimension DeviceMesh (mesh["split"]) whose processes split every
+    block's weights (linnet.torch.sharding.tensor_parallel); full fine-tuning with `train`.
     backend="jax" (or the seed's "jax_source") gives a linnet.jax.JaxModel (needs the
     `jax` extra); it takes weights, dtype and seed.
     """
@@ -460,7 +463,8 @@ def load(
         raise TypeError(f"load() got unexpected arguments: {', '.join(seed_spelling)}")
     if backend != "torch":
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
-                                                   ("compile", compile, False), ("attention", attention, "auto"))
+                                                   ("compile", compile, False), ("attention", attention, "auto"),
+                                                   ("tensor_parallel", tensor_parallel, None))
                   if value != default]
         if unused:
             raise ValueError(f"backend={backend!r} does not take {', '.join(unused)}: JAX places arrays itself, "
@@ -479,4 +483,5 @@ def load(
         weights=weights,
         seed=seed,
         attention=attention,
+        tensor_parallel=tensor_parallel,
     )

@@ -45,6 +45,8 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     of `patterns`; freeze everything else. Returns the adapted layer paths."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
+    if getattr(model, "copies", None) is not None:
+        raise ValueError("add_lora: adapters on a split model (tensor_parallel) are not supported yet")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
     # the output head feeds the blockwise losses directly, never through Linear.forward

@@ -34,12 +34,14 @@ from linnet.torch import attention as attention_paths
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs
 
 
-class Linear(nn.Module):
+class Linear(nn.Linear):
     """y = x @ W.T (+ b), the weight cast to the input's dtype; with a low-rank adapter
-    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale."""
+    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale. An nn.Linear, so PyTorch's
+    tensor-parallel styles split it."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # nn.Linear's own init would allocate and initialise the weight
+        self.in_features, self.out_features = d_in, d_out
         self.weight = nn.Parameter(torch.empty(d_out, d_in))
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
         self.lora_a: nn.Parameter | None = None
@@ -184,6 +186,7 @@ class Decoder(nn.Module):
         self.dtype = dtype
         self.attention = attention
         self.lora: dict | None = None  # the add_lora settings, while adapters are in place
+        self.copies = None  # with tensor_parallel: the group of the same part in other copies
         self.compiled = False  # compiled blocks want one row length: keep the padding
         self.model = Body(card)
         if not card.tied_embeddings:
@@ -367,7 +370,7 @@ def _initialise(model: Decoder, seed: int) -> None:
             p.copy_(value)
 
 
-def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention) -> Decoder:
+def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet import nest
     from linnet.torch.weights import bind_weights
@@ -387,6 +390,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     else:
         source = nest.weights_directory(card) if weights is None else weights
         bind_weights(model, source, strict=True)
+    if tensor_parallel is not None:
+        from linnet.torch.sharding import tensor_parallel as split
+
+        split(model, tensor_parallel)
     if compile:
         backend = "inductor" if compile is True else compile
         for block in model.model.layers:

@@ -69,3 +69,45 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a sharded tensor, or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def tensor_parallel(model, mesh):
+    """Split every block's projections across the processes of `mesh` (a one-dimension
+    DeviceMesh, e.g. mesh["split"] of a ("copies", "split") mesh): q, k, v, gate and up by
+    output rows, o and down by input columns (PyTorch's ColwiseParallel / RowwiseParallel),
+    so each process holds 1/size of every block's weights and computes its share of the
+    heads and of the MLP. The embedding, norms and head stay whole. The processes of a split
+    take the same batches; `model.copies` is then the group of processes holding the same
+    part in other copies, across which `train` sums gradients and counts."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    size = mesh.size()
+    c = model.card
+    for name, count in (("heads", c.heads), ("kv_heads", c.kv_heads), ("intermediate", c.intermediate)):
+        if count % size:
+            raise ValueError(f"tensor_parallel: card {c.name!r} has {name}={count}, which {size} processes "
+                             "cannot split evenly")
+    if model.lora or is_sharded(model):
+        raise ValueError("tensor_parallel: load the model whole and unadapted; adapters on a split model are "
+                         "not supported yet")
+    plan = {f"self_attn.{n}_proj": ColwiseParallel() for n in ("q", "k", "v")}
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+                 "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    for block in model.model.layers:
+        parallelize_module(block, mesh, plan)
+        heads, kv_heads, d = block.self_attn.shape
+        block.self_attn.shape = (heads // size, kv_heads // size, d)  # this process's heads
+    model.copies = _copies_group(mesh)
+    return model
+
+
+def _copies_group(mesh):
+    """The process group of the ranks at this rank's place in every split (this rank alone
+    when there is one copy)."""
+    mine = mesh.mesh.flatten().tolist()
+    splits: list = [None] * dist.get_world_size()
+    dist.all_gather_object(splits, mine)
+    place = mine.index(dist.get_rank())
+    layouts = sorted({tuple(s) for s in splits})
+    groups = [dist.new_group([s[i] for s in layouts]) for i in range(len(mine))]  # every rank makes every group
+    return groups[place]

@@ -143,6 +143,8 @@ def dpo(
     """
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    if getattr(model, "copies", None) is not None:
+        raise ValueError("dpo does not train split models (tensor_parallel) yet; use fully_shard")
     params = trained_parameters(model)
     fixed: np.ndarray | None = None
     if reference is None or reference_cache is not None:

@@ -199,6 +199,8 @@ def grpo(
         raise ValueError("grpo: group must be >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
+    if getattr(policy, "copies", None) is not None:
+        raise ValueError("grpo does not train split models (tensor_parallel) yet; use fully_shard")
     if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
         raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
                          "no top_k or top_p")

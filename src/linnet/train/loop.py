@@ -81,10 +81,11 @@ def _count(batch, name: str) -> float:
 
 
 def optimizer_step(params, optimizer, schedule, clip: float | None, loss: float, step: int,
-                   checkpoint: str | os.PathLike | None) -> tuple[float, float]:
-    """Reduce, clip and apply the gradients; returns (grad norm, lr used). A non-finite
-    loss or norm stops the run before the weights change."""
-    reduce_gradients(params)
+                   checkpoint: str | os.PathLike | None, group=None) -> tuple[float, float]:
+    """Reduce (over `group`, default every process), clip and apply the gradients;
+    returns (grad norm, lr used). A non-finite loss or norm stops the run before the
+    weights change."""
+    reduce_gradients(params, group)
     norm = float(clip_gradients(params, clip))
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -157,12 +158,14 @@ def train(
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     params = trained_parameters(model)
+    copies = getattr(model, "copies", None)  # a split model: the processes of a split share batches
     start = resume(checkpoint, model, optimizer, schedule)
     history = History()
     model.train()
     for step, micro in step_items(batches, accumulate, start=start, steps=steps, what="train: the batches"):
         t0 = time.perf_counter()
-        learned, real = sum_across([sum(_count(b, "weights") for b in micro), sum(_count(b, "real") for b in micro)])
+        learned, real = sum_across([sum(_count(b, "weights") for b in micro), sum(_count(b, "real") for b in micro)],
+                                   copies)
         if learned == 0:
             raise ValueError(f"step {step}: its {len(micro)} batches hold no learned position")
         total = 0.0
@@ -170,9 +173,9 @@ def train(
             loss_sum, _ = model.loss_packed(batch)
             (loss_sum / learned).backward()
             total = total + loss_sum.detach()
-        (loss_all,) = sum_across([float(total)])  # the step's one host sync
+        (loss_all,) = sum_across([float(total)], copies)  # the step's one host sync
         loss = loss_all / learned
-        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint)
+        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint, copies)
         end_step(Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0), history, on_step,
                  model=model, optimizer=optimizer, schedule=schedule, steps=steps, checkpoint=checkpoint,
                  checkpoint_every=checkpoint_every, keep=keep)

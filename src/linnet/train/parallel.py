@@ -65,12 +65,12 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def sum_across(values: list[float]) -> list[float]:
-    """Element-wise sum of host numbers over every process (one collective)."""
+def sum_across(values: list[float], group=None) -> list[float]:
+    """Element-wise sum of host numbers over every process, or over `group` (one collective)."""
     if world()[1] == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 
@@ -111,28 +111,30 @@ def idle_passes(count: int, *models, row=None) -> None:
                 (out.sum() * 0).backward()
 
 
-def reduce_gradients(parameters: list[torch.nn.Parameter]) -> None:
+def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     """Sum gradients over processes in one flat buffer per dtype. Each process has
     already divided by the global count of learned positions, so the sum is the mean
     over every token of the step. A parameter without a gradient counts as zero.
-    Sharded parameters (fully_shard) are skipped: FSDP has reduced them already."""
+    Without `group`, over every process, skipping sharded parameters (fully_shard has
+    reduced them already); with it (a split model's copies), over the group, each
+    process summing its own part of a split parameter."""
     if world()[1] == 1:
         return
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and group is None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for group in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        dist.all_reduce(flat)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
         offset = 0
-        for p in group:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
