@@ -146,11 +146,12 @@ def _sft_process(rank, overrides, *flags):
     return sft_cli([a for o in overrides for a in ("--set", o)] + list(flags))
 
 
-@pytest.mark.parametrize("shard", ["none", "zero", "fsdp"])
+@pytest.mark.parametrize("shard", ["none", "zero", "fsdp", "split"])
 def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
     optimizer split, or everything split) takes the steps one process takes with twice
-    the accumulation: the same losses, held-out losses and final weights, written once."""
+    the accumulation: the same losses, held-out losses and final weights, written once.
+    With training.split=2 the two processes split one model and take the same rows."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
@@ -158,8 +159,9 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     common = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", "data.chat=false",
               "data.tokens=256", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
               "schedule.warmup=2", "training.eval_every=3", "training.checkpoint_every=3", "training.steps=6"]
-    assert in_processes(_sft_process, common + [f"output={tmp_path / 'two'}", "training.accumulate=1",
-                                                f"training.shard={shard}"]) == [0, 0]
+    mode = ["training.split=2", "training.accumulate=2"] if shard == "split" else \
+        [f"training.shard={shard}", "training.accumulate=1"]
+    assert in_processes(_sft_process, common + [f"output={tmp_path / 'two'}", *mode]) == [0, 0]
     run(load_config(SFTConfig, None, common + [f"output={tmp_path / 'one'}", "training.accumulate=2"]))
     two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("two", "one"))
@@ -170,8 +172,8 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
             assert (key in a) == (key in b)
             assert key not in b or a[key] == pytest.approx(b[key], rel=1e-5), key
     x, y = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("two", "one"))
-    for key in y:
-        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
+    for key in y:  # AdamW magnifies rounding where a gradient is tiny (a split sums its products apart)
+        torch.testing.assert_close(x[key], y[key], atol=1e-5 if shard != "split" else 3e-4, rtol=0, msg=key)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
     if shard == "fsdp":  # killed after step 4: step 3's parts and three metrics lines remain; --resume finishes alike
         shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-00000006")

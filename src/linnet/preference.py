@@ -58,6 +58,8 @@ class DPOConfig:
     def __post_init__(self):
         if not self.data.path:
             raise ValueError("config: data.path is required (preference records)")
+        if self.training.split != 1:
+            raise ValueError("config: training.split (tensor parallel) trains sft only; use training.shard=fsdp")
         if self.training.accumulate != 1:
             raise ValueError("config: training.accumulate is not used by dpo; set dpo.pairs_per_step instead")
         if not self.dpo.beta > 0 or not 0 <= self.dpo.label_smoothing < 0.5 or self.dpo.pairs_per_step < 1:

@@ -76,6 +76,8 @@ class GRPOConfig:
         g = self.grpo
         if not self.data.path:
             raise ValueError("config: data.path is required (prompt records)")
+        if self.training.split != 1:
+            raise ValueError("config: training.split (tensor parallel) trains sft only; use training.shard=fsdp")
         if self.training.accumulate != 1:
             raise ValueError("config: training.accumulate is not used by grpo; set grpo.prompts_per_step")
         if g.group < 2 or g.prompts_per_step < 1 or g.iterations < 1 or g.max_new_tokens < 1:

@@ -21,7 +21,7 @@ import torch
 
 from linnet.config import load_config, option, template, to_dict
 from linnet.files import write_text
-from linnet.train.parallel import from_first, world
+from linnet.train.parallel import data_share, from_first, world
 
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 
@@ -76,6 +76,8 @@ class TrainingConfig:
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the "
                 "processes), fsdp (weights, gradients and optimizer state split: fully_shard)")
+    split: int = option(1, "under torchrun (sft, full fine-tuning): processes that split every block between "
+                           "them (tensor parallel) and take the same rows; the processes form copies of such splits")
 
 
 def make_schedule(s: ScheduleConfig, optimizer, steps: int):
@@ -139,9 +141,10 @@ def open_run(config: Any, *, overwrite: bool, resume: bool) -> Path:
     return out
 
 
-def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int, shard: str = "none"):
+def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int, shard: str = "none", split: int = 1):
     """The model to train: the base frozen with adapters, or every weight trainable;
-    split across the processes with shard="fsdp"."""
+    split across the processes with shard="fsdp", or `split` processes at a time
+    splitting every block (tensor parallel)."""
     from linnet import nest
     from linnet.torch.sharding import fully_shard
 
@@ -151,15 +154,26 @@ def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int, shard: str = "
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
+    mesh = None
+    if split > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if shard != "none" or lora.enabled:
+            raise ValueError(f"config: training.split={split} trains every weight of a whole model copy: set "
+                             "lora.enabled=false and training.shard=none")
+        copies = data_share(split)[1]
+        mesh = init_device_mesh(torch.device(device).type, (copies, split), mesh_dim_names=("copies", "split"))
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=seed,
-                      trainable=not lora.enabled, compile=m.compile, attention=m.attention)
+                      trainable=not lora.enabled, compile=m.compile, attention=m.attention,
+                      tensor_parallel=None if mesh is None else mesh["split"])
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora)
     if shard == "fsdp" and processes > 1:
         fully_shard(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
-        on = f"{processes} processes ({shard})" if processes > 1 else device
+        on = (f"{processes} processes ({shard}{f', split {split} ways' if split > 1 else ''})" if processes > 1
+              else device)
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
     return model

@@ -23,7 +23,7 @@ from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
     make_schedule, open_run, parse_command, print_table, summarize,
 )
-from linnet.train.parallel import idle_passes, passes_short, process_group, sum_across, world
+from linnet.train.parallel import data_share, idle_passes, passes_short, process_group, sum_across
 
 
 @dataclass
@@ -103,17 +103,17 @@ def prepare(config: SFTConfig) -> Prepared:
         raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
     rows = sum(1 for _ in pack(examples, d.tokens, pad_id=tokenizer.pad_id))
     t = config.training
-    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulate * world()[1])))
+    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulate * data_share(t.split)[1])))
     make_schedule(config.schedule, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps)  # check it now
     return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
 
 
 def epochs_of_rows(prepared: Prepared):
     """Packed rows, epoch after epoch; each epoch reshuffles the examples by seed, so a
-    resumed run sees the same stream. Under torchrun each process takes every
-    processes-th row."""
-    rank, processes = world()
-    return itertools.islice(_all_rows(prepared), rank, None, processes)
+    resumed run sees the same stream. Under torchrun each copy of the model (each
+    process, unless training.split joins processes into one) takes every copies-th row."""
+    share, shares = data_share(prepared.config.training.split)
+    return itertools.islice(_all_rows(prepared), share, None, shares)
 
 
 def _all_rows(prepared: Prepared):
@@ -139,7 +139,7 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     real = sum(r.real for r in rows)
     learned = sum(r.learned for r in rows)
     positions = len(rows) * d.tokens
-    processes = world()[1]
+    processes = data_share(t.split)[1]
     per_step = t.accumulate * processes
     return [
         ("training examples", f"{len(prepared.train_examples):,}"),
@@ -155,11 +155,11 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     ]
 
 
-def held_out_loss(model, rows) -> float:
-    """Mean loss per learned token over packed rows, without gradients (each process
-    takes its share of the rows)."""
-    rank, processes = world()
-    mine = rows[rank::processes]
+def held_out_loss(model, rows, split: int = 1) -> float:
+    """Mean loss per learned token over packed rows, without gradients (each copy of the
+    model takes its share of the rows; see epochs_of_rows)."""
+    share, shares = data_share(split)
+    mine = rows[share::shares]
     short = passes_short(len(mine), model)
     total = count = 0.0
     was_training = model.training
@@ -170,7 +170,7 @@ def held_out_loss(model, rows) -> float:
             total, count = total + float(loss), count + float(n)
         idle_passes(short, model)
     model.train(was_training)
-    total, count = sum_across([total, count])
+    total, count = sum_across([total, count])  # the processes of a split count alike: the ratio stands
     return total / max(count, 1.0)
 
 
@@ -181,13 +181,13 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
     prepared = prepare(config)  # data errors before anything is written
     out = open_run(config, overwrite=overwrite, resume=resume)
     t = config.training
-    model = load_model(prepared.card, config.model, config.lora, t.seed, t.shard)
+    model = load_model(prepared.card, config.model, config.lora, t.seed, t.shard, t.split)
     optimizer = adamw(config.optimizer, model, t.shard)
     schedule = make_schedule(config.schedule, optimizer, prepared.steps)
     eval_rows = list(pack(prepared.eval_examples, config.data.tokens, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
     log = MetricsLog(out, "sft", prepared.steps, t.eval_every,
-                     (lambda step: {"held_out_loss": held_out_loss(model, eval_rows)}) if eval_rows else None)
+                     (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, t.split)}) if eval_rows else None)
     t0 = time.perf_counter()
     try:
         history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,

@@ -43,6 +43,15 @@ def process_group():
             dist.destroy_process_group()
 
 
+def data_share(split: int = 1) -> tuple[int, int]:
+    """(this process's share, shares) of the data when `split` processes at a time split
+    one model (tensor parallel) and take the same batches: one share a copy."""
+    rank, processes = world()
+    if processes % split:
+        raise ValueError(f"config: training.split={split} does not divide {processes} processes")
+    return rank // split, processes // split
+
+
 def barrier() -> None:
     """Wait for every process (a no-op alone)."""
     if world()[1] > 1:
