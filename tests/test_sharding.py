@@ -194,6 +194,24 @@ def test_sharded_grpo_runs_when_a_process_has_nothing_to_train(tmp_path):
     assert not np.allclose(saved, _model(False, "float32").lm_head.weight.detach().numpy(), atol=1e-4)
 
 
+def _split_head_log_probs_equal_whole(model, place: int) -> None:
+    """The head split by vocabulary: log-probabilities, and this process's rows of the
+    head's gradient, equal the whole model's."""
+    from linnet.torch.sharding import local
+
+    whole, row = _model(False, "float32"), _rows()[0]
+    head = local(model.lm_head.weight)
+    assert head.shape[0] * 2 == CARD.vocab
+    for m in (model, whole):
+        m.log_probs_packed(row).sum().backward()
+    np.testing.assert_allclose(model.log_probs_packed(row).detach().numpy(),
+                               whole.log_probs_packed(row).detach().numpy(), atol=1e-5)
+    rows = slice(place * head.shape[0], (place + 1) * head.shape[0])
+    np.testing.assert_allclose(local(model.lm_head.weight.grad).numpy(), whole.lm_head.weight.grad[rows].numpy(),
+                               atol=1e-5)
+    model.zero_grad(set_to_none=True)
+
+
 def _split_run(rank, copies, out):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -202,6 +220,7 @@ def _split_run(rank, copies, out):
     model = nest.load(CARD, weights="random", seed=0, trainable=True, tensor_parallel=mesh["split"])
     copy = mesh.get_local_rank("copies")
     heads = model.model.layers[0].self_attn.shape[0]
+    _split_head_log_probs_equal_whole(model, mesh.get_local_rank("split"))
     steps = _run(model, _rows()[copy::copies], 2 // copies, save_to=out / "final", checkpoint=out / "ckpt",
                  checkpoint_every=2)
     return steps, heads

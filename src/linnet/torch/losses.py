@@ -216,3 +216,92 @@ def linear_token_log_probs(h_ND, w_VD, targets_N, *, block_bytes: int | None = N
     if torch.is_grad_enabled() and h_ND.requires_grad and not w_VD.requires_grad:
         return _FrozenHeadTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)
     return _LinearTokenLogProbs.apply(h_ND, w_VD, targets_N, rows)
+
+
+# -- a head split by vocabulary rows across processes (tensor parallel) ------------------------------
+# Each process holds rows [offset, offset + V_local) of the head. A row's maximum, sum of exponentials
+# and target logit are combined across the processes (three all-reduces a block); the logits are not.
+
+
+def _split_stats(h_ND, wc_VD, targets_N, offset: int, group, rows: int):
+    """[N] target logit and log-sum-exp over the whole vocabulary, one block at a time."""
+    import torch.distributed as dist
+
+    picked_all, lse_all = [], []
+    for sl in _blocks(h_ND.shape[0], rows):
+        z = _block_logits(h_ND, wc_VD, sl)
+        local = targets_N[sl].long() - offset
+        mine = (local >= 0) & (local < z.shape[1])
+        picked = torch.where(mine, z.gather(-1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+        top = z.amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        sums = z.sub_(top[:, None]).exp_().sum(dim=-1)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(picked, group=group)
+        picked_all.append(picked)
+        lse_all.append(top + sums.log())
+        del z
+    return torch.cat(picked_all), torch.cat(lse_all)
+
+
+def _split_grads(h_ND, w_VD, targets_N, lse_N, coef_N, offset: int, group, rows: int):
+    """(dh, dW_local) of sum_n coef[n] * -log p(targets[n]): dh summed across the processes."""
+    import torch.distributed as dist
+
+    wc_VD = w_VD.to(h_ND.dtype)
+    grad_h = torch.zeros_like(h_ND)
+    grad_w = _zeros_f32(w_VD)
+    for sl in _blocks(h_ND.shape[0], rows):
+        g = _block_logits(h_ND, wc_VD, sl).sub_(lse_N[sl, None]).exp_()  # softmax over the local rows
+        local = targets_N[sl].long() - offset
+        mine = torch.nonzero((local >= 0) & (local < g.shape[1]))[:, 0]
+        g[mine, local[mine]] -= 1.0
+        g.mul_(coef_N[sl, None])
+        g = g.to(h_ND.dtype)
+        grad_h[sl] = g @ wc_VD
+        _add_weight_grad_(grad_w, g, h_ND[sl])
+        del g
+    dist.all_reduce(grad_h, group=group)
+    return grad_h, grad_w.to(w_VD.dtype)
+
+
+class _SplitCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, weights_N, offset, group, rows):
+        picked, lse = _split_stats(h_ND, w_VD.to(h_ND.dtype), targets_N, offset, group, rows)
+        ctx.save_for_backward(h_ND, w_VD, targets_N, weights_N, lse)
+        ctx.split = (offset, group, rows)
+        return ((lse - picked) * _f32(weights_N)).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h_ND, w_VD, targets_N, weights_N, lse = ctx.saved_tensors
+        coef = _f32(weights_N) * grad_out
+        return (*_split_grads(h_ND, w_VD, targets_N, lse, coef, *ctx.split), None, None, None, None, None)
+
+
+class _SplitTokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, w_VD, targets_N, offset, group, rows):
+        picked, lse = _split_stats(h_ND, w_VD.to(h_ND.dtype), targets_N, offset, group, rows)
+        ctx.save_for_backward(h_ND, w_VD, targets_N, lse)
+        ctx.split = (offset, group, rows)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        h_ND, w_VD, targets_N, lse = ctx.saved_tensors
+        return (*_split_grads(h_ND, w_VD, targets_N, lse, -_f32(grad_N), *ctx.split), None, None, None, None)
+
+
+def split_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, offset: int, group, block_bytes: int | None = None):
+    """linear_cross_entropy against the rows [offset, offset + len(w)) of a head split by
+    vocabulary across `group`; every process of the group calls it with the same h."""
+    rows = rows_per_block(w_VD.shape[0], h_ND.device, block_bytes)
+    return _SplitCrossEntropy.apply(h_ND, w_VD, targets_N, weights_N, offset, group, rows)
+
+
+def split_token_log_probs(h_ND, w_VD, targets_N, *, offset: int, group, block_bytes: int | None = None):
+    """linear_token_log_probs against a head split by vocabulary (see split_cross_entropy)."""
+    rows = rows_per_block(w_VD.shape[0], h_ND.device, block_bytes)
+    return _SplitTokenLogProbs.apply(h_ND, w_VD, targets_N, offset, group, rows)

@@ -28,10 +28,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from linnet.nest import Card
 from linnet.torch import attention as attention_paths
-from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs
+from linnet.torch.losses import (
+    linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs)
+from linnet.torch.sharding import full
 
 
 class Linear(nn.Linear):
@@ -260,6 +263,9 @@ class Decoder(nn.Module):
         caller divides once by the count over everything it accumulates."""
         tokens, positions, layout, targets, weights = self._fields(batch)
         h = self._trunk(tokens, positions, *layout)
+        split = self._split_head()
+        if split is not None:
+            return split_cross_entropy(h, *split[:1], targets, weights, **split[1]), weights.float().sum()
         loss = linear_cross_entropy(h, self.head_weight, targets, weights)
         return loss, weights.float().sum()
 
@@ -268,7 +274,19 @@ class Decoder(nn.Module):
         weight is 0: the last token of each document and padding)."""
         tokens, positions, layout, targets, _ = self._fields(batch)
         h = self._trunk(tokens, positions, *layout)
+        split = self._split_head()
+        if split is not None:
+            return self._padded(split_token_log_probs(h, *split[:1], targets, **split[1]), batch)
         return self._padded(linear_token_log_probs(h, self.head_weight, targets), batch)
+
+    def _split_head(self):
+        """(this process's rows of the head, {offset, group}) when tensor_parallel split the
+        head by vocabulary; None for a whole (or FSDP-gathered) head."""
+        w = self.head_weight
+        if not isinstance(w, DTensor):
+            return None
+        local = w.to_local()
+        return local, {"offset": w.device_mesh.get_local_rank() * local.shape[0], "group": w.device_mesh.get_group()}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] (float32) of plain token batches, each row one document."""
@@ -278,7 +296,7 @@ class Decoder(nn.Module):
         B, T = tokens_BT.shape
         positions = torch.arange(T, device=self.device).repeat(B)
         h = self._trunk(tokens_BT.reshape(-1), positions, [i * T for i in range(B + 1)])
-        logits = (h @ self.head_weight.to(self.dtype).T).float().view(B, T, -1)
+        logits = (h @ full(self.head_weight).to(self.dtype).T).float().view(B, T, -1)
         return logits[0] if squeeze else logits
 
     # -- parameters ------------------------------------------------------------------
