@@ -23,14 +23,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 
 from linnet.jax.engine import Engine
 from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
 from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
 from linnet.packing import pack_prompted
-from linnet.train.grpo import Prompt, Reward, check_prompts, prompt_groups, reward_functions, score
-from linnet.train.grpo_loss import group_advantages
+from linnet.train.grpo import (
+    Prompt, Reward, check_prompts, prompt_groups, reward_functions, sample_and_score, step_metrics)
 from linnet.train.loop import History, Step, step_items
 
 
@@ -133,22 +132,12 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
         t0 = time.perf_counter()
         check_prompts(chunk, tokens, max_new_tokens)
-        step_prompts = [p for _, p in chunk]
         engine.load_weights(policy, {**frozen, **trained})
-        t_sample = time.perf_counter()
-        samples = engine.sample([list(p.ids) for p in step_prompts], n=group, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                seed=seed * 1_000_003 + step)
-        t_sample = time.perf_counter() - t_sample
-        scores = [score(functions, step_prompts[s.prompt], s.tokens,
-                        f"prompt {chunk[s.prompt][0]}, completion {i % group}") for i, s in enumerate(samples)]
-        per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
-        rewards = np.sum(list(per_function.values()), axis=0).reshape(len(step_prompts), group)
-        uniform = rewards.std(axis=1) == 0
-        advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
-        keep_mask = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
-        rollout = _rollout(samples, advantages, keep_mask, step_prompts, tokens, sequence_level)
-        lengths = np.array([len(s.tokens) for s in samples])
+        scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                  seed=seed * 1_000_003 + step, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
+        rollout = _rollout(scored.samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens,
+                           sequence_level)
         loss = norm = clipped = kl = mismatch = 0.0
         n_tokens = real = 0
         if rollout is not None:
@@ -160,19 +149,12 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
             learned = np.asarray(rows["weights"]) > 0
             mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
             step_fn = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta, correction_cap,
-                                 sequence_level, len(samples), remat)
+                                 sequence_level, len(scored.samples), remat)
             for _ in range(iterations):
                 trained, opt_state, norm, (loss_sum, clipped, kl) = step_fn(
                     trained, frozen, opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))
             loss = float(loss_sum) / max(normaliser, 1.0)
-        metrics = {
-            "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-            **{f"reward_{name}": float(v.mean()) for name, v in per_function.items() if len(functions) > 1},
-            "uniform": float(uniform.mean()), "completion_length": float(lengths.mean()),
-            "stopped": float(np.mean([s.stopped for s in samples])),
-            "clip_fraction": float(clipped) / max(n_tokens, 1), "kl": float(kl) / max(n_tokens, 1),
-            "mismatch": mismatch / max(n_tokens, 1), "sample_seconds": t_sample,
-        }
+        metrics = step_metrics(scored, tokens=n_tokens, clipped=float(clipped), kl=float(kl), mismatch=mismatch)
         record = Step(step, loss, int(n_tokens), int(real), float(norm), learning_rate(opt_state),
                       time.perf_counter() - t0, metrics)
         end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,

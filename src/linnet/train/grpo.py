@@ -102,6 +102,55 @@ class _Rollout:
     real: int
 
 
+@dataclass
+class Scored:
+    """A step's samples and what the rewards made of them."""
+
+    samples: list
+    per_function: dict[str, np.ndarray]  # each reward function's value of each sample
+    rewards: np.ndarray  # [prompts, group] summed rewards
+    uniform: np.ndarray  # [prompts] groups whose rewards are all equal
+    advantages: np.ndarray  # [samples]
+    keep: np.ndarray  # [samples] the samples that train
+    seconds: float  # sampling time
+
+
+def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
+                     temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool) -> Scored:
+    """Sample `group` completions of each (index, prompt) of `chunk` with `engine` (the
+    PyTorch or the JAX one), score them and give each its group advantage."""
+    prompts = [p for _, p in chunk]
+    t0 = time.perf_counter()
+    samples = engine.sample([list(p.ids) for p in prompts], n=group, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed)
+    seconds = time.perf_counter() - t0
+    scores = [score(functions, prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
+              for i, s in enumerate(samples)]
+    per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
+    rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
+    uniform = rewards.std(axis=1) == 0
+    advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
+    keep = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
+    return Scored(samples, per_function, rewards, uniform, advantages, keep, seconds)
+
+
+def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mismatch: float) -> dict[str, float]:
+    """What a GRPO step reports: rewards, uniform groups, lengths, stops, and the clip,
+    KL and engine mismatch per trained token."""
+    lengths = np.array([len(s.tokens) for s in scored.samples])
+    per_token = max(tokens, 1.0)
+    return {
+        "reward": float(scored.rewards.mean()), "reward_std": float(scored.rewards.std()),
+        **{f"reward_{name}": float(v.mean()) for name, v in scored.per_function.items()
+           if len(scored.per_function) > 1},
+        "uniform": float(scored.uniform.mean()), "completion_length": float(lengths.mean()),
+        "stopped": float(np.mean([s.stopped for s in scored.samples])),
+        "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / per_token,
+        "sample_seconds": scored.seconds,
+        "sampled_tokens_per_second": float(lengths.sum()) / max(scored.seconds, 1e-9),
+    }
+
+
 def prompt_groups(samples, prompts, tokens: int, share: bool):
     """(prompt, completions) of consecutive samples of one prompt, split where one row of
     `tokens` positions could not hold them together (`pack_prompted`'s layout)."""
@@ -217,21 +266,13 @@ def grpo(
     for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
         t0 = time.perf_counter()
         check_prompts(chunk, tokens, max_new_tokens)
-        step_prompts = [p for _, p in chunk]
         engine.load_weights(policy)
-        t_sample = time.perf_counter()
-        samples = engine.sample([list(p.ids) for p in step_prompts], n=group, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                seed=seed * 1_000_003 + step)
-        t_sample = time.perf_counter() - t_sample
-        scores = [score(functions, step_prompts[s.prompt], s.tokens,
-                        f"prompt {chunk[s.prompt][0]}, completion {i % group}") for i, s in enumerate(samples)]
-        per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
-        rewards = np.sum(list(per_function.values()), axis=0).reshape(len(step_prompts), group)
-        uniform = rewards.std(axis=1) == 0
-        advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
-        keep_mask = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
-        rollout = _rollout(samples, advantages, keep_mask, step_prompts, tokens, sequence_level, share)
+        scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                  seed=seed * 1_000_003 + step, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
+        samples = scored.samples
+        rollout = _rollout(samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens, sequence_level,
+                           share)
         sequences, n_tokens, real = sum_across([
             0.0 if rollout is None else rollout.sequences,
             0.0 if rollout is None else rollout.tokens,
@@ -278,16 +319,7 @@ def grpo(
             norms.append(norm)
             lrs.append(lr)
         loss_sum, clipped, kl, mismatch = sum_across([stats["loss"], stats["clipped"], stats["kl"], stats["mismatch"]])
-        lengths = np.array([len(s.tokens) for s in samples])
-        metrics = {
-            "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-            **{f"reward_{name}": float(v.mean()) for name, v in per_function.items() if len(functions) > 1},
-            "uniform": float(uniform.mean()), "completion_length": float(lengths.mean()),
-            "stopped": float(np.mean([s.stopped for s in samples])),
-            "clip_fraction": clipped / max(n_tokens, 1.0), "kl": kl / max(n_tokens, 1.0),
-            "mismatch": mismatch / max(n_tokens, 1.0), "sample_seconds": t_sample,
-            "sampled_tokens_per_second": float(lengths.sum()) / max(t_sample, 1e-9),
-        }
+        metrics = step_metrics(scored, tokens=n_tokens, clipped=clipped, kl=kl, mismatch=mismatch)
         record = Step(step, loss_sum / max(normaliser, 1.0), int(n_tokens), int(real), norms[-1], lrs[0],
                       time.perf_counter() - t0, metrics)
         end_step(record, history, on_step, model=policy, optimizer=optimizer, schedule=schedule, steps=steps,
