@@ -21,6 +21,8 @@ def _perturb_adapters(model, seed=1):
         for name, p in model.named_parameters():
             if name.endswith("lora_b"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+            if name.endswith("lora_magnitude"):  # DoRA: magnitudes away from the rows' norms
+                p.mul_(1 + 0.2 * torch.rand(p.shape, generator=g))
 
 
 def _model(tmp_path, family="llama"):
@@ -69,12 +71,14 @@ def test_saved_adapters_bind_into_a_fresh_model(tmp_path):
         assert torch.equal(other(TOKENS), model(TOKENS))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_peft_export_loads_in_peft_with_equal_logits(tmp_path, family):
+@pytest.mark.parametrize("family,dora", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True)])
+def test_peft_export_loads_in_peft_with_equal_logits(tmp_path, family, dora):
+    """LoRA and DoRA (use_dora) adapters: PEFT computes our logits from our files, and
+    PEFT's files bind back."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     model = _model(tmp_path, family)
-    model.add_lora(PATTERNS, rank=4, alpha=16)
+    model.add_lora(PATTERNS, rank=4, alpha=16, dora=dora)
     _perturb_adapters(model)
     save_peft(model, tmp_path / "peft")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -83,10 +87,38 @@ def test_peft_export_loads_in_peft_with_equal_logits(tmp_path, family):
         assert (tuned(TOKENS).logits - model(TOKENS)).abs().max() < 1e-4
     # and back: PEFT's file binds into a linnet model
     again = _model(tmp_path, family)
-    again.add_lora(PATTERNS, rank=4, alpha=16)
+    again.add_lora(PATTERNS, rank=4, alpha=16, dora=dora)
     bind_weights(again, tmp_path / "peft", strict=False)
     with torch.no_grad():
         assert torch.equal(again(TOKENS), model(TOKENS))
+    if dora:  # and PEFT's own saved DoRA adapters bind too
+        tuned.save_pretrained(tmp_path / "from-peft")
+        third = _model(tmp_path, family)
+        third.add_lora(PATTERNS, rank=4, alpha=16, dora=True)
+        assert len(bind_weights(third, tmp_path / "from-peft", strict=False)) == 3 * 14
+        with torch.no_grad():
+            assert (third(TOKENS) - model(TOKENS)).abs().max() < 1e-5
+
+
+def test_dora_starts_unchanged_trains_its_magnitudes_and_merges(tmp_path):
+    model = _model(tmp_path)
+    with torch.no_grad():
+        before = model(TOKENS)
+    model.add_lora(PATTERNS, rank=4, alpha=16, dora=True)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(n.endswith("lora_magnitude") for n in trained) == 14 and len(trained) == 3 * 14
+    with torch.no_grad():
+        assert (model(TOKENS) - before).abs().max() < 1e-5  # m = the rows' norms, B = 0
+    row = next(pack([Example.plain(TOKENS[0].tolist())], tokens=16))
+    model.loss_packed(row)[0].backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+               if n.endswith(("lora_magnitude", "lora_b")))
+    _perturb_adapters(model)
+    with torch.no_grad():
+        adapted = model(TOKENS)
+        model.merge_lora()
+        assert (model(TOKENS) - adapted).abs().max() < 1e-5
+    assert not any("lora" in n for n, _ in model.named_parameters())
 
 
 def test_lora_errors(tmp_path):

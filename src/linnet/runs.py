@@ -43,6 +43,7 @@ class LoraConfig:
     alpha: float = option(32.0, "adapter scale numerator: alpha / rank (or / sqrt(rank) with rslora)")
     dropout: float = option(0.0, "dropout on the adapters' input")
     rslora: bool = option(False, "scale by alpha / sqrt(rank)")
+    dora: bool = option(False, "DoRA: a trained magnitude per output row beside the low-rank direction update")
     targets: list[str] = option(ALL_LINEAR, "glob patterns of the linear layers that get adapters")
 
 
@@ -167,7 +168,8 @@ def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int, shard: str = "
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=None if mesh is None else mesh["split"])
     if lora.enabled:
-        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora)
+        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
+                       dora=lora.dora)
     if shard == "fsdp" and processes > 1:
         fully_shard(model)
     trained = [p for p in model.parameters() if p.requires_grad]

@@ -44,6 +44,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
     m, lora, t = config.model, config.lora, config.training
     for name, value, default in (("model.device", m.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
+                                 ("lora.dora", lora.dora, False),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "

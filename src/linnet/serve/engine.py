@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from linnet.torch import attention as attention_paths
+from linnet.torch.lora import ADAPTER_SUFFIXES
 from linnet.torch.model import Decoder, Linear, rotate
 from linnet.torch.sharding import full
 
@@ -134,18 +135,15 @@ class Engine:
         }
         seen = set()
         for name, p in policy.named_parameters():
-            if name.endswith((".lora_a", ".lora_b")):
+            if name.endswith(ADAPTER_SUFFIXES):
                 continue
             if name not in own:
                 raise ValueError(
                     f"Engine.load_weights: the policy has {name!r}, which the engine's model "
                     "lacks; load the engine from the same card as the policy"
                 )
-            src = full(p.detach())
             layer = adapted.get(name)
-            if layer is not None:
-                delta = full(layer.lora_b.detach()).float() @ full(layer.lora_a.detach()).float()
-                src = src.float() + delta * layer.lora_scale
+            src = full(p.detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
             dst = own[name]
             if src.shape != dst.shape:
                 raise ValueError(

@@ -27,9 +27,11 @@ from safetensors.torch import save_file
 from linnet.files import atomic_path, write_text
 
 ADAPTERS = ["*.lora_a", "*.lora_b"]
+MAGNITUDES = "*.lora_magnitude"  # DoRA's, beside the adapters
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b", ".lora_magnitude")
 
 # (linnet suffix, PEFT suffix) for one adapter's tensors under `base_model.model.`
-PEFT_NAMES = ((".lora_a", ".lora_A.weight"), (".lora_b", ".lora_B.weight"))
+PEFT_NAMES = ((".lora_a", ".lora_A.weight"), (".lora_b", ".lora_B.weight"), (".lora_magnitude", ".lora_magnitude_vector"))
 PEFT_PREFIX = "base_model.model."
 
 
@@ -40,15 +42,19 @@ def _linears(model) -> dict[str, torch.nn.Module]:
 
 
 def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
-             dropout: float = 0.0, rslora: bool = False) -> list[str]:
+             dropout: float = 0.0, rslora: bool = False, dora: bool = False) -> list[str]:
     """Add adapters to the linear layers whose weight path (or layer path) matches one
-    of `patterns`; freeze everything else. Returns the adapted layer paths."""
+    of `patterns`; freeze everything else. dora=True adds DoRA's trainable magnitude per
+    output row (Liu et al. 2024, arXiv:2402.09353), starting at each row's norm. Returns
+    the adapted layer paths."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     if getattr(model, "copies", None) is not None:
         raise ValueError("add_lora: adapters on a split model (tensor_parallel) are not supported yet")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
+    if dora and dropout:
+        raise ValueError("add_lora: DoRA with adapter dropout is not supported yet; set dropout=0")
     # the output head feeds the blockwise losses directly, never through Linear.forward
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
@@ -74,13 +80,17 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer.lora_a = torch.nn.Parameter(a)
         layer.lora_b = torch.nn.Parameter(torch.zeros(d_out, rank, device=layer.weight.device))
         layer.lora_scale, layer.lora_dropout = scale, dropout
-    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen)
-    model.set_trainable(ADAPTERS)
+        if dora:
+            with torch.no_grad():
+                layer.lora_magnitude = torch.nn.Parameter(torch.linalg.vector_norm(layer.weight.float(), dim=1))
+    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
+    model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
 
 
 def merge_lora(model) -> None:
-    """W += scale * B @ A (in float32) for every adapter, then drop the adapters."""
+    """Fold every adapter into its weight (W + scale * B @ A in float32, DoRA's rows
+    rescaled to their magnitudes), then drop the adapters."""
     from linnet.torch.sharding import is_sharded
 
     if is_sharded(model):
@@ -90,10 +100,9 @@ def merge_lora(model) -> None:
         if layer.lora_a is None:
             continue
         with torch.no_grad():
-            delta = (layer.lora_b.float() @ layer.lora_a.float()) * layer.lora_scale
-            layer.weight.copy_((layer.weight.float() + delta).to(layer.weight.dtype))
-        del layer.lora_a, layer.lora_b
-        layer.lora_a = layer.lora_b = None
+            layer.weight.copy_(layer.merged_weight().to(layer.weight.dtype))
+        del layer.lora_a, layer.lora_b, layer.lora_magnitude
+        layer.lora_a = layer.lora_b = layer.lora_magnitude = None
     model.lora = None
 
 
@@ -108,7 +117,7 @@ def from_peft_name(name: str) -> str:
     """linnet path of a PEFT adapter tensor name (adapter name segments dropped)."""
     body = name.removeprefix(PEFT_PREFIX)
     body = re.sub(r"\.lora_([AB])\.(?:[\w-]+\.)?weight$", lambda m: f".lora_{m.group(1).lower()}", body)
-    return body
+    return re.sub(r"\.lora_magnitude_vector(?:\.[\w-]+)?(?:\.weight)?$", ".lora_magnitude", body)
 
 
 def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = None) -> None:
@@ -116,7 +125,7 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
     if not getattr(model, "lora", None):
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
     adapters = {n: p.detach().to("cpu", torch.float32) for n, p in model.named_parameters()
-                if n.endswith((".lora_a", ".lora_b"))}
+                if n.endswith(ADAPTER_SUFFIXES)}
     write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)
 
 
@@ -135,6 +144,7 @@ def write_peft(directory: str | os.PathLike, adapters: dict[str, torch.Tensor], 
         "lora_alpha": info["alpha"],
         "lora_dropout": info["dropout"],
         "use_rslora": info["rslora"],
+        "use_dora": info.get("dora", False),
         "target_modules": info["layers"],  # full paths: PEFT matches them by suffix
         "bias": "none",
         "fan_in_fan_out": False,

@@ -39,7 +39,9 @@ from linnet.torch.sharding import full
 
 class Linear(nn.Linear):
     """y = x @ W.T (+ b), the weight cast to the input's dtype; with a low-rank adapter
-    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale. An nn.Linear, so PyTorch's
+    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale; with DoRA's magnitude m,
+    y = m / ||W + scale * B @ A||_row * (x @ W.T + (x @ A.T) @ B.T * scale) + b, the norm
+    held constant in backward as the DoRA paper suggests. An nn.Linear, so PyTorch's
     tensor-parallel styles split it."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
@@ -49,10 +51,13 @@ class Linear(nn.Linear):
         self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
         self.lora_a: nn.Parameter | None = None
         self.lora_b: nn.Parameter | None = None
+        self.lora_magnitude: nn.Parameter | None = None
         self.lora_scale = 0.0
         self.lora_dropout = 0.0
 
     def forward(self, x):
+        if self.lora_magnitude is not None:
+            return self._dora(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         y = F.linear(x, self.weight.to(x.dtype), bias)
         if self.lora_a is None:
@@ -63,6 +68,26 @@ class Linear(nn.Linear):
         out = torch.addmm(y.reshape(-1, y.shape[-1]), za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T,
                           alpha=self.lora_scale)
         return out.view(y.shape)
+
+    def _dora(self, x):
+        with torch.no_grad():
+            norm = torch.linalg.vector_norm(self.adapted_weight(), dim=1)
+        y = F.linear(x, self.weight.to(x.dtype))
+        y = y + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.lora_scale
+        y = y * (self.lora_magnitude / norm).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+    def adapted_weight(self, whole=lambda t: t) -> torch.Tensor:
+        """W + scale * B @ A in float32 (`whole` gathers sharded tensors)."""
+        delta = whole(self.lora_b).float() @ whole(self.lora_a).float()
+        return whole(self.weight).float() + delta * self.lora_scale
+
+    def merged_weight(self, whole=lambda t: t) -> torch.Tensor:
+        """The plain weight this adapted layer computes with, in float32."""
+        w = self.adapted_weight(whole)
+        if self.lora_magnitude is None:
+            return w
+        return w * (whole(self.lora_magnitude).float() / torch.linalg.vector_norm(w, dim=1))[:, None]
 
 
 class RMSNorm(nn.Module):
@@ -316,12 +341,12 @@ class Decoder(nn.Module):
         return [n for n in names if n in chosen]
 
     def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32,
-                 dropout: float = 0.0, *, rslora: bool = False) -> list[str]:
-        """Give each linear weight whose path matches an adapter; only adapters train.
-        See linnet.torch.lora.add_lora."""
+                 dropout: float = 0.0, *, rslora: bool = False, dora: bool = False) -> list[str]:
+        """Give each linear weight whose path matches an adapter (DoRA's with dora=True);
+        only adapters train. See linnet.torch.lora.add_lora."""
         from linnet.torch.lora import add_lora
 
-        return add_lora(self, patterns, rank=rank, alpha=alpha, dropout=dropout, rslora=rslora)
+        return add_lora(self, patterns, rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, dora=dora)
 
     def merge_lora(self) -> None:
         """Fold every adapter into its weight and remove it (plain weights again)."""

@@ -41,7 +41,9 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
                            "linnet.train.parallel.join() (or torch.distributed.init_process_group) first")
     if is_sharded(model):
         raise ValueError("fully_shard: this model is sharded already")
-    adapters = {p for name, p in model.named_parameters() if name.endswith((".lora_a", ".lora_b"))}
+    from linnet.torch.lora import ADAPTER_SUFFIXES
+
+    adapters = {p for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
     options = dict(mesh=mesh, ignored_params=adapters or None,
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))
     for block in model.model.layers:
