@@ -184,29 +184,33 @@ def test_shared_prompt_rows_equal_pytorch_and_separate_documents(jx, tmp_path):
     np.testing.assert_allclose(got, answers(jax_model.log_probs_packed(separate), separate), atol=2e-5)
 
 
-def _lora_pair(jx, tmp_path):
+def _lora_pair(jx, tmp_path, dora=False):
     """A torch model and a JAX model with the same base weights and the same adapters
-    (B away from zero, so the adapters count from the first step)."""
+    (B away from zero, DoRA's magnitudes away from the row norms, so they count from the
+    first step)."""
     torch_model, jax_model = _pair(jx, {"tied_embeddings": False, "qkv_bias": True}, tmp_path)
     patterns = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
-    layers = torch_model.add_lora(patterns, rank=4, alpha=8)
-    assert jax_model.add_lora(patterns, rank=4, alpha=8) == layers
+    layers = torch_model.add_lora(patterns, rank=4, alpha=8, dora=dora)
+    assert jax_model.add_lora(patterns, rank=4, alpha=8, dora=dora) == layers
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in torch_model.named_parameters():
             if name.endswith("lora_b"):
                 p.normal_(0, 0.05, generator=g)
+            if name.endswith("lora_magnitude"):
+                p.mul_(1 + 0.2 * torch.rand(p.shape, generator=g))
     import jax.numpy as jnp
 
     for name, p in torch_model.named_parameters():
-        if name.endswith(("lora_a", "lora_b")):
+        if name.endswith(("lora_a", "lora_b", "lora_magnitude")):
             jax_model.params[name] = jnp.asarray(p.detach().numpy())
     return torch_model, jax_model
 
 
-def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path):
-    """Adapters alone train by default; the steps equal PyTorch's LoRA steps; the saved
-    PEFT directory binds into a PyTorch model; merging changes no output."""
+@pytest.mark.parametrize("dora", [False, True])
+def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path, dora):
+    """Adapters (and DoRA's magnitudes) alone train by default; the steps equal PyTorch's;
+    the saved PEFT directory binds into a PyTorch model; merging changes no output."""
     import optax
 
     from linnet.jax.lora import merge_lora
@@ -214,7 +218,7 @@ def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path):
     from linnet.torch.weights import bind_weights
     from linnet.train import train
 
-    torch_model, jax_model = _lora_pair(jx, tmp_path)
+    torch_model, jax_model = _lora_pair(jx, tmp_path, dora)
     rows = _rows(6, seed=2)
     adapters = [p for p in torch_model.parameters() if p.requires_grad]
     history = train(torch_model, rows, optimizer=torch.optim.SGD(adapters, lr=0.5), steps=3, accumulate=2)
@@ -224,14 +228,14 @@ def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path):
     for name, p in torch_model.named_parameters():
         assert np.array_equal(np.asarray(params[name]), np.asarray(jax_model.params[name])) == (not p.requires_grad)
     fresh = nest.load(jax_model.card, weights=str(tmp_path / "w.safetensors"))
-    fresh.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, alpha=8)
+    fresh.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, alpha=8, dora=dora)
     bind_weights(fresh, tmp_path / "peft")
     row = rows[0]
     with torch.no_grad():
         want = float(fresh.loss_packed(row)[0])
     assert float(jax_model.loss_packed(row, params)[0]) == pytest.approx(want, rel=1e-5)
     merged = merge_lora(jax_model, params)
-    assert not any(k.endswith(("lora_a", "lora_b")) for k in merged)
+    assert not any(".lora_" in k for k in merged)
     assert float(jax_model.loss_packed(row, merged)[0]) == pytest.approx(want, rel=1e-5)
 
 

@@ -13,15 +13,16 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.jax.model import JaxModel, Params
+from linnet.jax.model import JaxModel, Params, adapted_weight
 
-ADAPTERS = ("*.lora_a", "*.lora_b")
+ADAPTERS = ("*.lora_a", "*.lora_b", "*.lora_magnitude")
 
 
 def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
-             rslora: bool = False, seed: int = 0) -> list[str]:
+             rslora: bool = False, dora: bool = False, seed: int = 0) -> list[str]:
     """Add adapters to `model.params` for every projection whose weight path (or layer
-    path) matches a pattern; returns the adapted layer paths."""
+    path) matches a pattern (with dora=True, DoRA's magnitude per output row, starting at
+    the row's norm); returns the adapted layer paths."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     if model.lora:
@@ -40,8 +41,11 @@ def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, 
         bound = 1.0 / math.sqrt(d_in)  # PEFT's kaiming-uniform(a=sqrt(5)) for A
         model.params[f"{name}.lora_a"] = jnp.asarray(rng.uniform(-bound, bound, (rank, d_in)), jnp.float32)
         model.params[f"{name}.lora_b"] = jnp.zeros((d_out, rank), jnp.float32)
+        if dora:
+            weight = model.params[f"{name}.weight"].astype(jnp.float32)
+            model.params[f"{name}.lora_magnitude"] = jnp.linalg.norm(weight, axis=1)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    model.lora = dict(rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, layers=chosen, scale=scale)
+    model.lora = dict(rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, layers=chosen, scale=scale, dora=dora)
     return chosen
 
 
@@ -52,9 +56,12 @@ def merge_lora(model: JaxModel, params: Params | None = None) -> Params:
     if not model.lora:
         return params
     for name in model.lora["layers"]:
-        a, b = params.pop(f"{name}.lora_a"), params.pop(f"{name}.lora_b")
-        w = params[f"{name}.weight"]
-        params[f"{name}.weight"] = (w.astype(jnp.float32) + model.lora["scale"] * (b @ a)).astype(w.dtype)
+        merged = adapted_weight(params, name, model.lora["scale"])
+        magnitude = params.pop(f"{name}.lora_magnitude", None)
+        if magnitude is not None:
+            merged = merged * (magnitude / jnp.linalg.norm(merged, axis=1))[:, None]
+        del params[f"{name}.lora_a"], params[f"{name}.lora_b"]
+        params[f"{name}.weight"] = merged.astype(params[f"{name}.weight"].dtype)
     return params
 
 
@@ -62,12 +69,12 @@ def save_peft(model: JaxModel, directory: str | os.PathLike, params: Params | No
     """The adapters of `params` (default the model's) as a PEFT adapter directory."""
     import torch
 
-    from linnet.torch.lora import write_peft
+    from linnet.torch.lora import ADAPTER_SUFFIXES, write_peft
 
     if not model.lora:
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
     params = model.params if params is None else params
     adapters = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in params.items()
-                if k.endswith((".lora_a", ".lora_b"))}
+                if k.endswith(ADAPTER_SUFFIXES)}
     card = model.card
     write_peft(directory, adapters, model.lora, card.weights.repo or card.weights.path)

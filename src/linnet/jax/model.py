@@ -56,14 +56,23 @@ def row_arrays(batch) -> dict[str, np.ndarray]:
 
 
 def linear(params: Params, path: str, x, bias: bool, lora_scale: float):
-    """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale)."""
+    """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale); with DoRA's
+    magnitude m the sum is rescaled by m / ||W + lora_scale * B @ A||_row (the norm held
+    constant in backward), as in PyTorch."""
     y = x @ params[f"{path}.weight"].astype(x.dtype).T
-    if bias:
-        y = y + params[f"{path}.bias"].astype(x.dtype)
     if f"{path}.lora_a" in params:
         y = y + (x @ params[f"{path}.lora_a"].astype(x.dtype).T) @ params[f"{path}.lora_b"].astype(x.dtype).T \
             * lora_scale
-    return y
+    if f"{path}.lora_magnitude" in params:
+        norm = jax.lax.stop_gradient(jnp.linalg.norm(adapted_weight(params, path, lora_scale), axis=1))
+        y = y * (params[f"{path}.lora_magnitude"] / norm).astype(x.dtype)
+    return y + params[f"{path}.bias"].astype(x.dtype) if bias else y
+
+
+def adapted_weight(params: Params, path: str, lora_scale: float):
+    """W + lora_scale * B @ A in float32."""
+    w = params[f"{path}.weight"].astype(jnp.float32)
+    return w + lora_scale * (params[f"{path}.lora_b"] @ params[f"{path}.lora_a"])
 
 
 def rms_norm(x, weight, eps: float):
@@ -199,13 +208,13 @@ class JaxModel:
                                     self.dtype, self.lora_scale)
 
     def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32, *, rslora: bool = False,
-                 seed: int = 0) -> list[str]:
+                 dora: bool = False, seed: int = 0) -> list[str]:
         """Give each linear weight whose path matches an adapter (A [r, in] drawn as PEFT
         draws it, B [out, r] zero); `linnet.jax.train.train` then trains the adapters alone
         by default. Returns the adapted layer paths."""
         from linnet.jax.lora import add_lora
 
-        return add_lora(self, patterns, rank=rank, alpha=alpha, rslora=rslora, seed=seed)
+        return add_lora(self, patterns, rank=rank, alpha=alpha, rslora=rslora, dora=dora, seed=seed)
 
     def loss_packed(self, batch, params: Params | None = None):
         """(sum of weighted token cross-entropies, sum of weights) of a packed row."""

@@ -44,7 +44,6 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
     m, lora, t = config.model, config.lora, config.training
     for name, value, default in (("model.device", m.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
-                                 ("lora.dora", lora.dora, False),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "
@@ -54,7 +53,8 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
     out = open_run(config, overwrite=overwrite, resume=resume)
     model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=t.seed)
     if lora.enabled:
-        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, seed=t.seed)
+        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, dora=lora.dora,
+                       seed=t.seed)
     eval_rows = list(pack(prepared.eval_examples, config.data.tokens, pad_id=prepared.tokenizer.pad_id))
 
     def held_out(params) -> dict:

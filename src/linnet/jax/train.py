@@ -211,8 +211,8 @@ def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):
     `trainable` (default all, or the adapters after add_lora), trained ones as float32
     copies (each step donates its buffers; the model's arrays must survive), placed in
     parts over `mesh`, and resumed from `checkpoint` when it holds one."""
-    if trainable is None:
-        trainable = list(ADAPTERS) if model.lora else True
+    if trainable is None:  # the adapters (DoRA's magnitudes too, when there are any) or everything
+        trainable = [p for p in ADAPTERS if fnmatch.filter(model.params, p)] if model.lora else True
     trained, frozen = split_trainable(model.params, trainable)
     trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
     if mesh is not None:
