@@ -93,6 +93,9 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["schedule.name=linear"], "schedule.name"),
         (["data.path=''"], "data.path is required"),
         (["data.path="], "data.path: expected str"),
+        (["training.split=2"], "training.split=2 splits whole models"),  # LoRA is on by default
+        (["training.split=0", "lora.enabled=false"], "use a positive count"),
+        (["training.shard=ddp"], "training.shard"),
     ],
 )
 def test_bad_configs_fail_before_training(workspace, tmp_path, overrides, message):

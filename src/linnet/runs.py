@@ -12,9 +12,9 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -159,9 +159,6 @@ def load_model(card, m: ModelConfig, lora: LoraConfig, seed: int, shard: str = "
     if split > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        if shard != "none" or lora.enabled:
-            raise ValueError(f"config: training.split={split} trains every weight of a whole model copy: set "
-                             "lora.enabled=false and training.shard=none")
         copies = data_share(split)[1]
         mesh = init_device_mesh(torch.device(device).type, (copies, split), mesh_dim_names=("copies", "split"))
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=seed,

@@ -64,6 +64,9 @@ class SFTConfig:
             raise ValueError(f"config: training.steps={t.steps}; use at least 1, or null with training.epochs")
         if t.epochs <= 0 or t.accumulate < 1 or t.eval_every < 1 or t.checkpoint_every < 1:
             raise ValueError("config: training.epochs must be > 0; accumulate, eval_every and checkpoint_every >= 1")
+        if t.split < 1 or (t.split > 1 and (self.lora.enabled or t.shard != "none")):
+            raise ValueError(f"config: training.split={t.split} splits whole models for full fine-tuning: use a "
+                             "positive count, with lora.enabled=false and training.shard=none")
 
 
 @dataclass
