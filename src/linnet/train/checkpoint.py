@@ -2,14 +2,16 @@
 
 Layout: `<dir>/step-00000010/` holding trained.safetensors (the parameters that train,
 in float32: the adapters alone for a LoRA run), optimizer.pt, state.pt and
-checksums.json (the SHA-256 of every other file). A sharded model's (fully_shard)
-checkpoint has a `sharded/` directory instead of the first two, where each process
-writes its parts of the trained parameters and optimizer state
-(torch.distributed.checkpoint; it loads back under another process count, or whole).
-Each checkpoint is written under a temporary directory name and renamed into place, so
-a run killed at any instant leaves only complete checkpoints; the `keep` latest are kept. Loading checks every file against its
-checksum first: a truncated or altered checkpoint is refused by name, never half-loaded.
-The RNG state covers torch (and CUDA), Python's `random` and NumPy's global generator.
+checksums.json (the SHA-256 of every other file). A sharded or split model's
+(fully_shard, tensor_parallel) checkpoint has a `sharded/` directory instead of the first
+two, where each process writes its parts of the trained parameters and optimizer state
+(torch.distributed.checkpoint; it loads back under another layout, or whole). The JAX
+trainers write the same layout through `publish` (optimizer.npz for optax's state).
+Each checkpoint is written under a temporary directory name and renamed into place, so a
+run killed at any instant leaves only complete checkpoints; the `keep` latest are kept.
+Loading checks every file against its checksum first: a truncated or altered checkpoint
+is refused by name, never half-loaded. The RNG state covers torch (and CUDA), Python's
+`random` and NumPy's global generator.
 """
 
 from __future__ import annotations
