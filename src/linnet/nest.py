@@ -469,8 +469,12 @@ def load(
         if unused:
             raise ValueError(f"backend={backend!r} does not take {', '.join(unused)}: JAX places arrays itself, "
                              "compiles every step, and picks what trains in linnet.jax.train.train(trainable=)")
-        from linnet.jax import load_model
-
+        try:
+            from linnet.jax import load_model
+        except ModuleNotFoundError as e:
+            if e.name not in ("jax", "jaxlib", "optax"):
+                raise
+            raise ModuleNotFoundError(f"backend={backend!r} needs {e.name}: pip install 'linnet[jax]'") from e
         return load_model(card, weights=weights, dtype=dtype, seed=seed)
     from linnet.torch.model import build
 
