@@ -18,7 +18,7 @@ import torch
 from linnet import nest, quickstart
 from linnet.torch import fully_shard
 from linnet.train import cosine_schedule, pack, train
-from linnet.train.parallel import join, world
+from linnet.torch.distributed import join, world
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--card", help="registered card or HF model directory (default: a tiny random model)")

@@ -99,7 +99,7 @@ def in_processes(fn, *args, processes: int = 2) -> list:
     def main(rank, queue):
         import torch.distributed as dist
 
-        from linnet.train.parallel import join
+        from linnet.torch.distributed import join
 
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),

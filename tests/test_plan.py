@@ -144,7 +144,7 @@ def test_zero_stages(shard, replicated, sharded):
 
 def test_dora_adds_one_magnitude_per_output_row():
     lora, dora = seed_plan(L8B, "lora"), seed_plan(L8B, "dora")
-    out_rows = sum(d_out for d_out, _ in plan.nest.resolve(L8B).linear_shapes().values())
+    out_rows = sum(d_out for d_out, _ in plan.cards.resolve(L8B).linear_shapes().values())
     assert dora.trainable - lora.trainable == 32 * out_rows
 
 
@@ -383,7 +383,7 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
                       "grpo: {group: 8, prompts_per_step: 4}\n")
     assert plan.cli(["--config", str(config), "--json"]) == 0
     sampling = json.loads(capsys.readouterr().out)["sampling"]
-    card = plan.nest.resolve("llama-3.2-1b-instruct")  # 16 layers, 8 kv heads of 64
+    card = plan.cards.resolve("llama-3.2-1b-instruct")  # 16 layers, 8 kv heads of 64
     assert sampling["rows"] == 32 and sampling["slots"] == 1024
     assert sampling["cache_bytes"] == 32 * 1024 * 16 * 2 * 8 * 64 * 2
     assert sampling["weights_bytes"] == card.params() * 2

@@ -66,6 +66,15 @@ class Pair:
         return [Example.prompted(self.prompt, self.chosen), Example.prompted(self.prompt, self.rejected)]
 
 
+def check_pairs(pairs: Sequence[Pair]) -> None:
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, Pair):
+            raise TypeError(f"dpo: item {i} is a {type(pair).__name__}, not a linnet.packing.Pair")
+        for name in ("prompt", "chosen", "rejected"):
+            if len(getattr(pair, name)) == 0:
+                raise ValueError(f"dpo: pair {i} has an empty {name}; every pair needs a prompt and two answers")
+
+
 @dataclass
 class Packed:
     """One packed row of P positions (numpy arrays here; torch tensors from

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from linnet import nest
+from linnet import cards
 
 GB = 1e9
 
@@ -259,7 +259,7 @@ class Cluster:
 # Memory
 
 
-def trainable_params(card: nest.Card, method: Method) -> int:
+def trainable_params(card: cards.Card, method: Method) -> int:
     """Parameters the optimizer updates.
 
     Full fine-tuning trains every parameter. LoRA replaces the update of each targeted
@@ -462,7 +462,7 @@ class Plan:
 
 
 def estimate(
-    card: nest.Card | str,
+    card: cards.Card | str,
     method: Method = Method(),
     batch: Batch = Batch(),
     cluster: Cluster = Cluster(),
@@ -470,7 +470,7 @@ def estimate(
 ) -> Plan:
     """Plan a run of `card` (a Card, registered name or model directory). `tokens` is the
     training token count, "chinchilla" for 20 per parameter, or None for memory only."""
-    card = nest.resolve(card)
+    card = cards.resolve(card)
     params = card.params()
     trainable = trainable_params(card, method)
     activations = {
@@ -502,7 +502,7 @@ def estimate(
 
 
 def compare(
-    card: nest.Card | str,
+    card: cards.Card | str,
     method: Method = Method(),
     batch: Batch = Batch(),
     cluster: Cluster = Cluster(),
@@ -511,7 +511,7 @@ def compare(
 ) -> list[Plan]:
     """The same run planned with each method in `names` (rank, targets and optimizer
     taken from `method`)."""
-    card = nest.resolve(card)
+    card = cards.resolve(card)
     return [estimate(card, dataclasses.replace(method, name=name), batch, cluster, tokens) for name in names]
 
 
@@ -742,7 +742,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "card", nargs="?",
-        help=f"a registered card ({', '.join(sorted(nest.REGISTRY))}) or a Hugging Face model directory",
+        help=f"a registered card ({', '.join(sorted(cards.REGISTRY))}) or a Hugging Face model directory",
     )
     parser.add_argument("--config", metavar="YAML",
                         help="plan the run a `linnet sft` / `dpo` / `grpo` config describes (flags override it)")
@@ -834,7 +834,7 @@ def settings_from_run_config(path: str) -> dict[str, Any]:
     return settings
 
 
-def sampling_memory(card: nest.Card, rows: int, slots: int) -> dict[str, float]:
+def sampling_memory(card: cards.Card, rows: int, slots: int) -> dict[str, float]:
     """Bytes GRPO's sampling engine holds beside training: its own copy of the weights in
     bf16, and a KV cache of `rows` completions x `slots` positions (keys and values, every
     layer, bf16). Not part of `estimate`'s totals."""
@@ -865,7 +865,7 @@ def cli(argv: list[str] | None = None) -> int:
             plans = [estimate(card, **inputs)]
         # a completion and its prompt fit one packed row, so the cache needs at most seq slots
         sampling = None if sampling_rows is None else sampling_memory(
-            nest.resolve(card), sampling_rows, inputs["batch"].seq)
+            cards.resolve(card), sampling_rows, inputs["batch"].seq)
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2

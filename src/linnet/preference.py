@@ -19,7 +19,7 @@ from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
     make_schedule, open_run, parse_command, print_table, split_per_step, summarize,
 )
-from linnet.train.parallel import process_group, sum_across, world
+from linnet.torch.distributed import process_group, sum_across, world
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 
 from linnet.config import load_config, option, template, to_dict
 from linnet.files import write_text
-from linnet.train.parallel import data_share, from_first, world
+from linnet.torch.distributed import data_share, from_first, world
 
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 

@@ -23,7 +23,7 @@ from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
     make_schedule, open_run, parse_command, print_table, summarize,
 )
-from linnet.train.parallel import data_share, idle_passes, passes_short, process_group, sum_across
+from linnet.torch.distributed import data_share, idle_passes, passes_short, process_group, sum_across
 
 
 @dataclass

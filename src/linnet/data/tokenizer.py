@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from linnet.nest import Card, local_directory, resolve
+from linnet.cards import Card, local_directory, resolve
 
 BACKENDS = ("auto", "transformers", "tokenizers")
 

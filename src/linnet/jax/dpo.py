@@ -22,8 +22,8 @@ import numpy as np
 
 from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
 from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
-from linnet.packing import Pair, pack_prompted
-from linnet.train.loop import History, Step, step_items
+from linnet.history import History, Step, step_items
+from linnet.packing import Pair, check_pairs, pack_prompted
 
 
 def _rows(pairs: Sequence[Pair], tokens: int):
@@ -90,8 +90,6 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
     hold accuracy (share of pairs ranked right) and margin (mean reward margin). `mesh`
     and `remat` work as for `linnet.jax.train.train` (a step's rows split over the
     devices, filled out with rows that learn nothing)."""
-    from linnet.train.dpo import check_pairs
-
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
     pairs = list(pairs)

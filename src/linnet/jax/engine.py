@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.jax.lora import merge_lora
-from linnet.jax.model import JaxModel, Params, cos_sin, head_weight, linear, mlp, project, rms_norm
-from linnet.serve.engine import Completion
+from linnet.jax.lora import Params, linear, merge_lora
+from linnet.jax.model import JaxModel, cos_sin, head_weight, mlp, project, rms_norm
+from linnet.rollouts import Completion
 
 SLOTS = 64  # cache lengths round up to a multiple of this
 

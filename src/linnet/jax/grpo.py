@@ -28,9 +28,9 @@ from linnet.jax.engine import Engine
 from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
 from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
 from linnet.packing import pack_prompted
-from linnet.train.grpo import (
+from linnet.history import History, Step, step_items
+from linnet.rollouts import (
     Prompt, Reward, check_prompts, prompt_groups, reward_functions, sample_and_score, step_metrics)
-from linnet.train.loop import History, Step, step_items
 
 
 def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int, sequence_level: bool):

@@ -1,21 +1,47 @@
-"""Low-rank adapters for the JAX decoder, as in PyTorch (linnet.torch.lora): a matching
-linear layer computes x @ W.T + (x @ A.T) @ B.T * scale, with A and B stored beside W as
-`<layer>.lora_a` [r, in] and `<layer>.lora_b` [out, r] (B zero, so a fresh adapter changes
-nothing). The adapters save in PEFT's format and merge into the weights."""
+"""The JAX decoder's linear layers and their low-rank adapters, as in PyTorch
+(linnet.torch.lora): a matching linear layer computes x @ W.T + (x @ A.T) @ B.T * scale,
+with A and B stored beside W as `<layer>.lora_a` [r, in] and `<layer>.lora_b` [out, r] (B
+zero, so a fresh adapter changes nothing). The adapters save in PEFT's format
+(linnet.adapter_files) and merge into the weights."""
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.jax.model import JaxModel, Params, adapted_weight
+from linnet.adapter_files import ADAPTER_SUFFIXES, write_peft
+from linnet.paths import adapted_layers
 
-ADAPTERS = ("*.lora_a", "*.lora_b", "*.lora_magnitude")
+if TYPE_CHECKING:
+    from linnet.jax.model import JaxModel
+
+Params = dict[str, jax.Array]
+
+
+def linear(params: Params, path: str, x, bias: bool, lora_scale: float):
+    """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale); with DoRA's
+    magnitude m the sum is rescaled by m / ||W + lora_scale * B @ A||_row (the norm held
+    constant in backward), as in PyTorch."""
+    y = x @ params[f"{path}.weight"].astype(x.dtype).T
+    if f"{path}.lora_a" in params:
+        y = y + (x @ params[f"{path}.lora_a"].astype(x.dtype).T) @ params[f"{path}.lora_b"].astype(x.dtype).T \
+            * lora_scale
+    if f"{path}.lora_magnitude" in params:
+        norm = jax.lax.stop_gradient(jnp.linalg.norm(adapted_weight(params, path, lora_scale), axis=1))
+        y = y * (params[f"{path}.lora_magnitude"] / norm).astype(x.dtype)
+    return y + params[f"{path}.bias"].astype(x.dtype) if bias else y
+
+
+def adapted_weight(params: Params, path: str, lora_scale: float):
+    """W + lora_scale * B @ A in float32."""
+    w = params[f"{path}.weight"].astype(jnp.float32)
+    return w + lora_scale * (params[f"{path}.lora_b"] @ params[f"{path}.lora_a"])
 
 
 def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
@@ -27,14 +53,7 @@ def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, 
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     if model.lora:
         raise ValueError("add_lora: the model has adapters already; merge_lora first")
-    layers = [k.removesuffix(".weight") for k in model.params if k.endswith("_proj.weight")]
-    chosen: list[str] = []
-    for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
-        hits = [n for n in layers if fnmatch.fnmatch(f"{n}.weight", pattern) or fnmatch.fnmatch(n, pattern)]
-        if not hits:
-            raise ValueError(f"add_lora: pattern {pattern!r} matches no projection; paths look like "
-                             "model.layers.0.self_attn.q_proj.weight")
-        chosen += [n for n in hits if n not in chosen]
+    chosen = adapted_layers([k.removesuffix(".weight") for k in model.params if k.endswith("_proj.weight")], patterns)
     rng = np.random.default_rng(seed)
     for name in chosen:
         d_out, d_in = model.params[f"{name}.weight"].shape
@@ -67,14 +86,9 @@ def merge_lora(model: JaxModel, params: Params | None = None) -> Params:
 
 def save_peft(model: JaxModel, directory: str | os.PathLike, params: Params | None = None) -> None:
     """The adapters of `params` (default the model's) as a PEFT adapter directory."""
-    import torch
-
-    from linnet.torch.lora import ADAPTER_SUFFIXES, write_peft
-
     if not model.lora:
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
     params = model.params if params is None else params
-    adapters = {k: torch.from_numpy(np.array(v, np.float32)) for k, v in params.items()
-                if k.endswith(ADAPTER_SUFFIXES)}
+    adapters = {k: np.array(v, np.float32) for k, v in params.items() if k.endswith(ADAPTER_SUFFIXES)}
     card = model.card
     write_peft(directory, adapters, model.lora, card.weights.repo or card.weights.path)

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
-from linnet.nest import Card
-
-Params = dict[str, jax.Array]
+from linnet.cards import Card
+from linnet.jax.lora import Params, add_lora, linear
+from linnet.paths import parameter_shapes
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
            "float16": jnp.float16, "f16": jnp.float16}
@@ -53,26 +53,6 @@ def row_arrays(batch) -> dict[str, np.ndarray]:
     prefix = np.full(len(lengths), -1) if prefix is None else np.asarray(prefix)
     arrays["shared"] = np.repeat(prefix, lengths).astype(np.int32)
     return arrays
-
-
-def linear(params: Params, path: str, x, bias: bool, lora_scale: float):
-    """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale); with DoRA's
-    magnitude m the sum is rescaled by m / ||W + lora_scale * B @ A||_row (the norm held
-    constant in backward), as in PyTorch."""
-    y = x @ params[f"{path}.weight"].astype(x.dtype).T
-    if f"{path}.lora_a" in params:
-        y = y + (x @ params[f"{path}.lora_a"].astype(x.dtype).T) @ params[f"{path}.lora_b"].astype(x.dtype).T \
-            * lora_scale
-    if f"{path}.lora_magnitude" in params:
-        norm = jax.lax.stop_gradient(jnp.linalg.norm(adapted_weight(params, path, lora_scale), axis=1))
-        y = y * (params[f"{path}.lora_magnitude"] / norm).astype(x.dtype)
-    return y + params[f"{path}.bias"].astype(x.dtype) if bias else y
-
-
-def adapted_weight(params: Params, path: str, lora_scale: float):
-    """W + lora_scale * B @ A in float32."""
-    w = params[f"{path}.weight"].astype(jnp.float32)
-    return w + lora_scale * (params[f"{path}.lora_b"] @ params[f"{path}.lora_a"])
 
 
 def rms_norm(x, weight, eps: float):
@@ -212,8 +192,6 @@ class JaxModel:
         """Give each linear weight whose path matches an adapter (A [r, in] drawn as PEFT
         draws it, B [out, r] zero); `linnet.jax.train.train` then trains the adapters alone
         by default. Returns the adapted layer paths."""
-        from linnet.jax.lora import add_lora
-
         return add_lora(self, patterns, rank=rank, alpha=alpha, rslora=rslora, dora=dora, seed=seed)
 
     def loss_packed(self, batch, params: Params | None = None):
@@ -234,42 +212,13 @@ class JaxModel:
         save_weights(self.params if params is None else params, path, self.card)
 
 
-def parameter_shapes(card: Card) -> dict[str, tuple[int, ...]]:
-    """Every parameter path of the card's decoder and its shape."""
-    c = card
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab, c.hidden)}
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    for i in range(c.layers):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (c.hidden,)
-        for name, out, bias in (("q", q, c.qkv_bias), ("k", kv, c.qkv_bias), ("v", kv, c.qkv_bias)):
-            shapes[f"{p}.self_attn.{name}_proj.weight"] = (out, c.hidden)
-            if bias:
-                shapes[f"{p}.self_attn.{name}_proj.bias"] = (out,)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (c.hidden, q)
-        if c.o_bias:
-            shapes[f"{p}.self_attn.o_proj.bias"] = (c.hidden,)
-        if c.qk_norm:
-            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (c.head_dim,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (c.hidden,)
-        for name, shape in (("gate", (c.intermediate, c.hidden)), ("up", (c.intermediate, c.hidden)),
-                            ("down", (c.hidden, c.intermediate))):
-            shapes[f"{p}.mlp.{name}_proj.weight"] = shape
-            if c.mlp_bias:
-                shapes[f"{p}.mlp.{name}_proj.bias"] = (shape[0],)
-    shapes["model.norm.weight"] = (c.hidden,)
-    if not c.tied_embeddings:
-        shapes["lm_head.weight"] = (c.vocab, c.hidden)
-    return shapes
-
-
 def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, seed: int = 0) -> JaxModel:
     """The card's decoder in JAX. weights: a directory or .safetensors file; None takes the
     card's own; "random" draws N(0, 0.02) matrices (zero biases, unit norms) from `seed`.
     Parameters are kept in float32; `dtype` (default float32) is the compute dtype."""
-    from linnet import nest
+    from linnet.cards import resolve, weights_directory
 
-    card = nest.resolve(card)
+    card = resolve(card)
     shapes = parameter_shapes(card)
     if isinstance(weights, str) and weights == "random":
         rng = np.random.default_rng(seed)
@@ -282,7 +231,7 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
             else:
                 params[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
     else:
-        params = _read_weights(card, nest.weights_directory(card) if weights is None else weights, shapes)
+        params = _read_weights(card, weights_directory(card) if weights is None else weights, shapes)
     return JaxModel(card, {k: jnp.asarray(params[k]) for k in shapes}, as_dtype(dtype))  # in the model's order
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import json
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -24,25 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.jax.lora import ADAPTERS, save_peft
+from linnet.adapter_files import ADAPTERS, MAGNITUDES
+from linnet.jax.lora import save_peft
 from linnet.jax.model import JaxModel, Params, loss_packed, row_arrays, save_weights
-from linnet.train.checkpoint import find_checkpoint, publish, same_names, verify_checkpoint, write_state
-from linnet.train.loop import History, Step, step_items
-
-
-def split_trainable(params: Params, trainable: bool | str | Sequence[str]) -> tuple[Params, Params]:
-    """(trained, frozen) by True or glob patterns; a pattern matching nothing is an error."""
-    if trainable is True:
-        return dict(params), {}
-    patterns = [trainable] if isinstance(trainable, str) else list(trainable)
-    chosen: set[str] = set()
-    for pattern in patterns:
-        hits = fnmatch.filter(params, pattern)
-        if not hits:
-            raise ValueError(f"trainable pattern {pattern!r} matches no parameter; paths look like "
-                             f"{next(iter(params))!r}")
-        chosen.update(hits)
-    return {k: v for k, v in params.items() if k in chosen}, {k: v for k, v in params.items() if k not in chosen}
+from linnet.paths import select
+from linnet import checkpoint_layout as layout
+from linnet.history import History, Step, step_items
 
 
 @functools.lru_cache(maxsize=8)
@@ -115,17 +103,17 @@ def learning_rate(opt_state) -> float:
 
 
 def save_checkpoint(directory, step: int, trained: Params, opt_state, *, keep: int = 2) -> Path:
-    """A checkpoint as PyTorch's trainers write them (atomic, checksummed, the `keep`
+    """A checkpoint in the layout PyTorch's trainers use (atomic, checksummed, the `keep`
     latest kept): trained.safetensors, optimizer.npz (the optax state's leaves in tree
-    order) and state.pt (the step)."""
+    order) and state.json (the step)."""
     from safetensors.numpy import save_file
 
     def write(tmp: Path) -> None:
         save_file({k: np.asarray(v, np.float32) for k, v in trained.items()}, str(tmp / "trained.safetensors"))
         np.savez(tmp / "optimizer.npz", **{f"{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(opt_state))})
-        write_state(tmp, step)
+        (tmp / "state.json").write_text(json.dumps({"step": step}) + "\n")
 
-    return publish(directory, step, write, keep=keep)
+    return layout.publish(directory, step, write, keep=keep)
 
 
 def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params, Any]:
@@ -134,12 +122,15 @@ def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params,
     when there is none."""
     from safetensors.numpy import load_file
 
-    path = find_checkpoint(directory)
+    path = layout.find_checkpoint(directory)
     if path is None:
         return 0, trained, opt_state
-    state = verify_checkpoint(path)
+    layout.verify(path)
+    if not (path / "state.json").is_file():
+        raise ValueError(f"{path}: a PyTorch trainer's checkpoint; the JAX trainers resume from their own (state.json)")
+    state = json.loads((path / "state.json").read_text())
     tensors = load_file(str(path / "trained.safetensors"))
-    same_names(path, tensors, trained)
+    layout.same_names(path, tensors, trained)
     leaves, tree = jax.tree.flatten(opt_state)
     with np.load(path / "optimizer.npz") as saved:
         loaded = [saved[f"{i:05d}"] for i in range(len(saved.files))]
@@ -212,8 +203,10 @@ def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):
     copies (each step donates its buffers; the model's arrays must survive), placed in
     parts over `mesh`, and resumed from `checkpoint` when it holds one."""
     if trainable is None:  # the adapters (DoRA's magnitudes too, when there are any) or everything
-        trainable = [p for p in ADAPTERS if fnmatch.filter(model.params, p)] if model.lora else True
-    trained, frozen = split_trainable(model.params, trainable)
+        trainable = [p for p in [*ADAPTERS, MAGNITUDES] if fnmatch.filter(model.params, p)] if model.lora else True
+    chosen = select(list(model.params), trainable, what="trainable")
+    trained = {k: v for k, v in model.params.items() if k in chosen}
+    frozen = {k: v for k, v in model.params.items() if k not in chosen}
     trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
     if mesh is not None:
         trained = {k: jax.device_put(v, _part(v, mesh)) for k, v in trained.items()}

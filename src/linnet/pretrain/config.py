@@ -163,18 +163,18 @@ class PretrainConfig:
 def model_card(config: PretrainConfig, vocab_size: int, eos_id: int, tokenizer: str | None = None):
     """A Llama card with tied embeddings for the config's model group and a tokenizer of
     `vocab_size` tokens whose `eos_id` ends each document."""
-    from linnet import nest  # here, not at the top: tokenizer workers import this module
+    from linnet.cards import Card, Location
 
     m = config.model
     vocab = m.vocab or vocab_size
     if vocab < vocab_size:
         raise ValueError(f"config: model.vocab={m.vocab} is smaller than the tokenizer's {vocab_size} tokens; use "
                          "null (the tokenizer's size) or a larger vocabulary")
-    return nest.Card(
+    return Card(
         "pretrain", "llama", vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads or m.heads,
         m.head_dim or m.hidden // m.heads, rope_base=m.rope_base, norm_eps=m.norm_eps, tied_embeddings=True,
         max_positions=config.training.context_length, eos_token_ids=(eos_id,), pad_token_id=eos_id,
-        dtype=m.dtype or "bfloat16", tokenizer=nest.Location(path=tokenizer), source="linnet pretrain",
+        dtype=m.dtype or "bfloat16", tokenizer=Location(path=tokenizer), source="linnet pretrain",
     )
 
 

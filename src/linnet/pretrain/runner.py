@@ -71,7 +71,8 @@ from linnet.pretrain.config import (
     recipe_identity,
     to_yaml,
 )
-from linnet.train.checkpoint import CHECKSUMS, verify_checkpoint
+from linnet import checkpoint_layout as layout
+from linnet.train.checkpoint import verify_checkpoint
 
 CHECKPOINTS = "checkpoints"
 
@@ -119,7 +120,7 @@ def flops_per_token(card, context: int) -> float:
 def evaluate(model, batches) -> float:
     """Mean token loss over `batches` (no gradients); under several processes each
     evaluates every P-th batch and the sums are combined."""
-    from linnet.train.parallel import sum_across, world
+    from linnet.torch.distributed import sum_across, world
 
     rank, processes = world()
     total = torch.zeros((), dtype=torch.float64, device=model.device)
@@ -140,22 +141,15 @@ def evaluate(model, batches) -> float:
 # Checkpoints: linnet.train.checkpoint directories, verified by checksums
 
 
-def _checkpoint_dirs(root: Path) -> list[Path]:
-    from linnet.train.checkpoint import checkpoints
-
-    return checkpoints(root)
-
-
 def find_checkpoint(source: str | os.PathLike) -> Path:
     """A checkpoint directory, or the latest checkpoint of a run directory."""
     path = Path(source)
-    if (path / "state.pt").is_file() or (path / CHECKSUMS).is_file():
-        return path
-    found = _checkpoint_dirs(path / CHECKPOINTS) or _checkpoint_dirs(path)
-    if not found:
+    found = layout.find_checkpoint(path / CHECKPOINTS) if (path / CHECKPOINTS).is_dir() else None
+    found = found or layout.find_checkpoint(path)
+    if found is None:
         raise FileNotFoundError(f"{path}: no checkpoint there (expected a checkpoints/step-… directory or a run "
                                 "directory holding checkpoints/)")
-    return found[-1]
+    return found
 
 
 @dataclass
@@ -178,7 +172,7 @@ def save_state(out: Path, *, model, optimizer, schedule, loader, progress: Progr
     """A resumable snapshot: linnet.train.checkpoint's directory plus checksums.json,
     written last (a checkpoint without it is incomplete). First process only."""
     from linnet.train.checkpoint import save_checkpoint
-    from linnet.train.parallel import world
+    from linnet.torch.distributed import world
 
     if world()[0] != 0:
         return None
@@ -280,7 +274,7 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
         refuse_other_recipe(run_file, out, saved["recipe"]["fields"], saved["recipe"]["identity"])
         if (out / "summary.json").is_file():
             return Start(complete=json.loads((out / "summary.json").read_text()))
-        found = _checkpoint_dirs(out / CHECKPOINTS)
+        found = layout.checkpoints(out / CHECKPOINTS)
         if not found:
             raise ValueError(f"{out}: an incomplete run without retained training state (checkpoint policy "
                              f"{saved.get('checkpoint_policy', '?')}); start it again in a fresh runtime.output_dir, "
@@ -326,7 +320,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet.pretrain.loader import Loader, Validation
     from linnet.train.checkpoint import load_checkpoint
     from linnet.train.loop import Step, optimizer_step, trained_parameters
-    from linnet.train.parallel import barrier, from_first, sum_across, world
+    from linnet.torch.distributed import barrier, from_first, sum_across, world
 
     m, d, t, rt = config.model, config.data, config.training, config.runtime
     rank, processes = world()
@@ -559,7 +553,7 @@ def cli(argv: list[str] | None = None) -> int:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
     if args.resume and len(paths) > 1:
         parser.error("--resume takes one --config")
-    from linnet.train.parallel import process_group, world
+    from linnet.torch.distributed import process_group, world
 
     with process_group():  # under torchrun
         for path in paths:
@@ -570,7 +564,7 @@ def cli(argv: list[str] | None = None) -> int:
                 try:
                     summary = run(config, resume=args.resume, overwrite=args.overwrite)
                 except KeyboardInterrupt:
-                    found = _checkpoint_dirs(Path(config.runtime.output_dir) / CHECKPOINTS)
+                    found = layout.checkpoints(Path(config.runtime.output_dir) / CHECKPOINTS)
                     where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "
                     print(f"linnet pretrain: interrupted; {where}running the same command resumes the run",
                           file=sys.stderr)

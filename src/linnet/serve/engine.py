@@ -45,27 +45,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from linnet.adapter_files import ADAPTER_SUFFIXES
+from linnet.rollouts import Completion
 from linnet.torch import attention as attention_paths
-from linnet.torch.lora import ADAPTER_SUFFIXES
-from linnet.torch.model import Decoder, Linear, rotate
+from linnet.torch.lora import Linear
+from linnet.torch.model import Decoder, rotate
 from linnet.torch.sharding import full
-
-
-@dataclass
-class Completion:
-    """One sampled completion.
-
-    prompt     index of its prompt in the list given to `sample`
-    tokens     the sampled ids, a stop token included as the last when `stopped`
-    logprobs   [len(tokens)] float32 (CPU): the model's log-probability of each token
-               (temperature 1, before top-k/top-p; see the module docstring)
-    stopped    True when it ended on a stop token, False when it hit max_new_tokens
-    """
-
-    prompt: int
-    tokens: list[int]
-    logprobs: torch.Tensor
-    stopped: bool
 
 
 @dataclass

@@ -18,11 +18,10 @@ F intermediate, V vocabulary.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,64 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from linnet.nest import Card
+from linnet.cards import Card
+from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.losses import (
     linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs)
+from linnet.torch.lora import Linear
 from linnet.torch.sharding import full
-
-
-class Linear(nn.Linear):
-    """y = x @ W.T (+ b), the weight cast to the input's dtype; with a low-rank adapter
-    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale; with DoRA's magnitude m,
-    y = m / ||W + scale * B @ A||_row * (x @ W.T + (x @ A.T) @ B.T * scale) + b, the norm
-    held constant in backward as the DoRA paper suggests. An nn.Linear, so PyTorch's
-    tensor-parallel styles split it."""
-
-    def __init__(self, d_in: int, d_out: int, bias: bool):
-        nn.Module.__init__(self)  # nn.Linear's own init would allocate and initialise the weight
-        self.in_features, self.out_features = d_in, d_out
-        self.weight = nn.Parameter(torch.empty(d_out, d_in))
-        self.bias = nn.Parameter(torch.empty(d_out)) if bias else None
-        self.lora_a: nn.Parameter | None = None
-        self.lora_b: nn.Parameter | None = None
-        self.lora_magnitude: nn.Parameter | None = None
-        self.lora_scale = 0.0
-        self.lora_dropout = 0.0
-
-    def forward(self, x):
-        if self.lora_magnitude is not None:
-            return self._dora(x)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        y = F.linear(x, self.weight.to(x.dtype), bias)
-        if self.lora_a is None:
-            return y
-        z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
-        za = F.linear(z, self.lora_a.to(x.dtype))
-        # scale and sum folded into one addmm: no [P, out] multiply and add (1.10x on SFT-LoRA)
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T,
-                          alpha=self.lora_scale)
-        return out.view(y.shape)
-
-    def _dora(self, x):
-        with torch.no_grad():
-            norm = torch.linalg.vector_norm(self.adapted_weight(), dim=1)
-        y = F.linear(x, self.weight.to(x.dtype))
-        y = y + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.lora_scale
-        y = y * (self.lora_magnitude / norm).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-    def adapted_weight(self, whole=lambda t: t) -> torch.Tensor:
-        """W + scale * B @ A in float32 (`whole` gathers sharded tensors)."""
-        delta = whole(self.lora_b).float() @ whole(self.lora_a).float()
-        return whole(self.weight).float() + delta * self.lora_scale
-
-    def merged_weight(self, whole=lambda t: t) -> torch.Tensor:
-        """The plain weight this adapted layer computes with, in float32."""
-        w = self.adapted_weight(whole)
-        if self.lora_magnitude is None:
-            return w
-        return w * (whole(self.lora_magnitude).float() / torch.linalg.vector_norm(w, dim=1))[:, None]
+from linnet.torch.weights import as_dtype
 
 
 class RMSNorm(nn.Module):
@@ -362,42 +311,6 @@ class Decoder(nn.Module):
         save_weights(self, path, dtype=dtype, include=include)
 
 
-def select(names: Sequence[str], spec: bool | str | Sequence[str], *, what: str) -> set[str]:
-    """The names a True / False / glob-pattern(s) spec picks; a pattern matching
-    nothing is an error (a typo would otherwise silently train nothing)."""
-    if spec is True:
-        return set(names)
-    if spec is False or spec is None:
-        return set()
-    patterns = [spec] if isinstance(spec, str) else list(spec)
-    chosen: set[str] = set()
-    for pattern in patterns:
-        hits = fnmatch.filter(names, pattern)
-        if not hits:
-            raise ValueError(
-                f"{what} pattern {pattern!r} matches no parameter; paths look like "
-                f"{names[min(1, len(names) - 1)]!r}"
-            )
-        chosen.update(hits)
-    return chosen
-
-
-_DTYPES = {
-    "float32": torch.float32, "f32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "f16": torch.float16, "fp16": torch.float16,
-}
-
-
-def as_dtype(dtype: Any) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
-
-
 def _initialise(model: Decoder, seed: int) -> None:
     """Deterministic init from `seed`, the same on every device: N(0, 0.02) for matrices,
     zeros for biases, ones for norms; drawn on the CPU in parameter order."""
@@ -415,7 +328,7 @@ def _initialise(model: Decoder, seed: int) -> None:
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
-    from linnet import nest
+    from linnet.cards import weights_directory
     from linnet.torch.weights import bind_weights
 
     device = torch.device(device or "cpu")
@@ -431,7 +344,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if isinstance(weights, str) and weights == "random":
         _initialise(model, seed)
     else:
-        source = nest.weights_directory(card) if weights is None else weights
+        source = weights_directory(card) if weights is None else weights
         bind_weights(model, source, strict=True)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split

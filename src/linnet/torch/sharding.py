@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from linnet.adapter_files import ADAPTER_SUFFIXES
+
 # The methods trainers call in place of forward: each gathers the root unit's parameters.
 ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
 
@@ -38,11 +40,9 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("fully_shard needs a process group: run under torchrun and call "
-                           "linnet.train.parallel.join() (or torch.distributed.init_process_group) first")
+                           "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
     if is_sharded(model):
         raise ValueError("fully_shard: this model is sharded already")
-    from linnet.torch.lora import ADAPTER_SUFFIXES
-
     adapters = {p for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
     options = dict(mesh=mesh, ignored_params=adapters or None,
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))

@@ -6,16 +6,37 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from linnet.adapter_files import PEFT_PREFIX, from_peft_name
 from linnet.files import atomic_path, write_text
+from linnet.paths import select
+from linnet.torch.distributed import world
+from linnet.torch.sharding import full
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
+
+
+_DTYPES = {
+    "float32": torch.float32, "f32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "f16": torch.float16, "fp16": torch.float16,
+}
+
+
+def as_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
 
 
 def weight_files(source: str | os.PathLike) -> list[Path]:
@@ -51,8 +72,6 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
     place for, or of another shape, is always an error. PEFT adapter names are read as
     linnet's (call add_lora with the same patterns and rank first). Returns the paths
     loaded."""
-    from linnet.torch.lora import PEFT_PREFIX, from_peft_name
-
     params = dict(model.named_parameters())
     loaded: list[str] = []
     unexpected: list[str] = []
@@ -93,10 +112,6 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, include: Sequenc
     one file; otherwise a directory gets model.safetensors and, for a whole model, the
     config.json and tokenizer files transformers needs to load it. Under torchrun every
     process calls it (a sharded model's parts are gathered) and the first writes."""
-    from linnet.torch.model import as_dtype, select
-    from linnet.torch.sharding import full
-    from linnet.train.parallel import world
-
     dtype = model.dtype if dtype is None else as_dtype(dtype)
     names = [n for n, _ in model.named_parameters()]
     chosen = select(names, True if include is None else include, what="include")

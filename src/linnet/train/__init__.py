@@ -10,8 +10,9 @@ import torch
 from linnet import packing
 from linnet.packing import Example, Packed
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
-from linnet.train.loop import History, Step, train
-from linnet.train.parallel import clip_gradients, reduce_gradients
+from linnet.history import History, Step
+from linnet.train.loop import train
+from linnet.torch.distributed import clip_gradients, reduce_gradients
 from linnet.train.schedules import constant_schedule, cosine_schedule, wsd_schedule
 
 __all__ = [

@@ -1,25 +1,19 @@
-"""Checkpoints a run resumes from: trained parameters, optimizer, step, schedule, RNG.
+"""PyTorch checkpoints a run resumes from: trained parameters, optimizer, step, schedule, RNG.
 
-Layout: `<dir>/step-00000010/` holding trained.safetensors (the parameters that train,
-in float32: the adapters alone for a LoRA run), optimizer.pt, state.pt and
-checksums.json (the SHA-256 of every other file). A sharded or split model's
-(fully_shard, tensor_parallel) checkpoint has a `sharded/` directory instead of the first
-two, where each process writes its parts of the trained parameters and optimizer state
-(torch.distributed.checkpoint; it loads back under another layout, or whole). The JAX
-trainers write the same layout through `publish` (optimizer.npz for optax's state).
-Each checkpoint is written under a temporary directory name and renamed into place, so a
-run killed at any instant leaves only complete checkpoints; the `keep` latest are kept.
-Loading checks every file against its checksum first: a truncated or altered checkpoint
-is refused by name, never half-loaded. The RNG state covers torch (and CUDA), Python's
-`random` and NumPy's global generator.
+A checkpoint (`<dir>/step-00000010/`, published atomically and checksummed by
+`linnet.checkpoint_layout`) holds trained.safetensors (the parameters that train, in
+float32: the adapters alone for a LoRA run), optimizer.pt and state.pt. A sharded or split
+model's (fully_shard, tensor_parallel) checkpoint has a `sharded/` directory instead of the
+first two, where each process writes its parts of the trained parameters and optimizer
+state (torch.distributed.checkpoint; it loads back under another layout, or whole).
+Loading checks every file against its checksum first. The RNG state covers torch (and
+CUDA), Python's `random` and NumPy's global generator.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,27 +22,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from linnet.files import sha256_file
+from linnet import checkpoint_layout as layout
+from linnet.torch.distributed import barrier, from_first, world
 from linnet.torch.sharding import is_sharded
-from linnet.train.parallel import barrier, from_first, world
 
-PREFIX = "step-"
-CHECKSUMS = "checksums.json"
 SHARDED = "sharded"
-
-
-def checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in `directory`, oldest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    found = checkpoints(directory)
-    return found[-1] if found else None
 
 
 def _trained(model) -> dict[str, torch.nn.Parameter]:
@@ -104,46 +82,16 @@ def write_state(tmp: Path, step: int, *, schedule=None, extra: dict[str, Any] | 
 
 
 def publish(directory: str | os.PathLike, step: int, write, *, keep: int = 2, every_process: bool = False) -> Path:
-    """Make `<directory>/step-<step>` all at once: `write(tmp)` fills a temporary
-    directory (on every process with every_process, else on the first alone); the first
-    process then records every file's checksum, renames it into place and prunes to the
-    `keep` latest."""
-    rank = world()[0]
-    root = Path(directory)
-    final = root / f"{PREFIX}{step:08d}"
-    if rank != 0 and not every_process:
-        return final
-    tmp = root / f".{final.name}.tmp-{from_first(os.getpid()) if every_process else os.getpid()}"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    if every_process:
-        barrier()  # the directory exists before anyone writes into it
-    write(tmp)
-    if rank == 0:
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        sums = {"files": {name: sha256_file(tmp / name) for name in files}}
-        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
-        if final.exists():  # the same step written again: swap it out whole
-            stale = root / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, stale)
-            os.rename(tmp, final)
-            shutil.rmtree(stale)
-        else:
-            os.rename(tmp, final)
-        for old in checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    if every_process:
-        barrier()  # every process returns with the checkpoint in place
-    return final
+    """`linnet.checkpoint_layout.publish` across this run's processes."""
+    return layout.publish(directory, step, write, keep=keep, rank=world()[0], every_process=every_process,
+                          agree=from_first, barrier=barrier)
 
 
 def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, schedule=None) -> dict[str, Any] | None:
     """Restore the latest checkpoint in `directory` (or a checkpoint directory itself)
     into the model's trained parameters, the optimizer, the schedule and the RNG.
     Returns {"step": …, "extra": …}, or None when there is none yet."""
-    path = find_checkpoint(directory)
+    path = layout.find_checkpoint(directory)
     if path is None:
         return None
     state = verify_checkpoint(path)
@@ -155,7 +103,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
     else:
         tensors = load_file(str(path / "trained.safetensors"))
         trained = _trained(model)
-        same_names(path, tensors, trained)
+        layout.same_names(path, tensors, trained)
         with torch.no_grad():
             for name, p in trained.items():
                 p.copy_(tensors[name])
@@ -165,26 +113,6 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
         schedule.load_state_dict(state["schedule"])
     _set_rng_state(state["rng"])
     return {"step": state["step"], "extra": state["extra"], "path": path}
-
-
-def find_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """`directory` itself when it is a checkpoint, else its latest checkpoint (None: none yet)."""
-    path = Path(directory)
-    if (path / "state.pt").is_file() or (path / CHECKSUMS).is_file():
-        return path
-    return latest_checkpoint(path)
-
-
-def same_names(path: Path, saved, trained) -> None:
-    """Refuse a checkpoint that trains other parameters than the model, naming some."""
-    if set(saved) != set(trained):
-        extra_names = sorted(set(saved) - set(trained))[:2]
-        missing = sorted(set(trained) - set(saved))[:2]
-        raise ValueError(
-            f"{path}: the checkpoint trains other parameters than this model "
-            f"(only in the checkpoint: {extra_names}; only in the model: {missing}); "
-            "load the model as the run loaded it (same card, trainable=, add_lora patterns)"
-        )
 
 
 def _save_parts(path: Path, model, optimizer) -> None:
@@ -204,7 +132,7 @@ def _load_parts(path: Path, model, optimizer) -> None:
 
     options = StateDictOptions(ignore_frozen_params=True)
     saved = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
-    same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, _trained(model))
+    layout.same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, _trained(model))
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
     else:  # get_state_dict fills a fresh optimizer's state by an lr=0 step; the load overwrites it
@@ -220,29 +148,6 @@ def _load_parts(path: Path, model, optimizer) -> None:
                        options=options)
 
 
-def _earlier(path: Path) -> str:
-    earlier = [p for p in checkpoints(path.parent) if p.name < path.name and (p / CHECKSUMS).is_file()]
-    return f"; the previous checkpoint is {earlier[-1]}: resume from it" if earlier else ""
-
-
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Check a checkpoint's files against its checksums.json and return its state.pt
-    contents. A missing, truncated or altered file is refused by name."""
-    path = Path(path)
-    if not (path / "state.pt").is_file() and not (path / CHECKSUMS).is_file():
-        raise ValueError(f"{path}: not a checkpoint directory (no state.pt); pass a run's checkpoints/step-… "
-                         "directory or the run directory")
-    if not (path / CHECKSUMS).is_file():
-        raise ValueError(f"{path}: incomplete checkpoint (no {CHECKSUMS}: its write was interrupted){_earlier(path)}")
-    try:
-        recorded = json.loads((path / CHECKSUMS).read_text())["files"]
-    except (json.JSONDecodeError, KeyError):
-        raise ValueError(f"{path / CHECKSUMS}: unreadable; the checkpoint is damaged{_earlier(path)}") from None
-    for name, want in recorded.items():
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file}: missing from the checkpoint{_earlier(path)}")
-        if sha256_file(file) != want:
-            raise ValueError(f"{file}: corrupt or truncated (its SHA-256 differs from {CHECKSUMS}); refusing to "
-                             f"resume from it{_earlier(path)}")
-    return torch.load(path / "state.pt", weights_only=True)
+    """Check a checkpoint's files against its checksums and return its state.pt contents."""
+    return torch.load(layout.verify(path) / "state.pt", weights_only=True)

@@ -26,21 +26,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from linnet.packing import Pair, pack_prompted
+from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.torch.attention import document_ids, shares_prompts
-from linnet.train.loop import (
-    History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
-)
-from linnet.train.parallel import idle_passes, passes_short, sum_across
-
-
-def check_pairs(pairs: Sequence[Pair]) -> None:
-    for i, pair in enumerate(pairs):
-        if not isinstance(pair, Pair):
-            raise TypeError(f"dpo: item {i} is a {type(pair).__name__}, not a linnet.train.dpo.Pair")
-        for name in ("prompt", "chosen", "rejected"):
-            if len(getattr(pair, name)) == 0:
-                raise ValueError(f"dpo: pair {i} has an empty {name}; every pair needs a prompt and two answers")
+from linnet.history import History, Step, step_items
+from linnet.train.loop import end_step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.torch.distributed import idle_passes, passes_short, sum_across
 
 
 def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0):

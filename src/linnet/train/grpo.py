@@ -21,71 +21,26 @@ callback; `linnet grpo` calls it every `training.eval_every` steps.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from linnet.packing import pack_prompted
 from linnet.torch.attention import shares_prompts
-from linnet.train.grpo_loss import group_advantages, grpo_loss
-from linnet.train.loop import (
-    History, Step, end_step, optimizer_step, resume, save_trained, step_items, trained_parameters,
+from linnet.rollouts import (
+    Prompt, Reward, check_prompts, pass_at_k, prompt_groups, reward_functions, sample_and_score, score, step_metrics,
 )
-from linnet.train.parallel import idle_passes, passes_short, sum_across, world
+from linnet.train.grpo_loss import grpo_loss
+from linnet.history import History, Step, step_items
+from linnet.train.loop import end_step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt's token ids and whatever its reward needs (the reference answer)."""
-
-    ids: Sequence[int]
-    answer: Any = None
-
-
-Reward = Callable[[Prompt, list[int]], float]
-
-
-def reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]:
-    if callable(reward):
-        return {getattr(reward, "__name__", "reward"): reward}
-    if isinstance(reward, Mapping) and reward and all(callable(f) for f in reward.values()):
-        return dict(reward)
-    raise TypeError("grpo: reward must be a callable (prompt, completion) -> number, or a dict of them")
-
-
-def score(functions: dict[str, Reward], prompt: Prompt, completion: list[int], where: str) -> dict[str, float]:
-    """Each reward function's value for one completion; a failure names the item."""
-    values = {}
-    for name, f in functions.items():
-        try:
-            value = f(prompt, completion)
-        except Exception as e:
-            raise RuntimeError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-            raise TypeError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
-        values[name] = float(value)
-    return values
-
-
-def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
-    """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row."""
-    for i, p in prompts:
-        if not isinstance(p, Prompt):
-            raise TypeError(f"grpo: item {i} is a {type(p).__name__}, not a linnet.train.grpo.Prompt")
-        if len(p.ids) == 0:
-            raise ValueError(f"grpo: prompt {i} is empty; every prompt needs at least one token")
-        if len(p.ids) + max_new_tokens > room:
-            raise ValueError(f"grpo: prompt {i} has {len(p.ids)} tokens; with max_new_tokens={max_new_tokens} "
-                             f"it does not fit a row of tokens={room}; raise tokens")
 
 
 @dataclass
@@ -100,71 +55,6 @@ class _Rollout:
     sequences: int
     tokens: int
     real: int
-
-
-@dataclass
-class Scored:
-    """A step's samples and what the rewards made of them."""
-
-    samples: list
-    per_function: dict[str, np.ndarray]  # each reward function's value of each sample
-    rewards: np.ndarray  # [prompts, group] summed rewards
-    uniform: np.ndarray  # [prompts] groups whose rewards are all equal
-    advantages: np.ndarray  # [samples]
-    keep: np.ndarray  # [samples] the samples that train
-    seconds: float  # sampling time
-
-
-def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
-                     temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool) -> Scored:
-    """Sample `group` completions of each (index, prompt) of `chunk` with `engine` (the
-    PyTorch or the JAX one), score them and give each its group advantage."""
-    prompts = [p for _, p in chunk]
-    t0 = time.perf_counter()
-    samples = engine.sample([list(p.ids) for p in prompts], n=group, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed)
-    seconds = time.perf_counter() - t0
-    scores = [score(functions, prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
-              for i, s in enumerate(samples)]
-    per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
-    rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
-    uniform = rewards.std(axis=1) == 0
-    advantages = group_advantages(torch.as_tensor(rewards), scale=not dr_grpo).numpy().reshape(-1)
-    keep = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
-    return Scored(samples, per_function, rewards, uniform, advantages, keep, seconds)
-
-
-def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mismatch: float) -> dict[str, float]:
-    """What a GRPO step reports: rewards, uniform groups, lengths, stops, and the clip,
-    KL and engine mismatch per trained token."""
-    lengths = np.array([len(s.tokens) for s in scored.samples])
-    per_token = max(tokens, 1.0)
-    return {
-        "reward": float(scored.rewards.mean()), "reward_std": float(scored.rewards.std()),
-        **{f"reward_{name}": float(v.mean()) for name, v in scored.per_function.items()
-           if len(scored.per_function) > 1},
-        "uniform": float(scored.uniform.mean()), "completion_length": float(lengths.mean()),
-        "stopped": float(np.mean([s.stopped for s in scored.samples])),
-        "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / per_token,
-        "sample_seconds": scored.seconds,
-        "sampled_tokens_per_second": float(lengths.sum()) / max(scored.seconds, 1e-9),
-    }
-
-
-def prompt_groups(samples, prompts, tokens: int, share: bool):
-    """(prompt, completions) of consecutive samples of one prompt, split where one row of
-    `tokens` positions could not hold them together (`pack_prompted`'s layout)."""
-    for prompt, run in itertools.groupby(samples, key=lambda s: s.prompt):
-        ids = list(prompts[prompt].ids)
-        base, each = (len(ids), 1) if share else (0, len(ids))
-        chunk, size = [], base
-        for s in run:
-            if chunk and size + each + len(s.tokens) > tokens:
-                yield ids, chunk
-                chunk, size = [], base
-            chunk.append(s.tokens)
-            size += each + len(s.tokens)
-        yield ids, chunk
 
 
 def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int,
@@ -327,15 +217,6 @@ def grpo(
     if save_to is not None:
         save_trained(policy, save_to)
     return history
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021,
-    arXiv:2107.03374): 1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without
-    replacement hold a correct one. Drawing more than k samples lowers its variance."""
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,

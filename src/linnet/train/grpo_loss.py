@@ -1,14 +1,15 @@
 """The GRPO objective as pure functions over flat per-token arrays.
 
 Group relative policy optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300):
-sample a group of completions per prompt, score each, and use the reward's standing in
-its group as the advantage of every token of that completion, so no value model is
-needed. The update is PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347).
+each completion's advantage is its reward's standing in its group (`linnet.rollouts.
+group_advantages`), given to every one of its tokens; the update is PPO's clipped
+surrogate (Schulman et al. 2017, arXiv:1707.06347).
 
 Shapes: T completion tokens of the whole step, flattened; S completions.
 Options beyond the paper, each a plain argument:
   Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): advantages not divided by the group's
-    std, and token sums divided by a constant instead of each completion's length.
+    std (group_advantages(scale=False)), and token sums divided by a constant instead of
+    each completion's length.
   GSPO (Zheng et al. 2025, arXiv:2507.18071): one importance ratio per sequence, the
     geometric mean of its tokens' ratios, clipped as a whole.
   Truncated importance sampling against the sampler (`correction`): the engine samples
@@ -19,14 +20,6 @@ Options beyond the paper, each a plain argument:
 from __future__ import annotations
 
 import torch
-
-
-def group_advantages(rewards_PG: torch.Tensor, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """[prompts, group] (reward - group mean), over the group's std unless scale=False."""
-    centered = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
-    if not scale:
-        return centered
-    return centered / (rewards_PG.std(dim=1, keepdim=True, unbiased=False) + eps)
 
 
 def k3_kl(logp_T: torch.Tensor, ref_T: torch.Tensor) -> torch.Tensor:

@@ -11,49 +11,17 @@ backward, so every learned token weighs the same whatever batch it sits in.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from linnet.history import History, Step, step_items
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
-from linnet.train.parallel import clip_gradients, reduce_gradients, sum_across, world
-
-
-@dataclass
-class Step:
-    """One optimizer step, as reported to `on_step` and kept in the history."""
-
-    step: int
-    loss: float
-    learned: int  # learned positions in the step (every process)
-    real: int  # non-padding positions in the step (every process)
-    grad_norm: float
-    lr: float
-    seconds: float
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.real / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class History:
-    steps: list[Step] = field(default_factory=list)
-
-    @property
-    def losses(self) -> list[float]:
-        return [s.loss for s in self.steps]
-
-    def __len__(self) -> int:
-        return len(self.steps)
+from linnet.torch.distributed import clip_gradients, reduce_gradients, sum_across, world
 
 
 def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -108,20 +76,6 @@ def resume(checkpoint, model, optimizer, schedule) -> int:
         return 0
     state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, schedule=schedule)
     return 0 if state is None else state["step"]
-
-
-def step_items(items: Iterable[Any], per_step: int, *, start: int, steps: int, what: str):
-    """Yield (step, the step's items) from `start + 1` to `steps`, first skipping the
-    items that steps up to `start` consumed; stop with a warning if the items run out."""
-    stream = iter(items)
-    for _ in itertools.islice(stream, start * per_step):
-        pass
-    for step in range(start + 1, steps + 1):
-        chunk = list(itertools.islice(stream, per_step))
-        if not chunk:
-            warnings.warn(f"{what} ran out after step {step - 1} of {steps}", stacklevel=3)
-            return
-        yield step, chunk
 
 
 def end_step(record: Step, history: History, on_step, *, model, optimizer, schedule, steps: int,

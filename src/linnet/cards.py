@@ -1,0 +1,420 @@
+"""Model cards: the architecture of a Llama-family decoder as plain data.
+
+A `Card` is everything the model code needs to build a decoder (shapes, RoPE, norms,
+biases) plus where its weights and tokenizer live and its chat template. Cards come from
+the registry below (architecture numbers as published in each model's config.json) or
+from a local Hugging Face model directory. This module imports no backend: the backends
+import it, and `linnet.nest.load` (above both) builds a card's model.
+
+    card = resolve("qwen2.5-0.5b-instruct")   # registered name
+    card = resolve("path/to/hf-model-dir")     # config.json + safetensors + tokenizer
+
+Families differ only through a few card fields (qkv bias, qk-norm, tied head), never
+through subclasses: Llama (with Llama 3 RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (q/k
+RMSNorm), Mistral (without a sliding window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend between `low_freq_factor` and `high_freq_factor`."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where files live: a local directory (`path`) and/or a hub repository (`repo`)."""
+
+    repo: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Card:
+    """A decoder's architecture, its weights and tokenizer location, and chat template."""
+
+    name: str
+    family: str
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    max_positions: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "bfloat16"
+    weights: Location = field(default_factory=Location)
+    tokenizer: Location = field(default_factory=Location)
+    chat_template: str | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(
+                f"card {self.name!r}: unknown family {self.family!r}; "
+                f"linnet builds {', '.join(FAMILIES)}"
+            )
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"card {self.name!r}: heads ({self.heads}) must be a multiple of "
+                f"kv_heads ({self.kv_heads})"
+            )
+        for name in ("vocab", "hidden", "intermediate", "layers", "heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"card {self.name!r}: {name} must be positive")
+
+    def replace(self, **changes: Any) -> Card:
+        return dataclasses.replace(self, **changes)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each linear projection in one block, by its checkpoint name."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {
+            "self_attn.q_proj": (q, self.hidden),
+            "self_attn.k_proj": (kv, self.hidden),
+            "self_attn.v_proj": (kv, self.hidden),
+            "self_attn.o_proj": (self.hidden, q),
+            "mlp.gate_proj": (self.intermediate, self.hidden),
+            "mlp.up_proj": (self.intermediate, self.hidden),
+            "mlp.down_proj": (self.hidden, self.intermediate),
+        }
+
+    def block_params(self) -> int:
+        """Parameters of one decoder block, biases and norms included."""
+        shapes = self.linear_shapes()
+        n = sum(o * i for o, i in shapes.values())
+        if self.qkv_bias:
+            n += sum(shapes[f"self_attn.{p}_proj"][0] for p in "qkv")
+        if self.o_bias:
+            n += self.hidden
+        if self.mlp_bias:
+            n += 2 * self.intermediate + self.hidden
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        return n + 2 * self.hidden
+
+    def params(self) -> int:
+        """Every parameter, a tied head counted once."""
+        embed = self.vocab * self.hidden
+        head = 0 if self.tied_embeddings else embed
+        return embed + head + self.layers * self.block_params() + self.hidden
+
+    def hf_config(self) -> dict[str, Any]:
+        """The config.json transformers reads back for this architecture."""
+        model_type = self.family
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM",
+        }[self.family]
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_base}
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": self.rope_base,
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_positions,
+            }
+        config: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": model_type,
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_positions,
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tied_embeddings,
+            "rope_theta": self.rope_base,
+            "rope_scaling": None if self.rope_scaling is None else rope,
+            "rope_parameters": rope,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) or None,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": self.dtype,
+        }
+        if self.family == "llama":
+            config["attention_bias"] = self.qkv_bias
+            config["mlp_bias"] = self.mlp_bias
+        elif self.family == "qwen3":
+            config["attention_bias"] = self.qkv_bias
+        elif self.family in ("qwen2", "mistral"):
+            config["sliding_window"] = None
+            config["use_sliding_window"] = False
+        return config
+
+
+# ---------------------------------------------------------------------------------------
+# Reading a Hugging Face config.json
+
+
+def _rope(config: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from either transformers 4 (`rope_theta` + `rope_scaling`)
+    or transformers 5 (`rope_parameters`) spelling."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    base = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return base, None
+    if kind != "llama3":
+        raise ValueError(
+            f"{where}: rope scaling type {kind!r} is not supported (linnet implements the "
+            "default RoPE and Llama 3 scaling); remove it or use a model without it"
+        )
+    return base, RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_positions=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _refuse_unsupported(config: dict, family: str, where: str) -> None:
+    """Fields that change the computation in ways the decoder does not implement."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {config['hidden_act']!r} is not supported (silu only)")
+    if config.get("quantization_config"):
+        raise ValueError(f"{where}: quantized checkpoints are not supported; use unquantized weights")
+    for key in ("attention_dropout", "hidden_dropout", "mlp_dropout"):
+        if float(config.get(key) or 0.0) != 0.0:
+            raise ValueError(f"{where}: {key}={config[key]} is not supported; set it to 0.0")
+    window = config.get("sliding_window")
+    uses_window = config.get("use_sliding_window", family == "mistral")
+    positions = config.get("max_position_embeddings", 2048)
+    if uses_window and window is not None and window < positions:
+        raise ValueError(
+            f"{where}: sliding-window attention (sliding_window={window}) is not supported; "
+            "linnet attends over the whole context"
+        )
+    if any(t != "full_attention" for t in config.get("layer_types") or []) and uses_window:
+        raise ValueError(f"{where}: per-layer sliding-window attention is not supported")
+    for key in ("num_experts", "num_local_experts", "no_rope_layers"):
+        if config.get(key):
+            raise ValueError(f"{where}: {key} is not supported by the dense decoder")
+
+
+def card_from_config(config: dict, *, name: str, where: str = "config.json") -> Card:
+    """A Card from the fields of a Hugging Face config.json (a dict)."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(
+            f"{where}: unknown model_type {family!r}; linnet builds {', '.join(FAMILIES)}"
+        )
+    _refuse_unsupported(config, family, where)
+    base, scaling = _rope(config, where)
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        card_fields = dict(
+            vocab=int(config["vocab_size"]),
+            hidden=hidden,
+            intermediate=int(config["intermediate_size"]),
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+        )
+    except KeyError as missing:
+        raise ValueError(f"{where}: missing field {missing}") from None
+    attention_bias = bool(config.get("attention_bias", False))
+    eos = config.get("eos_token_id")
+    return Card(
+        name=name,
+        family=family,
+        **card_fields,
+        rope_base=base,
+        rope_scaling=scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or family == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(config.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
+        max_positions=int(config.get("max_position_embeddings", 2048)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        pad_token_id=config.get("pad_token_id"),
+        dtype=str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+    )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def card_from_directory(directory: str | os.PathLike) -> Card:
+    """A Card for a local Hugging Face model directory (config.json, safetensors,
+    tokenizer.json, tokenizer_config.json, optional generation_config.json)."""
+    root = Path(directory)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{root}: no config.json; is this a Hugging Face model directory?")
+    card = card_from_config(_read_json(config_path), name=root.name, where=str(config_path))
+    eos = list(card.eos_token_ids)
+    generation = root / "generation_config.json"
+    if generation.is_file():
+        more = _read_json(generation).get("eos_token_id")
+        for token in more if isinstance(more, list) else [] if more is None else [more]:
+            if token not in eos:
+                eos.append(token)
+    template = None
+    tokenizer_config = root / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        template = _read_json(tokenizer_config).get("chat_template")
+    if (root / "chat_template.jinja").is_file():
+        template = (root / "chat_template.jinja").read_text()
+    return card.replace(
+        eos_token_ids=tuple(eos),
+        weights=Location(path=str(root)),
+        tokenizer=Location(path=str(root)) if (root / "tokenizer.json").is_file() else Location(),
+        chat_template=template,
+        source=str(config_path),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The registry: architecture numbers as published in each repository's config.json.
+
+
+def _hub(repo: str) -> dict[str, Any]:
+    where = Location(repo=repo)
+    return dict(weights=where, tokenizer=where, source=f"https://huggingface.co/{repo}/blob/main/config.json")
+
+
+_LLAMA3_8K = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_positions=8192)
+
+REGISTRY: dict[str, Card] = {
+    card.name: card
+    for card in [
+        # meta-llama/Llama-3.1-8B-Instruct
+        Card("llama-3.1-8b-instruct", "llama", 128256, 4096, 14336, 32, 32, 8, 128,
+             rope_base=500000.0, rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_8K),
+             norm_eps=1e-5, max_positions=131072, bos_token_id=128000,
+             eos_token_ids=(128001, 128008, 128009), **_hub("meta-llama/Llama-3.1-8B-Instruct")),
+        # meta-llama/Llama-3.1-70B-Instruct
+        Card("llama-3.1-70b-instruct", "llama", 128256, 8192, 28672, 80, 64, 8, 128,
+             rope_base=500000.0, rope_scaling=RopeScaling(factor=8.0, **_LLAMA3_8K),
+             norm_eps=1e-5, max_positions=131072, bos_token_id=128000,
+             eos_token_ids=(128001, 128008, 128009), **_hub("meta-llama/Llama-3.1-70B-Instruct")),
+        # meta-llama/Llama-3.2-1B-Instruct
+        Card("llama-3.2-1b-instruct", "llama", 128256, 2048, 8192, 16, 32, 8, 64,
+             rope_base=500000.0, rope_scaling=RopeScaling(factor=32.0, **_LLAMA3_8K),
+             norm_eps=1e-5, tied_embeddings=True, max_positions=131072, bos_token_id=128000,
+             eos_token_ids=(128001, 128008, 128009), **_hub("meta-llama/Llama-3.2-1B-Instruct")),
+        # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+        Card("tinyllama-1.1b-chat", "llama", 32000, 2048, 5632, 22, 32, 4, 64,
+             norm_eps=1e-5, max_positions=2048, bos_token_id=1, eos_token_ids=(2,),
+             **_hub("TinyLlama/TinyLlama-1.1B-Chat-v1.0")),
+        # Qwen/Qwen2.5-0.5B-Instruct
+        Card("qwen2.5-0.5b-instruct", "qwen2", 151936, 896, 4864, 24, 14, 2, 64,
+             rope_base=1000000.0, norm_eps=1e-6, tied_embeddings=True, qkv_bias=True,
+             max_positions=32768, bos_token_id=151643, eos_token_ids=(151645, 151643),
+             **_hub("Qwen/Qwen2.5-0.5B-Instruct")),
+        # Qwen/Qwen3-0.6B
+        Card("qwen3-0.6b", "qwen3", 151936, 1024, 3072, 28, 16, 8, 128,
+             rope_base=1000000.0, norm_eps=1e-6, tied_embeddings=True, qk_norm=True,
+             max_positions=40960, bos_token_id=151643, eos_token_ids=(151645, 151643),
+             **_hub("Qwen/Qwen3-0.6B")),
+        # HuggingFaceTB/SmolLM2-135M-Instruct
+        Card("smollm2-135m-instruct", "llama", 49152, 576, 1536, 30, 9, 3, 64,
+             rope_base=100000.0, norm_eps=1e-5, tied_embeddings=True, max_positions=8192,
+             bos_token_id=1, eos_token_ids=(2,), **_hub("HuggingFaceTB/SmolLM2-135M-Instruct")),
+        # mistralai/Mistral-7B-Instruct-v0.3
+        Card("mistral-7b-instruct-v0.3", "mistral", 32768, 4096, 14336, 32, 32, 8, 128,
+             rope_base=1000000.0, norm_eps=1e-5, max_positions=32768, bos_token_id=1,
+             eos_token_ids=(2,), **_hub("mistralai/Mistral-7B-Instruct-v0.3")),
+        # A tiny debug decoder for tests, the quickstart and CPU runs (no published weights).
+        Card("debug", "llama", 512, 64, 192, 2, 4, 2, 16, norm_eps=1e-5,
+             tied_embeddings=True, max_positions=1024, bos_token_id=1, eos_token_ids=(2,),
+             pad_token_id=0, dtype="float32", source="linnet"),
+    ]
+}
+
+
+def resolve(x: str | os.PathLike | Card) -> Card:
+    """A Card from a Card, a registered name, or a local Hugging Face model directory."""
+    if isinstance(x, Card):
+        return x
+    text = os.fspath(x)
+    if text in REGISTRY:
+        return REGISTRY[text]
+    path = Path(text)
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if path.is_dir():
+        return card_from_directory(path)
+    raise ValueError(
+        f"unknown card {text!r}: not a registered name ({', '.join(sorted(REGISTRY))}) "
+        "nor a local model directory with a config.json"
+    )
+
+
+def weights_directory(card: Card) -> Path:
+    """The local directory holding the card's safetensors: its own path, else the
+    Hugging Face cache or hub (needs `huggingface_hub`, and the network for a download)."""
+    if card.weights.path is None and card.weights.repo is None:
+        raise ValueError(
+            f"card {card.name!r} has no published weights; pass weights='random' to "
+            "initialise from a seed, or weights=DIR"
+        )
+    return local_directory(card.weights, ["*.safetensors", "*.json", "*.jinja"],
+                           f"card {card.name!r}: weights", "pass weights=DIR (a local copy), or weights='random'")
+
+
+def local_directory(where: Location, patterns: list[str], what: str, instead: str) -> Path:
+    """`where`'s local path, else its hub repository's files matching `patterns` from the
+    Hugging Face cache, else downloaded. `what` and `instead` word the errors."""
+    if where.path is not None:
+        return Path(where.path)
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ValueError(f"{what} live in the hub repository {where.repo}; {instead}, or install "
+                         "huggingface_hub") from None
+    try:
+        return Path(snapshot_download(where.repo, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(where.repo, allow_patterns=patterns))
+    except Exception as e:
+        raise ValueError(f"{what}: cannot fetch {where.repo} ({type(e).__name__}); {instead}") from None

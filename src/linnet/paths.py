@@ -1,0 +1,78 @@
+"""Parameter paths, for both backends: every parameter is named by its Hugging Face
+checkpoint path (`model.layers.3.self_attn.q_proj.weight`, …), so checkpoints load by
+name and adapter targets read like PEFT's. Here: a card's paths and shapes, and picking
+paths by glob patterns (what trains, what is saved, which layers get adapters)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from linnet.cards import Card
+
+
+def parameter_shapes(card: Card) -> dict[str, tuple[int, ...]]:
+    """Every parameter path of the card's decoder and its shape, in the model's order."""
+    c = card
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab, c.hidden)}
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    for i in range(c.layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (c.hidden,)
+        for name, out, bias in (("q", q, c.qkv_bias), ("k", kv, c.qkv_bias), ("v", kv, c.qkv_bias)):
+            shapes[f"{p}.self_attn.{name}_proj.weight"] = (out, c.hidden)
+            if bias:
+                shapes[f"{p}.self_attn.{name}_proj.bias"] = (out,)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (c.hidden, q)
+        if c.o_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (c.hidden,)
+        if c.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = shapes[f"{p}.self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (c.hidden,)
+        for name, shape in (("gate", (c.intermediate, c.hidden)), ("up", (c.intermediate, c.hidden)),
+                            ("down", (c.hidden, c.intermediate))):
+            shapes[f"{p}.mlp.{name}_proj.weight"] = shape
+            if c.mlp_bias:
+                shapes[f"{p}.mlp.{name}_proj.bias"] = (shape[0],)
+    shapes["model.norm.weight"] = (c.hidden,)
+    if not c.tied_embeddings:
+        shapes["lm_head.weight"] = (c.vocab, c.hidden)
+    return shapes
+
+
+def select(names: Sequence[str], spec: bool | str | Sequence[str] | None, *, what: str) -> set[str]:
+    """The names a True / False / glob-pattern(s) spec picks; a pattern matching
+    nothing is an error (a typo would otherwise silently train nothing)."""
+    if spec is True:
+        return set(names)
+    if spec is False or spec is None:
+        return set()
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    chosen: set[str] = set()
+    for pattern in patterns:
+        hits = fnmatch.filter(names, pattern)
+        if not hits:
+            raise ValueError(
+                f"{what} pattern {pattern!r} matches no parameter; paths look like "
+                f"{names[min(1, len(names) - 1)]!r}"
+            )
+        chosen.update(hits)
+    return chosen
+
+
+def adapted_layers(layers: Sequence[str], patterns: str | Sequence[str]) -> list[str]:
+    """The linear layers (paths without `.weight`) whose weight path or layer path matches
+    one of `patterns`, in the order the patterns find them. The output head is never one
+    of `layers`: the losses read its weight directly, so an adapter there would not train."""
+    chosen: list[str] = []
+    for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
+        hits = [n for n in layers if fnmatch.fnmatch(f"{n}.weight", pattern) or fnmatch.fnmatch(n, pattern)]
+        if not hits:
+            head = fnmatch.fnmatch("lm_head.weight", pattern) or fnmatch.fnmatch("lm_head", pattern)
+            raise ValueError(
+                f"add_lora: pattern {pattern!r} matches no linear weight; paths look like "
+                "model.layers.0.self_attn.q_proj.weight" + ("; the output head takes no adapter (train it in "
+                                                            "full with trainable='lm_head.weight')" if head else "")
+            )
+        chosen += [n for n in hits if n not in chosen]
+    return chosen

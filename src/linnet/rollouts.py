@@ -1,0 +1,167 @@
+"""Rollouts, for both backends: prompts, rewards, sampled completions scored into
+group-relative advantages, and the metrics of a sampling step (GRPO's and evaluation's).
+
+Group relative policy optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300)
+samples a group of completions per prompt and uses each completion's reward standing in
+its group as the advantage of all its tokens, so no value model is needed. What is here
+does not depend on a backend: the engines (`linnet.serve.Engine`, `linnet.jax.engine.Engine`)
+sample, and each backend's trainer turns the advantages into a loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    prompt     index of its prompt in the list given to `sample`
+    tokens     the sampled ids, a stop token included as the last when `stopped`
+    logprobs   [len(tokens)] float32 on the host (a torch tensor from the PyTorch engine, a
+               numpy array from the JAX one): the model's log-probability of each token
+               (temperature 1, before top-k/top-p; see `linnet.serve.engine`)
+    stopped    True when it ended on a stop token, False when it hit max_new_tokens
+    """
+
+    prompt: int
+    tokens: list[int]
+    logprobs: Any
+    stopped: bool
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids and whatever its reward needs (the reference answer)."""
+
+    ids: Sequence[int]
+    answer: Any = None
+
+
+Reward = Callable[[Prompt, list[int]], float]
+
+
+def reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]:
+    if callable(reward):
+        return {getattr(reward, "__name__", "reward"): reward}
+    if isinstance(reward, Mapping) and reward and all(callable(f) for f in reward.values()):
+        return dict(reward)
+    raise TypeError("grpo: reward must be a callable (prompt, completion) -> number, or a dict of them")
+
+
+def score(functions: dict[str, Reward], prompt: Prompt, completion: list[int], where: str) -> dict[str, float]:
+    """Each reward function's value for one completion; a failure names the item."""
+    values = {}
+    for name, f in functions.items():
+        try:
+            value = f(prompt, completion)
+        except Exception as e:
+            raise RuntimeError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+            raise TypeError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
+        values[name] = float(value)
+    return values
+
+
+def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
+    """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row."""
+    for i, p in prompts:
+        if not isinstance(p, Prompt):
+            raise TypeError(f"grpo: item {i} is a {type(p).__name__}, not a linnet.train.grpo.Prompt")
+        if len(p.ids) == 0:
+            raise ValueError(f"grpo: prompt {i} is empty; every prompt needs at least one token")
+        if len(p.ids) + max_new_tokens > room:
+            raise ValueError(f"grpo: prompt {i} has {len(p.ids)} tokens; with max_new_tokens={max_new_tokens} "
+                             f"it does not fit a row of tokens={room}; raise tokens")
+
+
+def group_advantages(rewards_PG: np.ndarray, *, scale: bool = True, eps: float = 1e-4) -> np.ndarray:
+    """[prompts, group] (reward - group mean), over the group's std unless scale=False
+    (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, leaves the std out)."""
+    rewards_PG = np.asarray(rewards_PG, np.float64)
+    centered = rewards_PG - rewards_PG.mean(axis=1, keepdims=True)
+    if not scale:
+        return centered
+    return centered / (rewards_PG.std(axis=1, keepdims=True) + eps)
+
+
+@dataclass
+class Scored:
+    """A step's samples and what the rewards made of them."""
+
+    samples: list
+    per_function: dict[str, np.ndarray]  # each reward function's value of each sample
+    rewards: np.ndarray  # [prompts, group] summed rewards
+    uniform: np.ndarray  # [prompts] groups whose rewards are all equal
+    advantages: np.ndarray  # [samples]
+    keep: np.ndarray  # [samples] the samples that train
+    seconds: float  # sampling time
+
+
+def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
+                     temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool) -> Scored:
+    """Sample `group` completions of each (index, prompt) of `chunk` with `engine` (the
+    PyTorch or the JAX one), score them and give each its group advantage."""
+    prompts = [p for _, p in chunk]
+    t0 = time.perf_counter()
+    samples = engine.sample([list(p.ids) for p in prompts], n=group, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed)
+    seconds = time.perf_counter() - t0
+    scores = [score(functions, prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
+              for i, s in enumerate(samples)]
+    per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
+    rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
+    uniform = rewards.std(axis=1) == 0
+    advantages = group_advantages(rewards, scale=not dr_grpo).reshape(-1)
+    keep = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
+    return Scored(samples, per_function, rewards, uniform, advantages, keep, seconds)
+
+
+def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mismatch: float) -> dict[str, float]:
+    """What a GRPO step reports: rewards, uniform groups, lengths, stops, and the clip,
+    KL and engine mismatch per trained token."""
+    lengths = np.array([len(s.tokens) for s in scored.samples])
+    per_token = max(tokens, 1.0)
+    return {
+        "reward": float(scored.rewards.mean()), "reward_std": float(scored.rewards.std()),
+        **{f"reward_{name}": float(v.mean()) for name, v in scored.per_function.items()
+           if len(scored.per_function) > 1},
+        "uniform": float(scored.uniform.mean()), "completion_length": float(lengths.mean()),
+        "stopped": float(np.mean([s.stopped for s in scored.samples])),
+        "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / per_token,
+        "sample_seconds": scored.seconds,
+        "sampled_tokens_per_second": float(lengths.sum()) / max(scored.seconds, 1e-9),
+    }
+
+
+def prompt_groups(samples, prompts, tokens: int, share: bool):
+    """(prompt, completions) of consecutive samples of one prompt, split where one row of
+    `tokens` positions could not hold them together (`pack_prompted`'s layout)."""
+    for prompt, run in itertools.groupby(samples, key=lambda s: s.prompt):
+        ids = list(prompts[prompt].ids)
+        base, each = (len(ids), 1) if share else (0, len(ids))
+        chunk, size = [], base
+        for s in run:
+            if chunk and size + each + len(s.tokens) > tokens:
+                yield ids, chunk
+                chunk, size = [], base
+            chunk.append(s.tokens)
+            size += each + len(s.tokens)
+        yield ids, chunk
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from n samples of which c are correct (Chen et al. 2021,
+    arXiv:2107.03374): 1 - C(n - c, k) / C(n, k), the chance that k of the n drawn without
+    replacement hold a correct one. Drawing more than k samples lowers its variance."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
