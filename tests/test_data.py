@@ -244,6 +244,35 @@ def test_parquet(tmp_path):
     assert ex.tokens.tolist() == chat_example(CHAT, llama3()).tokens.tolist()
 
 
+def test_iter_records_streams_jsonl_gz_and_parquet_columns(tmp_path):
+    """The streaming reader under read_records: gzipped JSONL line by line, Parquet
+    batch by batch reading only the columns asked for, nothing read until asked."""
+    import gzip
+
+    from linnet.data.readers import MissingColumn, iter_records
+
+    path = tmp_path / "d.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write('{"text": "a"}\n\n{"text": "b"}\n{"text": }\n')
+    records = iter_records(path)
+    assert next(records) == (f"{path} line 1", {"text": "a"})
+    assert next(records) == (f"{path} line 3", {"text": "b"})
+    with pytest.raises(ValueError, match=r"d\.jsonl\.gz line 4: not valid JSON"):
+        next(records)
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin\.jsonl line 2: not UTF-8 text .*save the file as UTF-8"):
+        read_records(tmp_path / "latin.jsonl")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["x", None, "z"], "n": [1, 2, 3]}), tmp_path / "t.parquet", row_group_size=2)
+    rows = list(iter_records(tmp_path / "t.parquet", columns=["text"]))
+    assert [(r.where, r.data) for r in rows] == [(f"{tmp_path / 't.parquet'} row {i}", {"text": t})
+                                                 for i, t in enumerate(["x", None, "z"])]
+    with pytest.raises(MissingColumn, match=r"t\.parquet: no column 'body' \(columns: text, n\)"):
+        list(iter_records(tmp_path / "t.parquet", columns=["body"]))
+
+
 def test_datasets(tmp_path):
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list([{"prompt": "Say hi", "completion": "Hello"}])

@@ -19,7 +19,8 @@ import pytest
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import open_cache, token_dtype, verify_cache
 from linnet.pretrain.config import load
-from linnet.pretrain.prepare import cli, encode_documents, prepare
+from linnet.pretrain.prepare import cli, prepare
+from linnet.pretrain.tokenize import encode_documents
 from tests.conftest import WORDS, word_tokenizer
 
 
@@ -351,3 +352,23 @@ def test_parquet_sources(tmp_path):
     cache = open_cache(tmp_path / "cache")
     assert cache.train.documents == 30
     assert cache.train.tokens == sum(len(t.split()) + 1 for t in texts)
+
+
+def test_gzipped_jsonl_and_a_missing_parquet_column(tmp_path):
+    """JSONL and Parquet come through linnet.data.readers: `.gz` JSONL streams, and a
+    Parquet file without the text column names its columns and the setting to fix."""
+    import gzip
+
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = _texts(20)
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tok = word_tokenizer(tmp_path / "tok.json")
+    d = _data(tmp_path, "cache", [tmp_path / "c.jsonl.gz"], validation_every=0, prepare_workers=1, tokenizer=tok)
+    assert prepare(d).tokens["train"] == sum(len(t.split()) + 1 for t in texts)
+    pq.write_table(pa.table({"body": texts}), tmp_path / "c.parquet")
+    d = _data(tmp_path, "other", [tmp_path / "c.parquet"], prepare_workers=1, tokenizer=tok)
+    with pytest.raises(ValueError, match=r"c\.parquet: no column 'text' \(columns: body\); set data.text_field"):
+        prepare(d)

@@ -1,19 +1,30 @@
-"""Records for supervised fine-tuning from JSON Lines, JSON, Parquet or a `datasets`
-dataset, each kept with where it came from so that any later error can name the file
-and the line or row to fix.
+"""Records from JSON Lines, JSON, Parquet or a `datasets` dataset, each kept with where
+it came from so that any later error can name the file and the line or row to fix.
 
-Every record is read before anything is tokenized: a bad line stops the run before
-training starts, not hours into it.
+    for record in iter_records("corpus.jsonl.gz", columns=["text"]):   # one at a time
+        record.where, record.data          # "corpus.jsonl.gz line 7", {"text": ...}
+    records = read_records("train.jsonl")  # all of them, or an error naming the line
+
+`iter_records` is the one reader of JSONL and Parquet files in linnet: JSONL line by
+line (`.gz` too), Parquet batch by batch, so a corpus larger than memory streams
+(`linnet.data.corpus` takes its documents' text from it). `read_records`, for
+fine-tuning, reads every record before anything is tokenized: a bad line stops the run
+before training starts, not hours into it.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-FORMATS = ".jsonl (or .ndjson), .json, .parquet, or a directory saved by datasets' save_to_disk"
+FORMATS = ".jsonl (or .ndjson; optionally .gz), .json, .parquet, or a directory saved by datasets' save_to_disk"
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+# What a fine-tuning record looks like, for the error on a value that is not an object.
+RECORD_SHAPE = '{"prompt": ..., "completion": ...} or {"messages": [...]}'
 
 # Files that datasets' save_to_disk writes (a Dataset; a DatasetDict).
 _DATASET_MARKERS = ("state.json", "dataset_dict.json")
@@ -27,6 +38,11 @@ class Record(NamedTuple):
     data: dict
 
 
+class MissingColumn(ValueError):
+    """A Parquet file lacks a column asked for. The message names the file and the
+    columns it has; the caller adds the setting that names the column."""
+
+
 def read_records(source: str | os.PathLike | Any) -> list[Record]:
     """All records of a file, a saved `datasets` directory, or a `datasets.Dataset`."""
     if not isinstance(source, (str, os.PathLike)):
@@ -36,17 +52,32 @@ def read_records(source: str | os.PathLike | Any) -> list[Record]:
         records = _dataset_directory(path)
     elif not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; data.path should name {FORMATS}")
-    elif path.suffix.lower() in (".jsonl", ".ndjson"):
-        records = _jsonl(path, _text(path))
-    elif path.suffix.lower() == ".json":
-        records = _json(path)
-    elif path.suffix.lower() == ".parquet":
-        records = _parquet(path)
     else:
-        raise ValueError(f"{path}: unknown data format {path.suffix!r}; use {FORMATS}")
+        records = list(iter_records(path))
     if not records:
         raise ValueError(f"{path}: holds no records (empty); point data.path at a file with records")
     return records
+
+
+def iter_records(path: str | os.PathLike, *, columns: Sequence[str] | None = None,
+                 shape: str = RECORD_SHAPE) -> Iterator[Record]:
+    """The records of a JSONL (`.jsonl`, `.ndjson`, either optionally `.gz`), JSON or
+    Parquet file, read as they are asked for; an empty file yields none. `columns`: read
+    only these Parquet columns (`MissingColumn` when the file lacks one); JSON records are
+    read whole. `shape`: an example record, for the error on a value that is not an
+    object."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    compressed = suffix == ".gz"
+    if compressed:
+        suffix = Path(path.stem).suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return _jsonl(path, _lines(path, compressed), shape)
+    if suffix == ".json" and not compressed:
+        return _json(path, shape)
+    if suffix == ".parquet" and not compressed:
+        return _parquet(path, columns)
+    raise ValueError(f"{path}: unknown data format {path.suffix!r}; use {FORMATS}")
 
 
 def _text(path: Path) -> str:
@@ -56,18 +87,28 @@ def _text(path: Path) -> str:
         raise ValueError(f"{path}: not UTF-8 text ({e}); save the file as UTF-8") from None
 
 
-def _object(value: Any, where: str) -> dict:
+def _lines(path: Path, compressed: bool) -> Iterator[tuple[int, str]]:
+    """(number from 1, text) of each line, decoded one at a time so that a byte that is
+    not UTF-8 is reported at its line."""
+    with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path} line {number}: not UTF-8 text ({e}); save the file as UTF-8") from None
+
+
+def _object(value: Any, where: str, shape: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(
             f"{where}: a JSON {type(value).__name__}, not an object; each record must be an "
-            'object such as {"prompt": ..., "completion": ...} or {"messages": [...]}'
+            f"object such as {shape}"
         )
     return value
 
 
-def _jsonl(path: Path, text: str) -> list[Record]:
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
+def _jsonl(path: Path, lines: Iterable[tuple[int, str]], shape: str) -> Iterator[Record]:
+    for number, line in lines:
         if not line.strip():
             continue
         where = f"{path} line {number}"
@@ -78,19 +119,19 @@ def _jsonl(path: Path, text: str) -> list[Record]:
                 f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must hold "
                 "one whole JSON object"
             ) from None
-        records.append(Record(where, _object(value, where)))
-    return records
+        yield Record(where, _object(value, where, shape))
 
 
-def _json(path: Path) -> list[Record]:
+def _json(path: Path, shape: str) -> Iterator[Record]:
     text = _text(path)
     if not text.strip():
-        return []
+        return
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # one object a line under a .json name
-            return _jsonl(path, text)
+            yield from _jsonl(path, _lines(path, compressed=False), shape)
+            return
         where = f"{path} line {e.lineno} column {e.colno}"
         raise ValueError(f"{where}: not valid JSON ({e.msg}); fix the file") from None
     if not isinstance(value, list):
@@ -99,19 +140,36 @@ def _json(path: Path) -> list[Record]:
             f"{path}: holds one JSON value ({keys}), not a list of records; write a list "
             "[{...}, {...}] or one object a line (.jsonl)"
         )
-    return [Record(f"{path} record {i}", _object(v, f"{path} record {i}")) for i, v in enumerate(value)]
+    for i, v in enumerate(value):
+        yield Record(f"{path} record {i}", _object(v, f"{path} record {i}", shape))
 
 
-def _parquet(path: Path) -> list[Record]:
+def _parquet(path: Path, columns: Sequence[str] | None) -> Iterator[Record]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"{path}: reading Parquet needs pyarrow; pip install linnet[data]") from None
+    unreadable = f"{path}: not a readable Parquet file"
     try:
-        rows = pq.read_table(path).to_pylist()
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
     except Exception as e:  # pyarrow raises its own error types for corrupt files
-        raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    return [Record(f"{path} row {i}", row) for i, row in enumerate(rows)]
+        raise ValueError(f"{unreadable} ({type(e).__name__}: {e})") from None
+    missing = [c for c in columns or () if c not in names]
+    if missing:
+        raise MissingColumn(f"{path}: no column {missing[0]!r} (columns: {', '.join(names)})")
+    batches = parquet.iter_batches(columns=None if columns is None else list(columns), batch_size=1024)
+    row = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a corrupt page shows only when it is read
+            raise ValueError(f"{unreadable} ({type(e).__name__}: {e})") from None
+        if batch is None:
+            return
+        for data in batch.to_pylist():
+            yield Record(f"{path} row {row}", data)
+            row += 1
 
 
 def _dataset_directory(path: Path) -> list[Record]:

@@ -4,7 +4,9 @@
     linnet pretrain --config configs/pretrain-tiny-cpu.yaml    # cache -> trained model
 
 Modules: `config` (PretrainConfig, recipe identity), `cache` (the on-disk format),
-`prepare` (tokenizer workers, shard writer), `loader` (shard groups, cursor),
-`budget` (targets, steps, virtual epochs), `runner` (the training loop, checkpoints,
-resume). Nothing here imports torch until a model is built.
+`prepare` (`linnet prepare`: settings, reuse checks, the atomic publish), `tokenize`
+(the tokenizer and its worker processes), `shards` (the shard writers), `loader` (shard
+groups, cursor), `budget` (targets, steps, virtual epochs), `runner` (the training
+loop, checkpoints, resume). The corpus documents come from `linnet.data.corpus`.
+Nothing here imports torch until a model is built.
 """

@@ -4,16 +4,13 @@
     linnet prepare --config run.yaml --set data.prepare_workers=4
     linnet prepare --verify runs/cache/shakespeare      # re-hash every shard
 
-The parent process reads documents in source order (text, JSONL, Parquet files, or a
-streamed `datasets` dataset), sends every `validation_every`-th one to the validation
-split (kept in source order) and the rest through a seeded shuffle buffer. Batches of
-documents go to a pool of tokenizer processes (fork server, else spawn) (`data.prepare_workers`; 1 encodes
-in the parent) with at most two batches in flight per worker; results reach one shard
-writer per split in submission order, so the bytes are the same for any worker count.
-Each document is followed by the EOS token. Everything is written under a temporary
-directory beside the cache and renamed into place only after success: a failure, Ctrl-C
-or kill publishes nothing (Ctrl-C and failures also cancel pending tasks and wait for the
-running ones), and a rerun starts clean.
+The steps, each in its own module: the documents are read and split into training and
+validation (`linnet.data.corpus`), tokenized in batches by a pool of processes
+(`linnet.pretrain.tokenize`; `data.prepare_workers`, 1 encodes in this process), and
+written as checksummed shards (`linnet.pretrain.shards`), the same bytes for any worker
+count. This module runs them: everything is written under a temporary directory beside
+the cache and renamed into place only after success, so a failure, Ctrl-C or kill
+publishes nothing, and a rerun starts clean.
 
 How much training text is read: `data.train_tokens`, or, when it is null and the whole
 config is given (as `linnet prepare --config` does), what the config's training budget
@@ -29,449 +26,24 @@ settings, or too few tokens, it is refused, naming the reason.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gzip
-import io
 import json
 import os
 import shutil
 import sys
 import time
 import warnings
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from linnet.data.corpus import documents, source_files
 from linnet.files import write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
 from linnet.pretrain.config import DataConfig, PretrainConfig
-
-TEXT_SUFFIXES = (".txt", ".text", ".md")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-KNOWN = ".txt, .jsonl (or .ndjson), .parquet, each optionally .gz (not .parquet)"
-TRAINED_EOS = "<|endoftext|>"
-IN_FLIGHT_PER_WORKER = 2
-
-# ---------------------------------------------------------------------------------------
-# Reading documents
-
-
-def _suffix(path: Path) -> str:
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] == ".gz":
-        suffixes = suffixes[:-1]
-    return suffixes[-1] if suffixes else ""
-
-
-def source_files(sources: list[str]) -> list[Path]:
-    """The corpus files named by `sources` (files, or directories walked in sorted order)."""
-    files: list[Path] = []
-    for source in sources:
-        path = Path(source)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-                           and _suffix(p) in (*TEXT_SUFFIXES, *JSONL_SUFFIXES, ".parquet"))
-            if not found:
-                raise ValueError(f"{path}: a directory with no corpus files ({KNOWN})")
-            files.extend(found)
-        elif path.exists():
-            if _suffix(path) not in (*TEXT_SUFFIXES, *JSONL_SUFFIXES, ".parquet"):
-                raise ValueError(f"{path}: unknown corpus format {path.suffix!r}; use {KNOWN}")
-            files.append(path)
-        else:
-            raise FileNotFoundError(f"{path}: no such corpus file or directory (data.source)")
-    return files
-
-
-def _open_text(path: Path):
-    raw = gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb")
-    return io.TextIOWrapper(raw, encoding="utf-8")
-
-
-def _read_text(path: Path, split: str) -> Iterator[str]:
-    with _open_text(path) as f:
-        try:
-            if split == "file":
-                yield f.read()
-                return
-            if split == "line":
-                for line in f:
-                    yield line.rstrip("\n")
-                return
-            lines: list[str] = []
-            for line in f:
-                if line.strip():
-                    lines.append(line)
-                elif lines:
-                    yield "".join(lines).rstrip("\n")
-                    lines = []
-            if lines:
-                yield "".join(lines).rstrip("\n")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text ({e}); save the corpus as UTF-8") from None
-
-
-def _text_of(record: Any, field_name: str, where: str) -> str:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object with a {field_name!r} field")
-    if field_name not in record:
-        raise ValueError(f"{where}: no field {field_name!r} (fields: {', '.join(map(str, record))}); "
-                         "set data.text_field to the field holding the text")
-    text = record[field_name]
-    if not isinstance(text, str):
-        raise ValueError(f"{where}: field {field_name!r} holds a {type(text).__name__}, not text")
-    return text
-
-
-def _read_jsonl(path: Path, field_name: str) -> Iterator[str]:
-    with _open_text(path) as f:
-        number = 0
-        try:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {number}: not valid JSON ({e.msg} at column {e.colno}); "
-                                     "each line must hold one JSON object") from None
-                yield _text_of(record, field_name, f"{path} line {number}")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path} line {number + 1}: not UTF-8 text ({e})") from None
-
-
-def _read_parquet(path: Path, field_name: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(f"{path}: reading Parquet needs pyarrow; pip install linnet[data]") from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises its own error types for corrupt files
-        raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
-    if field_name not in parquet.schema_arrow.names:
-        raise ValueError(f"{path}: no column {field_name!r} (columns: {', '.join(parquet.schema_arrow.names)}); "
-                         "set data.text_field")
-    row = 0
-    for batch in parquet.iter_batches(columns=[field_name], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{path} row {row}: column {field_name!r} holds {type(text).__name__}, not text")
-            yield text or ""
-            row += 1
-
-
-def read_documents(files: list[Path], d: DataConfig) -> Iterator[str]:
-    """Every document of `files` in order (empty ones included; the caller skips them)."""
-    for path in files:
-        kind = _suffix(path)
-        if kind in JSONL_SUFFIXES:
-            yield from _read_jsonl(path, d.text_field)
-        elif kind == ".parquet":
-            yield from _read_parquet(path, d.text_field)
-        else:
-            yield from _read_text(path, d.document_split)
-
-
-def _dataset_documents(d: DataConfig, split: str) -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"data.dataset={d.dataset!r} needs the datasets library: pip install linnet[data]; "
-                         "or point data.source at local files") from None
-    try:
-        stream = datasets.load_dataset(d.dataset, d.dataset_config, split=split, streaming=True)
-    except Exception as e:  # network, unknown name or split: datasets raises many types
-        raise ValueError(f"data.dataset={d.dataset!r} (config {d.dataset_config!r}, split {split!r}) is not "
-                         f"reachable: {type(e).__name__}: {e}") from None
-    for i, record in enumerate(stream):
-        yield _text_of(record, d.text_field, f"{d.dataset} {split} row {i}")
-
-
-@dataclass(frozen=True)
-class Document:
-    split: str
-    text: str
-    position: int  # source documents read when it was emitted (the cut of a capped split)
-
-
-def _shuffled(docs: Iterator[tuple[str, int]], size: int, seed: int) -> Iterator[tuple[str, int]]:
-    """A seeded shuffle buffer of `size` documents (1 keeps the order)."""
-    rng = np.random.default_rng(seed)
-    buffer: list[str] = []
-    position = 0
-    for text, position in docs:
-        if len(buffer) < size:
-            buffer.append(text)
-            continue
-        j = int(rng.integers(size))
-        out, buffer[j] = buffer[j], text
-        yield out, position
-    for j in rng.permutation(len(buffer)):
-        yield buffer[j], position
-
-
-def documents(d: DataConfig, *, for_tokenizer: bool = False) -> Iterator[Document]:
-    """The corpus as split documents: validation in source order, training through the
-    shuffle buffer (in source order when `for_tokenizer`: the order does not matter)."""
-    separate = bool(d.validation_source) or (d.dataset is not None and d.dataset_validation_split is not None)
-    every = 0 if separate else d.validation_every
-    if d.dataset is not None:
-        source: Iterator[str] = _dataset_documents(d, d.dataset_split)
-        held: Callable[[], Iterator[str]] = lambda: _dataset_documents(d, d.dataset_validation_split)
-    else:
-        source = read_documents(source_files(d.source), d)
-        held = lambda: read_documents(source_files(d.validation_source), d)
-    validation: deque[Document] = deque()
-
-    def numbered() -> Iterator[tuple[str, int]]:
-        count = 0
-        for text in source:
-            count += 1
-            if not text.strip():
-                continue
-            if every and count % every == 0:
-                validation.append(Document("validation", text, count - 1))
-            else:
-                yield text, count
-
-    stream = numbered() if for_tokenizer else _shuffled(numbered(), d.shuffle_buffer, d.shuffle_seed)
-    for text, position in stream:
-        while validation:  # interleaved validation goes out as soon as it is read
-            yield validation.popleft()
-        yield Document("train", text, position)
-    yield from validation
-    if separate and not for_tokenizer:
-        for i, text in enumerate(held()):
-            if text.strip():
-                yield Document("validation", text, i)
-
-
-# ---------------------------------------------------------------------------------------
-# The tokenizer
-
-
-def _train_tokenizer(d: DataConfig):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if d.dataset is not None:
-        raise ValueError(f"data.dataset={d.dataset!r}: training a tokenizer on a streamed dataset is not "
-                         "supported; set data.tokenizer (a tokenizer.json, a directory or a card name)")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=d.vocab_size, special_tokens=[TRAINED_EOS], min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = (doc.text for doc in documents(d, for_tokenizer=True) if doc.split == "train")
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
-def resolve_tokenizer(d: DataConfig) -> tuple[Any, int, dict[str, Any]]:
-    """(tokenizers.Tokenizer, EOS id, its settings entry) from data.tokenizer, or a
-    byte-level BPE trained on the training documents when it is null."""
-    import tokenizers
-
-    if d.tokenizer is None:
-        raw = _train_tokenizer(d)
-        setting: dict[str, Any] = {"trained": "byte-level-bpe", "vocab_size": d.vocab_size}
-        eos_name = d.eos_token or TRAINED_EOS
-    else:
-        path = Path(d.tokenizer)
-        if path.is_file():
-            raw = tokenizers.Tokenizer.from_file(str(path))
-            own_eos = None
-        else:
-            from linnet.data.tokenizer import load_tokenizer
-
-            loaded = load_tokenizer(path if path.is_dir() else d.tokenizer, backend="tokenizers")
-            raw = loaded.raw
-            own_eos = loaded.eos_ids[0] if loaded.eos_ids else None
-        setting = {"source": str(path.resolve()) if path.exists() else d.tokenizer}
-        eos_name = d.eos_token
-        if eos_name is None:
-            if own_eos is not None:
-                eos_name = raw.id_to_token(own_eos)
-            else:
-                eos_name = next((t for t in (TRAINED_EOS, "</s>", "<eos>", "<|end_of_text|>")
-                                 if raw.token_to_id(t) is not None), None)
-        if eos_name is None:
-            raise ValueError(f"{d.tokenizer}: the tokenizer names no end-of-document token; set data.eos_token "
-                             "to a token of its vocabulary")
-    eos = raw.token_to_id(eos_name)
-    if eos is None:
-        raise ValueError(f"data.eos_token={eos_name!r} is not in the tokenizer's vocabulary")
-    setting["eos_token"] = eos_name
-    return raw, eos, setting
-
-
-# ---------------------------------------------------------------------------------------
-# Tokenizer workers (they import numpy and tokenizers, never torch)
-
-_WORKER: dict[str, Any] = {}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process not yet reaped by its parent is a zombie: dead to us
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _watch_main(main: int) -> None:
-    # A killed main process cannot drain its pool: exit instead of waiting for work
-    # forever. (Under the fork server our parent is the server, which itself lives as
-    # long as any worker holds its pipe, so the main process is what we watch.)
-    while True:
-        time.sleep(0.5)
-        if not _alive(main):
-            os._exit(1)
-
-
-def _start_worker(tokenizer_path: str, eos: int, dtype: str, main: int) -> None:
-    import signal
-    import threading
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C and drains us
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process, one core
-    import tokenizers
-
-    _WORKER.update(tokenizer=tokenizers.Tokenizer.from_file(tokenizer_path), eos=eos, dtype=np.dtype(dtype))
-    threading.Thread(target=_watch_main, args=(main,), daemon=True).start()
-
-
-def encode_documents(texts: list[str], tokenizer=None, eos: int | None = None, dtype=None) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens of every document each followed by EOS, per-document lengths with EOS)."""
-    tokenizer = tokenizer or _WORKER["tokenizer"]
-    eos = _WORKER["eos"] if eos is None else eos
-    dtype = _WORKER["dtype"] if dtype is None else dtype
-    encoded = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-    lengths = np.fromiter((len(ids) + 1 for ids in encoded), np.int64, len(encoded))
-    out = np.empty(int(lengths.sum()), dtype)
-    ends = np.cumsum(lengths)
-    for ids, end, n in zip(encoded, ends, lengths):
-        out[end - n : end - 1] = ids
-        out[end - 1] = eos
-    return out, lengths
-
-
-@contextlib.contextmanager
-def _serial_tokenizers():
-    """Keep the tokenizer to one thread in serial mode, as in each worker."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
-
-
-# ---------------------------------------------------------------------------------------
-# Writing shards
-
-
-class ShardWriter:
-    """Fixed-size shards of one split: tokens in, `<split>/NNNNN.bin` files out."""
-
-    def __init__(self, root: Path, split: str, shard_tokens: int, dtype: np.dtype):
-        self.root, self.split, self.dtype = root, split, dtype
-        (root / split).mkdir(parents=True, exist_ok=True)
-        self.buffer = np.empty(shard_tokens, dtype)
-        self.fill = 0
-        self.shards: list[dict[str, Any]] = []
-        self.documents = 0
-        self.tokens = 0
-
-    def write(self, tokens: np.ndarray, documents: int) -> None:
-        self.documents += documents
-        self.tokens += len(tokens)
-        done = 0
-        while done < len(tokens):
-            n = min(len(self.buffer) - self.fill, len(tokens) - done)
-            self.buffer[self.fill : self.fill + n] = tokens[done : done + n]
-            self.fill += n
-            done += n
-            if self.fill == len(self.buffer):
-                self._flush()
-
-    def _flush(self) -> None:
-        import hashlib
-
-        if self.fill == 0:
-            return
-        name = f"{self.split}/{len(self.shards):05d}.bin"
-        data = memoryview(self.buffer[: self.fill]).cast("B")
-        with open(self.root / name, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        self.shards.append({"file": name, "tokens": self.fill, "bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest()})
-        self.fill = 0
-
-    def close(self) -> dict[str, Any]:
-        self._flush()
-        return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards}
-
-
-class Writers:
-    """The two splits' writers, fed in submission order. With a training cap, training
-    stops after the document that reaches it, and interleaved validation documents read
-    after that point are dropped (held until the end, so the cut is the same for any
-    worker count)."""
-
-    def __init__(self, root: Path, d: DataConfig, dtype: np.dtype):
-        self.splits = {s: ShardWriter(root, s, d.shard_tokens, dtype) for s in SPLITS}
-        self.cap = d.train_tokens
-        self.cut: int | None = None  # source position where training was cut
-        self.held: list[tuple[np.ndarray, int]] | None = [] if self.cap is not None else None
-
-    @property
-    def full(self) -> bool:
-        return self.cut is not None
-
-    def write(self, split: str, tokens: np.ndarray, lengths: np.ndarray, positions: list[int]) -> None:
-        if split == "validation":
-            if self.held is None:
-                self.splits[split].write(tokens, len(lengths))
-            else:
-                ends = np.cumsum(lengths)
-                self.held.extend((tokens[e - n : e], p) for e, n, p in zip(ends, lengths, positions))
-            return
-        if self.full:
-            return
-        if self.cap is not None:
-            ends = np.cumsum(lengths)
-            crossing = np.searchsorted(ends, self.cap - self.splits["train"].tokens)
-            if crossing < len(lengths):  # this batch reaches the cap: keep through that document
-                self.cut = positions[crossing]
-                tokens, lengths = tokens[: ends[crossing]], lengths[: crossing + 1]
-        self.splits["train"].write(tokens, len(lengths))
-
-    def close(self) -> dict[str, Any]:
-        if self.held is not None:
-            for tokens, position in self.held:
-                if self.cut is None or position < self.cut:
-                    self.splits["validation"].write(tokens, 1)
-        return {s: w.close() for s, w in self.splits.items()}
-
-
-# ---------------------------------------------------------------------------------------
-# Preparing a cache
+from linnet.pretrain.shards import Writers
+from linnet.pretrain.tokenize import TRAINED_EOS, Batches, alive, resolve_tokenizer, tokenize_pool, tokenize_serial
 
 
 @dataclass(frozen=True)
@@ -638,11 +210,11 @@ def _remove_stale(target: Path) -> None:
     """Temporary directories of preparations whose process is gone (killed runs)."""
     for tmp in target.parent.glob(f".{target.name}.tmp-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _batches(d: DataConfig, capped: Callable[[], bool]) -> Iterator[tuple[str, list[str], list[int]]]:
+def _batches(d: DataConfig, capped: Callable[[], bool]) -> Batches:
     """(split, texts, positions) batches; each split's batch flushes when full. Once the
     training split is `capped`, reading stops: the validation documents already read
     (all those before the cut) go out, and nothing more is read."""
@@ -659,79 +231,6 @@ def _batches(d: DataConfig, capped: Callable[[], bool]) -> Iterator[tuple[str, l
     for split in SPLITS:
         if pending[split][0] and not (split == "train" and capped()):
             yield (split, *pending[split])
-
-
-def _tokenize_serial(d: DataConfig, tok, eos: int, dtype: np.dtype, writers: Writers) -> None:
-    with _serial_tokenizers():
-        for split, texts, positions in _batches(d, lambda: writers.full):
-            tokens, lengths = encode_documents(texts, tok, eos, dtype)
-            writers.write(split, tokens, lengths, positions)
-
-
-def _worker_context():
-    """Fork server where there is one (workers fork from a clean server that has imported
-    this module once), else spawn. Never a plain fork: the parent may have imported torch
-    or JAX."""
-    import multiprocessing
-
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["linnet.pretrain.prepare"])
-        return context
-    return multiprocessing.get_context("spawn")
-
-
-@contextlib.contextmanager
-def _ctrl_c_held():
-    """Hold a Ctrl-C until the block ends: `ProcessPoolExecutor.submit` starts workers
-    under the pool's lock, and an interrupt half-way through can leave a pool that never
-    shuts down. (Only the main thread receives signals; elsewhere this does nothing.)"""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
-
-
-def _tokenize_pool(d: DataConfig, tokenizer_file: Path, eos: int, dtype: np.dtype, writers: Writers) -> None:
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    workers = d.prepare_workers
-    with _ctrl_c_held():
-        pool = ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_start_worker,
-                                   initargs=(str(tokenizer_file), eos, dtype.str, os.getpid()))
-    in_flight: deque = deque()
-    try:
-        for split, texts, positions in _batches(d, lambda: writers.full):
-            with _ctrl_c_held():
-                in_flight.append((split, positions, pool.submit(encode_documents, texts)))
-            while len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
-                split_done, done_positions, future = in_flight.popleft()
-                writers.write(split_done, *future.result(), done_positions)
-        while in_flight:  # in submission order, whatever order they finish in
-            split_done, done_positions, future = in_flight.popleft()
-            writers.write(split_done, *future.result(), done_positions)
-    except BaseException as e:
-        # Failure or Ctrl-C: cancel what has not started, wait for what has.
-        pool.shutdown(wait=True, cancel_futures=True)
-        if isinstance(e, BrokenProcessPool):
-            raise ValueError(
-                f"a tokenizer worker died abruptly ({e}); nothing was published. Out of memory? Lower "
-                "data.prepare_workers or data.prepare_batch_documents, or run with data.prepare_workers=1 to "
-                "see the error in the main process"
-            ) from None
-        raise
-    pool.shutdown(wait=True)
 
 
 def prepare(config: PretrainConfig | DataConfig) -> Prepared:
@@ -774,10 +273,11 @@ def _prepare(d: DataConfig, config: PretrainConfig | None) -> Prepared:
             d = replace(d, train_tokens=need.tokens)  # the cap actually used is what the manifest records
         dtype = token_dtype(vocab)
         writers = Writers(tmp, d, dtype)
+        batches = _batches(d, lambda: writers.full)
         if d.prepare_workers == 1:
-            _tokenize_serial(d, tok, eos, dtype, writers)
+            tokenize_serial(batches, tok, eos, dtype, writers.write)
         else:
-            _tokenize_pool(d, tmp / TOKENIZER, eos, dtype, writers)
+            tokenize_pool(batches, d.prepare_workers, tmp / TOKENIZER, eos, dtype, writers.write)
         splits = writers.close()
         if splits["train"]["tokens"] < 2:
             raise ValueError(f"{', '.join(d.source) or d.dataset}: the training split holds "
