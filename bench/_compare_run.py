@@ -14,7 +14,6 @@ the libraries' import footprint does not).
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
@@ -78,14 +77,6 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
 
     method, dtype = spec["method"], spec["dtype"]
     lora = method != "sft-full"
-    if spec.get("variant", "base") != "base":  # bench-local candidate changes (bench/_compare_candidates.py)
-        import contextlib
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _compare_candidates as candidates
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(candidates.patched(candidates.variant_changes(spec["variant"])))
     model = nest.load(spec["model_dir"], dtype=dtype, trainable=not lora)
     if lora:
         model.add_lora([f"model.layers.*.{p}.weight" for p in LORA_LAYERS], rank=16, alpha=32)

@@ -4,7 +4,6 @@ and step count; step time, real tokens/s, peak memory, losses, and the linnet/TR
     python bench/compare.py                                  # 7M: 4 methods x f32/bf16; 60M: SFT-LoRA bf16 (~15 min)
     python bench/compare.py --all                            # + 60M: every method and dtype (~45 min)
     python bench/compare.py --quick                          # 7M only (~10 min)
-    python bench/compare.py --quick --linnet-variant NEW       # linnet with a candidate change (print only)
     python bench/compare.py --method sft-lora --size 7m --dtype bf16
     python bench/compare.py --out -                          # print only; default writes bench/RESULTS.md + results.png
 
@@ -335,20 +334,15 @@ def main(argv=None) -> None:
                     help="TRL DPO pairs a forward (the rest of a step's pairs accumulate); 1 is TRL's fastest here")
     ap.add_argument("--trl-grpo-micro", type=int, default=GROUP,
                     help="TRL GRPO completions a forward (one generation a step, the rest accumulates)")
-    ap.add_argument("--linnet-variant", default="base",
-                    help="apply bench-local candidate changes to linnet: a variant of bench/_compare_candidates.py "
-                         "(see its docstring); such runs print only unless --out is given")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads a process (default 1: on the shared 2-core machine a second thread spin-waits "
                          "whenever another job holds the other core)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="markdown to write ('-': print only; default bench/RESULTS.md)")
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown to write ('-': print only)")
     ap.add_argument("--json", default=None, help="also write every raw result here")
     args = ap.parse_args(argv)
     if args.quick:
         args.size = ["7m"]
-    if args.out is None:
-        args.out = str(HERE / "RESULTS.md") if args.linnet_variant == "base" else "-"
     steps = args.steps
     cases = [(s, m, d) for s in args.size for m in args.method for d in args.dtype
              if args.all or (s, m, d) not in SLOW or (len(args.size) == 1 and len(args.method) == 1)]
@@ -368,7 +362,7 @@ def main(argv=None) -> None:
                         threads=args.threads, tokens=LINNET_TOKENS.get(method, TOKENS), model_dir=info["model_dir"],
                         adapter_dir=info["adapter_dir"], data=info["data"][method.split("-")[0]],
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
-                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW, variant=args.linnet_variant,
+                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW,
                         trl_micro={"dpo": args.trl_dpo_micro, "grpo": args.trl_grpo_micro}.get(method))
             order = ["linnet", "trl"] if n % 2 == 0 else ["trl", "linnet"]
             got = {"linnet": [], "trl": []}
@@ -450,8 +444,7 @@ def report(rows, peaks, command, steps, args, seconds) -> str:
         f"- Steps: {steps} a run; step time = median after the first two; {args.repeats} round(s) a case, "
         "libraries alternating. TRL micro-batches: DPO "
         f"{args.trl_dpo_micro} pair(s) a forward, GRPO {args.trl_grpo_micro} completions a forward, the rest of "
-        "each step accumulated." + ("" if args.linnet_variant == "base" else
-                                    f" **linnet with bench-local candidate changes: `{args.linnet_variant}`**"),
+        "each step accumulated.",
         "- Matmul peak (torch.mm 2048², best of 5): " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()),
         "",
     ]
