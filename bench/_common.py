@@ -1,5 +1,7 @@
-"""What the bench scripts share: the machine they ran on, peak memory, one measurement in a
-fresh child process, and the markdown report they write."""
+"""What the bench scripts share: the machine, peak memory, a child process, the report.
+
+The machine they ran on, peak memory (Linux), one measurement in a fresh child process, and
+the markdown report they write: functions, one implementation each."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Attention paths over packed rows on CPU: which one should `choose("auto", cpu)` pick?
 
+    OMP_WAIT_POLICY=PASSIVE python bench/attention.py   # bench/attention.md (on a machine others are using)
     python bench/attention.py            # full run; writes bench/attention.md
-    python bench/attention.py --quick    # smoke run (P=2048, fewer cases)
-    OMP_WAIT_POLICY=PASSIVE python bench/attention.py   # on a machine others are using
+    python bench/attention.py --quick    # P=2048, fewer cases: about a minute
+    python bench/attention.py --out -    # print only, write no markdown
+    python bench/attention.py --quick --no-flex --no-e2e --policy-rounds 0 --budget 0.1 --max-reps 3 --out -  # smoke
 
 Run time: the full run took 557 s on the shared 2-core machine with others using 50-70% of
-it; about half that when idle. --quick takes about a minute.
-    python bench/attention.py --out -    # print only, write no markdown
+it; about half that when idle.
 
 A packed row of P positions holds several documents end to end; attention stays inside
 each document. This times, on 2 threads, every path of `linnet.torch.attention` on rows

@@ -1,9 +1,9 @@
-"""Peak memory and time of the chunked output-head loss against plain logits, on CPU.
+"""How much peak memory and time does the chunked output-head loss take against plain logits, on CPU?
 
-    python bench/chunked_loss.py                       # P=4096, D=4096, V=128256; 8-10 min
-    python bench/chunked_loss.py --quick               # P=2048, V=32768, blocks 32M/128M: ~1 min
-    python bench/chunked_loss.py --block-bytes 256M 1G # the block sizes to compare
-    python bench/chunked_loss.py --out -               # print only, write no markdown
+    python bench/chunked_loss.py --block-bytes 256M 1G  # bench/chunked_loss.md: P=4096, D=4096, V=128256; 8-10 min
+    python bench/chunked_loss.py --quick                # P=2048, V=32768, blocks 32M/128M: ~1 min
+    python bench/chunked_loss.py --out -                # print only, write no markdown
+    python bench/chunked_loss.py --P 256 --D 256 --V 4096 --block-bytes 1M 4M --out -  # smoke: seconds
 
 Each variant runs forward+backward once in a fresh subprocess (`--child`), so one
 variant's allocations never hide another's. Method: the child allocates its inputs

@@ -1,11 +1,14 @@
-"""linnet against TRL (+ PEFT), side by side: same model, data, token budget, hyperparameters
-and step count; step time, real tokens/s, peak memory, losses, and the linnet/TRL ratios.
+"""How much faster, and in how much memory, does linnet train than TRL (+ PEFT) on the same work?
 
-    python bench/compare.py                                  # 7M: 4 methods x f32/bf16; 60M: SFT-LoRA bf16 (~15 min)
-    python bench/compare.py --all                            # + 60M: every method and dtype (~45 min)
-    python bench/compare.py --quick                          # 7M only (~10 min)
+Same model, data, token budget, hyperparameters and step count on both sides; step time, real
+tokens/s, peak memory, losses, and the linnet/TRL ratios.
+
+    python bench/compare.py           # bench/RESULTS.md + results.png: 7M, 4 methods x f32/bf16; 60M SFT-LoRA bf16 (~15 min)
+    python bench/compare.py --all     # + 60M: every method and dtype (~45 min)
+    python bench/compare.py --quick   # 7M only (~10 min)
     python bench/compare.py --method sft-lora --size 7m --dtype bf16
-    python bench/compare.py --out -                          # print only; default writes bench/RESULTS.md + results.png
+    python bench/compare.py --out -   # print only, write no markdown
+    python bench/compare.py --smoke   # a tiny model, SFT-LoRA f32, 3 steps, print only: both sides run (~20 s)
 
 The workload is built here, from seeds, into a temporary directory:
   models   Llama-architecture decoders (untied head, GQA, SwiGLU) of ~7M and ~58M

@@ -1,8 +1,8 @@
-"""Generation tokens/s: `linnet.serve.Engine` against transformers' `generate`, same
-weights, same batch, on CPU.
+"""How many tokens/s does `linnet.serve.Engine` generate against transformers' `generate`, same weights and batch?
 
-    python bench/generate.py                  # ~27M-parameter Llama, f32 and bf16; ~5 min
+    python bench/generate.py                  # bench/generate.md: ~34M-parameter Llama, f32 and bf16; ~5 min
     python bench/generate.py --quick          # smaller model, fewer tokens: ~30 s
+    python bench/generate.py --quick --dtypes float32 --repeats 1 --new 4 --out -   # smoke: seconds
     python bench/generate.py --out -          # print only, write no markdown
     python bench/generate.py --device cuda    # on a GPU (both sides on it)
 

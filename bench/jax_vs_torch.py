@@ -1,9 +1,11 @@
-"""Training-step tokens/s of the JAX backend against the PyTorch one: the same card,
-weights, packed rows and optimizer, full fine-tuning, on this CPU.
+"""How many training tokens/s does the JAX backend reach against the PyTorch one on this CPU?
 
-    python bench/jax_vs_torch.py                 # ~7M and ~36M parameters, f32; ~5 min
+The same card, weights, packed rows and optimizer, full fine-tuning.
+
+    python bench/jax_vs_torch.py                 # bench/jax_vs_torch.md: ~7M and ~36M parameters, f32; ~5 min
     python bench/jax_vs_torch.py --quick         # the small model only
     python bench/jax_vs_torch.py --out -         # print only
+    python bench/jax_vs_torch.py --quick --steps 1 --repeats 1 --out -   # smoke: under a minute
 
 Both train the same rows of 2048 tokens (random documents of 50-400 tokens, every token
 learned) with SGD, one row a step. After one warm-up step each (compiles), the two

@@ -1,11 +1,11 @@
-"""The planner's memory estimate against the measured peak of real linnet training steps, on CPU.
+"""How close is the planner's memory estimate to the measured peak of real linnet training steps on CPU?
 
-    python bench/plan_vs_measured.py                  # 9 rows + the allocator check: ~5 CPU-minutes
+    python bench/plan_vs_measured.py --json run.json  # bench/plan_vs_measured.md: 9 rows + the allocator check, ~5 CPU-minutes
     python bench/plan_vs_measured.py --all            # also the 150m f32 and LoRA rows (12; ~10)
     python bench/plan_vs_measured.py --quick          # the 20m card only (~1)
     python bench/plan_vs_measured.py --cards 20m --seq 4096 --out -   # print only, write no markdown
-    python bench/plan_vs_measured.py --json run.json  # also keep the raw results
-    python bench/plan_vs_measured.py --render run.json  # rewrite the report from them, running nothing
+    python bench/plan_vs_measured.py --render run.json  # rewrite the report from a --json run, running nothing
+    python bench/plan_vs_measured.py --cards 20m --methods lora --dtypes f32 --seq 256 --allocator-check none --out -  # smoke
 
 Wall time is about the CPU time on 2 cores shared with one other 2-thread job; the rows
 are sequential (one configuration per process, so each measures only its own memory).

@@ -1,11 +1,15 @@
-"""Pretraining harness on real text: preparation throughput, the loader's share of step
-time, and training tokens/s and MFU of the tiny and ~20M presets.
+"""How fast does the pretraining harness run on real text: preparation, loading, training?
 
+Preparation throughput, the loader's share of step time, and training tokens/s and MFU of the
+tiny and ~20M presets.
+
+    python bench/pretrain.py all --out bench/pretrain.md   # bench/pretrain.md
     python bench/pretrain.py prepare            # 1, 2, 4 tokenizer workers, interleaved
-    python bench/pretrain.py loader             # loader share of update time (both presets)
-    python bench/pretrain.py train              # tokens/s and MFU (both presets)
-    python bench/pretrain.py all --out bench/pretrain.md.new
+    python bench/pretrain.py loader             # the loader alone at the 20M preset's shapes
+    python bench/pretrain.py train              # tokens/s, MFU and loader share (both presets)
     python bench/pretrain.py train --data ../shared/data --steps 6
+    python bench/pretrain.py prepare --repeat 1 --rounds 1 --workers 1 --out -   # smoke (~5 s)
+    python bench/pretrain.py train --steps 2 --out -                           # smoke (~15 s)
 
 Corpora (from `--data`, default ../shared/data): tinyshakespeare/input.txt (one document
 per speech), llamafactory_demo/c4_demo.jsonl (300 web pages) and wiki_demo.txt (one
