@@ -1,35 +1,24 @@
 """One measurement of bench/compare.py: one library, method, size and dtype, in a fresh
-process (clean peak RSS). The parent writes a spec JSON and reads one result JSON back.
+process (clean peak RSS). The parent passes the spec as JSON and reads the result back
+(`_common.run_child`):
 
-    python bench/_compare_run.py SPEC.json RESULT.json
+    python bench/_compare_run.py '{"library": "linnet", "method": "sft-lora", ...}'
 
 The spec names the workload directory bench/compare.py built (model directory with
 tokenizer, LoRA adapter directory, data JSON) and the run's settings; both sides read
 the same files. Timing: wall time between consecutive step-end callbacks (so data
-loading, collation, generation and the optimizer all count); peak memory: ru_maxrss at
-the end less VmRSS right after the imports (model, optimizer, data, activations count;
-the libraries' import footprint does not).
+loading, collation, generation and the optimizer all count); peak memory: the RSS
+high-water mark at the end less VmRSS right after the imports, where the mark is reset
+(model, optimizer, data, activations count; the libraries' import footprint does not).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import resource
 import sys
 import time
 
-
-def vm_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from _common import peak_rss, reset_peak, rss, send_result
 
 
 class Clock:
@@ -78,14 +67,6 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
 
     method, dtype = spec["method"], spec["dtype"]
     lora = method != "sft-full"
-    if spec.get("variant", "base") != "base":  # bench-local candidate changes (bench/_compare_candidates.py)
-        import contextlib
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import _compare_candidates as candidates
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(candidates.patched(candidates.variant_changes(spec["variant"])))
     model = nest.load(spec["model_dir"], dtype=dtype, trainable=not lora)
     if lora:
         model.add_lora([f"model.layers.*.{p}.weight" for p in LORA_LAYERS], rank=16, alpha=32)
@@ -298,9 +279,7 @@ def grpo_tokens(data, spec, completion_tokens: list[int]) -> list[int]:
 
 
 def main() -> None:
-    spec_path, out_path = sys.argv[1], sys.argv[2]
-    with open(spec_path) as f:
-        spec = json.load(f)
+    spec = json.loads(sys.argv[1])
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -323,13 +302,13 @@ def main() -> None:
         run = run_linnet
     with open(spec["data"]) as f:
         data = json.load(f)
-    baseline = vm_rss()
+    baseline = rss()
+    reset_peak()
     clock = Clock()
     extra = run(spec, data, clock)
-    result = dict(spec=spec, seconds=clock.seconds(), cpu_seconds=clock.cpu_seconds(), losses=clock.losses, metrics=clock.metrics,
-                  real=clock.real, peak_bytes=peak_rss() - baseline, baseline_bytes=baseline, **extra)
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    send_result(dict(spec=spec, seconds=clock.seconds(), cpu_seconds=clock.cpu_seconds(), losses=clock.losses,
+                     metrics=clock.metrics, real=clock.real, peak_bytes=peak_rss() - baseline, baseline_bytes=baseline,
+                     **extra))
 
 
 if __name__ == "__main__":

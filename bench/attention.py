@@ -1,12 +1,13 @@
 """Attention paths over packed rows on CPU: which one should `choose("auto", cpu)` pick?
 
+    OMP_WAIT_POLICY=PASSIVE python bench/attention.py   # bench/attention.md (on a machine others are using)
     python bench/attention.py            # full run; writes bench/attention.md
-    python bench/attention.py --quick    # smoke run (P=2048, fewer cases)
-    OMP_WAIT_POLICY=PASSIVE python bench/attention.py   # on a machine others are using
+    python bench/attention.py --quick    # P=2048, fewer cases: about a minute
+    python bench/attention.py --out -    # print only, write no markdown
+    python bench/attention.py --quick --no-flex --no-e2e --policy-rounds 0 --budget 0.1 --max-reps 3 --out -  # smoke
 
 Run time: the full run took 557 s on the shared 2-core machine with others using 50-70% of
-it; about half that when idle. --quick takes about a minute.
-    python bench/attention.py --out -    # print only, write no markdown
+it; about half that when idle.
 
 A packed row of P positions holds several documents end to end; attention stays inside
 each document. This times, on 2 threads, every path of `linnet.torch.attention` on rows
@@ -35,20 +36,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _machine import revision, write_report
+from _common import command, cpu_now, machine, others_busy, revision, run_child, send_result, table, wait_quiet, write_report
 
 from linnet import nest
 from linnet.packing import Example, pack
@@ -227,33 +224,6 @@ def interleaved(fns: dict[str, object], *, budget_s: float, min_reps: int, max_r
     return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
-def _cpu_now() -> tuple[float, float, float]:
-    """(wall, CPU seconds busy machine-wide, CPU seconds of this process)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    busy = sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
-    t = os.times()
-    return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), t.user + t.system
-
-
-def others_busy(before, after) -> float:
-    """Fraction of the machine's CPUs other processes kept busy between two `_cpu_now`."""
-    wall = after[0] - before[0]
-    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / (wall * os.cpu_count())
-
-
-def wait_quiet(limit_s: float, threshold: float = 0.15) -> float:
-    """Wait (at most `limit_s`) for a second in which other processes use under `threshold`
-    of the CPUs; return the last measured fraction."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        before = _cpu_now()
-        time.sleep(0.5)
-        busy = others_busy(before, _cpu_now())
-        if busy < threshold or time.monotonic() > deadline:
-            return busy
-
-
 @dataclass
 class Case:
     P: int
@@ -377,10 +347,10 @@ def run_e2e(P, mixes, dtypes, labels, args):
                 fns[label] = step
             if args.wait_quiet:
                 wait_quiet(args.wait_quiet)
-            before = _cpu_now()
+            before = cpu_now()
             stats = interleaved(fns, budget_s=args.budget * 4, min_reps=args.min_reps, max_reps=args.max_reps)
             med = {k: m for k, (m, _) in stats.items()}
-            rows.append((dtype, mix, row, med, {k: m for k, (_, m) in stats.items()}, others_busy(before, _cpu_now())))
+            rows.append((dtype, mix, row, med, {k: m for k, (_, m) in stats.items()}, others_busy(before, cpu_now())))
             print(f"  e2e {_dt(dtype)} {mix:9s} " + "  ".join(f"{k} {1e3 * s:7.1f}" for k, s in med.items()), flush=True)
     return card, rows
 
@@ -396,20 +366,8 @@ def _ms(s) -> str:
 
 
 
-def machine() -> dict[str, str]:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = next(line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags"))
-        extra = ", ".join(f for f in ("avx512f", "amx_bf16") if f in flags)
-    except (OSError, StopIteration):
-        model, extra = platform.processor(), ""
-    return {
-        "cpu": f"{model} ({os.cpu_count()} CPUs{', ' + extra if extra else ''})",
-        "torch": torch.__version__,
-        "threads": str(torch.get_num_threads()),
-        "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def case_tables(cases: list[Case], paths: list[Path]) -> list[str]:
@@ -420,28 +378,20 @@ def case_tables(cases: list[Case], paths: list[Path]) -> list[str]:
         lines += [f"### {title}, ms per call (median of repeats)", ""]
         head = ["P", "mix", "docs", "useful", "heads", "dtype", *[p.name + ("*" if p.candidate else "") for p in cols],
                 "dense / documents (min-based)", "others' CPU"]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
+        rows = []
         for c in cases:
             t, tmin = getattr(c, kind), getattr(c, kind + "_min")
             best = min(t[p.name] for p in cols)
             cells = [f"**{_ms(t[p.name])}**" if t[p.name] == best else _ms(t[p.name]) for p in cols]
-            lines.append("| " + " | ".join([
-                str(c.P), c.mix, str(len(c.lengths)), f"{useful_fraction(c.lengths):.3f}", c.heads.split()[1], _dt(c.dtype),
-                *cells, f"{t['dense'] / t['documents']:.2f}x ({tmin['dense'] / tmin['documents']:.2f}x)",
-                f"{100 * c.others:.0f}%",
-            ]) + " |")
-        lines.append("")
-    lines += ["### Mask construction, ms per call (median); the model builds it once per layer", "",
-              "| P | mix | docs | dtype | " + " | ".join(cases[0].mask_s) + " |",
-              "|" + "---|" * (4 + len(cases[0].mask_s))]
-    seen = set()
-    for c in cases:
-        key = (c.P, c.mix, c.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        lines.append(f"| {c.P} | {c.mix} | {len(c.lengths)} | {_dt(c.dtype)} | " + " | ".join(_ms(s) for s in c.mask_s.values()) + " |")
+            rows.append([c.P, c.mix, len(c.lengths), f"{useful_fraction(c.lengths):.3f}", c.heads.split()[1], _dt(c.dtype),
+                         *cells, f"{t['dense'] / t['documents']:.2f}x ({tmin['dense'] / tmin['documents']:.2f}x)",
+                         f"{100 * c.others:.0f}%"])
+        lines += table(head, rows) + [""]
+    lines += ["### Mask construction, ms per call (median); the model builds it once per layer", ""]
+    first = {(c.P, c.mix, c.dtype): c for c in reversed(cases)}  # the first case of each key
+    lines += table(["P", "mix", "docs", "dtype", *cases[0].mask_s],
+                   [[c.P, c.mix, len(c.lengths), _dt(c.dtype), *map(_ms, c.mask_s.values())]
+                    for c in cases if first[(c.P, c.mix, c.dtype)] is c])
     lines.append("")
     worst = max(((c, name, d) for c in cases for name, d in c.max_diff.items()),
                 key=lambda x: x[2] / (1e-4 if x[0].dtype == torch.float32 else 3e-2))
@@ -457,19 +407,13 @@ def e2e_table(card, P, rows) -> list[str]:
     lines = [f"### `loss_packed` forward+backward, {card.params() / 1e6:.1f}M-parameter Llama "
              f"(hidden {card.hidden}, {card.layers} layers, H{card.heads}/K{card.kv_heads}/d{card.head_dim}, "
              f"vocab {card.vocab}, trainable, f32 master weights), P={P}, ms per step (median; min in brackets)", ""]
-    head = ["dtype", "mix", "docs", *labels, "tokens/s (best training path)", "others' CPU"]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
+    cells = []
     for dtype, mix, row, med, mins, others in rows:
         best_train = min(v for k, v in med.items() if E2E_PATHS[k][2])
-        cells = []
-        for k, v in med.items():
-            cell = f"{_ms(v)} ({_ms(mins[k])})"
-            cells.append(f"**{cell}**" if v == best_train else cell)
-        lines.append(f"| {_dt(dtype)} | {mix} | {len(row.bounds) - 1} | " + " | ".join(cells)
-                     + f" | {P / best_train:,.0f} | {100 * others:.0f}% |")
-    lines.append("")
-    return lines
+        times = [f"{_ms(v)} ({_ms(mins[k])})" for k, v in med.items()]
+        times = [f"**{t}**" if v == best_train else t for t, v in zip(times, med.values())]
+        cells.append([_dt(dtype), mix, len(row.bounds) - 1, *times, f"{P / best_train:,.0f}", f"{100 * others:.0f}%"])
+    return lines + table(["dtype", "mix", "docs", *labels, "tokens/s (best training path)", "others' CPU"], cells) + [""]
 
 
 def _gmean(xs) -> float:
@@ -586,11 +530,11 @@ def policy_probe(args) -> None:
             fn(q, k, v, bounds).backward(grad_out)
         return run
 
-    before = _cpu_now()
+    before = cpu_now()
     stats = interleaved({"documents": forward_backward(A.documents),
                          "documents/slices": forward_backward(documents_slices),
                          "dense": forward_backward(A.dense)}, budget_s=3.0, min_reps=3, max_reps=7)
-    print("PROBE " + json.dumps({"stats": stats, "others": others_busy(before, _cpu_now())}), flush=True)
+    send_result({"stats": stats, "others": others_busy(before, cpu_now())})
 
 
 def wait_policy_section(rounds: int) -> list[str]:
@@ -599,18 +543,13 @@ def wait_policy_section(rounds: int) -> list[str]:
     rows = []
     for _ in range(rounds):
         for policy in ("default", "PASSIVE"):
-            env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-            if policy != "default":
-                env["OMP_WAIT_POLICY"] = policy
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--policy-probe"],
-                                  capture_output=True, text=True, env=env)
-            line = [x for x in proc.stdout.splitlines() if x.startswith("PROBE ")]
-            if not line:
-                rows.append(f"| {policy} | failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]} | | | |")
+            r = run_child([os.path.abspath(__file__), "--policy-probe"],
+                          env={"OMP_WAIT_POLICY": None if policy == "default" else policy})
+            if "error" in r:
+                rows.append([policy, f"failed: {r['error']}", "", "", ""])
                 continue
-            r = json.loads(line[-1][len("PROBE "):])
             cells = [f"{_ms(m)} ({_ms(n)})" for m, n in r["stats"].values()]
-            rows.append(f"| {policy} | " + " | ".join(cells) + f" | {100 * r['others']:.0f}% |")
+            rows.append([policy, *cells, f"{100 * r['others']:.0f}%"])
             print(f"  wait policy {policy:8s} " + "  ".join(cells) + f"  others {100 * r['others']:.0f}%", flush=True)
     P, mix, heads, dtype = PROBE
     return [f"## OpenMP wait policy under contention (P={P}, {mix}, {heads.split()[1]}, {_dt(dtype)}, forward+backward)", "",
@@ -618,8 +557,7 @@ def wait_policy_section(rounds: int) -> list[str]:
             "OpenMP threads spin at each parallel region's barrier while their partner is descheduled: the "
             "per-document loop (one small region per document and per op) pays that many times a call, one "
             "large dense call pays it once.", "",
-            "| OMP_WAIT_POLICY | documents | documents/slices* | dense | others' CPU |", "|---|---|---|---|---|",
-            *rows, ""]
+            *table(["OMP_WAIT_POLICY", "documents", "documents/slices*", "dense", "others' CPU"], rows), ""]
 
 
 def main(argv=None) -> None:
@@ -647,8 +585,8 @@ def main(argv=None) -> None:
     # dynamo's default limit of 8 flex silently falls back to eager (~45x slower).
     torch._dynamo.config.recompile_limit = 64
     start = time.perf_counter()
-    info = machine()
-    print(f"{info['cpu']}; torch {info['torch']}; {info['threads']} threads; load {info['load']}")
+    info, load_start = machine(), load()
+    print(f"{info}; {torch.get_num_threads()} threads; load {load_start}")
     print(f'choose("auto", cpu) -> {A.choose("auto", torch.device("cpu")).__name__}')
 
     dtypes = [torch.float32, torch.bfloat16]
@@ -669,9 +607,9 @@ def main(argv=None) -> None:
             paths = [p for p in PATHS if with_flex or not p.name.startswith("flex")]
             if args.wait_quiet:
                 wait_quiet(args.wait_quiet)
-            before = _cpu_now()
+            before = cpu_now()
             c = run_case(P, mix, heads, dtype, paths, args)
-            c.others = others_busy(before, _cpu_now())
+            c.others = others_busy(before, cpu_now())
             cases.append(c)
             print(f"P={P} {mix:9s} docs={len(c.lengths):3d} {heads:22s} {_dt(dtype):4s} "
                   f"others {100 * c.others:3.0f}% | fwd "
@@ -684,7 +622,6 @@ def main(argv=None) -> None:
         card, e2e_rows = run_e2e(e2e_P, e2e_mixes, e2e_dtypes, labels, args)
     policy_lines = wait_policy_section(args.policy_rounds) if args.policy_rounds else []
 
-    info_end = machine()
     elapsed = time.perf_counter() - start
     # flex cases have extra columns: report them in their own tables
     with_flex = [c for c in cases if "flex" in c.fwd]
@@ -694,11 +631,10 @@ def main(argv=None) -> None:
 
     lines = ["# Attention paths over packed rows on CPU", "",
              "Produced by `bench/attention.py`; numbers are measured, not edited.", "",
-             f"- Command: `{'OMP_WAIT_POLICY=' + os.environ['OMP_WAIT_POLICY'] + ' ' if 'OMP_WAIT_POLICY' in os.environ else ''}"
-             f"python {' '.join(['bench/attention.py', *sys.argv[1:]])}`" + (" (quick)" if args.quick else ""),
-             f"- Machine: {info['cpu']}; torch {info['torch']}; {info['threads']} threads (`torch.set_num_threads({THREADS})`); "
+             f"- Command: `{command(__file__, argv, env=('OMP_WAIT_POLICY',))}`" + (" (quick)" if args.quick else ""),
+             f"- Machine: {info}; {torch.get_num_threads()} threads (`torch.set_num_threads({THREADS})`); "
              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset: default)')}",
-             f"- Load average at start / end: {info['load']} / {info_end['load']} (the machine is shared; "
+             f"- Load average at start / end: {load_start} / {load()} (the machine is shared; "
              "paths are interleaved within each case so drift hits them alike)",
              f"- Code: linnet at {revision(SOURCE)}",
              f"- Run time: {elapsed:.0f} s",

@@ -1,19 +1,18 @@
-"""Peak memory and time of the chunked output-head loss against plain logits, on CPU.
+"""How much peak memory and time does the chunked output-head loss take against plain logits, on CPU?
 
-    python bench/chunked_loss.py                       # P=4096, D=4096, V=128256; 8-10 min
-    python bench/chunked_loss.py --quick               # P=2048, V=32768, blocks 32M/128M: ~1 min
-    python bench/chunked_loss.py --block-bytes 256M 1G # the block sizes to compare
-    python bench/chunked_loss.py --out -               # print only, write no markdown
+    python bench/chunked_loss.py --block-bytes 256M 1G  # bench/chunked_loss.md: P=4096, D=4096, V=128256; 8-10 min
+    python bench/chunked_loss.py --quick                # P=2048, V=32768, blocks 32M/128M: ~1 min
+    python bench/chunked_loss.py --out -                # print only, write no markdown
+    python bench/chunked_loss.py --P 256 --D 256 --V 4096 --block-bytes 1M 4M --out -  # smoke: seconds
 
 Each variant runs forward+backward once in a fresh subprocess (`--child`), so one
 variant's allocations never hide another's. Method: the child allocates its inputs
 (hidden states h [P, D] bf16 requiring grad, the head weight W [V, D], targets, weights),
-reads its resident set size (VmRSS), runs forward+backward, then reads the peak resident
-set size (`getrusage(RUSAGE_SELF).ru_maxrss`). "Peak above inputs" is the difference:
-everything forward+backward held at its worst moment, including the gradients it
-returns. Large tensors are mmap'd by glibc and unmapped when freed, so RSS tracks live
-tensors closely. The child also checks that nothing before the run had already set a
-higher peak (that would hide the run's).
+reads its resident set size (VmRSS) and resets the high-water mark there, runs
+forward+backward, then reads the peak resident set size (VmHWM). "Peak above inputs" is
+the difference: everything forward+backward held at its worst moment, including the
+gradients it returns. Large tensors are mmap'd by glibc and unmapped when freed, so RSS
+tracks live tensors closely.
 
 Heads:
   trainable  W is an f32 master weight (what `Decoder` keeps for a trainable head), cast
@@ -37,14 +36,11 @@ Shapes: P positions, D hidden, V vocabulary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import subprocess
-import sys
 import time
 
-from _machine import GiB, machine, revision, write_report
+from _common import (GiB, command, cpu_now, machine, others_busy, peak_rss, reset_peak, revision, rss, run_child,
+                     send_result, table, wait_quiet, write_report)
 
 SOURCE = "src/linnet/torch/losses.py"  # the code measured: its commit is in the report
 
@@ -62,18 +58,6 @@ def fmt_bytes(n: int) -> str:
 
 
 # -- child: one variant, one measurement ------------------------------------------------
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-
 
 def candidate_linear_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, block_bytes):
     """The shipped algorithm (one pass: loss and both gradients block by block), self-
@@ -173,7 +157,8 @@ def child(args) -> None:
     weights = (torch.arange(P) % 3 != 0).float()  # a third of positions not learned (prompt-like)
     weights[-64:] = 0.0  # padding
 
-    base_rss, base_peak = rss_bytes(), peak_rss_bytes()
+    base_rss = rss()
+    reset_peak()
     t0 = time.perf_counter()
     if args.variant == "plain":
         logits = h @ w.to(h.dtype).T
@@ -188,65 +173,28 @@ def child(args) -> None:
     t1 = time.perf_counter()
     (loss / weights.sum()).backward()
     t2 = time.perf_counter()
-    peak = peak_rss_bytes()
-    out = {
+    peak = peak_rss()
+    send_result({
         "variant": args.variant, "head": args.head, "block_bytes": args.block_bytes,
         "P": P, "D": D, "V": V, "threads": args.threads,
-        "base_rss": base_rss, "peak_before_run": base_peak, "peak": peak,
-        "peak_above_inputs": peak - base_rss, "retained": rss_bytes() - base_rss,
-        "hidden_peak": base_peak >= peak,  # the run never exceeded an earlier high-water mark
+        "base_rss": base_rss, "peak": peak, "peak_above_inputs": peak - base_rss, "retained": rss() - base_rss,
         "forward_s": t1 - t0, "backward_s": t2 - t1,
         "loss": loss.item() / weights.sum().item(),
         "grad_h_norm": h.grad.float().norm().item(),
         "grad_w_norm": None if w.grad is None else w.grad.float().norm().item(),
-    }
-    print("RESULT " + json.dumps(out), flush=True)
+    })
 
 
 # -- parent: run the variants, tabulate -------------------------------------------------
 
-def _cpu_now() -> tuple[float, float, float]:
-    """(wall, CPU seconds busy machine-wide, CPU seconds of this process's finished children)."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:]]
-    t = os.times()
-    return time.monotonic(), (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), t.children_user + t.children_system
-
-
-def others_busy(before, after) -> float:
-    """Fraction of the CPUs that processes other than ours kept busy in between."""
-    wall = after[0] - before[0]
-    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / (wall * os.cpu_count())
-
-
-def wait_quiet(limit_s: float, threshold: float = 0.15) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        before = _cpu_now()
-        time.sleep(0.5)
-        if others_busy(before, _cpu_now()) < threshold:
-            return
-
-
-def run_child(variant, head, block_bytes, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant, "--head", head,
-           "--P", str(args.P), "--D", str(args.D), "--V", str(args.V),
-           "--block-bytes", str(block_bytes), "--threads", str(args.threads)]
+def measure(variant, head, block_bytes, args) -> dict:
+    """One variant in a fresh process, and the share of the CPUs others used meanwhile."""
     if args.wait_quiet:
         wait_quiet(args.wait_quiet)
-    before = _cpu_now()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    others = others_busy(before, _cpu_now())
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout)[-2000:]
-        return {"variant": variant, "head": head, "block_bytes": block_bytes,
-                "error": f"exit {proc.returncode}: {tail.strip().splitlines()[-1] if tail.strip() else '?'}"}
-    return {**json.loads(lines[-1][len("RESULT "):]), "others": others}
-
-
-
-
+    before = cpu_now()
+    r = run_child([os.path.abspath(__file__), "--child", "--variant", variant, "--head", head, "--P", args.P,
+                   "--D", args.D, "--V", args.V, "--block-bytes", block_bytes, "--threads", args.threads])
+    return {"variant": variant, "head": head, "block_bytes": block_bytes, **r, "others": others_busy(before, cpu_now())}
 
 
 def main(argv=None) -> None:
@@ -277,12 +225,10 @@ def main(argv=None) -> None:
         args.block_bytes = ["32M", "128M"] if args.quick else ["256M", "1G"]
     blocks = [parse_bytes(b) for b in args.block_bytes]
 
-    import torch
-
     start = time.perf_counter()
     P, D, V = args.P, args.D, args.V
     logits_f32 = P * V * 4
-    print(f"{machine()}; torch {torch.__version__}; P={P} D={D} V={V}; [P,V] f32 logits {logits_f32 / GiB:.2f} GiB")
+    print(f"{machine()}; P={P} D={D} V={V}; [P,V] f32 logits {logits_f32 / GiB:.2f} GiB")
     plan = []
     for head in args.heads:
         plan.append(("plain", head, blocks[-1]))
@@ -291,7 +237,7 @@ def main(argv=None) -> None:
             plan += [("chunked/candidate", head, b) for b in blocks]
     results = []
     for variant, head, b in plan:
-        r = run_child(variant, head, b, args)
+        r = measure(variant, head, b, args)
         results.append(r)
         if "error" in r:
             print(f"{variant:18s} {head:9s} {fmt_bytes(b):>8s}  FAILED {r['error']}", flush=True)
@@ -304,14 +250,15 @@ def main(argv=None) -> None:
     wgrad = V * D * 4
     lines = ["# Chunked output-head loss: peak memory and time on CPU", "",
              "Produced by `bench/chunked_loss.py`; numbers are measured, not edited.", "",
-             f"- Command: `python {' '.join(['bench/chunked_loss.py', *sys.argv[1:]])}`",
-             f"- Machine: {machine()}; torch {torch.__version__}; {args.threads} threads",
+             f"- Command: `{command(__file__, argv)}`",
+             f"- Machine: {machine()}; {args.threads} threads",
              f"- Code: linnet at {revision(SOURCE)}",
              f"- Shapes: P={P}, D={D}, V={V}; h bf16 [P, D] requiring grad; targets random; a third of "
              "the positions and the last 64 weigh 0",
              f"- Run time: {elapsed:.0f} s",
-             "- Method: each row is a fresh subprocess; peak above inputs = `ru_maxrss` after "
-             "forward+backward minus VmRSS measured right after allocating the inputs (so it includes "
+             "- Method: each row is a fresh subprocess; peak above inputs = the RSS high-water mark (VmHWM) after "
+             "forward+backward minus VmRSS measured right after allocating the inputs, where the mark is reset "
+             "(so it includes "
              "the gradients the call returns). Times are one run each (not repeated); `others' CPU` is "
              "the share of the 2 CPUs other processes used meanwhile (the machine is shared): a run "
              "with a high share is slowed by it, its memory is not. The chunked forward computes both "
@@ -321,23 +268,22 @@ def main(argv=None) -> None:
              f"[V, D] f32 (W's gradient for a trainable head, which every method returns) = {wgrad / GiB:.2f} GiB; "
              f"[V, D] bf16 (W cast for the products) = {V * D * 2 / GiB:.2f} GiB. "
              f"`linear_cross_entropy`'s default block is {fmt_bytes(1 << 30)} of f32 logits "
-             f"(= {max(1, (1 << 30) // (4 * V))} rows at this V).", "",
-             "| head | variant | block | rows/block | peak above inputs | less W's f32 grad | vs [P,V] f32 logits | forward s | backward s | others' CPU | loss | ‖grad h‖ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"(= {max(1, (1 << 30) // (4 * V))} rows at this V).", ""]
+    cells = []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['head']} | {r['variant']} | {fmt_bytes(r['block_bytes'])} | | FAILED: {r['error']} | | | | | | | |")
+            cells.append([r["head"], r["variant"], fmt_bytes(r["block_bytes"]), "", f"FAILED: {r['error']}"] + [""] * 7)
             continue
         plain = r["variant"] == "plain"
         rows = "—" if plain else str(min(P, max(1, r["block_bytes"] // (4 * V))))
         peak = r["peak_above_inputs"]
         working = peak - (wgrad if r["head"] == "trainable" else 0)
         name = r["variant"] + ("*" if "candidate" in r["variant"] else "")
-        warn = " (hidden by an earlier peak)" if r["hidden_peak"] else ""
-        lines.append(
-            f"| {r['head']} | {name} | {'—' if plain else fmt_bytes(r['block_bytes'])} | {rows} | "
-            f"{peak / GiB:.2f} GiB{warn} | {working / GiB:.2f} GiB | {peak / logits_f32:.2f}x | "
-            f"{r['forward_s']:.1f} | {r['backward_s']:.2f} | {100 * r['others']:.0f}% | {r['loss']:.5f} | {r['grad_h_norm']:.4g} |")
+        cells.append([r["head"], name, "—" if plain else fmt_bytes(r["block_bytes"]), rows, f"{peak / GiB:.2f} GiB",
+                      f"{working / GiB:.2f} GiB", f"{peak / logits_f32:.2f}x", f"{r['forward_s']:.1f}",
+                      f"{r['backward_s']:.2f}", f"{100 * r['others']:.0f}%", f"{r['loss']:.5f}", f"{r['grad_h_norm']:.4g}"])
+    lines += table(["head", "variant", "block", "rows/block", "peak above inputs", "less W's f32 grad",
+                    "vs [P,V] f32 logits", "forward s", "backward s", "others' CPU", "loss", "‖grad h‖"], cells)
     lines.append("")
     lines.append("`less W's f32 grad` subtracts the [V, D] f32 gradient a trainable head must return anyway: "
                  "what remains is the method's working memory. * bench-local candidate (see the script's "

@@ -1,12 +1,14 @@
-"""linnet against TRL (+ PEFT), side by side: same model, data, token budget, hyperparameters
-and step count; step time, real tokens/s, peak memory, losses, and the linnet/TRL ratios.
+"""How much faster, and in how much memory, does linnet train than TRL (+ PEFT) on the same work?
 
-    python bench/compare.py                                  # 7M: 4 methods x f32/bf16; 60M: SFT-LoRA bf16 (~15 min)
-    python bench/compare.py --all                            # + 60M: every method and dtype (~45 min)
-    python bench/compare.py --quick                          # 7M only (~10 min)
-    python bench/compare.py --quick --linnet-variant NEW       # linnet with a candidate change (print only)
+Same model, data, token budget, hyperparameters and step count on both sides; step time, real
+tokens/s, peak memory, losses, and the linnet/TRL ratios.
+
+    python bench/compare.py           # bench/RESULTS.md + results.png: 7M, 4 methods x f32/bf16; 60M SFT-LoRA bf16 (~15 min)
+    python bench/compare.py --all     # + 60M: every method and dtype (~45 min)
+    python bench/compare.py --quick   # 7M only (~10 min)
     python bench/compare.py --method sft-lora --size 7m --dtype bf16
-    python bench/compare.py --out -                          # print only; default writes bench/RESULTS.md + results.png
+    python bench/compare.py --out -   # print only, write no markdown
+    python bench/compare.py --smoke   # a tiny model, SFT-LoRA f32, 3 steps, print only: both sides run (~20 s)
 
 The workload is built here, from seeds, into a temporary directory:
   models   Llama-architecture decoders (untied head, GQA, SwiGLU) of ~7M and ~58M
@@ -51,18 +53,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _common import GiB, command, machine, matmul_peak, run_child, table, write_report
 
 HERE = Path(__file__).resolve().parent
-from _machine import GiB, machine
 PAD, BOS, EOS = 0, 1, 2
 
 SIZES = {
@@ -70,6 +69,8 @@ SIZES = {
     "7m": dict(vocab=8192, hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, head_dim=64),
     # ~58M parameters: the "60m" card of bench/plan_vs_measured.py
     "60m": dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, head_dim=64),
+    # ~0.1M parameters, for --smoke only: that both sides run, not a measurement
+    "tiny": dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, head_dim=32),
 }
 METHODS = ("sft-lora", "sft-full", "dpo", "grpo")
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
@@ -84,10 +85,6 @@ GROUP, PROMPTS_PER_STEP, MAX_NEW = 8, 4, 64
 # Left out of the default matrix to keep it near 15 minutes on 2 shared cores; --all runs them
 # (TRL takes ~20 s a step at 60M in bf16, more in f32).
 SLOW = {("60m", m, d) for m in METHODS for d in DTYPES} - {("60m", "sft-lora", "bf16")}
-
-
-
-
 
 # ---------------------------------------------------------------------------------------
 # The workload
@@ -222,23 +219,7 @@ def build_workload(root: Path, sizes, methods, steps: int, seed: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# Machine peak and FLOPs
-
-
-def matmul_peak(dtype: str, threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of torch.mm on n x n matrices, best of `repeats` (the machine is shared)."""
-    code = f"""
-import time, torch
-torch.set_num_threads({threads})
-a = torch.randn({n}, {n}).to(torch.{dtype}); b = torch.randn({n}, {n}).to(torch.{dtype})
-for _ in range(2): a @ b
-best = 1e9
-for _ in range({repeats}):
-    t = time.perf_counter(); a @ b; best = min(best, time.perf_counter() - t)
-print(2 * {n} ** 3 / best)
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip())
+# FLOPs
 
 
 def sft_step_flops(size: str, doc_lengths: list[int], lora: bool, rank: int = 16) -> float:
@@ -265,18 +246,13 @@ def sft_step_flops(size: str, doc_lengths: list[int], lora: bool, rank: int = 16
 
 def run_one(spec: dict, scratch: Path) -> dict:
     scratch.mkdir(parents=True, exist_ok=True)
-    spec_path, out_path = scratch / "spec.json", scratch / "result.json"
     spec = dict(spec, scratch=str(scratch / "trainer"))
-    spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1",
-               HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore", HF_DATASETS_CACHE=str(scratch / "hf-datasets"))
+    env = dict(TQDM_DISABLE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               PYTHONWARNINGS="ignore", HF_DATASETS_CACHE=str(scratch / "hf-datasets"))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(HERE / "_compare_run.py"), str(spec_path), str(out_path)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['library']} {spec['method']} {spec['size']} {spec['dtype']} failed:\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    result = json.loads(out_path.read_text())
+    result = run_child([HERE / "_compare_run.py", json.dumps(spec)], env=env)
+    if "error" in result:
+        raise RuntimeError(f"{spec['library']} {spec['method']} {spec['size']} {spec['dtype']} failed:\n{result['log']}")
     result["wall_seconds"] = time.perf_counter() - start
     return result
 
@@ -325,34 +301,32 @@ def alike(method: str, ours: dict, theirs: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--method", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--size", nargs="+", default=list(SIZES), choices=list(SIZES))
+    ap.add_argument("--size", nargs="+", default=["7m", "60m"], choices=list(SIZES))
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps a run (the first two are not timed)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds of linnet and TRL per case")
     ap.add_argument("--quick", action="store_true", help="7M only")
     ap.add_argument("--all", action="store_true", help="also the slow cases (60M DPO/GRPO, 60M f32)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny model, SFT-LoRA f32, 3 steps, print only: checks that both sides run")
     ap.add_argument("--trl-dpo-micro", type=int, default=1,
                     help="TRL DPO pairs a forward (the rest of a step's pairs accumulate); 1 is TRL's fastest here")
     ap.add_argument("--trl-grpo-micro", type=int, default=GROUP,
                     help="TRL GRPO completions a forward (one generation a step, the rest accumulates)")
-    ap.add_argument("--linnet-variant", default="base",
-                    help="apply bench-local candidate changes to linnet: a variant of bench/_compare_candidates.py "
-                         "(see its docstring); such runs print only unless --out is given")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads a process (default 1: on the shared 2-core machine a second thread spin-waits "
                          "whenever another job holds the other core)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="markdown to write ('-': print only; default bench/RESULTS.md)")
+    ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown to write ('-': print only)")
     ap.add_argument("--json", default=None, help="also write every raw result here")
     args = ap.parse_args(argv)
     if args.quick:
         args.size = ["7m"]
-    if args.out is None:
-        args.out = str(HERE / "RESULTS.md") if args.linnet_variant == "base" else "-"
+    if args.smoke:
+        args.size, args.method, args.dtype, args.steps, args.out = ["tiny"], ["sft-lora"], ["f32"], 3, "-"
     steps = args.steps
     cases = [(s, m, d) for s in args.size for m in args.method for d in args.dtype
              if args.all or (s, m, d) not in SLOW or (len(args.size) == 1 and len(args.method) == 1)]
-    command = "python bench/compare.py " + " ".join(argv if argv is not None else sys.argv[1:])
     t_all = time.perf_counter()
     print(f"machine: {machine()}", flush=True)
     peaks = {d: matmul_peak(DTYPES[d], args.threads) for d in sorted({c[2] for c in cases})}
@@ -368,7 +342,7 @@ def main(argv=None) -> None:
                         threads=args.threads, tokens=LINNET_TOKENS.get(method, TOKENS), model_dir=info["model_dir"],
                         adapter_dir=info["adapter_dir"], data=info["data"][method.split("-")[0]],
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
-                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW, variant=args.linnet_variant,
+                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW,
                         trl_micro={"dpo": args.trl_dpo_micro, "grpo": args.trl_grpo_micro}.get(method))
             order = ["linnet", "trl"] if n % 2 == 0 else ["trl", "linnet"]
             got = {"linnet": [], "trl": []}
@@ -396,14 +370,12 @@ def main(argv=None) -> None:
                   f"= {row['speed']:.2f}x (by CPU time {row['speed_cpu']:.2f}x; target {TARGETS[method]}x); memory {row['memory']:.2f}x; {row['alike']}",
                   flush=True)
     seconds = time.perf_counter() - t_all
-    text = report(rows, peaks, command.strip(), steps, args, seconds)
-    print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(rows=rows, raw=raw, peaks=peaks), indent=1))
+    write_report(report(rows, peaks, command(__file__, argv), steps, args, seconds), args.out, keep=MARK)
     if args.out != "-":
-        write_markdown(Path(args.out), text)
         chart(rows, Path(args.out).with_name("results.png"))
-        print(f"wrote {args.out} and {Path(args.out).with_name('results.png')}")
+        print(f"wrote {Path(args.out).with_name('results.png')}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -414,35 +386,39 @@ def fmt_mem(b: float) -> str:
     return f"{b / GiB:.2f} GiB" if b >= 0.1 * GiB else f"{b / (1 << 20):.0f} MiB"
 
 
-def table(rows: list[dict]) -> list[str]:
-    lines = [
-        "| method | size | dtype | linnet step | TRL step | linnet tok/s | TRL tok/s | **tok/s ratio** (target) "
-        "| ratio by CPU time | linnet peak | TRL peak | **memory ratio** | linnet loss first→last | TRL loss first→last "
-        "| trained alike |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def results_table(rows: list[dict]) -> list[str]:
+    head = ["method", "size", "dtype", "linnet step", "TRL step", "linnet tok/s", "TRL tok/s", "**tok/s ratio** (target)",
+            "ratio by CPU time", "linnet peak", "TRL peak", "**memory ratio**", "linnet loss first→last",
+            "TRL loss first→last", "trained alike"]
+    cells = []
     for r in rows:
         a, b = r["linnet"], r["trl"]
         met = "met" if r["speed"] >= TARGETS[r["method"]] else "not met"
         mem = "" if r["memory"] <= 1.0 else " (higher)"
-        lines.append(
-            f"| {r['method']} | {r['size']} | {r['dtype']} | {a['step']:.2f} s | {b['step']:.2f} s | "
-            f"{a['tokens_per_s']:.0f} | {b['tokens_per_s']:.0f} | **{r['speed']:.2f}x** ({TARGETS[r['method']]}x, {met}) | "
-            f"{r['speed_cpu']:.2f}x | "
-            f"{fmt_mem(a['peak'])} | {fmt_mem(b['peak'])} | **{r['memory']:.2f}x**{mem} | "
-            f"{a['losses'][0]:.4f}→{a['losses'][-1]:.4f} | {b['losses'][0]:.4f}→{b['losses'][-1]:.4f} | {r['alike']} |")
-    return lines
+        cells.append([r["method"], r["size"], r["dtype"], f"{a['step']:.2f} s", f"{b['step']:.2f} s",
+                      f"{a['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
+                      f"**{r['speed']:.2f}x** ({TARGETS[r['method']]}x, {met})", f"{r['speed_cpu']:.2f}x",
+                      fmt_mem(a["peak"]), fmt_mem(b["peak"]), f"**{r['memory']:.2f}x**{mem}",
+                      f"{a['losses'][0]:.4f}→{a['losses'][-1]:.4f}", f"{b['losses'][0]:.4f}→{b['losses'][-1]:.4f}",
+                      r["alike"]])
+    return table(head, cells)
+
+
+MARK = "<!-- everything below this line is kept when bench/compare.py rewrites the file -->"
 
 
 def report(rows, peaks, command, steps, args, seconds) -> str:
     import peft
-    import torch
     import transformers
     import trl
 
     lines = [
+        "# linnet against TRL (+ PEFT) on CPU", "",
+        "Produced by `bench/compare.py`; numbers are measured, not edited. Ratios are linnet/TRL: "
+        "above 1 for tokens/s favours linnet, below 1 for memory favours linnet.", "",
+        "![linnet/TRL ratios](results.png)", "",
         f"- Command: `{command}` ({seconds / 60:.1f} min)",
-        f"- Machine: {machine()}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"- Machine: {machine()}; transformers {transformers.__version__}, "
         f"trl {trl.__version__}, peft {peft.__version__}; {args.threads} thread{'s' if args.threads > 1 else ''} a "
         "process. **Shared machine**: "
         "other jobs ran at the same time, so absolute numbers drift (±25%); the ratios of runs made one after "
@@ -450,20 +426,19 @@ def report(rows, peaks, command, steps, args, seconds) -> str:
         f"- Steps: {steps} a run; step time = median after the first two; {args.repeats} round(s) a case, "
         "libraries alternating. TRL micro-batches: DPO "
         f"{args.trl_dpo_micro} pair(s) a forward, GRPO {args.trl_grpo_micro} completions a forward, the rest of "
-        "each step accumulated." + ("" if args.linnet_variant == "base" else
-                                    f" **linnet with bench-local candidate changes: `{args.linnet_variant}`**"),
+        "each step accumulated.",
         "- Matmul peak (torch.mm 2048², best of 5): " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()),
         "",
     ]
-    lines += table(rows)
+    lines += results_table(rows)
     mfu = [r for r in rows if "mfu" in r]
     if mfu:
         lines += ["", "SFT step: useful FLOP/s (linear layers and the head, attention within documents, causal half; "
-                  "LoRA counts no frozen-weight gradients) and MFU against the matmul peak of the dtype:", "",
-                  "| method | size | dtype | linnet GFLOP/s | linnet MFU | TRL GFLOP/s | TRL MFU |", "|---|---|---|---|---|---|---|"]
-        for r in mfu:
-            lines.append(f"| {r['method']} | {r['size']} | {r['dtype']} | {r['gflops']['linnet']:.0f} | "
-                         f"{100 * r['mfu']['linnet']:.1f}% | {r['gflops']['trl']:.0f} | {100 * r['mfu']['trl']:.1f}% |")
+                  "LoRA counts no frozen-weight gradients) and MFU against the matmul peak of the dtype:", ""]
+        lines += table(["method", "size", "dtype", "linnet GFLOP/s", "linnet MFU", "TRL GFLOP/s", "TRL MFU"],
+                       [[r["method"], r["size"], r["dtype"], f"{r['gflops']['linnet']:.0f}",
+                         f"{100 * r['mfu']['linnet']:.1f}%", f"{r['gflops']['trl']:.0f}",
+                         f"{100 * r['mfu']['trl']:.1f}%"] for r in mfu])
     extra = [r for r in rows if "reference_seconds" in r["linnet"]]
     if extra:
         lines += ["", "DPO reference log-probabilities, computed once before step 1 by both (not in the step times): "
@@ -474,22 +449,6 @@ def report(rows, peaks, command, steps, args, seconds) -> str:
         pairs = " ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(r["linnet"]["losses"], r["trl"]["losses"]))
         lines.append(f"- {r['method']} {r['size']} {r['dtype']}: {pairs}")
     return "\n".join(lines)
-
-
-MARK = "<!-- everything below this line is kept when bench/compare.py rewrites the file -->"
-
-
-def write_markdown(path: Path, body: str) -> None:
-    kept = ""
-    if path.is_file():
-        old = path.read_text()
-        if MARK in old:
-            kept = old[old.index(MARK):]
-    head = ["# linnet against TRL (+ PEFT) on CPU", "",
-            "Produced by `bench/compare.py`; numbers are measured, not edited. Ratios are linnet/TRL: "
-            "above 1 for tokens/s favours linnet, below 1 for memory favours linnet.", "",
-            "![linnet/TRL ratios](results.png)", ""]
-    path.write_text("\n".join(head) + "\n" + body + "\n\n" + (kept or MARK + "\n"))
 
 
 def chart(rows: list[dict], path: Path) -> None:

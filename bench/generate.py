@@ -1,8 +1,8 @@
-"""Generation tokens/s: `linnet.serve.Engine` against transformers' `generate`, same
-weights, same batch, on CPU.
+"""How many tokens/s does `linnet.serve.Engine` generate against transformers' `generate`, same weights and batch?
 
-    python bench/generate.py                  # ~27M-parameter Llama, f32 and bf16; ~5 min
+    python bench/generate.py                  # bench/generate.md: ~34M-parameter Llama, f32 and bf16; ~5 min
     python bench/generate.py --quick          # smaller model, fewer tokens: ~30 s
+    python bench/generate.py --quick --dtypes float32 --repeats 1 --new 4 --out -   # smoke: seconds
     python bench/generate.py --out -          # print only, write no markdown
     python bench/generate.py --device cuda    # on a GPU (both sides on it)
 
@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
-from _machine import machine, write_report
+from _common import command, machine, table, write_report
 
 
 def build(directory: str, quick: bool) -> dict:
@@ -127,7 +126,6 @@ def main(argv=None) -> None:
     from linnet.serve import Engine
 
     new = args.new or (32 if args.quick else 64)
-    command = "python bench/generate.py " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as directory:
@@ -160,8 +158,8 @@ def main(argv=None) -> None:
         "",
         "Produced by `bench/generate.py`; numbers are measured, not edited.",
         "",
-        f"- Command: `{command.strip()}`",
-        f"- Machine: {machine()}; torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"- Command: `{command(__file__, argv)}`",
+        f"- Machine: {machine()}; transformers {transformers.__version__}; "
         f"{args.threads} threads; device {args.device}. **Shared machine**: other jobs ran at the same "
         "time, so absolute numbers drift (±25%); the ratio of interleaved runs is the result.",
         f"- Model: random Llama, {params / 1e6:.1f}M parameters ({', '.join(f'{k}={v}' for k, v in size.items())}), "
@@ -170,13 +168,10 @@ def main(argv=None) -> None:
         f"{args.repeats} interleaved runs after one warm-up. Greedy rows check that both produce the same tokens.",
         f"- Run time: {seconds:.0f} s",
         "",
-        "| dtype | case | rows | prompt tokens | new tokens | linnet tok/s | transformers tok/s | linnet / transformers | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(f"| {r['dtype']} | {r['case']} | {r['rows']} | {r['prompt']} | {r['new']} | {r['linnet']:.1f} | "
-                     f"{r['transformers']:.1f} | {r['linnet'] / r['transformers']:.2f}x | {r['same']} |")
-    lines += [
+        *table(["dtype", "case", "rows", "prompt tokens", "new tokens", "linnet tok/s", "transformers tok/s",
+                "linnet / transformers", "same tokens"],
+               [[r["dtype"], r["case"], r["rows"], r["prompt"], r["new"], f"{r['linnet']:.1f}", f"{r['transformers']:.1f}",
+                 f"{r['linnet'] / r['transformers']:.2f}x", r["same"]] for r in rows]),
         "",
         "Cases: `greedy` B equal-length prompts; `greedy/mixed` B prompts of different lengths (transformers "
         "left-pads); `group` prompts x n completions sampled at temperature 1 (linnet passes each prompt once; "

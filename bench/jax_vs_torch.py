@@ -1,9 +1,11 @@
-"""Training-step tokens/s of the JAX backend against the PyTorch one: the same card,
-weights, packed rows and optimizer, full fine-tuning, on this CPU.
+"""How many training tokens/s does the JAX backend reach against the PyTorch one on this CPU?
 
-    python bench/jax_vs_torch.py                 # ~7M and ~36M parameters, f32; ~5 min
+The same card, weights, packed rows and optimizer, full fine-tuning.
+
+    python bench/jax_vs_torch.py                 # bench/jax_vs_torch.md: ~7M and ~36M parameters, f32; ~5 min
     python bench/jax_vs_torch.py --quick         # the small model only
     python bench/jax_vs_torch.py --out -         # print only
+    python bench/jax_vs_torch.py --quick --steps 1 --repeats 1 --out -   # smoke: under a minute
 
 Both train the same rows of 2048 tokens (random documents of 50-400 tokens, every token
 learned) with SGD, one row a step. After one warm-up step each (compiles), the two
@@ -22,7 +24,7 @@ import time
 
 import numpy as np
 import torch
-from _machine import machine, revision, write_report
+from _common import command, machine, revision, table, write_report
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -46,18 +48,18 @@ def trainer(train, model, optimizer):
     return lambda rows: train(model, rows, optimizer=optimizer, steps=len(rows))
 
 
-def main() -> None:
+def main(argv=None) -> None:
     import optax
 
     from linnet.jax.train import train as jax_train
     from linnet.train import train
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "jax_vs_torch.md"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = []
     for name, fields in list(SIZES.items())[: 1 if args.quick else None]:
         card = nest.resolve("debug").replace(name=name, **fields, tied_embeddings=False)
@@ -89,16 +91,14 @@ def main() -> None:
     lines = [
         "# JAX backend against the PyTorch backend: SFT step tokens/s on CPU",
         "",
-        f"`python bench/jax_vs_torch.py{' --quick' if args.quick else ''}` on {machine()}, revision {revision('src')}.",
+        f"`{command(__file__, argv)}` on {machine()}, revision {revision('src')}.",
         "Full fine-tuning in float32, SGD, one packed row of 2048 tokens a step, the same weights and rows;",
         f"median step of {args.repeats} alternating blocks of {args.steps} steps after a compiling warm-up step.",
         "",
-        "| model | params | linnet torch tok/s | linnet jax tok/s | jax / torch | first loss torch / jax |",
-        "|---|---|---|---|---|---|",
+        *table(["model", "params", "linnet torch tok/s", "linnet jax tok/s", "jax / torch", "first loss torch / jax"],
+               [[name, f"{params / 1e6:.1f}M", f"{t:,.0f}", f"{j:,.0f}", f"{ratio:.2f}x",
+                 f"{losses['torch']:.4f} / {losses['jax']:.4f}"] for name, params, t, j, ratio, losses in results]),
     ]
-    for name, params, t, j, ratio, losses in results:
-        lines.append(f"| {name} | {params / 1e6:.1f}M | {t:,.0f} | {j:,.0f} | {ratio:.2f}x | "
-                     f"{losses['torch']:.4f} / {losses['jax']:.4f} |")
     lines += ["", "On this CPU XLA has no AMX path and its attention over a packed row is a masked P x P",
               "einsum, where PyTorch attends within each document (PLATFORM.md): the JAX backend is for",
               "accelerators and for checking the PyTorch one, not for CPU speed."]

@@ -1,11 +1,11 @@
-"""The planner's memory estimate against the measured peak of real linnet training steps, on CPU.
+"""How close is the planner's memory estimate to the measured peak of real linnet training steps on CPU?
 
-    python bench/plan_vs_measured.py                  # 9 rows + the allocator check: ~5 CPU-minutes
+    python bench/plan_vs_measured.py --json run.json  # bench/plan_vs_measured.md: 9 rows + the allocator check, ~5 CPU-minutes
     python bench/plan_vs_measured.py --all            # also the 150m f32 and LoRA rows (12; ~10)
     python bench/plan_vs_measured.py --quick          # the 20m card only (~1)
     python bench/plan_vs_measured.py --cards 20m --seq 4096 --out -   # print only, write no markdown
-    python bench/plan_vs_measured.py --json run.json  # also keep the raw results
-    python bench/plan_vs_measured.py --render run.json  # rewrite the report from them, running nothing
+    python bench/plan_vs_measured.py --render run.json  # rewrite the report from a --json run, running nothing
+    python bench/plan_vs_measured.py --cards 20m --methods lora --dtypes f32 --seq 256 --allocator-check none --out -  # smoke
 
 Wall time is about the CPU time on 2 cores shared with one other 2-thread job; the rows
 are sequential (one configuration per process, so each measures only its own memory).
@@ -78,16 +78,13 @@ import argparse
 import bisect
 import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import time
 
-GB = 1e9  # the planner's unit
-import _machine
+from _common import command, machine, peak_rss, reset_peak, rss, run_child, send_result, table, write_report
 
-GiB = _machine.GiB
+GB = 1e9  # the planner's unit
 
 # Small Llama-shaped cards (untied head, GQA, SwiGLU, 32K vocabulary), built from the debug card.
 CARDS = {
@@ -154,31 +151,6 @@ def planned(card_name: str, method: str, dtype: str, seq: int) -> dict:
 
 # -- child: one configuration, one measurement ---------------------------------------------
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def rss_bytes() -> int:
-    """Resident set size now."""
-    return _status("VmRSS")
-
-
-def peak_rss_bytes() -> int:
-    """Resident set size at its highest since the last `reset_peak` (VmHWM, which is what
-    `getrusage(RUSAGE_SELF).ru_maxrss` reports for a live process)."""
-    return _status("VmHWM")
-
-
-def reset_peak() -> None:
-    """Set the high-water mark back to the current RSS (Linux >= 4.0: clear_refs 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def warm_up(torch) -> None:
     """Model-independent: load the matmul, SDPA and optimizer code paths once."""
     import torch.nn.functional as F
@@ -233,7 +205,7 @@ class Phases:
         """Close the current phase and open `phase` (None: close only); every forward
         (one micro-batch per step here) opens a new step."""
         if self.current is not None:
-            self.peaks[-1][self.current] = max(self.peaks[-1].get(self.current, 0), peak_rss_bytes() - self.base)
+            self.peaks[-1][self.current] = max(self.peaks[-1].get(self.current, 0), peak_rss() - self.base)
         if phase == "forward":
             self.peaks.append({})
         with self.torch.profiler.record_function(f"{MARK}{len(self.peaks) - 1}:{phase}"):
@@ -329,7 +301,7 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    after_import = rss_bytes()
+    after_import = rss()
     c = card(args.card)
     rng = np.random.default_rng(0)
     rows = [next(pack([Example.plain(rng.integers(3, c.vocab, args.seq))], tokens=args.seq))
@@ -341,7 +313,7 @@ def child(args) -> None:
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     if args.profile:
         prof.start()
-    base_rss = rss_bytes()
+    base_rss = rss()
     phases = Phases(base_rss, torch)
     phases.enter("build")
     t0 = time.perf_counter()
@@ -350,7 +322,7 @@ def child(args) -> None:
         model.add_lora(LORA_PATTERNS, rank=RANK)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
-    built_rss = rss_bytes()
+    built_rss = rss()
     if args.profile:
         mark_linears(model, torch)
 
@@ -401,30 +373,17 @@ def child(args) -> None:
         "alloc_events": None if tensors is None else tensors["events"],
         "seconds": t1 - t0,
     }
-    print("RESULT " + json.dumps(out), flush=True)
+    send_result(out)
 
 
 # -- parent: run the configurations, tabulate ---------------------------------------------
 
-def run_child(card_name, method, dtype, seq, args, env=None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--card", card_name, "--method", method,
-           "--dtype", dtype, "--seq", str(seq), "--threads", str(args.threads), "--steps", str(args.steps)]
-    if not args.profile:
-        cmd.append("--no-profile")
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env=None if env is None else {**os.environ, **env})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()
-        return {"card": card_name, "method": method, "dtype": dtype, "seq": seq,
-                "error": f"exit {proc.returncode}: {tail[-1] if tail else '?'}"}
-    return json.loads(lines[-1][len("RESULT "):])
-
-
-def machine() -> str:
-    libc = "-".join(platform.libc_ver())
-    return (f"{_machine.machine()}; {platform.system()} {platform.release()}, {libc}, "
-            f"Python {platform.python_version()}")
+def measure(card_name, method, dtype, seq, args, env=None) -> dict:
+    """One configuration in a fresh process."""
+    r = run_child([os.path.abspath(__file__), "--child", "--card", card_name, "--method", method, "--dtype", dtype,
+                   "--seq", seq, "--threads", args.threads, "--steps", args.steps]
+                  + ([] if args.profile else ["--no-profile"]), env=env)
+    return {"card": card_name, "method": method, "dtype": dtype, "seq": seq, **r}
 
 
 def gb(n: float | None) -> str:
@@ -478,18 +437,16 @@ def main(argv=None) -> None:
         with open(args.render) as f:
             run = json.load(f)
         run["rendered"] = True
-        return write(report(run), args.out)
-
-    import torch
+        return write_report(report(run), args.out, keep=ANALYSIS_MARKER)
 
     start, load_start = time.perf_counter(), os.getloadavg()[0]
-    print(f"{machine()}; torch {torch.__version__}; {args.threads} threads; load average {load_start:.1f}")
+    print(f"{machine()}; {args.threads} threads; load average {load_start:.1f}")
     print(f"{'card':10s} {'params':>7s} {'method':6s} {'dtype':5s} {'seq':>5s} {'estimate GB':>11s} "
           f"{'measured GB':>11s} {'error':>6s} {'tensors GB':>10s} {'error':>6s} {'planner+f32':>11s} "
           f"{'error':>6s} {'time s':>6s}", flush=True)
     results = []
     for card_name, method, dtype, seq in configurations(args):
-        r = run_child(card_name, method, dtype, seq, args)
+        r = measure(card_name, method, dtype, seq, args)
         r["plan"] = p = planned(card_name, method, dtype, seq)
         results.append(r)
         if "error" in r:
@@ -503,7 +460,7 @@ def main(argv=None) -> None:
     check = None
     if args.allocator_check != "none":
         card_name, method, dtype = args.allocator_check.split(":")
-        check = run_child(card_name, method, dtype, args.seq[0], args, env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
+        check = measure(card_name, method, dtype, args.seq[0], args, env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
         if "error" not in check:
             print(f"allocator check, llama-{card_name} {method} {dtype} with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}: "
                   f"measured {gb(check['measured'])} GB, tensors {gb(check['tensor_peak'])} GB", flush=True)
@@ -511,32 +468,15 @@ def main(argv=None) -> None:
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     run = {"results": results, "check": check, "elapsed": elapsed, "argv": sys.argv[1:] if argv is None else argv,
            "load": [load_start, os.getloadavg()[0]], "cpu_s": children.ru_utime + children.ru_stime,
-           "threads": args.threads, "steps": args.steps, "cards": args.cards, "torch": torch.__version__,
-           "machine": machine()}
+           "threads": args.threads, "steps": args.steps, "cards": args.cards, "machine": machine()}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
-    print()
-    write(report(run), args.out)
+    write_report(report(run), args.out, keep=ANALYSIS_MARKER)
 
 
 MMAP_THRESHOLD = 128 * 1024  # glibc's initial value; setting it also stops glibc raising it
 ANALYSIS_MARKER = "<!-- analysis: written by hand for the run above; the script keeps what follows -->"
-
-
-def write(text: str, out: str) -> None:
-    """Print the report and write it to `out`, keeping the hand-written analysis of an
-    existing report (everything after ANALYSIS_MARKER)."""
-    if out != "-" and os.path.exists(out):
-        with open(out) as f:
-            old = f.read()
-        if ANALYSIS_MARKER in old:
-            text = text.rstrip("\n") + "\n\n" + ANALYSIS_MARKER + old.split(ANALYSIS_MARKER, 1)[1]
-    print(text)
-    if out != "-":
-        with open(out, "w") as f:
-            f.write(text)
-        print(f"wrote {out}")
 
 
 # -- the report --------------------------------------------------------------------------
@@ -547,15 +487,15 @@ KINDS = ["weights", "optimizer", "weight casts", "head grad", "activations", "lo
 def report(run: dict) -> str:
     results, check = run["results"], run.get("check")
     ok = [r for r in results if "error" not in r]
-    command = " ".join(["python bench/plan_vs_measured.py", *run["argv"]])
+    where = run["machine"] + (f"; torch {run['torch']}" if "torch" in run else "")  # older runs kept torch apart
     lines = [
         "# The planner's memory estimate against measured linnet training steps (CPU)", "",
         ("Produced by `bench/plan_vs_measured.py`; the numbers are measured, not edited. "
         "GB = 10^9 bytes, as the planner prints them. The script's docstring has the method in full."), "",
-        f"- Command: `{command}`"
+        f"- Command: `{command(__file__, run['argv'])}`"
         + (" (this text was later re-rendered from that run's raw results with `--render`; the numbers "
            "are that run's)" if run.get("rendered") else ""),
-        f"- Machine: {run['machine']}; torch {run['torch']}; {run['threads']} threads. The run took "
+        f"- Machine: {where}; {run['threads']} threads. The run took "
         f"{run['elapsed']:.0f} s"
         + (f" ({run['cpu_s'] / 60:.1f} CPU-minutes; load average {run['load'][0]:.1f} at the start, "
            f"{run['load'][1]:.1f} at the end)" if "load" in run else "")
@@ -576,21 +516,21 @@ def report(run: dict) -> str:
         "f32 compute: the LoRA base stored in f32 (+2 B per frozen parameter) and f32 activations (the "
         "34·s·b·d block term doubled)."),
         "",
-        ("| card | params | method | dtype | seq | estimate GB | measured GB | error % | tensors GB | "
-        "error vs tensors | planner+f32 GB | error vs measured / tensors |"),
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for r in results:
         p = r["plan"]
+        row = [f"llama-{r['card']}", count(p["params"] if "error" in r else r["params"]), r["method"], r["dtype"],
+               r["seq"], gb(p["total"])]
         if "error" in r:
-            lines.append(f"| llama-{r['card']} | {count(p['params'])} | {r['method']} | {r['dtype']} | {r['seq']} | "
-                         f"{gb(p['total'])} | FAILED: {r['error']} | | | | | |")
+            rows.append(row + [f"FAILED: {r['error']}"] + [""] * 5)
             continue
         m, t = r["measured"], r["tensor_peak"]
         adj = p["total"] + p["f32_terms"] if r["dtype"] == "f32" else None
-        lines.append(f"| llama-{r['card']} | {count(r['params'])} | {r['method']} | {r['dtype']} | {r['seq']} | "
-                     f"{gb(p['total'])} | {gb(m)} | {err(p['total'], m)} | {gb(t)} | {err(p['total'], t)} | "
-                     f"{gb(adj) if adj else '—'} | {f'{err(adj, m)} / {err(adj, t)}' if adj else '—'} |")
+        rows.append(row + [gb(m), err(p["total"], m), gb(t), err(p["total"], t), gb(adj) if adj else "—",
+                           f"{err(adj, m)} / {err(adj, t)}" if adj else "—"])
+    lines += table(["card", "params", "method", "dtype", "seq", "estimate GB", "measured GB", "error %", "tensors GB",
+                    "error vs tensors", "planner+f32 GB", "error vs measured / tensors"], rows, align="lrllrrrrrrrr")
 
     # What the planner counts, and what was live at the measured peak.
     with_t = [r for r in ok if r["steps"][-1].get("tensors")]
@@ -607,10 +547,8 @@ def report(run: dict) -> str:
         "`logsumexp` and softmax, grad_h, a bf16 copy of the head); *activations* everything else the "
         "forward allocated and still holds. All GB."),
         "",
-        "| card | method | dtype | planner: weights | gradients | master | moments | blocks 34·s·b·d·L | "
-        "logits | measured: " + " | ".join(kinds) + " | tensor peak (phase) |",
-        "|---|---|---|" + "---:|" * (6 + len(kinds) + 1),
     ]
+    rows = []
     for r in with_t:
         p = r["plan"]
         t2 = r["steps"][-1]["tensors"]
@@ -618,10 +556,12 @@ def report(run: dict) -> str:
         trainable = p["trainable"]
         grads = 4 * trainable  # --grad-dtype fp32
         master = states - grads - 8 * trainable
-        lines.append(
-            f"| llama-{r['card']} | {r['method']} | {r['dtype']} | {gb(p['weights'])} | {gb(grads)} | "
-            f"{gb(master)} | {gb(8 * trainable)} | {gb(p['blocks'])} | {gb(p['logits'])} | "
-            + " | ".join(gb(t2["live"].get(k, 0)) for k in kinds) + f" | {gb(t2['peak'])} ({t2['phase']}) |")
+        rows.append([f"llama-{r['card']}", r["method"], r["dtype"], gb(p["weights"]), gb(grads), gb(master),
+                     gb(8 * trainable), gb(p["blocks"]), gb(p["logits"]), *(gb(t2["live"].get(k, 0)) for k in kinds),
+                     f"{gb(t2['peak'])} ({t2['phase']})"])
+    measured = ["measured: " + kinds[0], *kinds[1:]] if kinds else []
+    lines += table(["card", "method", "dtype", "planner: weights", "gradients", "master", "moments", "blocks 34·s·b·d·L",
+                    "logits", *measured, "tensor peak (phase)"], rows, align="lll" + "r" * (7 + len(kinds)))
 
     lines += [
         "",
@@ -631,19 +571,19 @@ def report(run: dict) -> str:
         "gradient clipping; optimizer = AdamW's step), the tensor peak of each step, and the exact "
         "persistent states at the end (summed tensor sizes). All GB."),
         "",
-        ("| card | method | dtype | step 1: forward / backward / optimizer | tensors | step 2: forward / backward / "
-        "optimizer | tensors | weights | f32 grads | moments | s/step |"),
-        "|---|---|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for r in ok:
         cells = []
         for s in r["steps"][:2]:
             ph = s["phases"]
             cells.append(" / ".join(gb(ph.get(k)) for k in ("forward", "backward", "optimizer")))
             cells.append(gb(s["tensors"]["peak"]) if s.get("tensors") else "—")
-        lines.append(f"| llama-{r['card']} | {r['method']} | {r['dtype']} | " + " | ".join(cells) + " | "
-                     f"{gb(r['weight_bytes'])} | {gb(r['grad_bytes'])} | {gb(r['moment_bytes'])} | "
-                     f"{sum(s['seconds'] for s in r['steps']) / len(r['steps']):.1f} |")
+        rows.append([f"llama-{r['card']}", r["method"], r["dtype"], *cells, gb(r["weight_bytes"]), gb(r["grad_bytes"]),
+                     gb(r["moment_bytes"]), f"{sum(s['seconds'] for s in r['steps']) / len(r['steps']):.1f}"])
+    lines += table(["card", "method", "dtype", "step 1: forward / backward / optimizer", "tensors",
+                    "step 2: forward / backward / optimizer", "tensors", "weights", "f32 grads", "moments", "s/step"],
+                   rows, align="llllrlrrrrr")
     if check and "error" not in check:
         same = next((r for r in ok if (r["card"], r["method"], r["dtype"]) ==
                      (check["card"], check["method"], check["dtype"])), None)

@@ -1,11 +1,15 @@
-"""Pretraining harness on real text: preparation throughput, the loader's share of step
-time, and training tokens/s and MFU of the tiny and ~20M presets.
+"""How fast does the pretraining harness run on real text: preparation, loading, training?
 
+Preparation throughput, the loader's share of step time, and training tokens/s and MFU of the
+tiny and ~20M presets.
+
+    python bench/pretrain.py all --out bench/pretrain.md   # bench/pretrain.md
     python bench/pretrain.py prepare            # 1, 2, 4 tokenizer workers, interleaved
-    python bench/pretrain.py loader             # loader share of update time (both presets)
-    python bench/pretrain.py train              # tokens/s and MFU (both presets)
-    python bench/pretrain.py all --out bench/pretrain.md.new
+    python bench/pretrain.py loader             # the loader alone at the 20M preset's shapes
+    python bench/pretrain.py train              # tokens/s, MFU and loader share (both presets)
     python bench/pretrain.py train --data ../shared/data --steps 6
+    python bench/pretrain.py prepare --repeat 1 --rounds 1 --workers 1 --out -   # smoke (~5 s)
+    python bench/pretrain.py train --steps 2 --out -                           # smoke (~15 s)
 
 Corpora (from `--data`, default ../shared/data): tinyshakespeare/input.txt (one document
 per speech), llamafactory_demo/c4_demo.jsonl (300 web pages) and wiki_demo.txt (one
@@ -29,13 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _common import command, machine, matmul_peak, table, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,18 +101,17 @@ def bench_prepare(data: Path, work: Path, repeat: int, rounds: int, workers_list
         + " of a core. The machine's 2 cores are shared with other jobs; worker scaling can only show as far "
         "as that allows.",
         "",
-        "| workers | seconds | documents / s | tokens / s | vs 1 worker |",
-        "|---|---|---|---|---|",
     ]
     base_tps = statistics.median(x.tokens_per_second for x in results[workers_list[0]])
+    rows = []
     for w in workers_list:
         secs = [x.seconds for x in results[w]]
         dps = [x.documents_per_second for x in results[w]]
         tps = [x.tokens_per_second for x in results[w]]
-        lines.append(f"| {w} | {statistics.median(secs):.2f} ({min(secs):.2f}-{max(secs):.2f}) | "
-                     f"{statistics.median(dps):,.0f} | {statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f}) | "
-                     f"{statistics.median(tps) / base_tps:.2f}x |")
-    return lines
+        rows.append([w, f"{statistics.median(secs):.2f} ({min(secs):.2f}-{max(secs):.2f})", f"{statistics.median(dps):,.0f}",
+                     f"{statistics.median(tps):,.0f} ({min(tps):,.0f}-{max(tps):,.0f})",
+                     f"{statistics.median(tps) / base_tps:.2f}x"])
+    return lines + table(["workers", "seconds", "documents / s", "tokens / s", "vs 1 worker"], rows)
 
 
 def shakespeare_caches(data: Path, work: Path) -> dict[str, Path]:
@@ -123,22 +127,6 @@ def shakespeare_caches(data: Path, work: Path) -> dict[str, Path]:
                  "data.prepare_workers=2", "data.shard_tokens=131072"], str(ROOT / "configs" / "pretrain-20m.yaml"))
     caches["20m"] = prepare(big.data).path
     return caches
-
-
-def matmul_peak(threads: int) -> float:
-    """FLOP/s of a float32 2048² torch.mm on `threads` threads (best of 5)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    best = float("inf")
-    for _ in range(6):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    torch.set_num_threads(before)
-    return 2 * 2048**3 / best
 
 
 def preset_config(name: str, cache: Path, out: Path, steps: int, threads: int, device: str | None):
@@ -160,8 +148,6 @@ def preset_config(name: str, cache: Path, out: Path, steps: int, threads: int, d
 
 def bench_train(data: Path, work: Path, steps: dict[str, int], threads: int, device: str | None,
                 peak_tflops: float | None) -> list[str]:
-    import torch
-
     from linnet.pretrain.cache import open_cache
     from linnet.pretrain.runner import cache_card, flops_per_token, run
 
@@ -169,7 +155,7 @@ def bench_train(data: Path, work: Path, steps: dict[str, int], threads: int, dev
     if device and device.startswith("cuda"):
         peak, peak_what = (peak_tflops or 989) * 1e12, f"{peak_tflops or 989:g} TFLOP/s bf16 dense (given)"
     else:
-        peak = matmul_peak(threads)
+        peak = matmul_peak("float32", threads)
         peak_what = f"{peak / 1e9:.0f} GFLOP/s, f32 2048² torch.mm on {threads} thread(s), measured"
     lines = [
         "## Training throughput and the loader's share",
@@ -178,29 +164,26 @@ def bench_train(data: Path, work: Path, steps: dict[str, int], threads: int, dev
         f"- Threads: {threads}; device: {device or 'cpu'}; the first update is excluded (warm-up); "
         "loader share = time inside `Loader.batch` over update time, all updates",
         "",
-        "| preset | parameters | context | sequences / update | updates | tokens / s | model GFLOP/s | MFU | "
-        "loader ms / update | loader share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name in ("tiny", "20m"):
         out = work / f"run-{name}"
         config = preset_config(name, caches[name], out, steps[name], threads, device)
         summary = run(config, overwrite=True)
-        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        timed = rows[1:] or rows
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        timed = metrics[1:] or metrics
         seconds = sum(r["seconds"] for r in timed)
-        tokens = sum(r["targets"] - (rows[i - 1]["targets"] if i else 0) for i, r in enumerate(rows) if r in timed)
+        tokens = sum(r["targets"] - (metrics[i - 1]["targets"] if i else 0) for i, r in enumerate(metrics) if r in timed)
         tps = tokens / seconds
         card = cache_card(config, open_cache(caches[name]))
         flops = tps * flops_per_token(card, config.training.context_length)
-        loader = sum(r["loader_seconds"] for r in rows) / sum(r["seconds"] for r in rows)
+        loader = sum(r["loader_seconds"] for r in metrics) / sum(r["seconds"] for r in metrics)
         t = config.training
-        lines.append(
-            f"| {name} | {summary['parameters']:,} | {t.context_length} | {t.micro_batch_size * t.accumulation} | "
-            f"{len(rows)} | {tps:,.0f} | {flops / 1e9:.1f} | {flops / peak:.1%} | "
-            f"{1e3 * statistics.mean(r['loader_seconds'] for r in rows):.2f} | {loader:.2%} |")
-    del torch
-    return lines
+        rows.append([name, f"{summary['parameters']:,}", t.context_length, t.micro_batch_size * t.accumulation,
+                     len(metrics), f"{tps:,.0f}", f"{flops / 1e9:.1f}", f"{flops / peak:.1%}",
+                     f"{1e3 * statistics.mean(r['loader_seconds'] for r in metrics):.2f}", f"{loader:.2%}"])
+    return lines + table(["preset", "parameters", "context", "sequences / update", "updates", "tokens / s",
+                          "model GFLOP/s", "MFU", "loader ms / update", "loader share"], rows)
 
 
 def bench_loader(data: Path, work: Path) -> list[str]:
@@ -215,8 +198,8 @@ def bench_loader(data: Path, work: Path) -> list[str]:
     lines = ["## Loader alone (20M preset shapes, CPU tensors)", "",
              "Time of `Loader.batch(32)` at context 1024 over 400 micro-batches (several group boundaries and a "
              "pass boundary; the synchronous first group read included). A 131,072-target update takes 4 of them.",
-             "", "| prefetch | mean ms / micro-batch | max ms | loader ms / update | under 2% while updates take "
-             "longer than | i.e. below |", "|---|---|---|---|---|---|"]
+             ""]
+    rows = []
     for prefetch in (True, False):
         with Loader(cache.train, context=1024, group_size=2, seed=0, repeat=True, prefetch=prefetch) as loader:
             times = []
@@ -226,9 +209,10 @@ def bench_loader(data: Path, work: Path) -> list[str]:
                 times.append(time.perf_counter() - t0)
         per_update = 4 * statistics.mean(times)
         floor = per_update / 0.02
-        lines.append(f"| {prefetch} | {statistics.mean(times) * 1e3:.3f} | {max(times) * 1e3:.2f} | "
-                     f"{per_update * 1e3:.2f} | {floor * 1e3:.1f} ms | {131072 / floor / 1e6:.1f}M tokens/s |")
-    return lines
+        rows.append([prefetch, f"{statistics.mean(times) * 1e3:.3f}", f"{max(times) * 1e3:.2f}", f"{per_update * 1e3:.2f}",
+                     f"{floor * 1e3:.1f} ms", f"{131072 / floor / 1e6:.1f}M tokens/s"])
+    return lines + table(["prefetch", "mean ms / micro-batch", "max ms", "loader ms / update",
+                          "under 2% while updates take longer than", "i.e. below"], rows)
 
 
 def _encode_probe(texts: list[str], tokenizer_file: str, rounds: int) -> float:
@@ -277,9 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="linnet-bench-"))
     lines = ["# Pretraining harness: preparation, loading, training throughput", "",
              "Produced by `bench/pretrain.py`; numbers are measured, not edited.", "",
-             f"- Command: `python bench/pretrain.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-             f"- Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
-             f"torch {torch.__version__}; python {platform.python_version()}", ""]
+             f"- Command: `{command(__file__, argv)}`",
+             f"- Machine: {machine()}", ""]
     try:
         if args.what in ("prepare", "all"):
             lines += bench_prepare(data, work, args.repeat, args.rounds, args.workers) + [""]
@@ -291,12 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines.append(f"Run time: {time.perf_counter() - t0:.0f} s")
-    text = "\n".join(lines) + "\n"
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).write_text(text)
-        print(text)
+    write_report("\n".join(lines) + "\n", args.out)
     return 0
 
 
