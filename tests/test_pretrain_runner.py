@@ -136,10 +136,10 @@ def test_an_interrupted_run_resumes_itself_from_its_latest_snapshot(workspace, s
                      "training.save_epoch_training_state=true")
     real_step = loop.optimizer_step
 
-    def stop_at_21(params, optimizer, schedule, clip, loss, step, checkpoint):
+    def stop_at_21(params, optimizer, schedule, clip, loss, step, checkpoint, **options):
         if step == 21:
             raise KeyboardInterrupt
-        return real_step(params, optimizer, schedule, clip, loss, step, checkpoint)
+        return real_step(params, optimizer, schedule, clip, loss, step, checkpoint, **options)
 
     monkeypatch.setattr(loop, "optimizer_step", stop_at_21)
     with pytest.raises(KeyboardInterrupt):

@@ -33,6 +33,7 @@ from linnet.packing import Example
 from linnet.plots import plot_metrics
 from linnet.progress import Progress
 from linnet.train import cosine_schedule, pack, train
+from linnet.train.evaluation import held_out_loss
 
 PAD, BOS, EOS = 0, 1, 2
 CHARS = "0123456789+="
@@ -95,15 +96,6 @@ def own_pairs(engine, model, problems_: list[tuple[str, str]], samples: int, see
         if right and wrong:
             pairs.append(Pair(prompts[i], right[0], wrong[0]))
     return pairs
-
-
-@torch.no_grad()
-def held_out_loss(model, rows) -> float:
-    total = count = 0.0
-    for row in rows:
-        loss, n = model.loss_packed(row)
-        total, count = total + float(loss), count + float(n)
-    return total / count
 
 
 def transformers_tokenizer():

@@ -23,7 +23,7 @@ from linnet.runs import (
     LoraConfig, MetricsLog, ModelConfig, OptimizerConfig, ScheduleConfig, TrainingConfig, adamw, load_model,
     make_schedule, open_run, parse_command, print_table, summarize,
 )
-from linnet.torch.distributed import data_share, idle_passes, passes_short, process_group, sum_across
+from linnet.torch.distributed import data_share, process_group
 
 
 @dataclass
@@ -158,28 +158,10 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     ]
 
 
-def held_out_loss(model, rows, split: int = 1) -> float:
-    """Mean loss per learned token over packed rows, without gradients (each copy of the
-    model takes its share of the rows; see epochs_of_rows)."""
-    share, shares = data_share(split)
-    mine = rows[share::shares]
-    short = passes_short(len(mine), model)
-    total = count = 0.0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for row in mine:
-            loss, n = model.loss_packed(row)
-            total, count = total + float(loss), count + float(n)
-        idle_passes(short, model)
-    model.train(was_training)
-    total, count = sum_across([total, count])  # the processes of a split count alike: the ratio stands
-    return total / max(count, 1.0)
-
-
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
     """Fine-tune as `config` says; returns the summary written to summary.json."""
     from linnet.train import pack, train
+    from linnet.train.evaluation import held_out_loss
 
     prepared = prepare(config)  # data errors before anything is written
     out = open_run(config, overwrite=overwrite, resume=resume)
@@ -187,10 +169,11 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
     model = load_model(prepared.card, config.model, config.lora, t.seed, t.shard, t.split)
     optimizer = adamw(config.optimizer, model, t.shard)
     schedule = make_schedule(config.schedule, optimizer, prepared.steps)
+    share, shares = data_share(t.split)
     eval_rows = list(pack(prepared.eval_examples, config.data.tokens, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
     log = MetricsLog(out, "sft", prepared.steps, t.eval_every,
-                     (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, t.split)}) if eval_rows else None)
+                     (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) if eval_rows else None)
     t0 = time.perf_counter()
     try:
         history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
-from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
-from linnet.history import History, Step, step_items
+from linnet.jax.lora import Params
+from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
+from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
+from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
 
 
@@ -95,20 +95,16 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
     pairs = list(pairs)
     check_pairs(pairs)
     fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)
-    trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint, mesh)
-    step_fn = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat)
-    history = History()
-    stream = itertools.cycle(enumerate(pairs))
-    for step, chunk in step_items(stream, pairs_per_step, start=start, steps=steps, what="dpo: the pairs"):
-        t0 = time.perf_counter()
+    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat)
+
+    def step(number: int, chunk: list, state: State) -> Update:
         rows, where, real = _rows([p for _, p in chunk], tokens)
-        learned = int(rows["weights"].sum())
         ref = fixed[[i for i, _ in chunk]].astype(np.float32)
-        trained, opt_state, loss, norm, accuracy, margin = step_fn(trained, frozen, opt_state, place_rows(rows, mesh),
-                                                                   where, ref)
-        record = Step(step, float(loss), learned, real, float(norm), learning_rate(opt_state),
-                      time.perf_counter() - t0,
-                      metrics={"pairs": len(chunk), "accuracy": float(accuracy), "margin": float(margin)})
-        end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,
-                 checkpoint_every=checkpoint_every, keep=keep)
-    return finish(model, trained, frozen, save_to), history
+        state.trained, state.opt_state, loss, norm, accuracy, margin = compiled(
+            state.trained, state.frozen, state.opt_state, place_rows(rows, mesh), where, ref)
+        return Update(loss, norm, int(rows["weights"].sum()), real,
+                      {"pairs": len(chunk), "accuracy": float(accuracy), "margin": float(margin)})
+
+    return fit(model, itertools.cycle(enumerate(pairs)), step, per_step=pairs_per_step, steps=steps,
+               optimizer=optimizer, trainable=trainable, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               keep=keep, mesh=mesh, save_to=save_to, on_step=on_step, what="dpo: the pairs")

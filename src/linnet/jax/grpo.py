@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -25,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.jax.engine import Engine
-from linnet.jax.model import JaxModel, Params, row_arrays, rows_log_probs
-from linnet.jax.train import apply_gradients, end_step, finish, learning_rate, place_rows, start_run
+from linnet.jax.lora import Params
+from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
+from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.packing import pack_prompted
-from linnet.history import History, Step, step_items
+from linnet.history import History, Step
 from linnet.rollouts import (
     Prompt, Reward, check_prompts, prompt_groups, reward_functions, sample_and_score, step_metrics)
 
@@ -124,18 +124,15 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     functions = reward_functions(reward)
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
-    trained, frozen, opt_state, start = start_run(policy, optimizer, trainable, checkpoint, mesh)
     card, dtype, lora_scale = policy.card, policy.dtype, policy.lora_scale
     forward = jax.jit(rows_log_probs, static_argnums=(1, 3, 4))
-    stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
-    history = History()
-    for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
-        t0 = time.perf_counter()
+
+    def step(number: int, chunk: list, state: State) -> Update:
         check_prompts(chunk, tokens, max_new_tokens)
-        engine.load_weights(policy, {**frozen, **trained})
+        engine.load_weights(policy, state.params)
         scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                  seed=seed * 1_000_003 + step, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
+                                  seed=seed * 1_000_003 + number, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
         rollout = _rollout(scored.samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens,
                            sequence_level)
         loss = norm = clipped = kl = mismatch = 0.0
@@ -144,19 +141,20 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
             host, sequences, n_tokens, real = rollout
             normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
             rows = place_rows(host, mesh)
-            old = forward({**frozen, **trained}, card, rows, dtype, lora_scale)
+            old = forward(state.params, card, rows, dtype, lora_scale)
             ref = forward(reference, card, rows, dtype, 0.0) if beta else jnp.zeros_like(old)
             learned = np.asarray(rows["weights"]) > 0
             mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
-            step_fn = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta, correction_cap,
-                                 sequence_level, len(scored.samples), remat)
+            compiled = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta,
+                                  correction_cap, sequence_level, len(scored.samples), remat)
             for _ in range(iterations):
-                trained, opt_state, norm, (loss_sum, clipped, kl) = step_fn(
-                    trained, frozen, opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))
+                state.trained, state.opt_state, norm, (loss_sum, clipped, kl) = compiled(
+                    state.trained, state.frozen, state.opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))
             loss = float(loss_sum) / max(normaliser, 1.0)
         metrics = step_metrics(scored, tokens=n_tokens, clipped=float(clipped), kl=float(kl), mismatch=mismatch)
-        record = Step(step, loss, int(n_tokens), int(real), float(norm), learning_rate(opt_state),
-                      time.perf_counter() - t0, metrics)
-        end_step(record, history, on_step, trained, opt_state, steps=steps, checkpoint=checkpoint,
-                 checkpoint_every=checkpoint_every, keep=keep)
-    return finish(policy, trained, frozen, save_to), history
+        return Update(loss, norm, n_tokens, real, metrics)
+
+    stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
+    return fit(policy, stream, step, per_step=prompts_per_step, steps=steps, optimizer=optimizer,
+               trainable=trainable, checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep, mesh=mesh,
+               save_to=save_to, on_step=on_step, what="grpo: the prompts")

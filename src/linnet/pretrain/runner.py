@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import platform
@@ -115,26 +114,6 @@ def flops_per_token(card, context: int) -> float:
     """Training FLOPs per token: 6N (the tied head counted once, as a matmul) plus
     attention's 12 L d T (PaLM's appendix B convention)."""
     return 6 * card.params() + 12 * card.layers * card.heads * card.head_dim * context
-
-
-def evaluate(model, batches) -> float:
-    """Mean token loss over `batches` (no gradients); under several processes each
-    evaluates every P-th batch and the sums are combined."""
-    from linnet.torch.distributed import sum_across, world
-
-    rank, processes = world()
-    total = torch.zeros((), dtype=torch.float64, device=model.device)
-    count = 0.0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for batch in itertools.islice(batches, rank, None, processes):
-            loss, _ = model.loss_packed(batch)
-            total += loss.double()
-            count += batch.real
-    model.train(was_training)
-    total_all, count_all = sum_across([float(total), count])
-    return total_all / max(count_all, 1.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -319,8 +298,9 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet import nest
     from linnet.pretrain.loader import Loader, Validation
     from linnet.train.checkpoint import load_checkpoint
-    from linnet.train.loop import Step, optimizer_step, trained_parameters
-    from linnet.torch.distributed import barrier, from_first, sum_across, world
+    from linnet.train.evaluation import held_out_loss
+    from linnet.train.loop import Work, take_step, trained_parameters
+    from linnet.torch.distributed import barrier, from_first, world
 
     m, d, t, rt = config.model, config.data, config.training, config.runtime
     rank, processes = world()
@@ -420,27 +400,33 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     before, after = rank * share * B, (processes - 1 - rank) * share * B
     learned = A * B * t.context_length  # the global batch's targets, every one learned
     clip = config.optimizer.grad_clip
+    waited = 0.0  # seconds the current update waited for the loader
+
+    def micro_batches():
+        """This process's share of the update's micro-batches, read as they are needed."""
+        nonlocal waited
+        waited = 0.0
+        loader.skip(before)
+        for _ in range(share):
+            tl = time.perf_counter()
+            batch = loader.batch(B)
+            waited += time.perf_counter() - tl
+            yield batch
+        loader.skip(after)
+
+    def update() -> Work:
+        mine = share * B * t.context_length
+        return Work(micro_batches(), lambda _, batch: (model.loss_packed(batch)[0], {}), learned, mine, mine)
+
     session_start, session_steps = time.perf_counter(), 0
     try:
         model.train()
         for epoch in range(progress.epoch + 1, budget.epochs + 1):
             for step in budget.epoch_steps(epoch):
-                t0 = time.perf_counter()
-                waited = 0.0
-                total = torch.zeros((), device=device)
-                loader.skip(before)
-                for _ in range(share):
-                    tl = time.perf_counter()
-                    batch = loader.batch(B)
-                    waited += time.perf_counter() - tl
-                    loss_sum, _ = model.loss_packed(batch)
-                    (loss_sum / learned).backward()
-                    total += loss_sum.detach()
-                loader.skip(after)
-                loss = sum_across([float(total)])[0] / learned  # the update's one host sync
-                norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, out / CHECKPOINTS)
-                seconds = time.perf_counter() - t0
-                record = Step(step, loss, learned, learned, norm, lr, seconds, {"loader_seconds": waited})
+                record = take_step(params, update(), optimizer=optimizer, schedule=schedule, clip=clip, step=step,
+                                   checkpoint=out / CHECKPOINTS)
+                loss, norm, lr, seconds = record.loss, record.grad_norm, record.lr, record.seconds
+                record.metrics["loader_seconds"] = waited
                 progress.step, progress.seconds = step, progress.seconds + seconds
                 progress.loader_seconds += waited
                 session_steps += 1
@@ -448,7 +434,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                        "tokens_per_second": record.tokens_per_second, "seconds": seconds, "loader_seconds": waited,
                        "targets": step * learned}
                 if step == budget.boundaries[epoch - 1] and validation is not None and len(validation.subset):
-                    row["held_out_loss"] = evaluate(model, validation.subset_batches(config.evaluation.batch_size))
+                    row["held_out_loss"] = held_out_loss(model, validation.subset_batches(config.evaluation.batch_size), share=rank, shares=processes)
                     if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
                         kept = t.checkpoint_policy != "none" and epoch in selected
                         progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
@@ -480,7 +466,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     full = None
     if validation is not None and config.evaluation.full_validation:
         t0 = time.perf_counter()
-        full = evaluate(model, validation.full_batches(config.evaluation.batch_size))
+        full = held_out_loss(model, validation.full_batches(config.evaluation.batch_size), share=rank, shares=processes)
         full_seconds = time.perf_counter() - t0
     summary = None
     if lead:

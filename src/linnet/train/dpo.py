@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.torch.attention import document_ids, shares_prompts
-from linnet.history import History, Step, step_items
-from linnet.train.loop import end_step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.history import History, Step
+from linnet.train.loop import Work, fit, trained_parameters
 from linnet.torch.distributed import idle_passes, passes_short, sum_across
 
 
@@ -135,7 +134,7 @@ def dpo(
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
     if getattr(model, "copies", None) is not None:
         raise ValueError("dpo does not train split models (tensor_parallel) yet; use fully_shard")
-    params = trained_parameters(model)
+    trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
     if reference is None or reference_cache is not None:
         if not isinstance(pairs, Sequence):
@@ -145,49 +144,39 @@ def dpo(
         source = model if reference is None else reference
         fixed = (cached_reference_log_probs(source, pairs, reference_cache, tokens=tokens)
                  if reference_cache is not None else reference_log_probs(source, pairs, tokens=tokens))
-    start = resume(checkpoint, model, optimizer, schedule)
-    # a sequence is taken epoch after epoch; an iterator once
-    stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
-    history = History()
-    model.train()
-    for step, chunk in step_items(stream, pairs_per_step, start=start, steps=steps, what="dpo: the pairs"):
-        t0 = time.perf_counter()
+    live_reference = reference if fixed is None else None
+
+    def prepare(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
         check_pairs(batch)
         (count,) = sum_across([float(len(batch))])
-        total = correct = margin_sum = real = learned = 0.0
-        done = 0
         rows = list(_rows(batch, tokens, model, reference))
-        live_reference = reference if fixed is None else None
+        starts = np.cumsum([0] + [row.examples // 2 for row in rows])  # each row's first pair
         short = passes_short(len(rows), model, live_reference)
-        for row in rows:
+
+        def loss(r: int, row):
             n = row.examples // 2
             logp = answer_log_probs(model, row).view(n, 2)
             if fixed is not None:
-                ref = torch.as_tensor(fixed[indices[done : done + n]], dtype=logp.dtype, device=logp.device)
+                ref = torch.as_tensor(fixed[indices[starts[r] : starts[r] + n]], dtype=logp.dtype, device=logp.device)
             else:
                 with torch.no_grad():
                     ref = answer_log_probs(reference, row).view(n, 2).to(logp.dtype)
             losses = dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], beta=beta,
                                  label_smoothing=label_smoothing)
-            (losses.sum() / count).backward()
             with torch.no_grad():
                 rewards = beta * (logp - ref)
                 margins = rewards[:, 0] - rewards[:, 1]
-                total += float(losses.sum())
-                correct += float((margins > 0).sum())
-                margin_sum += float(margins.sum())
-            real += row.real
-            learned += row.learned
-            done += n
-        idle_passes(short, model, live_reference, row=rows[0])
-        total, correct, margin_sum, real, learned = sum_across([total, correct, margin_sum, real, learned])
-        loss = total / count
-        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint)
-        record = Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0,
-                      metrics={"pairs": count, "accuracy": correct / count, "margin": margin_sum / count})
-        end_step(record, history, on_step, model=model, optimizer=optimizer, schedule=schedule, steps=steps,
-                 checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep)
-    if save_to is not None:
-        save_trained(model, save_to)
-    return history
+            return losses.sum(), {"correct": float((margins > 0).sum()), "margin": float(margins.sum())}
+
+        def metrics(sums: dict[str, float]) -> dict[str, float]:
+            return {"pairs": count, "accuracy": sums["correct"] / count, "margin": sums["margin"] / count}
+
+        return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows), ("correct", "margin"),
+                    metrics, idle=lambda: idle_passes(short, model, live_reference, row=rows[0]))
+
+    # a sequence is taken epoch after epoch; an iterator once
+    stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
+    return fit(model, stream, prepare, per_step=pairs_per_step, optimizer=optimizer, steps=steps, clip=clip,
+               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               keep=keep, on_step=on_step, what="dpo: the pairs")

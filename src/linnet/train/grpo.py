@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import os
 import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,8 +35,8 @@ from linnet.rollouts import (
     Prompt, Reward, check_prompts, pass_at_k, prompt_groups, reward_functions, sample_and_score, score, step_metrics,
 )
 from linnet.train.grpo_loss import grpo_loss
-from linnet.history import History, Step, step_items
-from linnet.train.loop import end_step, optimizer_step, resume, save_trained, trained_parameters
+from linnet.history import History, Step
+from linnet.train.loop import Work, fit
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
@@ -143,80 +142,59 @@ def grpo(
     if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
         raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
                          "no top_k or top_p")
-    params = trained_parameters(policy)
     # a prompt once a row, its completions attending to it, where the attention path allows
     share = all(shares_prompts(m.attention, m.device) for m in (policy, reference) if m is not None)
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
-    start = resume(checkpoint, policy, optimizer, schedule)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
     if verbose and world()[0] == 0:
         _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations, share)
-    history = History()
-    for step, chunk in step_items(stream, prompts_per_step, start=start, steps=steps, what="grpo: the prompts"):
-        t0 = time.perf_counter()
+    judged = reference if beta else None
+
+    def prepare(step: int, chunk: list) -> Work:
+        """Sample and score the step's groups, and pack the completions that train."""
         check_prompts(chunk, tokens, max_new_tokens)
         engine.load_weights(policy)
         scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
                                   seed=seed * 1_000_003 + step, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
-        samples = scored.samples
-        rollout = _rollout(samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens, sequence_level,
-                           share)
-        sequences, n_tokens, real = sum_across([
-            0.0 if rollout is None else rollout.sequences,
-            0.0 if rollout is None else rollout.tokens,
-            0.0 if rollout is None else rollout.real])
-        if sequence_level:
-            normaliser = sequences
-        elif dr_grpo:
-            normaliser = sequences * max_new_tokens
-        else:
-            normaliser = n_tokens
-        rows = rollout.rows if rollout is not None else []
-        short = passes_short(len(rows), policy, reference if beta else None)
-        stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "mismatch": 0.0}
-        norms, lrs = [], []
-        old: list[torch.Tensor] = []  # the policy's log-probs before this step's first update
-        policy.train()
-        for iteration in range(iterations):
-            stats.update(loss=0.0, clipped=0.0, kl=0.0)  # reported for the last iteration
-            for r, row in enumerate(rows):
-                logp = _completion_log_probs(policy, row)
-                dev = logp.device
-                if iteration == 0:
-                    old.append(logp.detach())
-                    stats["mismatch"] += float((old[r].cpu() - rollout.engine_logp[r]).abs().sum())
-                weight = rollout.token_weight[r].to(dev)
-                if correction_cap is not None:
-                    weight = weight * torch.exp(old[r] - rollout.engine_logp[r].to(dev)).clamp(max=correction_cap)
-                ref = None
-                if beta:
-                    with torch.no_grad():
-                        ref = _completion_log_probs(reference, row)
-                loss, s = grpo_loss(logp, old[r], rollout.advantage[r].to(dev), clip=clip, ref_T=ref, beta=beta,
-                                    correction_T=weight,
-                                    seq_T=rollout.sequence[r].to(dev) if sequence_level else None,
-                                    sequences=len(samples))
-                (loss / max(normaliser, 1.0)).backward()
-                stats["loss"] += float(loss.detach())
-                stats["clipped"] += s["clipped"]
-                stats["kl"] += s.get("kl", 0.0)
-            idle_passes(short, policy, reference if beta else None)
-            (iteration_loss,) = sum_across([stats["loss"]])
-            norm, lr = optimizer_step(params, optimizer, schedule, max_grad_norm,
-                                      iteration_loss / max(normaliser, 1.0), step, checkpoint)
-            norms.append(norm)
-            lrs.append(lr)
-        loss_sum, clipped, kl, mismatch = sum_across([stats["loss"], stats["clipped"], stats["kl"], stats["mismatch"]])
-        metrics = step_metrics(scored, tokens=n_tokens, clipped=clipped, kl=kl, mismatch=mismatch)
-        record = Step(step, loss_sum / max(normaliser, 1.0), int(n_tokens), int(real), norms[-1], lrs[0],
-                      time.perf_counter() - t0, metrics)
-        end_step(record, history, on_step, model=policy, optimizer=optimizer, schedule=schedule, steps=steps,
-                 checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep)
-    if save_to is not None:
-        save_trained(policy, save_to)
-    return history
+        rollout = _rollout(scored.samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens,
+                           sequence_level, share)
+        mine = [0.0, 0.0, 0.0] if rollout is None else [rollout.sequences, rollout.tokens, rollout.real]
+        sequences, n_tokens, _ = sum_across(mine)
+        normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
+        rows = [] if rollout is None else rollout.rows
+        short = passes_short(len(rows), policy, judged)
+        old: dict[int, torch.Tensor] = {}  # the policy's log-probs before this step's first update
+        mismatch: dict[int, float] = {}
+
+        def loss(r: int, row):
+            logp = _completion_log_probs(policy, row)
+            dev = logp.device
+            if r not in old:
+                old[r] = logp.detach()
+                mismatch[r] = float((old[r].cpu() - rollout.engine_logp[r]).abs().sum())
+            weight = rollout.token_weight[r].to(dev)
+            if correction_cap is not None:
+                weight = weight * torch.exp(old[r] - rollout.engine_logp[r].to(dev)).clamp(max=correction_cap)
+            ref = None
+            if beta:
+                with torch.no_grad():
+                    ref = _completion_log_probs(reference, row)
+            total, s = grpo_loss(logp, old[r], rollout.advantage[r].to(dev), clip=clip, ref_T=ref, beta=beta,
+                                 correction_T=weight, seq_T=rollout.sequence[r].to(dev) if sequence_level else None,
+                                 sequences=len(scored.samples))
+            return total, {"clipped": s["clipped"], "kl": s.get("kl", 0.0), "mismatch": mismatch[r]}
+
+        def metrics(sums: dict[str, float]) -> dict[str, float]:
+            return step_metrics(scored, tokens=n_tokens, **sums)
+
+        return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch"), metrics,
+                    idle=lambda: idle_passes(short, policy, judged), iterations=iterations)
+
+    return fit(policy, stream, prepare, per_step=prompts_per_step, optimizer=optimizer, steps=steps,
+               clip=max_grad_norm, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
+               checkpoint_every=checkpoint_every, keep=keep, on_step=on_step, what="grpo: the prompts")
 
 
 def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,

@@ -1,12 +1,18 @@
-"""The training loop: accumulate, reduce across processes, clip, step, schedule,
-checkpoint, report. `train` runs the model's `loss_packed` entry (SFT, pretraining).
+"""The step every PyTorch trainer takes, and `train`, which runs the model's
+`loss_packed` entry (SFT; the pretraining runner takes the same step).
 
     history = train(model, pack(examples, tokens=4096), optimizer=opt, steps=1000,
                     accumulate=8, schedule=cosine_schedule(opt, 100, 1000), save_to="run/")
 
-Loss scaling: each micro-batch's summed token loss is divided by the count of learned
-positions of the whole optimizer step (all micro-batches, all processes) before
-backward, so every learned token weighs the same whatever batch it sits in.
+A step, whatever the objective (`take_step`): each micro-batch's summed loss is divided by
+the step's normaliser (the count of learned positions of every micro-batch of every
+process, for SFT; the step's pairs, for DPO; ...) before backward, so every learned token
+weighs the same whatever batch it sits in; then the gradients are summed across processes,
+clipped, applied, and the schedule steps; a non-finite loss or norm stops the run before
+the weights change. An objective supplies only what differs, as a `Work`: its
+micro-batches, the summed loss (and statistics) of one, and the normaliser. `fit` runs the
+steps: resume, cut the items into steps, report each `Step`, checkpoint, save the result.
+Adding an objective is a loss function and a `Work` (see linnet.train.dpo, linnet.train.grpo).
 """
 
 from __future__ import annotations
@@ -14,14 +20,45 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from linnet.history import History, Step, step_items
-from linnet.train.checkpoint import load_checkpoint, save_checkpoint
+from linnet.history import History, Step, due, step_items
 from linnet.torch.distributed import clip_gradients, reduce_gradients, sum_across, world
+from linnet.train.checkpoint import load_checkpoint, save_checkpoint
+
+
+@dataclass
+class Work:
+    """What one step trains on, as an objective prepares it.
+
+    batches     this process's micro-batches (a sequence when iterations > 1; a
+                generator is read once, as the batches are needed)
+    loss        (index, batch) -> (its summed loss, a tensor; its summed statistics,
+                a dict of floats named in `stats`); called once a batch and iteration
+    count       the step's normaliser over every process (learned positions, pairs …)
+    learned     this process's learned positions; real: its non-padding positions
+    stats       the statistics' names (every process sums each, 0 with no batches)
+    metrics     those statistics summed over every process -> what the Step reports
+    idle        called after the batches: the passes a sharded model still owes
+                (linnet.torch.distributed.passes_short)
+    iterations  optimizer steps on the same batches (GRPO reuses its samples)
+    group       the processes to sum over (a split model's copies); None: every one
+    """
+
+    batches: Iterable[Any]
+    loss: Callable[[int, Any], tuple[torch.Tensor, dict[str, float]]]
+    count: float
+    learned: float
+    real: float
+    stats: Sequence[str] = ()
+    metrics: Callable[[dict[str, float]], dict[str, float]] | None = None
+    idle: Callable[[], None] | None = None
+    iterations: int = 1
+    group: Any = None
 
 
 def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -41,11 +78,6 @@ def save_trained(model, path: str | os.PathLike) -> None:
         from linnet.torch.lora import save_peft
 
         save_peft(model, path)
-
-
-def _count(batch, name: str) -> float:
-    value = getattr(batch, name)
-    return float(value.sum()) if name == "weights" else float(value)
 
 
 def optimizer_step(params, optimizer, schedule, clip: float | None, loss: float, step: int,
@@ -70,6 +102,35 @@ def optimizer_step(params, optimizer, schedule, clip: float | None, loss: float,
     return norm, lr
 
 
+def take_step(params: Sequence[torch.nn.Parameter], work: Work, *, optimizer, schedule, clip: float | None,
+              step: int, checkpoint=None, started: float | None = None) -> Step:
+    """Accumulate `work`'s micro-batches, then reduce, clip, step and schedule (see the
+    module docstring), `work.iterations` times; the Step reports the last iteration's
+    loss and statistics, its norm, and the first iteration's learning rate."""
+    started = time.perf_counter() if started is None else started
+    norms, rates = [], []
+    for _ in range(work.iterations):
+        total: Any = 0.0
+        stats = dict.fromkeys(work.stats, 0.0)
+        for index, batch in enumerate(work.batches):
+            loss_sum, batch_stats = work.loss(index, batch)
+            (loss_sum / work.count).backward()
+            total = total + loss_sum.detach()
+            for name, value in batch_stats.items():
+                stats[name] += value
+        if work.idle is not None:
+            work.idle()
+        # the iteration's one host sync
+        loss_all, learned, real, *summed = sum_across([float(total), work.learned, work.real, *stats.values()],
+                                                      work.group)
+        loss = loss_all / work.count
+        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint, group=work.group)
+        norms.append(norm)
+        rates.append(lr)
+    metrics = work.metrics(dict(zip(stats, summed))) if work.metrics is not None else {}
+    return Step(step, loss, int(learned), int(real), norms[-1], rates[0], time.perf_counter() - started, metrics)
+
+
 def resume(checkpoint, model, optimizer, schedule) -> int:
     """The step to start from: the latest checkpoint's, or 0."""
     if checkpoint is None:
@@ -78,15 +139,36 @@ def resume(checkpoint, model, optimizer, schedule) -> int:
     return 0 if state is None else state["step"]
 
 
-def end_step(record: Step, history: History, on_step, *, model, optimizer, schedule, steps: int,
-             checkpoint, checkpoint_every: int, keep: int) -> None:
-    """Keep and report the step, then checkpoint it when due (every `checkpoint_every`
-    steps and at the last)."""
-    history.steps.append(record)
-    if on_step is not None:
-        on_step(record)
-    if checkpoint is not None and (record.step % checkpoint_every == 0 or record.step == steps):
-        save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=record.step, schedule=schedule, keep=keep)
+def fit(model, items: Iterable[Any], prepare: Callable[[int, list], Work], *, per_step: int, optimizer, steps: int,
+        clip: float | None = 1.0, schedule=None, save_to: str | os.PathLike | None = None,
+        checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 100, keep: int = 2,
+        on_step: Callable[[Step], None] | None = None, what: str = "the items") -> History:
+    """Train for `steps` steps of `per_step` items each: `prepare(step, items)` makes
+    each step's Work (sampling, scoring and packing happen there), `take_step` trains on
+    it. With `checkpoint`, resume from the latest checkpoint there (skipping the items
+    its steps took) and write one every `checkpoint_every` steps and at the end, keeping
+    `keep`; with `save_to`, save the result. Stops early, with a warning, when the items
+    run out."""
+    params = trained_parameters(model)
+    start = resume(checkpoint, model, optimizer, schedule)
+    history = History()
+    for step, chunk in step_items(items, per_step, start=start, steps=steps, what=what):
+        started = time.perf_counter()
+        model.train()
+        record = take_step(params, prepare(step, chunk), optimizer=optimizer, schedule=schedule, clip=clip,
+                           step=step, checkpoint=checkpoint, started=started)
+        history.steps.append(record)
+        if on_step is not None:
+            on_step(record)
+        if checkpoint is not None and due(step, checkpoint_every, steps):
+            save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
+    if save_to is not None:
+        save_trained(model, save_to)
+    return history
+
+
+def _weights(batch) -> float:
+    return float(batch.weights.sum())
 
 
 def train(
@@ -111,28 +193,16 @@ def train(
     warning, when the batches run out."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
-    params = trained_parameters(model)
     copies = getattr(model, "copies", None)  # a split model: the processes of a split share batches
-    start = resume(checkpoint, model, optimizer, schedule)
-    history = History()
-    model.train()
-    for step, micro in step_items(batches, accumulate, start=start, steps=steps, what="train: the batches"):
-        t0 = time.perf_counter()
-        learned, real = sum_across([sum(_count(b, "weights") for b in micro), sum(_count(b, "real") for b in micro)],
-                                   copies)
-        if learned == 0:
+
+    def prepare(step: int, micro: list) -> Work:
+        learned = sum(_weights(b) for b in micro)
+        (count,) = sum_across([learned], copies)
+        if count == 0:
             raise ValueError(f"step {step}: its {len(micro)} batches hold no learned position")
-        total = 0.0
-        for batch in micro:
-            loss_sum, _ = model.loss_packed(batch)
-            (loss_sum / learned).backward()
-            total = total + loss_sum.detach()
-        (loss_all,) = sum_across([float(total)], copies)  # the step's one host sync
-        loss = loss_all / learned
-        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint, copies)
-        end_step(Step(step, loss, int(learned), int(real), norm, lr, time.perf_counter() - t0), history, on_step,
-                 model=model, optimizer=optimizer, schedule=schedule, steps=steps, checkpoint=checkpoint,
-                 checkpoint_every=checkpoint_every, keep=keep)
-    if save_to is not None:
-        save_trained(model, save_to)
-    return history
+        return Work(micro, lambda _, batch: (model.loss_packed(batch)[0], {}), count, learned,
+                    sum(float(b.real) for b in micro), group=copies)
+
+    return fit(model, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
+               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               keep=keep, on_step=on_step, what="train: the batches")
