@@ -55,9 +55,9 @@ def corpus_files(data: Path) -> list[Path]:
 
 
 def _load(sets: list[str], path: str | None = None):
-    from linnet.pretrain.config import load
+    from linnet.config import PretrainConfig, load
 
-    return load(path, sets)
+    return load(PretrainConfig, path, sets)
 
 
 def bench_prepare(data: Path, work: Path, repeat: int, rounds: int, workers_list: list[int]) -> list[str]:

@@ -13,7 +13,9 @@ import itertools
 
 import torch
 
-from linnet import nest, quickstart
+from linnet import nest
+
+from linnet.commands import quickstart
 from linnet.data import load_examples, load_tokenizer
 from linnet.torch.lora import save_peft
 from linnet.train import cosine_schedule, pack, train

@@ -13,7 +13,9 @@ import itertools
 
 import torch
 
-from linnet import nest, quickstart
+from linnet import nest
+
+from linnet.commands import quickstart
 from linnet.train import pack, train, wsd_schedule
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

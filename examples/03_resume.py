@@ -14,7 +14,9 @@ import tempfile
 
 import torch
 
-from linnet import nest, quickstart
+from linnet import nest
+
+from linnet.commands import quickstart
 from linnet.train import cosine_schedule, pack, train
 
 

@@ -15,9 +15,11 @@ import itertools
 import numpy as np
 import torch
 
-from linnet import nest, quickstart, rewards
+from linnet import nest, rewards
+
+from linnet.commands import quickstart
 from linnet.data import load_tokenizer, read_records
-from linnet.reinforce import encode_prompt
+from linnet.data import encode_prompt
 from linnet.serve import Engine
 from linnet.train import pack, train
 from linnet.train.grpo import Prompt, grpo

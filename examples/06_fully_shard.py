@@ -15,7 +15,9 @@ import os
 
 import torch
 
-from linnet import nest, quickstart
+from linnet import nest
+
+from linnet.commands import quickstart
 from linnet.torch import fully_shard
 from linnet.train import cosine_schedule, pack, train
 from linnet.torch.distributed import join, world

@@ -18,7 +18,9 @@ import torch
 import trl
 from datasets import Dataset
 
-from linnet import nest, quickstart
+from linnet import nest
+
+from linnet.commands import quickstart
 from linnet.torch import CausalLM
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

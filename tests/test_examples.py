@@ -54,7 +54,8 @@ def test_fully_shard_example_under_torchrun(tmp_path):
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr[-2000:]
     assert "loss" in result.stdout and result.stdout.count("weights in") == 1  # the first process reports
-    from linnet import nest, quickstart
+    from linnet import nest
+    from linnet.commands import quickstart
 
     model = nest.load(str(tmp_path / "sharded"))
     assert model.card.layers == quickstart.CARD.layers and model.model.embed_tokens.weight.abs().sum() > 0

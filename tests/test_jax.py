@@ -337,7 +337,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
     a PyTorch-only field is refused by name."""
     import json
 
-    from linnet import quickstart
+    from linnet.commands import quickstart
     from linnet.cli import main
 
     nest.load(quickstart.CARD, weights="random", seed=0).save_weights(tmp_path / "model")
@@ -346,11 +346,11 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
              for p, a in quickstart.problems(np.random.default_rng(0), 120, 2)]
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
     common = [f"model.card={tmp_path / 'model'}", f"data.path={tmp_path / 'train.jsonl'}", "data.chat=false",
-              "data.tokens=128", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
-              "schedule.warmup=1", "training.steps=3", "training.accumulate=4", "training.eval_every=2"]
+              "training.context_length=128", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
+              "lr_schedule.warmup_steps=1", "training.steps=3", "training.accumulation=4", "evaluation.every=2"]
     sets = lambda *extra: [a for o in common + list(extra) for a in ("--set", o)]
-    assert main(["jax", *sets(f"output={tmp_path / 'one'}")]) == 0
-    assert main(["jax", "--fully-shard", "--remat", *sets(f"output={tmp_path / 'all'}", "training.accumulate=1")]) == 0
+    assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'one'}")]) == 0
+    assert main(["jax", "--fully-shard", "--remat", *sets(f"runtime.output_dir={tmp_path / 'all'}", "training.accumulation=1")]) == 0
     one, every = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                   for d in ("one", "all"))
     assert [m["step"] for m in one] == [1, 2, 3] and one[-1]["loss"] < one[0]["loss"]
@@ -358,7 +358,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
     assert 0 < one[1]["lr"] <= 3e-3 * (1 + 1e-6) and (tmp_path / "one" / "final" / "model.safetensors").is_file()
     if len(jx[0].devices()) == 4:  # four devices a micro-step, one row each: the rows of accumulate=4
         assert [m["loss"] for m in every] == pytest.approx([m["loss"] for m in one], rel=1e-4)
-    assert main(["jax", *sets(f"output={tmp_path / 'no'}", "training.shard=fsdp")]) == 1
+    assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'no'}", "training.shard=fsdp")]) == 1
     assert not (tmp_path / "no").exists()
 
 

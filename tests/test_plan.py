@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from linnet import plan
+from linnet.commands import plan as plan_command
 from linnet.plan import (
     ACCELERATORS,
     Batch,
@@ -264,7 +265,7 @@ def test_settings_take_dataclass_defaults_and_parse_targets():
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = plan.cli(list(argv))
+    code = plan_command.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -346,15 +347,15 @@ def test_cli_unknown_card_and_method(capsys):
     code, _, err = run_cli(capsys, "no-such-model")
     assert code == 2 and "unknown card 'no-such-model'" in err
     with pytest.raises(SystemExit) as exit_:
-        plan.cli([L8B, "--method", "sgd"])
+        plan_command.main([L8B, "--method", "sgd"])
     assert exit_.value.code == 2
     assert "invalid choice: 'sgd'" in capsys.readouterr().err
 
 
-def test_plan_imports_no_torch_and_runs_as_a_module():
-    subprocess.run([sys.executable, "-c", "import linnet.plan, sys; assert 'torch' not in sys.modules"],
+def test_plan_imports_no_torch_and_runs_as_a_command():
+    subprocess.run([sys.executable, "-c", "import linnet.commands.plan, sys; assert 'torch' not in sys.modules"],
                    check=True)
-    done = subprocess.run([sys.executable, "-m", "linnet.plan", "tinyllama-1.1b-chat", "--json"],
+    done = subprocess.run([sys.executable, "-m", "linnet.cli", "plan", "tinyllama-1.1b-chat", "--json"],
                           check=True, capture_output=True, text=True)
     assert json.loads(done.stdout)["model"] == "tinyllama-1.1b-chat"
 
@@ -363,29 +364,29 @@ def test_plan_reads_a_run_config(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(
         "model: {card: llama-3.1-8b-instruct}\n"
-        "data: {path: x.jsonl, tokens: 4096}\n"
+        "data: {path: x.jsonl}\n"
         "lora: {rank: 8, targets: ['model.layers.*.self_attn.q_proj', 'model.layers.*.self_attn.v_proj']}\n"
-        "training: {steps: 100, accumulate: 4}\n"
+        "training: {steps: 100, accumulation: 4, context_length: 4096}\n"
     )
-    assert plan.cli(["--config", str(config), "--json"]) == 0
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["method"]["rank"] == 8 and data["method"]["targets"] == ["q_proj", "v_proj"]
     assert data["batch"]["seq"] == 4096 and data["batch"]["chunked_loss"] is True
     assert data["compute"]["tokens"] == 100 * 4 * 4096
-    assert plan.cli(["--config", str(config), "--method", "full", "--json"]) == 0  # flags override the file
+    assert plan_command.main(["--config", str(config), "--method", "full", "--json"]) == 0  # flags override the file
     assert json.loads(capsys.readouterr().out)["method"]["name"] == "full"
-    assert plan.cli([]) == 2
+    assert plan_command.main([]) == 2
 
 
 def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
     config = tmp_path / "grpo.yaml"
-    config.write_text("model: {card: llama-3.2-1b-instruct}\ndata: {path: p.jsonl, tokens: 1024}\n"
+    config.write_text("model: {card: llama-3.2-1b-instruct}\ndata: {path: p.jsonl}\ntraining: {context_length: 1024}\n"
                       "grpo: {group: 8, prompts_per_step: 4}\n")
-    assert plan.cli(["--config", str(config), "--json"]) == 0
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
     sampling = json.loads(capsys.readouterr().out)["sampling"]
     card = plan.cards.resolve("llama-3.2-1b-instruct")  # 16 layers, 8 kv heads of 64
     assert sampling["rows"] == 32 and sampling["slots"] == 1024
     assert sampling["cache_bytes"] == 32 * 1024 * 16 * 2 * 8 * 64 * 2
     assert sampling["weights_bytes"] == card.params() * 2
-    assert plan.cli(["--config", str(config)]) == 0
+    assert plan_command.main(["--config", str(config)]) == 0
     assert "sampling engine" in capsys.readouterr().out

@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from linnet import cli, nest, quickstart
-from linnet.config import load_config
-from linnet.preference import DPOConfig, run
+from linnet import cli, nest
+
+from linnet.commands import quickstart
+from linnet.config import load
+from linnet.commands.dpo import run
+from linnet.config import DPOConfig
 
 torch.set_num_threads(1)
 
@@ -31,13 +34,13 @@ def workspace(tmp_path_factory):
 
 def _overrides(workspace, out, *extra):
     return [f"model.card={workspace / 'model'}", f"data.path={workspace / 'pairs.jsonl'}", "data.chat=false",
-            "data.tokens=128", "data.eval_share=0.1", "dpo.pairs_per_step=16", "dpo.beta=0.5",
-            "lora.rank=8", "optimizer.lr=3e-3", "schedule.warmup=1", "training.steps=8",
-            "training.eval_every=4", f"output={out}", *extra]
+            "training.context_length=128", "data.eval_share=0.1", "dpo.pairs_per_step=16", "dpo.beta=0.5",
+            "lora.rank=8", "optimizer.lr=3e-3", "lr_schedule.warmup_steps=1", "training.steps=8",
+            "evaluation.every=4", f"runtime.output_dir={out}", *extra]
 
 
 def _config(workspace, out, *extra):
-    return load_config(DPOConfig, None, _overrides(workspace, out, *extra))
+    return load(DPOConfig, None, _overrides(workspace, out, *extra))
 
 
 def test_dpo_run_writes_metrics_and_an_adapter(workspace, tmp_path):
@@ -52,12 +55,12 @@ def test_dpo_run_writes_metrics_and_an_adapter(workspace, tmp_path):
 
 
 def test_dpo_config_errors(workspace, tmp_path):
-    with pytest.raises(ValueError, match="accumulate is not used"):
-        _config(workspace, tmp_path, "training.accumulate=2")
+    with pytest.raises(ValueError, match="accumulation is not read by `linnet dpo`"):
+        _config(workspace, tmp_path, "training.accumulation=2")
     with pytest.raises(ValueError, match="dpo.beta"):
         _config(workspace, tmp_path, "dpo.beta=0")
-    with pytest.raises(ValueError, match="raise data.tokens"):
-        run(_config(workspace, tmp_path / "small", "data.tokens=16"))
+    with pytest.raises(ValueError, match="raise training.context_length"):
+        run(_config(workspace, tmp_path / "small", "training.context_length=16"))
     assert not (tmp_path / "small").exists()
 
 
@@ -68,7 +71,7 @@ def test_dpo_template(capsys):
 
 
 def _dpo_process(rank, overrides):
-    from linnet.preference import cli as dpo_cli
+    from linnet.commands.dpo import main as dpo_cli
 
     return dpo_cli([a for o in overrides for a in ("--set", o)])
 

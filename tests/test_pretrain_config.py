@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from linnet.pretrain.budget import epoch_boundaries, plan_budget
-from linnet.pretrain.config import checkpoint_epochs, load, recipe_differences, recipe_fields, recipe_identity
+from linnet.config import PretrainConfig, checkpoint_epochs
+from linnet.config import load as load_config
+from linnet.pretrain.recipe import recipe_differences, recipe_fields, recipe_identity
+
+
+def load(path, overrides=()):
+    return load_config(PretrainConfig, path, overrides)
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("pretrain*.yaml"))
 

@@ -8,10 +8,15 @@ import pytest
 import torch
 
 from linnet.pretrain.cache import open_cache
-from linnet.pretrain.config import load
+from linnet.config import PretrainConfig
+from linnet.config import load as load_config
 from linnet.pretrain.loader import Loader, Validation, shard_groups
 from linnet.pretrain.prepare import prepare
 from tests.conftest import WORDS, word_tokenizer
+
+
+def load(path, overrides=()):
+    return load_config(PretrainConfig, path, overrides)
 
 torch.set_num_threads(1)
 T = 16

@@ -18,10 +18,16 @@ import pytest
 
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import open_cache, token_dtype, verify_cache
-from linnet.pretrain.config import load
-from linnet.pretrain.prepare import cli, prepare
+from linnet.config import PretrainConfig
+from linnet.config import load as load_config
+from linnet.commands.prepare import main as cli
+from linnet.pretrain.prepare import prepare
 from linnet.pretrain.tokenize import encode_documents
 from tests.conftest import WORDS, word_tokenizer
+
+
+def load(path, overrides=()):
+    return load_config(PretrainConfig, path, overrides)
 
 
 
@@ -172,7 +178,7 @@ def _prepare_process(tmp_path: Path, source: Path, tok: Path) -> subprocess.Pope
     sets = [f"data.cache={tmp_path / 'cache'}", f"data.source=[{source}]", f"data.tokenizer={tok}",
             "data.shard_tokens=200", "data.prepare_workers=2", "data.prepare_batch_documents=8",
             "data.document_split=line", "data.shuffle_buffer=1"]
-    argv = [sys.executable, "-c", "import sys; from linnet.pretrain.prepare import cli; sys.exit(cli(sys.argv[1:]))"]
+    argv = [sys.executable, "-c", "import sys; from linnet.commands.prepare import main; sys.exit(main(sys.argv[1:]))"]
     for s in sets:
         argv += ["--set", s]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -13,10 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from linnet.pretrain.config import load
+from linnet.config import PretrainConfig
+from linnet.config import load as load_config
 from linnet.pretrain.prepare import prepare
-from linnet.pretrain.runner import cli, run
+from linnet.commands.pretrain import main as cli
+from linnet.pretrain.runner import run
 from tests.conftest import WORDS, in_processes, word_tokenizer
+
+
+def load(path, overrides=()):
+    return load_config(PretrainConfig, path, overrides)
 
 torch.set_num_threads(1)
 STEPS = 32  # 4 epochs of 8 updates of 2 x 4 sequences of 16 tokens
@@ -216,7 +222,7 @@ def test_refusals_before_training(workspace, tmp_path):
     (tmp_path / "other.txt").write_text("w1 w2\n")
     with pytest.raises(ValueError, match=r"prepared with other settings than this config: .*data.source: cache has"):
         run(_config(workspace, tmp_path / "o", f"data.source=[{tmp_path / 'other.txt'}]"))
-    with pytest.raises(ValueError, match=r"over the budget's 32 updates: .*lower lr_schedule.warmup_steps"):
+    with pytest.raises(ValueError, match=r"over 32 steps: .*lower lr_schedule.warmup_steps"):
         run(_config(workspace, tmp_path / "w", "lr_schedule.warmup_steps=40"))
     assert not any((tmp_path / name).exists() for name in ("big", "o", "w"))
 

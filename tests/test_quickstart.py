@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from linnet import quickstart
+from linnet.commands import quickstart
 
 
 def test_quickstart_stages_write_their_results(tmp_path):

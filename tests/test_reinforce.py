@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from linnet import cli, nest, quickstart, rewards
-from linnet.config import load_config
-from linnet.reinforce import GRPOConfig, run
+from linnet import cli, nest, rewards
+
+from linnet.commands import quickstart
+from linnet.config import load
+from linnet.commands.grpo import run
+from linnet.config import GRPOConfig
 
 torch.set_num_threads(1)
 
@@ -29,13 +32,13 @@ def workspace(tmp_path_factory):
 
 def _overrides(workspace, out, *extra):
     return [f"model.card={workspace / 'model'}", f"data.path={workspace / 'prompts.jsonl'}", "data.chat=false",
-            "data.tokens=64", "data.eval_share=0.1", "grpo.group=4", "grpo.prompts_per_step=4",
+            "training.context_length=64", "data.eval_share=0.1", "grpo.group=4", "grpo.prompts_per_step=4",
             "grpo.max_new_tokens=3", "grpo.rewards=[exact, numeric]", "grpo.pass_k=2", "grpo.pass_samples=3",
-            "training.steps=3", "training.eval_every=2", "schedule.warmup=1", f"output={out}", *extra]
+            "training.steps=3", "evaluation.every=2", "lr_schedule.warmup_steps=1", f"runtime.output_dir={out}", *extra]
 
 
 def test_grpo_run_writes_metrics(workspace, tmp_path, capsys):
-    summary = run(load_config(GRPOConfig, None, _overrides(workspace, tmp_path / "run")))
+    summary = run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "run")))
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3 and {"reward", "reward_exact", "reward_numeric", "uniform", "clip_fraction"} <= set(metrics[0])
     assert "held_out_reward" in summary and (tmp_path / "run" / "final" / "adapter_config.json").is_file()
@@ -63,17 +66,17 @@ def test_builtin_rewards():
 
 def test_grpo_config_errors(capsys):
     with pytest.raises(ValueError, match="grpo.group"):
-        load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.group=1"])
+        load(GRPOConfig, None, ["data.path=x.jsonl", "grpo.group=1"])
     with pytest.raises(ValueError, match="grpo.pass_k"):
-        load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=1"])
+        load(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=1"])
     with pytest.raises(ValueError, match="grpo.pass_samples"):
-        load_config(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=4", "grpo.pass_samples=3"])
+        load(GRPOConfig, None, ["data.path=x.jsonl", "grpo.pass_k=4", "grpo.pass_samples=3"])
     assert cli.main(["grpo", "--template"]) == 0
     assert "correction_cap" in capsys.readouterr().out
 
 
 def _grpo_process(rank, overrides):
-    from linnet.reinforce import cli as grpo_cli
+    from linnet.commands.grpo import main as grpo_cli
 
     return grpo_cli([a for o in overrides for a in ("--set", o)])
 

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from linnet import cli, nest, quickstart
-from linnet.config import load_config
-from linnet.sft import SFTConfig, run
+from linnet import cli, nest
+
+from linnet.commands import quickstart
+from linnet.config import load
+from linnet.commands.sft import run
+from linnet.config import SFTConfig
 
 torch.set_num_threads(1)
 
@@ -32,12 +35,12 @@ def _config(workspace, out, **training):
     overrides = [
         f"model.card={workspace / 'model'}",
         f"data.path={workspace / 'train.jsonl'}",
-        "data.chat=false", "data.tokens=256", "data.eval_share=0.1",
-        "lora.enabled=false", "optimizer.lr=3e-3", "schedule.warmup=2",
-        "training.eval_every=5", "training.checkpoint_every=5",
-        f"output={out}",
+        "data.chat=false", "training.context_length=256", "data.eval_share=0.1",
+        "lora.enabled=false", "optimizer.lr=3e-3", "lr_schedule.warmup_steps=2",
+        "evaluation.every=5", "training.checkpoint_every=5",
+        f"runtime.output_dir={out}",
     ] + [f"training.{k}={v}" for k, v in training.items()]
-    return load_config(SFTConfig, None, overrides)
+    return load(SFTConfig, None, overrides)
 
 
 def test_sft_run_learns_and_writes_its_directory(workspace, tmp_path):
@@ -90,18 +93,18 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["training.steps=0"], "training.steps"),
         (["training.stpes=3"], "unknown field 'stpes'"),
         (["optimizer.lr=fast"], "optimizer.lr"),
-        (["schedule.name=linear"], "schedule.name"),
+        (["lr_schedule.name=linear"], "schedule.name"),
         (["data.path=''"], "data.path is required"),
         (["data.path="], "data.path: expected str"),
         (["training.split=2"], "training.split=2 splits whole models"),  # LoRA is on by default
-        (["training.split=0", "lora.enabled=false"], "use a positive count"),
+        (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
         (["training.shard=ddp"], "training.shard"),
     ],
 )
 def test_bad_configs_fail_before_training(workspace, tmp_path, overrides, message):
-    base = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", f"output={tmp_path / 'x'}"]
+    base = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", f"runtime.output_dir={tmp_path / 'x'}"]
     with pytest.raises(ValueError, match=message):
-        load_config(SFTConfig, None, base + overrides)
+        load(SFTConfig, None, base + overrides)
     assert not (tmp_path / "x").exists()
 
 
@@ -119,14 +122,15 @@ def test_cli_inspect_and_plot(workspace, tmp_path, capsys):
     yaml_path = tmp_path / "run.yaml"
     yaml_path.write_text(
         f"model: {{card: {workspace / 'model'}}}\n"
-        f"data: {{path: {workspace / 'train.jsonl'}, chat: false, tokens: 256}}\n"
-        f"output: {tmp_path / 'cli'}\n"
+        f"data: {{path: {workspace / 'train.jsonl'}, chat: false}}\n"
+        f"training: {{context_length: 256}}\n"
+        f"runtime: {{output_dir: {tmp_path / 'cli'}}}\n"
     )
     assert cli.main(["inspect", "--config", str(yaml_path), "--examples", "1"]) == 0
     shown = capsys.readouterr().out
     assert "[[" in shown and "padding share" in shown and "steps per epoch" in shown
     args = ["sft", "--config", str(yaml_path), "--set", "training.steps=2", "--set", "lora.enabled=false",
-            "--set", "schedule.warmup=1"]
+            "--set", "lr_schedule.warmup_steps=1"]
     assert cli.main(args) == 0
     assert cli.main(args) == 1  # the run directory now exists
     assert "--overwrite" in capsys.readouterr().err
@@ -137,14 +141,14 @@ def test_cli_inspect_and_plot(workspace, tmp_path, capsys):
 
 def test_schedule_that_cannot_fit_fails_before_anything_is_written(workspace, tmp_path):
     config = _config(workspace, tmp_path / "run", steps=2)
-    config.schedule.warmup = 10
+    config.lr_schedule.warmup_steps = 10
     with pytest.raises(ValueError, match="warmup"):
         run(config)
     assert not (tmp_path / "run").exists()
 
 
 def _sft_process(rank, overrides, *flags):
-    from linnet.sft import cli as sft_cli
+    from linnet.commands.sft import main as sft_cli
 
     return sft_cli([a for o in overrides for a in ("--set", o)] + list(flags))
 
@@ -160,12 +164,12 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     from tests.conftest import in_processes
 
     common = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", "data.chat=false",
-              "data.tokens=256", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
-              "schedule.warmup=2", "training.eval_every=3", "training.checkpoint_every=3", "training.steps=6"]
-    mode = ["training.split=2", "training.accumulate=2"] if shard == "split" else \
-        [f"training.shard={shard}", "training.accumulate=1"]
-    assert in_processes(_sft_process, common + [f"output={tmp_path / 'two'}", *mode]) == [0, 0]
-    run(load_config(SFTConfig, None, common + [f"output={tmp_path / 'one'}", "training.accumulate=2"]))
+              "training.context_length=256", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
+              "lr_schedule.warmup_steps=2", "evaluation.every=3", "training.checkpoint_every=3", "training.steps=6"]
+    mode = ["training.split=2", "training.accumulation=2"] if shard == "split" else \
+        [f"training.shard={shard}", "training.accumulation=1"]
+    assert in_processes(_sft_process, common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]) == [0, 0]
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}", "training.accumulation=2"]))
     two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("two", "one"))
     assert len(two) == len(one) == 6
@@ -182,7 +186,7 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
         shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-00000006")
         metrics = tmp_path / "two" / "metrics.jsonl"
         metrics.write_text("\n".join(metrics.read_text().splitlines()[:3]) + "\n")
-        args = common + [f"output={tmp_path / 'two'}", "training.accumulate=1", f"training.shard={shard}"]
+        args = common + [f"runtime.output_dir={tmp_path / 'two'}", "training.accumulation=1", f"training.shard={shard}"]
         assert in_processes(_sft_process, args, "--resume") == [0, 0]
         again = [json.loads(x) for x in metrics.read_text().splitlines()]
         assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in two], rel=1e-6)

@@ -212,6 +212,22 @@ def pack(examples: Iterable[Example], tokens: int, *, pad_id: int = 0) -> Iterat
         )
 
 
+def fitted(examples: Iterable[Example], tokens: int) -> list[Example]:
+    """The examples as `pack` places them: each cut to a row if longer, dropped if
+    nothing learned is left."""
+    return [group[0] for group, _ in _fitted(examples, tokens, [0, 0])]
+
+
+def count_rows(examples: Iterable[Example], tokens: int) -> int:
+    """How many rows `pack(examples, tokens)` makes, without making them."""
+    rows = used = 0
+    for ex in fitted(examples, tokens):
+        if rows == 0 or used + len(ex) > tokens:
+            rows, used = rows + 1, 0
+        used += len(ex)
+    return rows
+
+
 def pack_groups(groups: Iterable[Sequence[Example]], tokens: int, *, pad_id: int = 0) -> Iterator[Packed]:
     """Rows that keep each group's examples together (a preference pair's two answers):
     whole groups in order, each group's examples consecutive documents of one row. A

@@ -1,9 +1,7 @@
-"""Curves of a run from its metrics.jsonl: `linnet plot RUN_DIR` writes curves.png."""
+"""Curves of a run from its metrics.jsonl (`linnet plot RUN_DIR` writes curves.png)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 PANELS = (  # (title, metric keys drawn in it)
@@ -14,13 +12,6 @@ PANELS = (  # (title, metric keys drawn in it)
     ("reward (GRPO)", ("reward",)),
     ("held-out exact match", ("held_out_accuracy",)),
 )
-
-
-def read_metrics(run: str | Path) -> list[dict]:
-    path = Path(run) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics; is {run} a linnet run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = None) -> Path:
@@ -52,13 +43,3 @@ def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = N
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
-
-
-def cli(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="linnet plot", description="Write curves.png for a run directory.")
-    parser.add_argument("run", help="a run directory holding metrics.jsonl")
-    parser.add_argument("--out", help="PNG path (default: RUN/curves.png)")
-    args = parser.parse_args(argv)
-    out = plot_metrics(read_metrics(args.run), args.out or Path(args.run) / "curves.png", title=Path(args.run).name)
-    print(out)
-    return 0

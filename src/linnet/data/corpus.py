@@ -33,7 +33,7 @@ import numpy as np
 from linnet.data.readers import JSONL_SUFFIXES, MissingColumn, iter_records
 
 if TYPE_CHECKING:
-    from linnet.pretrain.config import DataConfig
+    from linnet.config.groups import CorpusConfig
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 KNOWN = ".txt, .jsonl (or .ndjson), .parquet, each optionally .gz (not .parquet)"
@@ -122,7 +122,7 @@ def _read_records(path: Path, field_name: str) -> Iterator[str]:
         raise ValueError(f"{e}; set data.text_field") from None
 
 
-def read_documents(files: list[Path], d: DataConfig) -> Iterator[str]:
+def read_documents(files: list[Path], d: CorpusConfig) -> Iterator[str]:
     """Every document of `files` in order (empty ones included; the caller skips them)."""
     for path in files:
         if _suffix(path) in (*JSONL_SUFFIXES, ".parquet"):
@@ -131,7 +131,7 @@ def read_documents(files: list[Path], d: DataConfig) -> Iterator[str]:
             yield from _read_text(path, d.document_split)
 
 
-def _dataset_documents(d: DataConfig, split: str) -> Iterator[str]:
+def _dataset_documents(d: CorpusConfig, split: str) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
@@ -162,7 +162,7 @@ def _shuffled(docs: Iterator[tuple[str, int]], size: int, seed: int) -> Iterator
         yield buffer[j], position
 
 
-def documents(d: DataConfig, *, for_tokenizer: bool = False) -> Iterator[Document]:
+def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Document]:
     """The corpus as split documents: validation in source order, training through the
     shuffle buffer (in source order when `for_tokenizer`: the order does not matter)."""
     separate = bool(d.validation_source) or (d.dataset is not None and d.dataset_validation_split is not None)

@@ -39,7 +39,7 @@ import torch
 
 from linnet.packing import Packed
 from linnet.pretrain.cache import Split
-from linnet.pretrain.config import LOADER_VERSION
+from linnet.pretrain.recipe import LOADER_VERSION
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,9 @@ settings, or too few tokens, it is refused, naming the reason.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -41,7 +39,8 @@ from linnet.data.corpus import documents, source_files
 from linnet.files import write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
-from linnet.pretrain.config import DataConfig, PretrainConfig
+from linnet.config import PretrainConfig
+from linnet.config.groups import CorpusConfig
 from linnet.pretrain.shards import Writers
 from linnet.pretrain.tokenize import TRAINED_EOS, Batches, alive, resolve_tokenizer, tokenize_pool, tokenize_serial
 
@@ -61,7 +60,7 @@ class Need:
 def budget_need(config: PretrainConfig, vocab_size: int, eos_id: int) -> Need:
     """The training text `config`'s budget needs, with a tokenizer of `vocab_size`."""
     from linnet.pretrain.budget import cache_tokens
-    from linnet.pretrain.config import make_budget, model_card
+    from linnet.pretrain.recipe import make_budget, model_card
 
     t, d = config.training, config.data
     budget = make_budget(config, model_card(config, vocab_size, eos_id).params())
@@ -119,7 +118,7 @@ class Prepared:
         return rows
 
 
-def cache_settings(d: DataConfig, tokenizer_setting: dict[str, Any] | None = None) -> dict[str, Any]:
+def cache_settings(d: CorpusConfig, tokenizer_setting: dict[str, Any] | None = None) -> dict[str, Any]:
     """The settings that decide a cache's bytes (worker count and batch size do not)."""
     def described(sources: list[str]) -> list[dict[str, Any]]:
         return [{"path": str(p.resolve()), "bytes": p.stat().st_size} for p in source_files(sources)] if sources else []
@@ -143,12 +142,12 @@ def cache_settings(d: DataConfig, tokenizer_setting: dict[str, Any] | None = Non
     return settings
 
 
-def requested_settings(d: DataConfig) -> dict[str, Any]:
+def requested_settings(d: CorpusConfig) -> dict[str, Any]:
     """The cache settings `d` asks for (the tokenizer as requested, before it is built)."""
     return cache_settings(d, _tokenizer_setting_requested(d))
 
 
-def _tokenizer_setting_requested(d: DataConfig) -> dict[str, Any]:
+def _tokenizer_setting_requested(d: CorpusConfig) -> dict[str, Any]:
     """The tokenizer settings as requested (before any tokenizer is built)."""
     if d.tokenizer is None:
         return {"trained": "byte-level-bpe", "vocab_size": d.vocab_size, "eos_token": d.eos_token or TRAINED_EOS}
@@ -180,7 +179,7 @@ def _covers(manifest: dict[str, Any], wanted: int | None) -> bool:
     return whole_corpus or (wanted is not None and tokens >= wanted)
 
 
-def _check_existing(path: Path, d: DataConfig, config: PretrainConfig | None) -> Prepared:
+def _check_existing(path: Path, d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
     manifest = cache_format.read_manifest(path)
     differences = settings_differences(manifest["settings"], requested_settings(d))
     if differences:
@@ -214,7 +213,7 @@ def _remove_stale(target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _batches(d: DataConfig, capped: Callable[[], bool]) -> Batches:
+def _batches(d: CorpusConfig, capped: Callable[[], bool]) -> Batches:
     """(split, texts, positions) batches; each split's batch flushes when full. Once the
     training split is `capped`, reading stops: the validation documents already read
     (all those before the cut) go out, and nothing more is read."""
@@ -233,7 +232,7 @@ def _batches(d: DataConfig, capped: Callable[[], bool]) -> Batches:
             yield (split, *pending[split])
 
 
-def prepare(config: PretrainConfig | DataConfig) -> Prepared:
+def prepare(config: PretrainConfig | CorpusConfig) -> Prepared:
     """Prepare the token cache at `data.cache` (see the module docstring). Given the whole
     config, a null data.train_tokens reads what its budget needs; given the data group
     alone, the whole corpus."""
@@ -250,7 +249,7 @@ def prepare(config: PretrainConfig | DataConfig) -> Prepared:
     return result
 
 
-def _prepare(d: DataConfig, config: PretrainConfig | None) -> Prepared:
+def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
     if not d.cache:
         raise ValueError("config: data.cache is required (the directory the token cache is written to)")
     if not d.source and d.dataset is None:
@@ -311,52 +310,3 @@ def _prepare(d: DataConfig, config: PretrainConfig | None) -> Prepared:
         {s: len(splits[s]["shards"]) for s in SPLITS}, vocab, seconds, d.prepare_workers,
         fingerprint=manifest["fingerprint"], need=need,
     )
-
-
-def _print_table(rows: list[tuple[str, str]]) -> None:
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
-
-
-def cli(argv: list[str] | None = None) -> int:
-    from linnet.config import template
-    from linnet.pretrain.config import load
-
-    parser = argparse.ArgumentParser(prog="linnet prepare", description="Tokenize a corpus into a token cache.")
-    parser.add_argument("--config", help="YAML config (the data group is read; see `linnet pretrain --template`)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. data.prepare_workers=4 (repeatable)")
-    parser.add_argument("--verify", nargs="?", const=True, default=None, metavar="CACHE",
-                        help="re-hash every shard of CACHE (default: the config's data.cache) and exit")
-    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
-    args = parser.parse_args(argv)
-    if args.template:
-        print(template(PretrainConfig))
-        return 0
-    config: PretrainConfig | None = None
-    if args.config is not None or args.set:
-        config = load(args.config, args.set)
-    if args.verify is not None:
-        path = args.verify if isinstance(args.verify, str) else (config.data.cache if config else None)
-        if not path:
-            parser.error("--verify needs a cache path, or --config with data.cache")
-        t0 = time.perf_counter()
-        cache = cache_format.verify_cache(path)
-        files = 1 + sum(len(s.shards) for s in cache.splits.values())
-        print(f"{cache.path}: {files} files, every SHA-256 checksum matches "
-              f"({time.perf_counter() - t0:.1f}s; fingerprint {cache.fingerprint})")
-        return 0
-    if config is None:
-        parser.error("give --config FILE (and/or --set KEY=VALUE), or --verify CACHE")
-    try:
-        with warnings.catch_warnings(record=True) as caught:  # printed after the table, where they are seen
-            warnings.simplefilter("always")
-            result = prepare(config)
-    except KeyboardInterrupt:
-        print("linnet prepare: interrupted; workers drained, nothing was published", file=sys.stderr)
-        return 130
-    _print_table(result.table())
-    for w in caught:
-        print(f"linnet prepare: warning: {w.message}", file=sys.stderr)
-    return 0

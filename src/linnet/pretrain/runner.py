@@ -40,7 +40,6 @@ latest checkpoint (the recipe identity must match); a complete run is left as it
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -57,19 +56,14 @@ import numpy as np
 import torch
 
 from linnet.files import write_text
+from linnet.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.pretrain.budget import Budget
 from linnet.pretrain.cache import TokenCache, open_cache
-from linnet.pretrain.config import (
-    PretrainConfig,
-    checkpoint_epochs,
-    load,
-    make_budget,
-    model_card,
-    recipe_differences,
-    recipe_fields,
-    recipe_identity,
-    to_yaml,
+from linnet.config import PretrainConfig, checkpoint_epochs
+from linnet.pretrain.recipe import (
+    make_budget, model_card, recipe_differences, recipe_fields, recipe_identity, to_yaml,
 )
+from linnet.schedules import lambda_schedule, schedule_factor
 from linnet import checkpoint_layout as layout
 from linnet.train.checkpoint import verify_checkpoint
 
@@ -83,31 +77,6 @@ CHECKPOINTS = "checkpoints"
 def cache_card(config: PretrainConfig, cache: TokenCache):
     """The config's model card for the cache's tokenizer (its vocabulary, its EOS)."""
     return model_card(config, cache.vocab_size, cache.eos_id, str(cache.path))
-
-
-def make_optimizer(model, config: PretrainConfig) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on matrices (the tied embedding included), none
-    on norms."""
-    o = config.optimizer
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-
-
-def make_schedule(config: PretrainConfig, optimizer, steps: int):
-    from linnet.train.schedules import cosine_schedule, wsd_schedule
-
-    s = config.lr_schedule
-    try:
-        if s.name == "cosine":
-            return cosine_schedule(optimizer, s.warmup_steps, steps, floor=s.min_lr_ratio)
-        return wsd_schedule(optimizer, s.warmup_steps, steps, decay=s.decay_fraction, floor=s.min_lr_ratio)
-    except ValueError as e:
-        raise ValueError(f"config: lr_schedule ({s.name}, warmup_steps {s.warmup_steps}) over the budget's "
-                         f"{steps} updates: {e}; lower lr_schedule.warmup_steps") from None
 
 
 def flops_per_token(card, context: int) -> float:
@@ -176,16 +145,6 @@ def _environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-
-
-def _keep_metrics(source: Path, target: Path, step: int) -> None:
-    """metrics.jsonl up to `step` (rows a resumed run would otherwise log twice)."""
-    rows = [r for r in _read_metrics(source) if r.get("step", 0) <= step]
-    write_text(target, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _check_cache_settings(config: PretrainConfig, cache: TokenCache) -> None:
@@ -281,7 +240,7 @@ def _open_run_directory(out: Path, start: Start, progress: Progress, config: Pre
         write_text(out / "metrics.jsonl", "")
     else:
         source_run = start.checkpoint.parent.parent
-        _keep_metrics(source_run / "metrics.jsonl", out / "metrics.jsonl", progress.step)
+        keep_metrics(source_run / "metrics.jsonl", out / "metrics.jsonl", progress.step)
         print(f"resuming from {start.checkpoint} (epoch {progress.epoch}, update {progress.step})", file=sys.stderr)
         if progress.best is not None:
             if progress.best["weights"] and source_run.resolve() != out.resolve():  # a branch: name the original
@@ -300,6 +259,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet.train.checkpoint import load_checkpoint
     from linnet.train.evaluation import held_out_loss
     from linnet.train.loop import Work, take_step, trained_parameters
+    from linnet.train.optimizer import adamw
     from linnet.torch.distributed import barrier, from_first, world
 
     m, d, t, rt = config.model, config.data, config.training, config.runtime
@@ -353,8 +313,10 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                       compile=m.compile, attention=m.attention)
     params = trained_parameters(model)
     assert sum(p.numel() for p in params) == card.params()
-    optimizer = make_optimizer(model, config)
-    schedule = make_schedule(config, optimizer, budget.steps)
+    o, s = config.optimizer, config.lr_schedule
+    optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
+                                                          min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
     progress = Progress()
     loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
                      prefetch=d.prefetch, device=device)
@@ -386,15 +348,11 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         if (config.evaluation.subset_sequences or config.evaluation.full_validation) else None
 
     save_kw = dict(model=model, optimizer=optimizer, schedule=schedule, loader=loader, fields=fields, identity=identity)
-    bar = None
+    metrics = None
     if lead:
         print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
               f"{budget.trained_targets:,} targets on {device} x {processes} (recipe {identity})", file=sys.stderr)
-        if rt.progress:
-            from linnet.progress import Progress as Bar
-
-            bar = Bar(budget.steps, "pretrain")
-    metrics = (out / "metrics.jsonl").open("a") if lead else None
+        metrics = MetricsFile(out / "metrics.jsonl", "pretrain", budget.steps, progress=rt.progress)
     A, B = t.accumulation, t.micro_batch_size
     share = A // processes  # this process's micro-batches of each update, after `before` sequences
     before, after = rank * share * B, (processes - 1 - rank) * share * B
@@ -441,11 +399,8 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                                          "weights": f"epoch-{epoch:03d}.safetensors" if kept else None}
                         if lead:
                             write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
-                if lead:
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
-                    if bar is not None:
-                        bar.update(step, loss=loss, tok_s=record.tokens_per_second)
+                if metrics is not None:
+                    metrics.write(row, loss=loss, tok_s=record.tokens_per_second)
             progress.epoch = epoch
             if t.checkpoint_policy != "none" and epoch in selected:
                 if lead:
@@ -456,8 +411,6 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         if metrics is not None:
             metrics.close()
         loader.close()
-        if bar is not None:
-            bar.close()
     if t.checkpoint_policy != "none":
         if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
             save_state(out, progress=progress, kind="final", **save_kw)
@@ -481,7 +434,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
 
 def _summary(config, out: Path, budget: Budget, card, progress: Progress, identity: str, session_steps: int,
              session_seconds: float) -> dict[str, Any]:
-    rows = _read_metrics(out / "metrics.jsonl")
+    rows = read_metrics(out, missing_ok=True)
     last_epoch = [r["loss"] for r in rows if r.get("epoch") == budget.epochs]
     tokens = budget.batch_targets * budget.steps
     tokens_per_second = tokens / progress.seconds if progress.seconds else None
@@ -516,47 +469,3 @@ def plan(config: PretrainConfig) -> list[tuple[str, str]]:
         ("passes over the cache", f"{budget.sequences * config.training.context_length / max(cache.train.tokens, 1):.2f}"),
         ("FLOPs per token", f"{flops_per_token(card, config.training.context_length):.3g}"),
     ]
-
-
-def cli(argv: list[str] | None = None) -> int:
-    from linnet.config import template
-
-    parser = argparse.ArgumentParser(prog="linnet pretrain", description="Pretrain a Llama decoder from a token cache.")
-    parser.add_argument("--config", action="append", default=[],
-                        help="YAML config (repeat to run several experiments in turn)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. training.epochs=4 (repeatable)")
-    parser.add_argument("--resume", metavar="CKPT", help="a checkpoints/step-… directory (or a run directory)")
-    parser.add_argument("--overwrite", action="store_true", help="delete the output directory first")
-    parser.add_argument("--plan", action="store_true", help="print the budget and exit")
-    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
-    args = parser.parse_args(argv)
-    if args.template:
-        print(template(PretrainConfig))
-        return 0
-    paths = args.config or ([None] if args.set else [])
-    if not paths:
-        parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
-    if args.resume and len(paths) > 1:
-        parser.error("--resume takes one --config")
-    from linnet.torch.distributed import process_group, world
-
-    with process_group():  # under torchrun
-        for path in paths:
-            config = load(path, args.set)
-            if args.plan:
-                rows = plan(config)
-            else:
-                try:
-                    summary = run(config, resume=args.resume, overwrite=args.overwrite)
-                except KeyboardInterrupt:
-                    found = layout.checkpoints(Path(config.runtime.output_dir) / CHECKPOINTS)
-                    where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "
-                    print(f"linnet pretrain: interrupted; {where}running the same command resumes the run",
-                          file=sys.stderr)
-                    return 130
-                rows = [(k, json.dumps(v) if isinstance(v, dict) else str(v)) for k, v in summary.items()]
-            if world()[0] == 0:
-                width = max(len(k) for k, _ in rows)
-                print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
-    return 0

@@ -22,7 +22,7 @@ import numpy as np
 from linnet.pretrain.cache import SPLITS
 
 if TYPE_CHECKING:
-    from linnet.pretrain.config import DataConfig
+    from linnet.config.groups import CorpusConfig
 
 
 class ShardWriter:
@@ -73,7 +73,7 @@ class Writers:
     after that point are dropped (held until the end, so the cut is the same for any
     worker count)."""
 
-    def __init__(self, root: Path, d: DataConfig, dtype: np.dtype):
+    def __init__(self, root: Path, d: CorpusConfig, dtype: np.dtype):
         self.splits = {s: ShardWriter(root, s, d.shard_tokens, dtype) for s in SPLITS}
         self.cap = d.train_tokens
         self.cut: int | None = None  # source position where training was cut

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from linnet.pretrain.config import DataConfig
+    from linnet.config.groups import CorpusConfig
 
 TRAINED_EOS = "<|endoftext|>"
 IN_FLIGHT_PER_WORKER = 2
@@ -41,7 +41,7 @@ Write = Callable[[str, np.ndarray, np.ndarray, list[int]], None]  # (split, toke
 # The tokenizer
 
 
-def _train_tokenizer(d: DataConfig):
+def _train_tokenizer(d: CorpusConfig):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from linnet.data.corpus import documents  # here: the workers need none of the corpus readers
@@ -59,7 +59,7 @@ def _train_tokenizer(d: DataConfig):
     return tok
 
 
-def resolve_tokenizer(d: DataConfig) -> tuple[Any, int, dict[str, Any]]:
+def resolve_tokenizer(d: CorpusConfig) -> tuple[Any, int, dict[str, Any]]:
     """(tokenizers.Tokenizer, EOS id, its settings entry) from data.tokenizer, or a
     byte-level BPE trained on the training documents when it is null."""
     import tokenizers

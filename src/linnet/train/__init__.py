@@ -13,7 +13,7 @@ from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 from linnet.history import History, Step
 from linnet.train.loop import train
 from linnet.torch.distributed import clip_gradients, reduce_gradients
-from linnet.train.schedules import constant_schedule, cosine_schedule, wsd_schedule
+from linnet.schedules import constant_schedule, cosine_schedule, wsd_schedule
 
 __all__ = [
     "Example", "History", "Packed", "Step", "clip_gradients", "constant_schedule",

@@ -11,24 +11,27 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
-from linnet.runs import MetricsLog, make_schedule, open_run, parse_command, print_table, summarize
-from linnet.sft import SFTConfig, epochs_of_rows, prepare
+from linnet.commands.runs import MetricsLog, open_run, parse_command, steps_factor, summarize
+from linnet.commands.sft import epochs_of_rows, prepare
+from linnet.config import SFTConfig
+from linnet.tables import print_table
 
 
 def optax_adamw(config: SFTConfig, steps: int):
-    """AdamW with the config's schedule (the PyTorch runs' factors, tabled per step), its
-    rate exposed for the reports (optax.inject_hyperparams)."""
+    """AdamW with the config's schedule (the factors PyTorch runs take, tabled per step)
+    and weight decay on matrices alone (as linnet.train.optimizer.adamw), its rate exposed
+    for the reports (optax.inject_hyperparams)."""
+    import jax
     import jax.numpy as jnp
     import optax
 
     o = config.optimizer
-    factor = make_schedule(config.schedule, torch.optim.SGD([torch.zeros(1, requires_grad=True)]), steps).lr_lambdas[0]
+    factor = steps_factor(config, steps)
     table = jnp.asarray([o.lr * factor(step) for step in range(steps + 1)], jnp.float32)
-    return optax.inject_hyperparams(optax.adamw)(
+    return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=lambda count: table[jnp.minimum(count, steps)], b1=o.betas[0], b2=o.betas[1], eps=o.eps,
-        weight_decay=o.weight_decay)
+        weight_decay=o.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
 
 
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, fully_shard: bool = False,
@@ -41,8 +44,8 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
     from linnet.jax.train import train
     from linnet.packing import pack
 
-    m, lora, t = config.model, config.lora, config.training
-    for name, value, default in (("model.device", m.device, None), ("model.compile", m.compile, False),
+    m, lora, t, rt = config.model, config.lora, config.training, config.runtime
+    for name, value, default in (("runtime.device", rt.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1)):
         if value != default:
@@ -51,32 +54,32 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
                              "and shards with --fully-shard")
     prepared = prepare(config)
     out = open_run(config, overwrite=overwrite, resume=resume)
-    model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=t.seed)
+    model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, dora=lora.dora,
-                       seed=t.seed)
-    eval_rows = list(pack(prepared.eval_examples, config.data.tokens, pad_id=prepared.tokenizer.pad_id))
+                       seed=rt.seed)
+    eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id))
 
     def held_out(params) -> dict:
         sums = np.array([[float(x) for x in model.loss_packed(row, params)] for row in eval_rows])
         return {"held_out_loss": float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))}
 
-    log = MetricsLog(out, "jax sft", prepared.steps, t.eval_every)
+    log = MetricsLog(out, "jax sft", prepared.steps, config.evaluation.every, progress=rt.progress)
     mesh = Mesh(np.array(jax.devices()), ("data",)) if fully_shard else None
     t0 = time.perf_counter()
     try:
         _, history = train(model, epochs_of_rows(prepared), optimizer=optax_adamw(config, prepared.steps),
-                           steps=prepared.steps, accumulate=t.accumulate, clip=t.clip, save_to=out / "final",
+                           steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip, save_to=out / "final",
                            checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every, keep=t.keep,
                            mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
-                           evaluate_every=t.eval_every, on_step=log)
+                           evaluate_every=config.evaluation.every, on_step=log)
     finally:
         log.close()
     return summarize(out, history, time.perf_counter() - t0, card=prepared.card.name, steps=prepared.steps,
                      backend="jax")
 
 
-def cli(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args, config = parse_command(argv, "linnet jax", "The `linnet sft` run, trained by the JAX backend.", SFTConfig,
                                  training=True, flags=[
                                      ("--fully-shard", "data-parallel over every local device, parameters, "

@@ -47,7 +47,7 @@ def _encode(tok, args) -> list[int]:
     return ([tok.bos_id] if tok.bos_id is not None else []) + ids
 
 
-def cli(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Stream one completion of --prompt from CARD (see the module docstring)."""
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     from linnet import nest
@@ -95,6 +95,3 @@ def cli(argv: list[str] | None = None) -> int:
     )
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(cli())

@@ -218,7 +218,7 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     return summary
 
 
-def cli(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="linnet quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/quickstart", help="run directory (default: runs/quickstart)")
     parser.add_argument("--steps", type=int, default=600, help="SFT optimizer steps (default: 600)")

@@ -1,0 +1,100 @@
+"""`linnet dpo`: preference optimization from a YAML config, with the run directory and
+reporting every training command shares (linnet.commands.runs).
+
+    linnet dpo --config dpo.yaml --set dpo.beta=0.2
+    linnet dpo --template > dpo.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from linnet.commands.runs import (
+    MetricsLog, hold_out, load_model, open_run, optimizer_and_schedule, parse_command, split_per_step,
+    steps_factor, summarize,
+)
+from linnet.config import DPOConfig
+from linnet.tables import print_table
+from linnet.torch.distributed import process_group, sum_across, world
+
+
+def prepare(config: DPOConfig):
+    """(card, train pairs, held-out pairs, steps), every record checked up front."""
+    from linnet.cards import resolve
+    from linnet.data import load_tokenizer, pairs_from_records, read_records
+
+    d, t = config.data, config.training
+    card = resolve(config.model.card)
+    tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    fields = dict(prompt=(d.prompt or ["prompt"])[0], chosen=d.chosen, rejected=d.rejected, chat=d.chat)
+    pairs = pairs_from_records(read_records(d.path), tokenizer, **fields)
+    if d.eval_path:
+        held_out = pairs_from_records(read_records(d.eval_path), tokenizer, **fields)
+    else:
+        pairs, held_out = hold_out(pairs, d.eval_share, config.runtime.seed)
+    for i, p in enumerate(pairs + held_out):
+        need = 2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
+        if need > t.context_length:
+            raise ValueError(f"{d.path}: pair {i} needs {need} positions (the prompt twice and both answers), "
+                             f"more than a row of {t.context_length}; raise training.context_length")
+    steps = t.steps or max(1, math.ceil(t.epochs * len(pairs) / config.dpo.pairs_per_step))
+    steps_factor(config, steps)
+    return card, pairs, held_out, steps
+
+
+def held_out_preferences(model, pairs, reference: np.ndarray, beta: float, tokens: int) -> dict:
+    """Held-out DPO loss, accuracy and margin against precomputed reference log-probs
+    (under torchrun, `pairs` are this process's share; the means are over every share)."""
+    from linnet.train.dpo import dpo_sigmoid, reference_log_probs
+
+    policy = torch.as_tensor(reference_log_probs(model, pairs, tokens=tokens)).view(-1, 2)
+    ref = torch.as_tensor(reference).view(-1, 2)
+    loss = dpo_sigmoid(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=beta)
+    margins = beta * ((policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1]))
+    n, loss_sum, right, margin_sum = sum_across(
+        [len(pairs), float(loss.sum()), float((margins > 0).sum()), float(margins.sum())])
+    return {"held_out_loss": loss_sum / n, "held_out_accuracy": right / n, "held_out_margin": margin_sum / n}
+
+
+def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+    from linnet.train.dpo import dpo, reference_log_probs
+
+    card, pairs, held_out, steps = prepare(config)
+    t, s = config.training, config.dpo
+    per_process = split_per_step("dpo.pairs_per_step", s.pairs_per_step)
+    rank, processes = world()
+    pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
+    out = open_run(config, overwrite=overwrite, resume=resume)
+    model = load_model(card, config)
+    optimizer, schedule = optimizer_and_schedule(config, model, steps)
+    evaluate = None
+    if sum_across([len(held_out)])[0]:
+        held_ref = reference_log_probs(model, held_out, tokens=t.context_length)  # before any step: the reference
+
+        def evaluate(step):
+            return held_out_preferences(model, held_out, held_ref, s.beta, t.context_length)
+
+    log = MetricsLog(out, "dpo", steps, config.evaluation.every, evaluate, progress=config.runtime.progress)
+    t0 = time.perf_counter()
+    try:
+        history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
+                      beta=s.beta, label_smoothing=s.label_smoothing, reference_cache=s.reference_cache,
+                      tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
+                      save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
+                      keep=t.keep, on_step=log)
+    finally:
+        log.close()
+    return summarize(out, history, time.perf_counter() - t0, card=card.name, steps=steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_command(argv, "linnet dpo", "Direct preference optimization from a YAML config.",
+                                 DPOConfig, training=True)
+    if config is not None:
+        with process_group():
+            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
+    return 0

@@ -1,0 +1,86 @@
+"""`linnet grpo`: GRPO from a YAML config, with the run directory and reporting every
+training command shares (linnet.commands.runs) and the rewards of linnet.rewards.
+
+    linnet grpo --config grpo.yaml --set grpo.group=16
+    linnet grpo --template > grpo.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from linnet.commands.runs import (
+    MetricsLog, hold_out, load_model, open_run, optimizer_and_schedule, parse_command, split_per_step,
+    steps_factor, summarize,
+)
+from linnet.config import GRPOConfig
+from linnet.tables import print_table
+from linnet.torch.distributed import process_group, sum_across, world
+
+
+def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+    from linnet import nest, rewards
+    from linnet.data import load_tokenizer, prompts_from_records, read_records
+    from linnet.serve import Engine
+    from linnet.train.grpo import evaluate, grpo
+
+    d, g, t, m, rt = config.data, config.grpo, config.training, config.model, config.runtime
+    card = nest.resolve(m.card)
+    tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern) for spec in g.rewards}
+    fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat)
+    prompts = prompts_from_records(read_records(d.path), tokenizer, **fields)
+    if d.eval_path:
+        held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
+    else:
+        prompts, held_out = hold_out(prompts, d.eval_share, rt.seed)
+    steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
+    steps_factor(config, steps)
+    per_process = split_per_step("grpo.prompts_per_step", g.prompts_per_step)
+    rank, processes = world()
+    prompts, held_out = prompts[rank::processes], held_out[rank::processes]  # this process's share
+    out = open_run(config, overwrite=overwrite, resume=resume)
+    policy = load_model(card, config)
+    engine = Engine(nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed))
+    reference = None
+    if g.beta:
+        reference = nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed)
+    optimizer, schedule = optimizer_and_schedule(config, policy, steps)
+    names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
+
+    def held_out_metrics(step):
+        """Means over every process's held-out prompts."""
+        if held_out:
+            found = evaluate(policy, engine, held_out, functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
+                             samples=g.pass_samples, passing=g.pass_reward, temperature=g.temperature,
+                             top_k=g.top_k, top_p=g.top_p, seed=rt.seed)
+        else:  # none here; still take the policy's weights, with every process, as evaluate does
+            engine.load_weights(policy)
+        n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
+        return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
+
+    log = MetricsLog(out, "grpo", steps, config.evaluation.every,
+                     held_out_metrics if sum_across([len(held_out)])[0] else None, progress=rt.progress)
+    t0 = time.perf_counter()
+    try:
+        history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,
+                       prompts_per_step=per_process, max_new_tokens=g.max_new_tokens,
+                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, iterations=g.iterations,
+                       clip=(g.clip_low, g.clip_high), drop_uniform=g.drop_uniform, beta=g.beta,
+                       reference=reference, correction_cap=g.correction_cap, dr_grpo=g.dr_grpo,
+                       sequence_level=g.sequence_level, tokens=t.context_length,
+                       max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * rank,
+                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
+                       keep=t.keep, on_step=log)
+    finally:
+        log.close()
+    return summarize(out, history, time.perf_counter() - t0, card=card.name, steps=steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_command(argv, "linnet grpo", "GRPO from a YAML config.", GRPOConfig, training=True)
+    if config is not None:
+        with process_group():
+            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
+    return 0

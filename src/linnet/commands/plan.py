@@ -1,0 +1,319 @@
+"""`linnet plan`: memory, FLOPs, GPU-hours and cost of a run, before anyone rents a GPU
+(the arithmetic is linnet.plan's; this is its table and its command line).
+
+    linnet plan llama-3.1-8b-instruct --method lora --rank 16 --seq 4096 \\
+        --tokens 12e6 --mfu 0.35 --gpus 8 --gpu h100 --price 2.5
+    linnet plan llama-3.1-70b-instruct --compare          # full vs LoRA vs QLoRA
+    linnet plan path/to/hf-model-dir --tokens chinchilla --json
+    linnet plan --config run.yaml                         # the run a config describes (any command's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from linnet import cards, plan
+from linnet.plan import (
+    ACCELERATORS, BF16_BYTES, COMPARED, GPUS_PER_NODE, GRADIENT_BYTES, METHODS, NF4_BYTES, PRECISIONS,
+    SHARDED_STATES, Batch, Cluster, Method, Plan, compare, estimate, plan_inputs, sampling_memory,
+)
+from linnet.tables import count, duration, gb, money, sci
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def _gpu_count(n: int | None) -> str:
+    if n is None:
+        return "none: activations overflow one GPU"
+    nodes = math.ceil(n / GPUS_PER_NODE)
+    return f"{n} ({nodes} nodes of {GPUS_PER_NODE})" if nodes > 1 else str(n)
+
+
+def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
+    """(label, one value per plan) for the table."""
+    first = plans[0]
+    chosen = "checkpointing" if first.batch.checkpointing else "no checkpointing"
+    memory = {
+        "parameters": lambda p: count(p.params),
+        "trainable": lambda p: f"{count(p.trainable)} ({p.trainable / p.params:.1%})",
+        "weights": lambda p: gb(p.states.weights),
+        "gradients": lambda p: gb(p.states.gradients),
+        "master weights": lambda p: gb(p.states.master),
+        "optimizer state": lambda p: gb(p.states.optimizer),
+        "states": lambda p: gb(p.states.total),
+        "activations, checkpointing": lambda p: gb(p.activations_checkpointed),
+        "activations, no checkpointing": lambda p: gb(p.activations_uncheckpointed),
+        f"total per GPU ({chosen})": lambda p: gb(p.total),
+        f"fits {gb(first.cluster.usable_bytes)} usable": lambda p: "yes" if p.fits else "no",
+        f"minimum {first.cluster.gpu.name} GPUs (FSDP)": lambda p: _gpu_count(p.min_gpus),
+    }
+    compute = {
+        "tokens": lambda c: count(c.tokens),
+        "FLOPs": lambda c: sci(c.flops),
+        "GPU-hours": lambda c: f"{c.gpu_hours:,.0f}" if c.gpu_hours >= 100 else f"{c.gpu_hours:.3g}",
+        f"wall time on {_gpus(first.cluster.gpus)}": lambda c: duration(c.days),
+    }
+    if first.cluster.price is not None:
+        compute["cost"] = lambda c: money(c.cost)
+    rows = [(label, [value(p) for p in plans]) for label, value in memory.items()]
+    if first.compute is not None:
+        rows += [(label, [value(p.compute) for p in plans]) for label, value in compute.items()]
+    return rows
+
+
+def _assumptions(plans: Sequence[Plan]) -> list[str]:
+    """The conventions behind the numbers, filled in with this plan's values."""
+    first = plans[0]
+    method, batch, cluster = first.method, first.batch, first.cluster
+    names = {p.method.name for p in plans}
+    adapted = [p.method.name for p in plans if p.method.adapters]
+    lines = [
+        "GB = 10^9 bytes (MB = 10^6); memory is per GPU",
+        f"each trainable parameter: {BF16_BYTES} B bf16 weight + {GRADIENT_BYTES[method.grad_dtype]} B "
+        f"{method.grad_dtype} gradient + {method.master_bytes:g} B f32 master + {method.optimizer_bytes:g} B "
+        f"optimizer state = {method.bytes_per_trainable:g} B",
+    ]
+    if adapted:
+        lines.append(
+            f"{', '.join(adapted)}: base frozen (no gradient, master or optimizer state); rank {method.rank} "
+            f"adapters on {', '.join(method.targets)} in every block, r·(d_in + d_out) parameters each"
+        )
+    if names & {"lora", "dora"}:
+        lines.append(f"frozen base in bf16: {BF16_BYTES} B per parameter")
+    if "qlora" in names:
+        lines.append(
+            f"qlora base in NF4 with double quantization: 4 + 8/64 + 32/(64·256) bits = {NF4_BYTES:.3f} B "
+            "per parameter, embeddings and head included"
+        )
+    if "dora" in names:
+        lines.append("dora also trains one magnitude per output row of each adapted matrix")
+    lines += [
+        "activations in bf16: 34·s·b·d bytes per block (Korthikanti et al., FlashAttention); with "
+        f"checkpointing each block keeps its 2·s·b·d input and one block is recomputed; s = {batch.seq}, "
+        f"b = {batch.micro_batch}",
+        f"logits in f32: s·b·V·4 bytes = {gb(first.logits)}"
+        + (" (one block of the chunked loss)" if batch.chunked_loss else " (--chunked-loss holds one 1 GiB block)"),
+    ]
+    split = [name for name in dataclasses.asdict(first.states) if name in SHARDED_STATES[cluster.shard]]
+    lines.append(
+        f"--shard {cluster.shard}: {', '.join(split)} split over {_gpus(cluster.gpus)}; activations on every GPU"
+        if split
+        else "states not sharded: every GPU holds all of them (--shard zero1, zero2 or fsdp splits them)"
+    )
+    lines.append(
+        f"usable memory: {cluster.usable:.0%} of {cluster.gpu.memory_gb:g} GB per {cluster.gpu.name} (CUDA "
+        "context, allocator fragmentation, communication buffers); minimum GPUs shards every state (FSDP)"
+    )
+    if first.compute is not None:
+        lines += [
+            "FLOPs = 6·N·D when the base trains, 4·N·D when it is frozen (no weight gradients in backward); "
+            "N counts every parameter",
+            f"GPU-hours = FLOPs / ({cluster.peak_flops / 1e12:g} TFLOP/s dense {cluster.precision} × "
+            f"{cluster.mfu:.0%} MFU) / 3600; MFU counts model FLOPs, so recomputation lowers MFU",
+            f"wall time = GPU-hours / {_gpus(cluster.gpus)}"
+            + ("" if cluster.price is None else f"; cost = GPU-hours × ${cluster.price:,.2f}, compute only"),
+        ]
+    return lines
+
+
+def render(plans: Sequence[Plan]) -> str:
+    """A table with one column per plan, and the assumptions under it."""
+    first = plans[0]
+    cluster = first.cluster
+    title = (
+        f"{first.model}: seq {first.batch.seq} × micro-batch {first.batch.micro_batch} "
+        f"on {cluster.gpus} × {cluster.gpu.name}"
+    )
+    rows = _rows(plans)
+    label_width = max(len(label) for label, _ in rows)
+    widths = [max(len(p.method.name), *(len(values[i]) for _, values in rows)) for i, p in enumerate(plans)]
+
+    def line(label: str, values: Sequence[str]) -> str:
+        return f"{label:<{label_width}}" + "".join(f"  {value:>{width}}" for value, width in zip(values, widths))
+
+    lines = [title, "", line("", [p.method.name for p in plans])] + [line(*row) for row in rows]
+    lines += ["", "assumptions:"] + [f"  - {assumption}" for assumption in _assumptions(plans)]
+    return "\n".join(lines)
+
+
+def _token_count(text: str) -> float | str:
+    """'12e6', '12M', '15T' or 'chinchilla'."""
+    if text == "chinchilla":
+        return text
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:].upper(), 1)
+    try:
+        return float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token count; use e.g. 12e6, 12M, 15T or chinchilla"
+        ) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    method, batch, cluster = Method(), Batch(), Cluster()
+    parser = argparse.ArgumentParser(
+        prog="linnet plan",
+        description="Memory per GPU, minimum GPUs, FLOPs, GPU-hours and cost of a training run, "
+        "from a model card, before anyone rents a GPU. Unset flags take the defaults shown.",
+    )
+    parser.add_argument(
+        "card", nargs="?",
+        help=f"a registered card ({', '.join(sorted(cards.REGISTRY))}) or a Hugging Face model directory",
+    )
+    parser.add_argument("--config", metavar="YAML",
+                        help="plan the run a `linnet sft` / `dpo` / `grpo` config describes (flags override it)")
+
+    what = parser.add_argument_group("what is trained").add_argument
+    what("--method", choices=METHODS, help=f"full fine-tuning or an adapter method (default {method.name})")
+    what("--rank", type=int, metavar="R", help=f"adapter rank r (default {method.rank})")
+    what("--targets", metavar="NAMES",
+         help="adapted linear layers: all-linear, or names such as q_proj,v_proj (default all-linear)")
+    what("--optimizer-bytes", type=float, metavar="B",
+         help="optimizer state bytes per trainable parameter: 8 for AdamW's two f32 moments, 2 for 8-bit "
+         f"Adam, 0 for plain SGD (default {method.optimizer_bytes:g})")
+    what("--grad-dtype", choices=list(GRADIENT_BYTES),
+         help=f"gradient dtype (default {method.grad_dtype}; fp32 when gradients accumulate in f32)")
+    what("--master-bytes", type=float, metavar="B",
+         help="master weight bytes per trainable parameter: 4 for an f32 copy, 0 for pure bf16 training "
+         f"(default {method.master_bytes:g})")
+
+    run = parser.add_argument_group("batch").add_argument
+    run("--seq", type=int, metavar="TOKENS", help=f"tokens per sequence (default {batch.seq})")
+    run("--micro-batch", type=int, metavar="N",
+        help=f"sequences per GPU per micro-step (default {batch.micro_batch})")
+    run("--checkpointing", action=argparse.BooleanOptionalAction,
+        help="activation checkpointing: keep each block's input, recompute the rest (default on)")
+    run("--chunked-loss", action=argparse.BooleanOptionalAction,
+        help="compute the loss a block of rows at a time instead of holding every logit (default off)")
+
+    hardware = parser.add_argument_group("hardware").add_argument
+    hardware("--gpu", metavar="NAME",
+             help=f"accelerator: {', '.join(ACCELERATORS)}; any other name needs --gpu-memory and "
+             f"--gpu-tflops (default {cluster.gpu.name})")
+    hardware("--gpu-memory", type=float, metavar="GB", help="memory per GPU in GB (10^9 bytes), overriding the table")
+    hardware("--gpu-tflops", type=float, metavar="TFLOPS", help="dense bf16 peak in TFLOP/s, overriding the table")
+    hardware("--gpu-fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak in TFLOP/s, overriding the table")
+    hardware("--gpus", type=int, metavar="N", help=f"GPUs the run uses, data-parallel (default {cluster.gpus})")
+    hardware("--shard", choices=list(SHARDED_STATES),
+             help=f"which states split over the GPUs: ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
+    hardware("--usable", type=float, metavar="FRACTION",
+             help=f"share of GPU memory a run can fill (default {cluster.usable:g})")
+
+    cost = parser.add_argument_group("compute and cost").add_argument
+    cost("--tokens", type=_token_count, metavar="N",
+         help="training tokens (12e6, 12M, 15T), or chinchilla for 20 per parameter; adds FLOPs, "
+         "GPU-hours and wall time")
+    cost("--mfu", type=float, metavar="FRACTION",
+         help=f"model FLOPs utilization, a fraction in (0, 1] (default {cluster.mfu:g})")
+    cost("--precision", choices=PRECISIONS,
+         help=f"matmul precision whose peak the MFU applies to (default {cluster.precision})")
+    cost("--price", type=float, metavar="DOLLARS", help="dollars per GPU-hour; adds a cost row")
+
+    output = parser.add_argument_group("output").add_argument
+    output("--compare", action="store_true", help="full, lora and qlora side by side (and --method if another)")
+    output("--json", action="store_true", help="print JSON for scripts (bytes in bytes) instead of the table")
+    return parser
+
+
+def settings_from_config(path: str) -> dict[str, Any]:
+    """The card and plan settings of a run config, loaded and checked as the run would
+    load it (an unknown field is the same error): for sft, dpo and grpo, LoRA (or DoRA) or
+    full, rank, adapted layers, the packed row as the sequence, linnet's blockwise loss,
+    and the token count when the steps are fixed; for pretraining, the model it builds,
+    its micro-batch and the budget's tokens."""
+    import fnmatch
+
+    from linnet.config import PretrainConfig, load_any
+
+    config = load_any(path)
+    t = config.training
+    settings: dict[str, Any] = {"chunked_loss": True, "checkpointing": False, "seq": t.context_length}
+    if isinstance(config, PretrainConfig):
+        from linnet.pretrain.recipe import make_budget, model_card
+
+        card = model_card(config, _pretrain_vocab(config), eos_id=0)
+        return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size,
+                "tokens": make_budget(config, card.params()).trained_targets}
+    settings.update(card=config.model.card, micro_batch=1)
+    lora = config.lora
+    if lora.enabled:
+        parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+        settings.update(method="dora" if lora.dora else "lora", rank=lora.rank, targets=[
+            name for name in plan.LINEAR_NAMES
+            if any(fnmatch.fnmatch(f"model.layers.0.{parents.get(name, 'mlp')}.{name}{end}", pattern)
+                   for pattern in lora.targets for end in ("", ".weight"))])
+    else:
+        settings["method"] = "full"
+    if t.steps:
+        settings["tokens"] = t.steps * (t.accumulation if config.command == "sft" else 1) * t.context_length
+    if config.command == "grpo":
+        settings["sampling_rows"] = config.grpo.prompts_per_step * config.grpo.group
+    return settings
+
+
+def _pretrain_vocab(config) -> int:
+    """The vocabulary a pretraining config's model gets: model.vocab, else its prepared
+    cache's, else the BPE it would train."""
+    from pathlib import Path
+
+    from linnet.pretrain.cache import read_manifest
+
+    if config.model.vocab:
+        return config.model.vocab
+    if Path(config.data.cache, "manifest.json").is_file():
+        return read_manifest(config.data.cache)["vocab_size"]
+    if config.data.tokenizer is None:
+        return config.data.vocab_size
+    raise ValueError(f"{config.data.cache}: no prepared cache to take the vocabulary from; run `linnet prepare` "
+                     "first, or set model.vocab")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`linnet plan CARD [flags]` or `linnet plan --config RUN.yaml`: print the plan; 2 on bad input."""
+    args = vars(_parser().parse_args(argv))
+    card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
+    config = args.pop("config")
+    sampling_rows = None
+    try:
+        if config is not None:
+            settings = settings_from_config(config)
+            config_card = settings.pop("card")
+            sampling_rows = settings.pop("sampling_rows", None)
+            card = card or config_card
+            args = {**settings, **{k: v for k, v in args.items() if v is not None}}
+        if card is None:
+            raise ValueError("give a CARD, or --config RUN.yaml")
+        inputs = plan_inputs(args)
+        if side_by_side:
+            names = list(dict.fromkeys((*COMPARED, inputs["method"].name)))
+            plans = compare(card, **inputs, names=names)
+        else:
+            plans = [estimate(card, **inputs)]
+        # a completion and its prompt fit one packed row, so the cache needs at most seq slots
+        sampling = None if sampling_rows is None else sampling_memory(
+            cards.resolve(card), sampling_rows, inputs["batch"].seq)
+    except (ValueError, OSError) as error:
+        print(f"linnet plan: error: {error}", file=sys.stderr)
+        return 2
+    if as_json:
+        data = [p.to_dict() for p in plans]
+        data = data if side_by_side else data[0]
+        if sampling is not None:
+            data = {"plans": data, "sampling": sampling} if side_by_side else {**data, "sampling": sampling}
+        print(json.dumps(data, indent=2))
+    else:
+        print(render(plans))
+        if sampling is not None:
+            print(f"GRPO also holds its sampling engine, not in the totals above: a bf16 copy of the weights "
+                  f"({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions x at most "
+                  f"{sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")
+    return 0
+

@@ -1,0 +1,228 @@
+"""What every training command shares: reading its config from the command line, the run
+directory, the model, optimizer and schedule a config describes, the held-out split, the
+metrics log with its progress bar, and the summary.
+
+A run directory (`runtime.output_dir`) holds config.json, metrics.jsonl, checkpoints/,
+final/ and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from linnet.config import load, template, to_dict
+from linnet.config.groups import RuntimeConfig
+from linnet.files import write_text
+from linnet.metrics import MetricsFile
+from linnet.schedules import lambda_schedule, schedule_factor
+from linnet.torch.distributed import data_share, from_first, world
+
+
+def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool,
+                  flags: Sequence[tuple[str, str]] = ()):
+    """(args, config) for a command that reads a YAML config; config is None when the
+    command only printed the template. `flags`: (name, help) of the command's own switches."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", help="YAML config (see --template)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, e.g. training.steps=100 (repeatable)")
+    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
+    if training:
+        parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+        parser.add_argument("--resume", action="store_true", help="continue the run in the run directory")
+    else:
+        parser.add_argument("--examples", type=int, default=3, help="examples to show (default: 3)")
+    for name, text in flags:
+        parser.add_argument(name, action="store_true", help=text)
+    args = parser.parse_args(argv)
+    if args.template:
+        print(template(config_class))
+        return args, None
+    if args.config is None and not args.set:
+        parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
+    return args, load(config_class, args.config, args.set)
+
+
+def start_runtime(rt: RuntimeConfig) -> None:
+    """Threads, determinism and the seeds of every generator a run draws from."""
+    if rt.threads:
+        torch.set_num_threads(rt.threads)
+    if rt.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    random.seed(rt.seed)
+    np.random.seed(rt.seed)
+    torch.manual_seed(rt.seed)
+
+
+def steps_factor(config, steps: int):
+    """The learning-rate factor of `config`'s lr_schedule over `steps` (raises when the
+    schedule cannot fit, before anything is written)."""
+    s = config.lr_schedule
+    return schedule_factor(s.name, warmup_steps=s.warmup_steps, total=steps, min_lr_ratio=s.min_lr_ratio,
+                           decay_fraction=s.decay_fraction)
+
+
+def optimizer_and_schedule(config, model, steps: int):
+    """The config's AdamW over the model's trained parameters and its schedule."""
+    from linnet.train.optimizer import adamw
+
+    o = config.optimizer
+    optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                      shard=config.training.shard)
+    return optimizer, lambda_schedule(optimizer, steps_factor(config, steps))
+
+
+def hold_out(items: list, share: float, seed: int) -> tuple[list, list]:
+    """(training items, held-out items): a seeded `share` of the items held out, the rest
+    in their order."""
+    order = np.random.default_rng(seed).permutation(len(items))
+    n = round(share * len(items))
+    return [items[i] for i in sorted(order[n:])], [items[i] for i in order[:n]]
+
+
+def _output_directory(path: Path, config_json: str, *, overwrite: bool, resume: bool) -> None:
+    """Refuse to write into a used run directory unless told to replace or resume it;
+    a resumed run must have the same config."""
+    if path.exists() and any(path.iterdir()):
+        if overwrite:
+            shutil.rmtree(path)
+        elif not resume:
+            raise ValueError(
+                f"{path}: the run directory exists and is not empty; pass --resume to continue "
+                "that run from its latest checkpoint, or --overwrite to replace it"
+            )
+        elif (path / "config.json").is_file() and (path / "config.json").read_text() != config_json:
+            raise ValueError(
+                f"{path / 'config.json'}: the run was started with another config; resume it with "
+                "the same config, or start a new run directory"
+            )
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def split_per_step(name: str, per_step: int) -> int:
+    """A step's items for this process: `per_step` split evenly over the processes."""
+    processes = world()[1]
+    if per_step % processes:
+        raise ValueError(f"config: {name}={per_step} does not split evenly over {processes} processes; "
+                         f"use a multiple of {processes}")
+    return per_step // processes
+
+
+def open_run(config: Any, *, overwrite: bool, resume: bool) -> Path:
+    """Create (or reopen, with resume) the run directory and write its config.json; the
+    first process does, and every process gets its refusal."""
+    out = Path(config.runtime.output_dir)
+    config_json = json.dumps(to_dict(config), indent=2) + "\n"
+    refusal = None
+    if world()[0] == 0:
+        try:
+            _output_directory(out, config_json, overwrite=overwrite, resume=resume)
+            write_text(out / "config.json", config_json)
+        except ValueError as e:
+            refusal = str(e)
+    refusal = from_first(refusal)
+    if refusal:
+        raise ValueError(refusal)
+    return out
+
+
+def load_model(card, config):
+    """The model a fine-tuning config trains: the base frozen with adapters, or every
+    weight trainable; split across the processes with training.shard=fsdp, or
+    training.split processes at a time splitting every block (tensor parallel)."""
+    from linnet import nest
+    from linnet.torch.sharding import fully_shard
+
+    m, lora, t, rt = config.model, config.lora, config.training, config.runtime
+    split = getattr(t, "split", 1)
+    start_runtime(rt)
+    rank, processes = world()
+    device = rt.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and processes > 1:  # one GPU a process
+        device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
+        torch.cuda.set_device(device)
+    mesh = None
+    if split > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        copies = data_share(split)[1]
+        mesh = init_device_mesh(torch.device(device).type, (copies, split), mesh_dim_names=("copies", "split"))
+    model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
+                      trainable=not lora.enabled, compile=m.compile, attention=m.attention,
+                      tensor_parallel=None if mesh is None else mesh["split"])
+    if lora.enabled:
+        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
+                       dora=lora.dora)
+    if t.shard == "fsdp" and processes > 1:
+        fully_shard(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if rank == 0:
+        on = (f"{processes} processes ({t.shard}{f', split {split} ways' if split > 1 else ''})" if processes > 1
+              else device)
+        print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
+              f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
+    return model
+
+
+class MetricsLog:
+    """Appends one JSON line a step to metrics.jsonl and moves the progress bar;
+    `evaluate(step) -> dict` adds held-out metrics every `every` steps and at the end
+    (the bar shows the latest of them)."""
+
+    def __init__(self, out: Path, label: str, steps: int, every: int, evaluate=None, *, progress: bool = True):
+        lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
+        self.file = MetricsFile(out / "metrics.jsonl", label, steps, progress=progress) if lead else None
+        self.steps, self.every, self.evaluate = steps, every, evaluate
+        self.latest: dict = {}
+
+    def __call__(self, step) -> None:
+        from linnet.history import due
+
+        row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
+               "learned": step.learned, "tokens_per_second": step.tokens_per_second,
+               "seconds": step.seconds, **step.metrics}
+        if self.evaluate is not None and due(step.step, self.every, self.steps):
+            self.latest = self.evaluate(step)
+            row.update(self.latest)
+        if self.file is not None:
+            self.file.write(row, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def summarize(out: Path, history, seconds: float, **extra: Any) -> dict:
+    """summary.json from the whole metrics log (earlier runs of a resumed one included);
+    the first process writes and returns it, the others return {}."""
+    from linnet.metrics import read_metrics
+
+    if world()[0] != 0:
+        return {}
+    records = read_metrics(out)
+    steps = list(history.steps)
+    summary = {
+        **extra,
+        "steps_this_run": len(steps),
+        "seconds": round(seconds, 1),
+        "first_loss": records[0]["loss"] if records else None,
+        "last_loss": records[-1]["loss"] if records else None,
+        "tokens_per_second": sum(x.real for x in steps) / sum(x.seconds for x in steps) if steps else None,
+        "final": str(out / "final"),
+    }
+    for key in sorted({k for r in records for k in r if k.startswith("held_out")}):
+        summary[key] = [r[key] for r in records if key in r][-1]
+    write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    return summary

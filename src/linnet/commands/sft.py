@@ -1,0 +1,146 @@
+"""`linnet sft`: supervised fine-tuning from a YAML config. Every step here is a call into
+the library (nest.load, load_examples, pack, add_lora, train): the command adds the
+config, the run directory and the reporting.
+
+    linnet sft --config run.yaml --set training.steps=200
+    linnet sft --template > run.yaml      # every field, its default and its help
+    torchrun --nproc-per-node 2 -m linnet.cli sft --config run.yaml --set training.shard=fsdp
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from linnet.commands.runs import (
+    MetricsLog, hold_out, load_model, open_run, optimizer_and_schedule, parse_command, steps_factor, summarize,
+)
+from linnet.config import SFTConfig
+from linnet.tables import print_table
+from linnet.torch.distributed import data_share, process_group
+
+
+@dataclass
+class Prepared:
+    """Everything a run needs before its first step, built and checked up front."""
+
+    config: SFTConfig
+    card: object
+    tokenizer: object
+    train_examples: list
+    eval_examples: list
+    rows_per_epoch: int
+    steps: int
+
+
+def prepare(config: SFTConfig) -> Prepared:
+    """Resolve the card and tokenizer, read, format and check all the data: every data
+    error surfaces here, before a model is loaded."""
+    from linnet.cards import resolve
+    from linnet.data import load_examples, load_tokenizer
+    from linnet.packing import count_rows
+
+    d, t = config.data, config.training
+    card = resolve(config.model.card)
+    tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    read = dict(tokenizer=tokenizer, max_tokens=t.context_length, messages=d.messages, prompt=d.prompt,
+                completion=d.completion, chat=d.chat, truncate=d.truncate)
+    examples = load_examples(d.path, **read)
+    if d.eval_path:
+        held_out = load_examples(d.eval_path, **read)
+    else:
+        examples, held_out = hold_out(examples, d.eval_share, config.runtime.seed)
+    if not examples:
+        raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
+    rows = count_rows(examples, t.context_length)
+    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.split)[1])))
+    steps_factor(config, steps)  # a schedule that cannot fit fails now
+    return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
+
+
+def epochs_of_rows(prepared: Prepared):
+    """Packed rows, epoch after epoch; each epoch reshuffles the examples by seed, so a
+    resumed run sees the same stream. Under torchrun each copy of the model (each
+    process, unless training.split joins processes into one) takes every copies-th row."""
+    share, shares = data_share(prepared.config.training.split)
+    return itertools.islice(_all_rows(prepared), share, None, shares)
+
+
+def _all_rows(prepared: Prepared):
+    from linnet.train import pack
+
+    d, seed = prepared.config.data, prepared.config.runtime.seed
+    epoch = 0
+    while True:
+        examples = prepared.train_examples
+        if d.shuffle:
+            order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+            examples = [examples[i] for i in order]
+        yield from pack(examples, prepared.config.training.context_length, pad_id=prepared.tokenizer.pad_id)
+        epoch += 1
+
+
+def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
+    """The derived sizes a user checks before training."""
+    from linnet.packing import fitted
+
+    t = prepared.config.training
+    examples = fitted(prepared.train_examples, t.context_length)
+    rows = prepared.rows_per_epoch
+    real = sum(len(ex) for ex in examples)
+    learned = int(sum(ex.learned[1:].sum() for ex in examples))
+    processes = data_share(t.split)[1]
+    per_step = t.accumulation * processes
+    return [
+        ("training examples", f"{len(prepared.train_examples):,}"),
+        ("held-out examples", f"{len(prepared.eval_examples):,}"),
+        ("packed rows per epoch", f"{rows:,} of {t.context_length} positions"),
+        ("padding share", f"{1 - real / (rows * t.context_length):.1%}"),
+        ("learned tokens per epoch", f"{learned:,} ({learned / real:.0%} of real tokens)"),
+        ("rows per step", f"{per_step}" + (f" ({t.accumulation} in each of {processes} processes)"
+                                              if processes > 1 else "")),
+        ("learned tokens per step", f"{learned / rows * per_step:,.0f} (mean)"),
+        ("steps per epoch", f"{rows / per_step:,.1f}"),
+        ("steps", f"{prepared.steps:,} ({prepared.steps * per_step / rows:.2f} epochs)"),
+    ]
+
+
+def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+    """Fine-tune as `config` says; returns the summary written to summary.json."""
+    from linnet.train import pack, train
+    from linnet.train.evaluation import held_out_loss
+
+    prepared = prepare(config)  # data errors before anything is written
+    out = open_run(config, overwrite=overwrite, resume=resume)
+    t = config.training
+    model = load_model(prepared.card, config)
+    optimizer, schedule = optimizer_and_schedule(config, model, prepared.steps)
+    share, shares = data_share(t.split)
+    eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
+        if prepared.eval_examples else []
+    evaluate = (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) \
+        if eval_rows else None
+    log = MetricsLog(out, "sft", prepared.steps, config.evaluation.every, evaluate, progress=config.runtime.progress)
+    t0 = time.perf_counter()
+    try:
+        history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,
+                        accumulate=t.accumulation, clip=config.optimizer.grad_clip, schedule=schedule,
+                        save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
+                        keep=t.keep, on_step=log)
+    finally:
+        log.close()
+    return summarize(out, history, time.perf_counter() - t0, card=prepared.card.name, steps=prepared.steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config (under "
+                                 "torchrun, each process trains on its share of the rows).", SFTConfig,
+                                 training=True)
+    if config is not None:
+        with process_group():
+            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
+    return 0

@@ -1,0 +1,191 @@
+"""Each command's config: the shared groups (linnet.config.groups) with the command's
+defaults, the checks that span groups, and the names that went out of use.
+
+    config = load(SFTConfig, "run.yaml", ["training.steps=200"])
+    config = load_any("run.yaml")          # the command is recognised from the groups given
+
+`linnet sft` and `linnet jax` read SFTConfig, `linnet dpo` DPOConfig, `linnet grpo`
+GRPOConfig, `linnet prepare` and `linnet pretrain` PretrainConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from linnet.config.fields import apply_overrides, from_dict, group, read_yaml, refuse_former
+from linnet.config.groups import (
+    CorpusConfig, DPOSettings, EvaluationConfig, GRPOSettings, LoraConfig, LRScheduleConfig, ModelConfig,
+    OptimizerConfig, RecordsConfig, RuntimeConfig, TrainingConfig,
+)
+
+# Former spellings, refused with the field that replaced them. Old names are not translated.
+FORMER_FIELDS = {
+    "output": "use runtime.output_dir",
+    "schedule": "the schedule lives in lr_schedule: name, warmup_steps (was warmup), min_lr_ratio (was floor), "
+                "decay_fraction (was decay)",
+    "model.device": "use runtime.device",
+    "data.tokens": "use training.context_length (positions per packed row)",
+    "training.accumulate": "use training.accumulation",
+    "training.clip": "use optimizer.grad_clip",
+    "training.eval_every": "use evaluation.every",
+    "training.grad_clip": "use optimizer.grad_clip",
+    "training.seed": "use runtime.seed",
+    "training.output_dir": "use runtime.output_dir",
+    "data.buffer_size_mib": "use data.shuffle_group_size (shards read and shuffled together)",
+    "lr_schedule.warmup": "use lr_schedule.warmup_steps",
+    "lr_schedule.warmup_fraction": "use lr_schedule.warmup_steps (an integer number of updates)",
+    "lr_schedule.floor": "use lr_schedule.min_lr_ratio",
+    "lr_schedule.decay": "use lr_schedule.decay_fraction",
+    "optimizer.schedule": "the schedule lives in lr_schedule (name: cosine, wsd or constant)",
+    "optimizer.warmup_fraction": "use lr_schedule.warmup_steps",
+    "optimizer.warmup_steps": "use lr_schedule.warmup_steps",
+    "optimizer.min_lr_ratio": "use lr_schedule.min_lr_ratio",
+}
+
+
+def _fine_tuning_checks(config) -> None:
+    if not config.data.path:
+        raise ValueError(f"config: data.path is required (the records `linnet {config.command}` trains on)")
+    if config.training.context_length < 16:
+        raise ValueError(f"config: training.context_length={config.training.context_length}; a packed row needs at "
+                         "least 16 positions")
+    if config.command != "sft" and config.data.prompt is not None and len(config.data.prompt) != 1:
+        raise ValueError(f"config: data.prompt={config.data.prompt}; `linnet {config.command}` reads one prompt field")
+
+
+@dataclass
+class SFTConfig:
+    command: ClassVar[str] = "sft"
+    model: ModelConfig = group(ModelConfig, "the model to fine-tune")
+    data: RecordsConfig = group(RecordsConfig, "records and their formatting")
+    lora: LoraConfig = group(LoraConfig, "low-rank adapters")
+    training: TrainingConfig = group(TrainingConfig, "steps, packed rows, accumulation, checkpoints, processes")
+    optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping")
+    lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule")
+    evaluation: EvaluationConfig = group(EvaluationConfig, "held-out evaluation")
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/sft")
+
+    def __post_init__(self):
+        _fine_tuning_checks(self)
+        t = self.training
+        if t.split > 1 and (self.lora.enabled or t.shard != "none"):
+            raise ValueError(f"config: training.split={t.split} splits whole models for full fine-tuning: use it "
+                             "with lora.enabled=false and training.shard=none")
+
+
+@dataclass
+class DPOConfig:
+    command: ClassVar[str] = "dpo"
+    model: ModelConfig = group(ModelConfig, "the policy (and, before training, its own reference)")
+    data: RecordsConfig = group(RecordsConfig, "preference records; a pair's two answers share a packed row")
+    dpo: DPOSettings = group(DPOSettings, "the DPO objective")
+    lora: LoraConfig = group(LoraConfig, "low-rank adapters")
+    training: TrainingConfig = group(TrainingConfig, "steps, packed rows, checkpoints, processes")
+    optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping")
+    lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule")
+    evaluation: EvaluationConfig = group(EvaluationConfig, "held-out evaluation")
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/dpo")
+
+    def __post_init__(self):
+        _fine_tuning_checks(self)
+
+
+@dataclass
+class GRPOConfig:
+    command: ClassVar[str] = "grpo"
+    model: ModelConfig = group(ModelConfig, "the policy (the engine and reference are copies of it)")
+    data: RecordsConfig = group(RecordsConfig, "prompt records")
+    grpo: GRPOSettings = group(GRPOSettings, "sampling, rewards and the objective")
+    lora: LoraConfig = group(LoraConfig, "low-rank adapters")
+    training: TrainingConfig = group(TrainingConfig, "steps, packed rows (a prompt + completion must fit), "
+                                                     "checkpoints, processes")
+    optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping")
+    lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule")
+    evaluation: EvaluationConfig = group(EvaluationConfig, "held-out evaluation")
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/grpo")
+
+    def __post_init__(self):
+        _fine_tuning_checks(self)
+
+
+@dataclass
+class PretrainConfig:
+    command: ClassVar[str] = "pretrain"
+    model: ModelConfig = group(ModelConfig, "Llama decoder: tied embeddings, RoPE, RMSNorm, SwiGLU, no dropout")
+    data: CorpusConfig = group(CorpusConfig, "corpus, token cache and loading")
+    training: TrainingConfig = group(TrainingConfig, "sequences, batches, budget, epochs, checkpoints",
+                                     context_length=1024, accumulation=4, epochs=40)
+    optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping", lr=3e-3, betas=[0.9, 0.95],
+                                       weight_decay=0.1)
+    lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule", warmup_steps=312,
+                                          min_lr_ratio=0.1)
+    evaluation: EvaluationConfig = group(EvaluationConfig, "validation")
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/pretrain")
+
+    def __post_init__(self):
+        epochs = self.training.epochs
+        if epochs != int(epochs):
+            raise ValueError(f"config: training.epochs={epochs}; pretraining splits its budget into a whole number "
+                             "of virtual epochs")
+        self.training.epochs = int(epochs)
+        checkpoint_epochs(self)  # raises on a bad policy/epoch combination
+
+
+def checkpoint_epochs(config: PretrainConfig) -> list[int]:
+    """The epochs whose weights (and, with save_epoch_training_state, training state)
+    are kept: none for the `none` and `final` policies."""
+    t = config.training
+    policy, value = t.checkpoint_policy, t.checkpoint_epochs
+    if policy in ("none", "final"):
+        return []
+    if policy == "interval":
+        if isinstance(value, list):
+            raise ValueError(f"config: training.checkpoint_epochs={value}; the interval policy takes one "
+                             "integer K (every K epochs); use checkpoint_policy=explicit for a list")
+        if value < 1:
+            raise ValueError(f"config: training.checkpoint_epochs={value}; K must be a positive integer")
+        return list(range(value, t.epochs + 1, value))
+    chosen = sorted(set([value] if isinstance(value, int) else value))
+    bad = [e for e in chosen if not 1 <= e <= t.epochs]
+    if bad or not chosen:
+        raise ValueError(f"config: training.checkpoint_epochs={value}; the explicit policy needs epochs "
+                         f"between 1 and training.epochs={t.epochs}")
+    return chosen
+
+
+COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, PretrainConfig)}
+
+
+def from_data(cls: type, data: dict[str, Any], where: str = "config"):
+    """A config of class `cls` from nested plain data (a parsed YAML file)."""
+    refuse_former(data, FORMER_FIELDS, where)
+    return from_dict(cls, data, where)
+
+
+def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
+    """A config of class `cls` from a YAML file (or the defaults when path is None) and
+    `a.b=c` overrides."""
+    data, where = read_yaml(path)
+    return from_data(cls, apply_overrides(data, list(overrides)), where)
+
+
+def command_of(data: dict[str, Any]) -> str:
+    """Which command a config is for, from the groups it gives: a `dpo` or `grpo` group,
+    a corpus (`data.cache`, `data.source` or `data.dataset`) or an architecture for
+    pretraining; sft otherwise."""
+    if "dpo" in data:
+        return "dpo"
+    if "grpo" in data:
+        return "grpo"
+    corpus = {"cache", "source", "dataset"} & set(data.get("data") or {})
+    architecture = {"hidden", "layers", "heads", "intermediate"} & set(data.get("model") or {})
+    return "pretrain" if corpus or architecture else "sft"
+
+
+def load_any(path: str | Path | None, overrides: list[str] = ()):
+    """The config in a YAML file, for whichever command it is (see `command_of`)."""
+    data, where = read_yaml(path)
+    data = apply_overrides(data, list(overrides))
+    return from_data(COMMANDS[command_of(data)], data, where)

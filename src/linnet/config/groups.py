@@ -1,0 +1,281 @@
+"""The config vocabulary: one group class a knob family, shared by every command.
+
+`linnet sft`, `dpo`, `grpo`, `jax` and `pretrain` read the same groups under the same
+names (seed 002's names where it gives them: `training.micro_batch_size`,
+`optimizer.grad_clip`, `lr_schedule.warmup_steps`, `runtime.output_dir`, ...). A field
+that only some commands read says which (`only=`); the others refuse it and leave it out
+of their templates. Each command's defaults are set where it names the group
+(linnet.config.commands). Only the standard library is imported here: spawned tokenizer
+workers import the pretraining config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from linnet.config.fields import option
+
+FINE_TUNING = ("sft", "dpo", "grpo")  # `linnet jax` reads the sft config
+PRETRAINING = ("pretrain",)
+ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
+
+
+def _positive(**fields: float | int | None) -> None:
+    for name, value in fields.items():
+        if value is not None and not value >= 1:
+            raise ValueError(f"config: {name}={value}; it must be a positive integer")
+
+
+@dataclass
+class ModelConfig:
+    card: str | None = option("debug", "registered card name or local Hugging Face model directory",
+                              only=FINE_TUNING)
+    weights: str | None = option(None, "weights directory or file; null: the card's own; 'random': seeded init",
+                                 only=FINE_TUNING)
+    hidden: int = option(256, "hidden size", only=PRETRAINING)
+    intermediate: int = option(688, "SwiGLU intermediate size", only=PRETRAINING)
+    layers: int = option(4, "decoder blocks", only=PRETRAINING)
+    heads: int = option(4, "query heads", only=PRETRAINING)
+    kv_heads: int | None = option(None, "key/value heads (grouped-query attention); null: heads", only=PRETRAINING)
+    head_dim: int | None = option(None, "per-head size; null: hidden / heads", only=PRETRAINING)
+    vocab: int | None = option(None, "embedding rows; null: the cache tokenizer's vocabulary", only=PRETRAINING)
+    rope_base: float = option(10000.0, "RoPE base", only=PRETRAINING)
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", only=PRETRAINING)
+    dtype: str | None = option(None, "compute dtype (float32, bfloat16); null: bfloat16 on CUDA, float32 on CPU")
+    attention: str = option("auto", "attention path inside packed rows: auto, documents, dense, flex, varlen")
+    compile: bool = option(False, "compile each block with torch.compile (inductor)")
+
+    def __post_init__(self):
+        _positive(**{"model.hidden": self.hidden, "model.intermediate": self.intermediate,
+                     "model.layers": self.layers, "model.heads": self.heads, "model.kv_heads": self.kv_heads,
+                     "model.head_dim": self.head_dim})
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"config: model.hidden={self.hidden} is not a multiple of model.heads={self.heads}; "
+                             "set model.head_dim")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = option(True, "train low-rank adapters on a frozen base; false: full fine-tuning")
+    rank: int = option(16, "adapter rank")
+    alpha: float = option(32.0, "adapter scale numerator: alpha / rank (or / sqrt(rank) with rslora)")
+    dropout: float = option(0.0, "dropout on the adapters' input")
+    rslora: bool = option(False, "scale by alpha / sqrt(rank)")
+    dora: bool = option(False, "DoRA: a trained magnitude per output row beside the low-rank direction update")
+    targets: list[str] = option(ALL_LINEAR, "glob patterns of the linear layers that get adapters")
+
+
+@dataclass
+class RecordsConfig:
+    path: str = option("", "records: .jsonl, .json, .parquet, or a saved datasets directory")
+    eval_path: str | None = option(None, "held-out records; null: take eval_share of path")
+    eval_share: float = option(0.05, "share of the records held out when eval_path is null")
+    messages: str | None = option(None, "field holding chat messages; null: 'messages' when present", only=("sft",))
+    prompt: list[str] | None = option(None, "prompt field; null: 'prompt' (sft: or instruction + input; sft may "
+                                            "name several, joined)")
+    completion: str | None = option(None, "completion field; null: completion, output or response", only=("sft",))
+    chosen: str = option("chosen", "preferred answer field (text, a message, or a whole dialogue)", only=("dpo",))
+    rejected: str = option("rejected", "other answer field", only=("dpo",))
+    answer: str = option("answer", "reference answer field, given to the rewards", only=("grpo",))
+    chat: bool = option(True, "format the records with the chat template (when the tokenizer has one)")
+    chat_template: str | None = option(None, "a Jinja chat template overriding the tokenizer's")
+    tokenizer: str | None = option(None, "tokenizer directory; null: the card's")
+    truncate: bool = option(False, "cut records longer than a row instead of refusing them", only=("sft",))
+    shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch", only=("sft",))
+
+    def __post_init__(self):
+        if not 0 <= self.eval_share < 1:
+            raise ValueError(f"config: data.eval_share={self.eval_share}; it must be in [0, 1)")
+
+
+@dataclass
+class CorpusConfig:
+    cache: str = option("", "token cache directory (written by `linnet prepare`)")
+    source: list[str] = option([], "corpus: .txt, .jsonl, .parquet files (.gz too) or directories of them")
+    validation_source: list[str] = option([], "validation corpus files; empty: every validation_every-th source document")
+    validation_every: int = option(100, "with no validation_source: every N-th source document (in order) is validation; 0: none")
+    dataset: str | None = option(None, "a `datasets` dataset name (streamed) instead of source files")
+    dataset_config: str | None = option(None, "the dataset's configuration name (e.g. 'en' for allenai/c4)")
+    dataset_split: str = option("train", "the dataset split for training")
+    dataset_validation_split: str | None = option("validation", "the dataset split for validation; null: every validation_every-th")
+    text_field: str = option("text", "field holding the text in JSONL, Parquet and dataset records")
+    document_split: Literal["file", "paragraph", "line"] = option(
+        "paragraph", ".txt files: one document per file, per blank-line-separated paragraph, or per line")
+    train_tokens: int | None = option(None, "stop reading the corpus once the training split holds this many tokens; null: what the training budget draws, rounded up through its last whole shard group (the whole corpus when that is less)")
+    tokenizer: str | None = option(None, "tokenizer.json, a directory holding one, or a card name; null: train a byte-level BPE on the corpus")
+    vocab_size: int = option(8192, "vocabulary of the BPE trained when tokenizer is null")
+    eos_token: str | None = option(None, "token placed after every document; null: the tokenizer's own (<|endoftext|> for a trained one)")
+    shuffle_buffer: int = option(100000, "documents in the preparation shuffle buffer (1: source order)")
+    shuffle_seed: int = option(0, "seed of the preparation shuffle buffer")
+    shard_tokens: int = option(33554432, "tokens per cache shard (64 MiB of uint16)")
+    prepare_workers: int = option(8, "tokenizer processes for `linnet prepare` (1: tokenize in the main process)")
+    prepare_batch_documents: int = option(256, "documents per tokenizer task")
+    shuffle_group_size: int = option(2, "consecutive shards the loader reads and shuffles together")
+    prefetch: bool = option(True, "read the next shard group in a background thread")
+    repeat: bool = option(False, "allow the budget to take more than one pass over the training cache")
+
+    def __post_init__(self):
+        _positive(**{"data.shard_tokens": self.shard_tokens, "data.prepare_workers": self.prepare_workers,
+                     "data.prepare_batch_documents": self.prepare_batch_documents,
+                     "data.shuffle_buffer": self.shuffle_buffer, "data.shuffle_group_size": self.shuffle_group_size,
+                     "data.vocab_size": self.vocab_size})
+        if self.validation_every < 0:
+            raise ValueError(f"config: data.validation_every={self.validation_every}; it must be >= 0")
+        if self.train_tokens is not None and self.train_tokens < 2:
+            raise ValueError(f"config: data.train_tokens={self.train_tokens}; use null (what the budget draws) or >= 2")
+
+
+@dataclass
+class TrainingConfig:
+    context_length: int = option(2048, "positions per packed row (a micro-batch's sequence)")
+    micro_batch_size: int = option(32, "sequences per forward/backward pass", only=PRETRAINING)
+    accumulation: int = option(1, "micro-batches per optimizer step (dpo and grpo size their steps in pairs and "
+                                  "prompts)", only=("sft", "pretrain"))
+    steps: int | None = option(None, "optimizer steps; null: from epochs", only=FINE_TUNING)
+    epochs: int | float = option(1, "passes over the data when steps is null (fine-tuning); the whole number of "
+                                    "virtual epochs the budget is split into, validated and checkpointed at their "
+                                    "ends (pretraining)")
+    targets_per_parameter: float = option(20.0, "budget: prediction targets per unique trainable parameter",
+                                          only=PRETRAINING)
+    total_targets: int | None = option(None, "budget in prediction targets, overriding targets_per_parameter",
+                                       only=PRETRAINING)
+    checkpoint_policy: Literal["none", "final", "interval", "explicit"] = option(
+        "final", "none: no checkpoint or weight files; final: final state; interval: every checkpoint_epochs "
+                 "epochs; explicit: the listed epochs", only=PRETRAINING)
+    checkpoint_epochs: int | list[int] = option(1, "interval: K (every K epochs); explicit: a list of epochs",
+                                                only=PRETRAINING)
+    save_epoch_training_state: bool = option(False, "at selected epochs also keep a resumable training-state "
+                                                    "snapshot", only=PRETRAINING)
+    checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)", only=FINE_TUNING)
+    keep: int = option(2, "checkpoints kept", only=FINE_TUNING)
+    shard: Literal["none", "zero", "fsdp"] = option(
+        "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
+                "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)
+    split: int = option(1, "under torchrun (sft, full fine-tuning): processes that split every block between them "
+                           "(tensor parallel) and take the same rows; the processes form copies of such splits",
+                        only=("sft",))
+
+    def __post_init__(self):
+        _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
+                     "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
+                     "training.checkpoint_every": self.checkpoint_every, "training.split": self.split})
+        if not (self.epochs > 0 and math.isfinite(self.epochs)):
+            raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
+        if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):
+            raise ValueError("config: training.targets_per_parameter must be > 0 and training.total_targets >= 1")
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = option("adamw", "optimizer (AdamW: decoupled weight decay on matrices, none on norms, "
+                                             "biases and DoRA magnitudes)")
+    lr: float = option(2e-4, "peak learning rate")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas")
+    eps: float = option(1e-8, "AdamW epsilon")
+    weight_decay: float = option(0.0, "decoupled weight decay of the matrices (embedding and adapters included)")
+    grad_clip: float | None = option(1.0, "global gradient-norm clip; null: no clipping (the norm is still logged, "
+                                          "a non-finite norm still stops)")
+
+    def __post_init__(self):
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"config: optimizer.lr={self.lr}; use a positive, finite learning rate")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"config: optimizer.betas={self.betas}; give two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"config: optimizer.grad_clip={self.grad_clip}; use a positive threshold, or null to "
+                             "disable clipping")
+        if self.weight_decay < 0 or self.eps <= 0:
+            raise ValueError("config: optimizer.weight_decay must be >= 0 and optimizer.eps > 0")
+
+
+@dataclass
+class LRScheduleConfig:
+    name: Literal["cosine", "wsd", "constant"] = option("cosine", "cosine, wsd (warmup-stable-decay) or constant")
+    warmup_steps: int = option(10, "linear warmup steps (updates)")
+    min_lr_ratio: float = option(0.0, "final learning rate as a share of the peak (cosine, wsd)")
+    decay_fraction: float = option(0.2, "wsd: share of the steps spent decaying")
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"config: lr_schedule.warmup_steps={self.warmup_steps}; it must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1 or not 0 < self.decay_fraction <= 1:
+            raise ValueError("config: lr_schedule.min_lr_ratio must be in [0, 1] and decay_fraction in (0, 1]")
+
+
+@dataclass
+class EvaluationConfig:
+    every: int = option(50, "held-out evaluation every this many steps (and at the end): loss; dpo: accuracy and "
+                            "margin; grpo: reward, pass@1, pass@k", only=FINE_TUNING)
+    batch_size: int = option(128, "validation sequences per forward pass", only=PRETRAINING)
+    subset_sequences: int = option(1024, "fixed validation subset (kept in memory) evaluated at every epoch end",
+                                   only=PRETRAINING)
+    full_validation: bool = option(True, "stream the whole validation split at the end of training",
+                                   only=PRETRAINING)
+
+    def __post_init__(self):
+        _positive(**{"evaluation.every": self.every, "evaluation.batch_size": self.batch_size})
+        if self.subset_sequences < 0:
+            raise ValueError(f"config: evaluation.subset_sequences={self.subset_sequences}; it must be >= 0")
+
+
+@dataclass
+class RuntimeConfig:
+    seed: int = option(0, "seed of initialisation, shuffling, sampling and dropout")
+    device: str | None = option(None, "cpu, cuda, cuda:1 …; null: cuda when present")
+    output_dir: str = option("runs/run", "run directory")
+    deterministic: bool = option(False, "torch.use_deterministic_algorithms (slower on CUDA)")
+    threads: int | None = option(None, "torch CPU threads; null: torch's default")
+    progress: bool = option(True, "show a progress bar")
+
+    def __post_init__(self):
+        _positive(**{"runtime.threads": self.threads})
+
+
+@dataclass
+class DPOSettings:
+    beta: float = option(0.1, "strength of the implicit KL constraint: rewards are beta * log(pi / ref)")
+    label_smoothing: float = option(0.0, "share of pairs taken as labelled the wrong way round (cDPO)")
+    pairs_per_step: int = option(32, "pairs per optimizer step")
+    reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
+
+    def __post_init__(self):
+        if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
+            raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
+
+
+@dataclass
+class GRPOSettings:
+    rewards: list[str] = option(["exact"], "exact, numeric, format, or module:function; summed")
+    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
+    group: int = option(8, "completions sampled per prompt")
+    prompts_per_step: int = option(8, "prompts per sampling step")
+    max_new_tokens: int = option(256, "longest completion")
+    temperature: float = option(1.0, "sampling temperature")
+    top_k: int | None = option(None, "sample from the k most likely tokens")
+    top_p: float | None = option(None, "sample from the smallest set reaching this probability")
+    iterations: int = option(1, "optimizer steps per sampling step (reusing the samples)")
+    clip_low: float = option(0.2, "ratio clip below: 1 - clip_low")
+    clip_high: float = option(0.2, "ratio clip above: 1 + clip_high")
+    drop_uniform: bool = option(False, "leave out groups whose rewards are all equal")
+    beta: float = option(0.0, "k3 KL weight against a frozen copy of the starting model")
+    correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped")
+    dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
+    sequence_level: bool = option(False, "GSPO: one ratio per completion")
+    pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
+                            "top_k and top_p; 0: only the greedy reward and pass@1")
+    pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
+                                            "more lowers the estimate's variance); null: pass_k")
+    pass_reward: float | None = option(None, "a held-out completion passes when its summed reward reaches this; "
+                                             "null: one per reward (full marks from each built-in)")
+
+    def __post_init__(self):
+        if self.group < 2 or self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
+            raise ValueError("config: grpo.group >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
+        if not self.rewards:
+            raise ValueError("config: grpo.rewards lists no reward")
+        if self.pass_k < 0 or self.pass_k == 1:
+            raise ValueError("config: grpo.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
+        if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:
+            raise ValueError("config: grpo.pass_samples needs grpo.pass_k >= 2, and must be at least pass_k")

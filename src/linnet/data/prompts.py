@@ -1,0 +1,37 @@
+"""Prompt records to `Prompt`s of token ids, for GRPO and evaluation: a prompt field
+(text, wrapped as a user turn by the chat template when there is one) and the reference
+answer the rewards compare with."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from linnet.data.readers import Record
+from linnet.data.tokenizer import Tokenizer
+from linnet.rollouts import Prompt
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:
+    """A prompt's ids: the chat template's user turn with the generation prompt, or BOS + text."""
+    if chat and tokenizer.chat_template:
+        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                             add_generation_prompt=True))
+    else:
+        ids = tokenizer.encode(text)
+    bos = tokenizer.bos_id
+    return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
+
+
+def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, prompt: str = "prompt",
+                         answer: str = "answer", chat: bool = True) -> list[Prompt]:
+    """One Prompt a record, every record checked before any is returned."""
+    prompts = []
+    for record in records:
+        for name in (prompt, answer):
+            if name not in record.data:
+                raise ValueError(f"{record.where}: missing field {name!r}; name it with data.prompt / data.answer")
+        text = record.data[prompt]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{record.where}: field {prompt!r} must be non-empty text")
+        prompts.append(Prompt(encode_prompt(tokenizer, text, chat), record.data[answer]))
+    return prompts

@@ -1,0 +1,53 @@
+"""metrics.jsonl, the record of a run: one JSON row a step, written as the run goes (with
+a progress bar) and read back for summaries, resumes and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from linnet.files import write_text
+from linnet.progress import Progress
+
+FILE = "metrics.jsonl"
+
+
+class MetricsFile:
+    """Appends rows to a metrics file, flushing each, and moves a progress bar over
+    `steps` (none with progress=False)."""
+
+    def __init__(self, path: str | os.PathLike, label: str, steps: int, *, progress: bool = True):
+        self.file = open(path, "a")
+        self.bar = Progress(steps, label) if progress else None
+
+    def write(self, row: dict[str, Any], **shown: float) -> None:
+        """Append `row` (it has a "step"); the bar shows `shown`."""
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.bar is not None:
+            self.bar.update(row["step"], **shown)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def read_metrics(run: str | os.PathLike, *, missing_ok: bool = False) -> list[dict]:
+    """The rows of a run directory's metrics.jsonl (or of that file itself)."""
+    path = Path(run)
+    path = path / FILE if path.is_dir() or path.suffix != ".jsonl" else path
+    if not path.is_file():
+        if missing_ok:
+            return []
+        raise FileNotFoundError(f"{path}: no metrics; is {run} a linnet run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def keep_metrics(source: str | os.PathLike, target: str | os.PathLike, step: int) -> None:
+    """`target` holds the rows of `source` up to `step`: what a run resumed from that
+    step would otherwise log twice is dropped."""
+    rows = [r for r in read_metrics(source, missing_ok=True) if r.get("step", 0) <= step]
+    write_text(target, "".join(json.dumps(r) + "\n" for r in rows))
