@@ -45,7 +45,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _common import command, cpu_now, machine, others_busy, revision, run_child, send_result, table, wait_quiet, write_report
+from _common import (
+    command,
+    cpu_now,
+    machine,
+    others_busy,
+    revision,
+    run_child,
+    send_result,
+    table,
+    wait_quiet,
+    write_report,
+)
 
 from linnet import nest
 from linnet.packing import Example, pack

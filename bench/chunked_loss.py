@@ -39,8 +39,22 @@ import argparse
 import os
 import time
 
-from _common import (GiB, command, cpu_now, machine, others_busy, peak_rss, reset_peak, revision, rss, run_child,
-                     send_result, table, wait_quiet, write_report)
+from _common import (
+    GiB,
+    command,
+    cpu_now,
+    machine,
+    others_busy,
+    peak_rss,
+    reset_peak,
+    revision,
+    rss,
+    run_child,
+    send_result,
+    table,
+    wait_quiet,
+    write_report,
+)
 
 SOURCE = "src/linnet/torch/losses.py"  # the code measured: its commit is in the report
 

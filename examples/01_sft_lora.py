@@ -14,7 +14,6 @@ import itertools
 import torch
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.data import load_examples, load_tokenizer
 from linnet.torch.lora import save_peft

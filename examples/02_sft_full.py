@@ -14,7 +14,6 @@ import itertools
 import torch
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.train import pack, train, wsd_schedule
 

@@ -15,7 +15,6 @@ import tempfile
 import torch
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.train import cosine_schedule, pack, train
 

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.data import load_tokenizer, pairs_from_records, read_records
 from linnet.torch.lora import save_peft

@@ -16,10 +16,8 @@ import numpy as np
 import torch
 
 from linnet import nest, rewards
-
 from linnet.commands import quickstart
-from linnet.data import load_tokenizer, read_records
-from linnet.data import encode_prompt
+from linnet.data import encode_prompt, load_tokenizer, read_records
 from linnet.serve import Engine
 from linnet.train import pack, train
 from linnet.train.grpo import Prompt, grpo

@@ -16,11 +16,10 @@ import os
 import torch
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.torch import fully_shard
-from linnet.train import cosine_schedule, pack, train
 from linnet.torch.distributed import join, world
+from linnet.train import cosine_schedule, pack, train
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--card", help="registered card or HF model directory (default: a tiny random model)")

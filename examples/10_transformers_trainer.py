@@ -18,7 +18,6 @@ import transformers
 from datasets import Dataset
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.torch import CausalLM
 

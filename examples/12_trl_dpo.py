@@ -20,7 +20,6 @@ import trl
 from datasets import Dataset
 
 from linnet import nest
-
 from linnet.commands import quickstart
 from linnet.torch import CausalLM
 

@@ -242,8 +242,8 @@ def _tokenizer_files(directory, chat_template=None):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_generate_cli_streams_the_greedy_completion(tmp_path, capsys, chat):
-    from linnet.data.tokenizer import load_tokenizer
     from linnet.commands.generate import main as cli
+    from linnet.data.tokenizer import load_tokenizer
 
     directory = tmp_path / "model"
     make_hf_model("llama").save_pretrained(directory)

@@ -337,8 +337,8 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
     a PyTorch-only field is refused by name."""
     import json
 
-    from linnet.commands import quickstart
     from linnet.cli import main
+    from linnet.commands import quickstart
 
     nest.load(quickstart.CARD, weights="random", seed=0).save_weights(tmp_path / "model")
     quickstart.save_tokenizer(tmp_path / "model" / "tokenizer.json")

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.conftest import in_processes
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from linnet import nest
 from linnet.packing import Example, pack
 from linnet.train import train
+from tests.conftest import in_processes
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8)
 

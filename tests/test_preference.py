@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from linnet import cli, nest
-
 from linnet.commands import quickstart
-from linnet.config import load
 from linnet.commands.dpo import run
-from linnet.config import DPOConfig
+from linnet.config import DPOConfig, load
 
 torch.set_num_threads(1)
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from linnet.pretrain.budget import epoch_boundaries, plan_budget
 from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.config import load as load_config
+from linnet.pretrain.budget import epoch_boundaries, plan_budget
 from linnet.pretrain.recipe import recipe_differences, recipe_fields, recipe_identity
 
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from linnet.pretrain.cache import open_cache
 from linnet.config import PretrainConfig
 from linnet.config import load as load_config
+from linnet.pretrain.cache import open_cache
 from linnet.pretrain.loader import Loader, Validation, shard_groups
 from linnet.pretrain.prepare import prepare
 from tests.conftest import WORDS, word_tokenizer

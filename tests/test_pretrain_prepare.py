@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from linnet.pretrain import cache as cache_format
-from linnet.pretrain.cache import open_cache, token_dtype, verify_cache
+from linnet.commands.prepare import main as cli
 from linnet.config import PretrainConfig
 from linnet.config import load as load_config
-from linnet.commands.prepare import main as cli
+from linnet.pretrain import cache as cache_format
+from linnet.pretrain.cache import open_cache, token_dtype, verify_cache
 from linnet.pretrain.prepare import prepare
 from linnet.pretrain.tokenize import encode_documents
 from tests.conftest import WORDS, word_tokenizer

@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from linnet.commands.pretrain import main as cli
 from linnet.config import PretrainConfig
 from linnet.config import load as load_config
 from linnet.pretrain.prepare import prepare
-from linnet.commands.pretrain import main as cli
 from linnet.pretrain.runner import run
 from tests.conftest import WORDS, in_processes, word_tokenizer
 

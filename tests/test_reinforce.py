@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from linnet import cli, nest, rewards
-
 from linnet.commands import quickstart
-from linnet.config import load
 from linnet.commands.grpo import run
-from linnet.config import GRPOConfig
+from linnet.config import GRPOConfig, load
 
 torch.set_num_threads(1)
 

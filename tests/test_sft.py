@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from linnet import cli, nest
-
 from linnet.commands import quickstart
-from linnet.config import load
 from linnet.commands.sft import run
-from linnet.config import SFTConfig
+from linnet.config import SFTConfig, load
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from tests.conftest import in_processes
 from safetensors.torch import load_file
 
 from linnet import nest
@@ -19,6 +18,7 @@ from linnet.train import train
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 from linnet.train.dpo import dpo
 from linnet.train.grpo import Prompt, grpo
+from tests.conftest import in_processes
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
                                      layers=2, tied_embeddings=False)

@@ -9,11 +9,16 @@ import pytest
 import torch
 
 from linnet import nest
+from linnet.checkpoint_layout import checkpoints
 from linnet.packing import Example, pack
 from linnet.train import (
-    constant_schedule, cosine_schedule, load_checkpoint, save_checkpoint, train, wsd_schedule,
+    constant_schedule,
+    cosine_schedule,
+    load_checkpoint,
+    save_checkpoint,
+    train,
+    wsd_schedule,
 )
-from linnet.checkpoint_layout import checkpoints
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=64, layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8)

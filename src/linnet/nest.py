@@ -15,7 +15,15 @@ import os
 from typing import Any
 
 from linnet.cards import (
-    FAMILIES, REGISTRY, Card, Location, RopeScaling, card_from_config, card_from_directory, local_directory, resolve,
+    FAMILIES,
+    REGISTRY,
+    Card,
+    Location,
+    RopeScaling,
+    card_from_config,
+    card_from_directory,
+    local_directory,
+    resolve,
     weights_directory,
 )
 

@@ -8,14 +8,20 @@ reporting every training command shares (linnet.commands.runs).
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
 
 from linnet.commands.runs import (
-    MetricsLog, hold_out, load_model, open_run, optimizer_and_schedule, parse_command, split_per_step,
-    steps_factor, summarize,
+    MetricsLog,
+    hold_out,
+    load_model,
+    open_run,
+    optimizer_and_schedule,
+    parse_command,
+    split_per_step,
+    steps_factor,
+    summarize,
 )
 from linnet.config import DPOConfig
 from linnet.tables import print_table
@@ -78,17 +84,13 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
         def evaluate(step):
             return held_out_preferences(model, held_out, held_ref, s.beta, t.context_length)
 
-    log = MetricsLog(out, "dpo", steps, config.evaluation.every, evaluate, progress=config.runtime.progress)
-    t0 = time.perf_counter()
-    try:
+    with MetricsLog(out, "dpo", steps, config, evaluate) as log:
         history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
                       beta=s.beta, label_smoothing=s.label_smoothing, reference_cache=s.reference_cache,
                       tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                       keep=t.keep, on_step=log)
-    finally:
-        log.close()
-    return summarize(out, history, time.perf_counter() - t0, card=card.name, steps=steps)
+    return summarize(out, history, log, card=card.name, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:

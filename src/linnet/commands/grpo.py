@@ -8,11 +8,17 @@ training command shares (linnet.commands.runs) and the rewards of linnet.rewards
 from __future__ import annotations
 
 import math
-import time
 
 from linnet.commands.runs import (
-    MetricsLog, hold_out, load_model, open_run, optimizer_and_schedule, parse_command, split_per_step,
-    steps_factor, summarize,
+    MetricsLog,
+    hold_out,
+    load_model,
+    open_run,
+    optimizer_and_schedule,
+    parse_command,
+    split_per_step,
+    steps_factor,
+    summarize,
 )
 from linnet.config import GRPOConfig
 from linnet.tables import print_table
@@ -60,10 +66,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
         n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
         return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
 
-    log = MetricsLog(out, "grpo", steps, config.evaluation.every,
-                     held_out_metrics if sum_across([len(held_out)])[0] else None, progress=rt.progress)
-    t0 = time.perf_counter()
-    try:
+    with MetricsLog(out, "grpo", steps, config, held_out_metrics if sum_across([len(held_out)])[0] else None) as log:
         history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,
                        prompts_per_step=per_process, max_new_tokens=g.max_new_tokens,
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, iterations=g.iterations,
@@ -73,9 +76,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
                        max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * rank,
                        save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                        keep=t.keep, on_step=log)
-    finally:
-        log.close()
-    return summarize(out, history, time.perf_counter() - t0, card=card.name, steps=steps)
+    return summarize(out, history, log, card=card.name, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:

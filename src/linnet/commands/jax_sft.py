@@ -8,8 +8,6 @@ reports) trained by the JAX backend.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from linnet.commands.runs import MetricsLog, open_run, parse_command, steps_factor, summarize
@@ -64,18 +62,14 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
         sums = np.array([[float(x) for x in model.loss_packed(row, params)] for row in eval_rows])
         return {"held_out_loss": float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))}
 
-    log = MetricsLog(out, "jax sft", prepared.steps, config.evaluation.every, progress=rt.progress)
     mesh = Mesh(np.array(jax.devices()), ("data",)) if fully_shard else None
-    t0 = time.perf_counter()
-    try:
+    with MetricsLog(out, "jax sft", prepared.steps, config) as log:
         _, history = train(model, epochs_of_rows(prepared), optimizer=optax_adamw(config, prepared.steps),
-                           steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip, save_to=out / "final",
-                           checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every, keep=t.keep,
-                           mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
+                           steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip,
+                           save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
+                           keep=t.keep, mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
                            evaluate_every=config.evaluation.every, on_step=log)
-    finally:
-        log.close()
-    return summarize(out, history, time.perf_counter() - t0, card=prepared.card.name, steps=prepared.steps,
+    return summarize(out, history, log, card=prepared.card.name, steps=prepared.steps,
                      backend="jax")
 
 

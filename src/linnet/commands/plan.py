@@ -20,8 +20,23 @@ from typing import Any
 
 from linnet import cards, plan
 from linnet.plan import (
-    ACCELERATORS, BF16_BYTES, COMPARED, GPUS_PER_NODE, GRADIENT_BYTES, METHODS, NF4_BYTES, PRECISIONS,
-    SHARDED_STATES, Batch, Cluster, Method, Plan, compare, estimate, plan_inputs, sampling_memory,
+    ACCELERATORS,
+    BF16_BYTES,
+    COMPARED,
+    GPUS_PER_NODE,
+    GRADIENT_BYTES,
+    METHODS,
+    NF4_BYTES,
+    PRECISIONS,
+    SHARDED_STATES,
+    Batch,
+    Cluster,
+    Method,
+    Plan,
+    compare,
+    estimate,
+    plan_inputs,
+    sampling_memory,
 )
 from linnet.tables import count, duration, gb, money, sci
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,11 +22,11 @@ import numpy as np
 import torch
 
 from linnet.config import load, template, to_dict
-from linnet.config.groups import RuntimeConfig
 from linnet.files import write_text
 from linnet.metrics import MetricsFile
 from linnet.schedules import lambda_schedule, schedule_factor
 from linnet.torch.distributed import data_share, from_first, world
+from linnet.train.loop import start_runtime
 
 
 def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool,
@@ -52,18 +52,6 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
     if args.config is None and not args.set:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
     return args, load(config_class, args.config, args.set)
-
-
-def start_runtime(rt: RuntimeConfig) -> None:
-    """Threads, determinism and the seeds of every generator a run draws from."""
-    if rt.threads:
-        torch.set_num_threads(rt.threads)
-    if rt.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    random.seed(rt.seed)
-    np.random.seed(rt.seed)
-    torch.manual_seed(rt.seed)
 
 
 def steps_factor(config, steps: int):
@@ -147,7 +135,7 @@ def load_model(card, config):
 
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
     split = getattr(t, "split", 1)
-    start_runtime(rt)
+    start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     rank, processes = world()
     device = rt.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and processes > 1:  # one GPU a process
@@ -177,15 +165,26 @@ def load_model(card, config):
 
 
 class MetricsLog:
-    """Appends one JSON line a step to metrics.jsonl and moves the progress bar;
-    `evaluate(step) -> dict` adds held-out metrics every `every` steps and at the end
-    (the bar shows the latest of them)."""
+    """A run's `on_step`: appends one JSON line a step to metrics.jsonl and moves the
+    progress bar; `evaluate(step) -> dict` adds held-out metrics every
+    `evaluation.every` steps and at the end (the bar shows the latest of them). Use it
+    as a context: it times the run and closes the file."""
 
-    def __init__(self, out: Path, label: str, steps: int, every: int, evaluate=None, *, progress: bool = True):
+    def __init__(self, out: Path, label: str, steps: int, config, evaluate=None):
         lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
-        self.file = MetricsFile(out / "metrics.jsonl", label, steps, progress=progress) if lead else None
-        self.steps, self.every, self.evaluate = steps, every, evaluate
+        self.file = MetricsFile(out / "metrics.jsonl", label, steps, progress=config.runtime.progress) if lead else None
+        self.steps, self.every, self.evaluate = steps, config.evaluation.every, evaluate
         self.latest: dict = {}
+        self.started = self.seconds = 0.0
+
+    def __enter__(self) -> MetricsLog:
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.started
+        if self.file is not None:
+            self.file.close()
 
     def __call__(self, step) -> None:
         from linnet.history import due
@@ -199,12 +198,8 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(row, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
 
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
-
-def summarize(out: Path, history, seconds: float, **extra: Any) -> dict:
+def summarize(out: Path, history, log: MetricsLog, **extra: Any) -> dict:
     """summary.json from the whole metrics log (earlier runs of a resumed one included);
     the first process writes and returns it, the others return {}."""
     from linnet.metrics import read_metrics
@@ -216,7 +211,7 @@ def summarize(out: Path, history, seconds: float, **extra: Any) -> dict:
     summary = {
         **extra,
         "steps_this_run": len(steps),
-        "seconds": round(seconds, 1),
+        "seconds": round(log.seconds, 1),
         "first_loss": records[0]["loss"] if records else None,
         "last_loss": records[-1]["loss"] if records else None,
         "tokens_per_second": sum(x.real for x in steps) / sum(x.seconds for x in steps) if steps else None,

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from linnet.commands.runs import (
-    MetricsLog, hold_out, load_model, open_run, optimizer_and_schedule, parse_command, steps_factor, summarize,
+    MetricsLog,
+    hold_out,
+    load_model,
+    open_run,
+    optimizer_and_schedule,
+    parse_command,
+    steps_factor,
+    summarize,
 )
 from linnet.config import SFTConfig
 from linnet.tables import print_table
@@ -124,16 +130,12 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
         if prepared.eval_examples else []
     evaluate = (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) \
         if eval_rows else None
-    log = MetricsLog(out, "sft", prepared.steps, config.evaluation.every, evaluate, progress=config.runtime.progress)
-    t0 = time.perf_counter()
-    try:
+    with MetricsLog(out, "sft", prepared.steps, config, evaluate) as log:
         history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,
                         accumulate=t.accumulation, clip=config.optimizer.grad_clip, schedule=schedule,
                         save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                         keep=t.keep, on_step=log)
-    finally:
-        log.close()
-    return summarize(out, history, time.perf_counter() - t0, card=prepared.card.name, steps=prepared.steps)
+    return summarize(out, history, log, card=prepared.card.name, steps=prepared.steps)
 
 
 def main(argv: list[str] | None = None) -> int:

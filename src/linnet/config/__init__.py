@@ -3,7 +3,15 @@ each command's config (linnet.config.commands), and the machinery that reads, ch
 renders them (linnet.config.fields)."""
 
 from linnet.config.commands import (
-    COMMANDS, DPOConfig, GRPOConfig, PretrainConfig, SFTConfig, checkpoint_epochs, command_of, from_data, load,
+    COMMANDS,
+    DPOConfig,
+    GRPOConfig,
+    PretrainConfig,
+    SFTConfig,
+    checkpoint_epochs,
+    command_of,
+    from_data,
+    load,
     load_any,
 )
 from linnet.config.fields import apply_overrides, from_dict, group, option, read_yaml, template, to_dict

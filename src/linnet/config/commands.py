@@ -16,8 +16,17 @@ from typing import Any, ClassVar
 
 from linnet.config.fields import apply_overrides, from_dict, group, read_yaml, refuse_former
 from linnet.config.groups import (
-    CorpusConfig, DPOSettings, EvaluationConfig, GRPOSettings, LoraConfig, LRScheduleConfig, ModelConfig,
-    OptimizerConfig, RecordsConfig, RuntimeConfig, TrainingConfig,
+    CorpusConfig,
+    DPOSettings,
+    EvaluationConfig,
+    GRPOSettings,
+    LoraConfig,
+    LRScheduleConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RecordsConfig,
+    RuntimeConfig,
+    TrainingConfig,
 )
 
 # Former spellings, refused with the field that replaced them. Old names are not translated.
@@ -45,30 +54,37 @@ FORMER_FIELDS = {
 }
 
 
-def _fine_tuning_checks(config) -> None:
-    if not config.data.path:
-        raise ValueError(f"config: data.path is required (the records `linnet {config.command}` trains on)")
-    if config.training.context_length < 16:
-        raise ValueError(f"config: training.context_length={config.training.context_length}; a packed row needs at "
-                         "least 16 positions")
-    if config.command != "sft" and config.data.prompt is not None and len(config.data.prompt) != 1:
-        raise ValueError(f"config: data.prompt={config.data.prompt}; `linnet {config.command}` reads one prompt field")
-
-
 @dataclass
-class SFTConfig:
-    command: ClassVar[str] = "sft"
-    model: ModelConfig = group(ModelConfig, "the model to fine-tune")
+class FineTuningConfig:
+    """The groups `linnet sft`, `dpo` and `grpo` share; each adds its own."""
+
+    model: ModelConfig = group(ModelConfig, "the model to fine-tune (grpo: its engine and reference are copies)")
     data: RecordsConfig = group(RecordsConfig, "records and their formatting")
     lora: LoraConfig = group(LoraConfig, "low-rank adapters")
-    training: TrainingConfig = group(TrainingConfig, "steps, packed rows, accumulation, checkpoints, processes")
+    training: TrainingConfig = group(TrainingConfig, "steps, packed rows, checkpoints, processes")
     optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping")
     lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule")
     evaluation: EvaluationConfig = group(EvaluationConfig, "held-out evaluation")
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output")
+
+    def __post_init__(self):
+        if not self.data.path:
+            raise ValueError(f"config: data.path is required (the records `linnet {self.command}` trains on)")
+        if self.training.context_length < 16:
+            raise ValueError(f"config: training.context_length={self.training.context_length}; a packed row needs "
+                             "at least 16 positions")
+        if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
+            raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
+                             "field")
+
+
+@dataclass
+class SFTConfig(FineTuningConfig):
+    command: ClassVar[str] = "sft"
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/sft")
 
     def __post_init__(self):
-        _fine_tuning_checks(self)
+        super().__post_init__()
         t = self.training
         if t.split > 1 and (self.lora.enabled or t.shard != "none"):
             raise ValueError(f"config: training.split={t.split} splits whole models for full fine-tuning: use it "
@@ -76,38 +92,17 @@ class SFTConfig:
 
 
 @dataclass
-class DPOConfig:
+class DPOConfig(FineTuningConfig):
     command: ClassVar[str] = "dpo"
-    model: ModelConfig = group(ModelConfig, "the policy (and, before training, its own reference)")
-    data: RecordsConfig = group(RecordsConfig, "preference records; a pair's two answers share a packed row")
-    dpo: DPOSettings = group(DPOSettings, "the DPO objective")
-    lora: LoraConfig = group(LoraConfig, "low-rank adapters")
-    training: TrainingConfig = group(TrainingConfig, "steps, packed rows, checkpoints, processes")
-    optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping")
-    lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule")
-    evaluation: EvaluationConfig = group(EvaluationConfig, "held-out evaluation")
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/dpo")
-
-    def __post_init__(self):
-        _fine_tuning_checks(self)
+    dpo: DPOSettings = group(DPOSettings, "the DPO objective (a pair's two answers share a packed row)")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(FineTuningConfig):
     command: ClassVar[str] = "grpo"
-    model: ModelConfig = group(ModelConfig, "the policy (the engine and reference are copies of it)")
-    data: RecordsConfig = group(RecordsConfig, "prompt records")
-    grpo: GRPOSettings = group(GRPOSettings, "sampling, rewards and the objective")
-    lora: LoraConfig = group(LoraConfig, "low-rank adapters")
-    training: TrainingConfig = group(TrainingConfig, "steps, packed rows (a prompt + completion must fit), "
-                                                     "checkpoints, processes")
-    optimizer: OptimizerConfig = group(OptimizerConfig, "AdamW and gradient clipping")
-    lr_schedule: LRScheduleConfig = group(LRScheduleConfig, "learning-rate schedule")
-    evaluation: EvaluationConfig = group(EvaluationConfig, "held-out evaluation")
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/grpo")
-
-    def __post_init__(self):
-        _fine_tuning_checks(self)
+    grpo: GRPOSettings = group(GRPOSettings, "sampling, rewards and the objective")
 
 
 @dataclass

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from linnet.history import History, Step
+from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
-from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
-from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
 
 

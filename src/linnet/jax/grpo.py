@@ -23,14 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linnet.history import History, Step
 from linnet.jax.engine import Engine
+from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
-from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.packing import pack_prompted
-from linnet.history import History, Step
 from linnet.rollouts import (
-    Prompt, Reward, check_prompts, prompt_groups, reward_functions, sample_and_score, step_metrics)
+    Prompt,
+    Reward,
+    check_prompts,
+    prompt_groups,
+    reward_functions,
+    sample_and_score,
+    step_metrics,
+)
 
 
 def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int, sequence_level: bool):

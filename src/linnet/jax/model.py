@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
 from linnet.cards import Card
 from linnet.jax.lora import Params, add_lora, linear
+from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
 from linnet.paths import parameter_shapes
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.history import History, Step
-from linnet.jax.lora import Params
 from linnet.jax.loop import State, Update, apply_gradients, fit
+from linnet.jax.lora import Params
 from linnet.jax.model import JaxModel, loss_packed, row_arrays
 
 

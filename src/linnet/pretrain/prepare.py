@@ -35,12 +35,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from linnet.config import PretrainConfig
+from linnet.config.groups import CorpusConfig
 from linnet.data.corpus import documents, source_files
 from linnet.files import write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
-from linnet.config import PretrainConfig
-from linnet.config.groups import CorpusConfig
 from linnet.pretrain.shards import Writers
 from linnet.pretrain.tokenize import TRAINED_EOS, Batches, alive, resolve_tokenizer, tokenize_pool, tokenize_serial
 

@@ -1,17 +1,11 @@
-"""`linnet pretrain`: train a Llama decoder from a token cache, with epoch validation,
-checkpoint policies and exact resume.
+"""The pretraining run (`linnet pretrain`, linnet.commands.pretrain): train a Llama
+decoder from a token cache, with epoch validation, checkpoint policies and exact resume.
 
-    linnet prepare  --config configs/pretrain-tiny-cpu.yaml
-    linnet pretrain --config configs/pretrain-tiny-cpu.yaml
-    linnet pretrain --config runs/tiny/config.yaml --resume runs/tiny/checkpoints/step-00000480 \\
-        --set runtime.output_dir=runs/tiny-branch
-    linnet pretrain --config a.yaml --config b.yaml      # run (or finish) several experiments
-    linnet pretrain --config a.yaml --plan               # the budget table, no training
-    torchrun --nproc_per_node 2 -m linnet.cli pretrain --config configs/pretrain-tiny-cpu.yaml
+    summary = run(load(PretrainConfig, "configs/pretrain-tiny-cpu.yaml"))
 
-The step is visible below: N microbatches from the loader, backward of each summed token
-loss divided by the update's target count, then `linnet.train.loop.optimizer_step`
-(reduce across processes, clip, a non-finite norm stops, step, schedule). At the end of
+Each update is `linnet.train.loop.take_step` over this process's microbatches, read from
+the loader as they are needed: backward of each summed token loss divided by the update's
+target count, then reduce across processes, clip, step, schedule (a non-finite norm stops). At the end of
 each virtual epoch the fixed validation subset is evaluated, best.json updated, and the
 epoch's retained files written.
 
@@ -44,7 +38,6 @@ import dataclasses
 import json
 import os
 import platform
-import random
 import shutil
 import sys
 import time
@@ -55,16 +48,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from linnet import checkpoint_layout as layout
+from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.files import write_text
 from linnet.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.pretrain.budget import Budget
 from linnet.pretrain.cache import TokenCache, open_cache
-from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.pretrain.recipe import (
-    make_budget, model_card, recipe_differences, recipe_fields, recipe_identity, to_yaml,
+    make_budget,
+    model_card,
+    recipe_differences,
+    recipe_fields,
+    recipe_identity,
+    to_yaml,
 )
 from linnet.schedules import lambda_schedule, schedule_factor
-from linnet import checkpoint_layout as layout
 from linnet.train.checkpoint import verify_checkpoint
 
 CHECKPOINTS = "checkpoints"
@@ -119,8 +117,8 @@ def save_state(out: Path, *, model, optimizer, schedule, loader, progress: Progr
                fields: dict[str, Any], identity: str) -> Path | None:
     """A resumable snapshot: linnet.train.checkpoint's directory plus checksums.json,
     written last (a checkpoint without it is incomplete). First process only."""
-    from linnet.train.checkpoint import save_checkpoint
     from linnet.torch.distributed import world
+    from linnet.train.checkpoint import save_checkpoint
 
     if world()[0] != 0:
         return None
@@ -256,11 +254,11 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     an incomplete run); returns the summary written to summary.json, on every process."""
     from linnet import nest
     from linnet.pretrain.loader import Loader, Validation
+    from linnet.torch.distributed import barrier, from_first, world
     from linnet.train.checkpoint import load_checkpoint
     from linnet.train.evaluation import held_out_loss
-    from linnet.train.loop import Work, take_step, trained_parameters
+    from linnet.train.loop import Work, start_runtime, take_step, trained_parameters
     from linnet.train.optimizer import adamw
-    from linnet.torch.distributed import barrier, from_first, world
 
     m, d, t, rt = config.model, config.data, config.training, config.runtime
     rank, processes = world()
@@ -301,14 +299,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     if lead and start.clear:
         shutil.rmtree(out)
 
-    if rt.threads:
-        torch.set_num_threads(rt.threads)
-    if rt.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-    random.seed(rt.seed)
-    np.random.seed(rt.seed)
-    torch.manual_seed(rt.seed)
+    start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=rt.seed, trainable=True,
                       compile=m.compile, attention=m.attention)
     params = trained_parameters(model)

@@ -32,9 +32,8 @@ from torch.distributed.tensor import DTensor
 from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
-from linnet.torch.losses import (
-    linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs)
 from linnet.torch.lora import Linear
+from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.sharding import full
 from linnet.torch.weights import as_dtype
 

@@ -6,8 +6,8 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open

@@ -8,12 +8,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from linnet import packing
-from linnet.packing import Example, Packed
-from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 from linnet.history import History, Step
-from linnet.train.loop import train
-from linnet.torch.distributed import clip_gradients, reduce_gradients
+from linnet.packing import Example, Packed
 from linnet.schedules import constant_schedule, cosine_schedule, wsd_schedule
+from linnet.torch.distributed import clip_gradients, reduce_gradients
+from linnet.train.checkpoint import load_checkpoint, save_checkpoint
+from linnet.train.loop import train
 
 __all__ = [
     "Example", "History", "Packed", "Step", "clip_gradients", "constant_schedule",

@@ -128,7 +128,12 @@ def _load_parts(path: Path, model, optimizer) -> None:
     """Read `path`/sharded into the model (sharded or whole) and the optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     options = StateDictOptions(ignore_frozen_params=True)
     saved = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.torch.attention import document_ids, shares_prompts
-from linnet.history import History, Step
-from linnet.train.loop import Work, fit, trained_parameters
 from linnet.torch.distributed import idle_passes, passes_short, sum_across
+from linnet.train.loop import Work, fit, trained_parameters
 
 
 def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0):

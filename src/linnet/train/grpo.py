@@ -29,15 +29,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from linnet.packing import pack_prompted
-from linnet.torch.attention import shares_prompts
-from linnet.rollouts import (
-    Prompt, Reward, check_prompts, pass_at_k, prompt_groups, reward_functions, sample_and_score, score, step_metrics,
-)
-from linnet.train.grpo_loss import grpo_loss
 from linnet.history import History, Step
-from linnet.train.loop import Work, fit
+from linnet.packing import pack_prompted
+from linnet.rollouts import (
+    Prompt,
+    Reward,
+    check_prompts,
+    pass_at_k,
+    prompt_groups,
+    reward_functions,
+    sample_and_score,
+    score,
+    step_metrics,
+)
+from linnet.torch.attention import shares_prompts
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
+from linnet.train.grpo_loss import grpo_loss
+from linnet.train.loop import Work, fit
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
 

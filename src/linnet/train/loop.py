@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from linnet.history import History, Step, due, step_items
@@ -59,6 +61,19 @@ class Work:
     idle: Callable[[], None] | None = None
     iterations: int = 1
     group: Any = None
+
+
+def start_runtime(seed: int, *, threads: int | None = None, deterministic: bool = False) -> None:
+    """A run's threads, determinism and the seeds of every generator it draws from
+    (torch, NumPy's and Python's global ones)."""
+    if threads:
+        torch.set_num_threads(threads)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
