@@ -18,6 +18,7 @@ a thin layer over library functions.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # name -> module of linnet.commands; each has main(argv) -> exit code.
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"linnet {name}: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `linnet info CARD | head` stopped reading: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

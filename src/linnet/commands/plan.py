@@ -276,7 +276,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
 
 def _pretrain_vocab(config) -> int:
     """The vocabulary a pretraining config's model gets: model.vocab, else its prepared
-    cache's, else the BPE it would train."""
+    cache's, else its tokenizer's (a card's, or a tokenizer.json), else the BPE it would
+    train."""
     from pathlib import Path
 
     from linnet.pretrain.cache import read_manifest
@@ -287,8 +288,16 @@ def _pretrain_vocab(config) -> int:
         return read_manifest(config.data.cache)["vocab_size"]
     if config.data.tokenizer is None:
         return config.data.vocab_size
-    raise ValueError(f"{config.data.cache}: no prepared cache to take the vocabulary from; run `linnet prepare` "
-                     "first, or set model.vocab")
+    if config.data.tokenizer in cards.REGISTRY:
+        return cards.REGISTRY[config.data.tokenizer].vocab
+    path = Path(config.data.tokenizer)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    if path.is_file():
+        import tokenizers
+
+        return tokenizers.Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    raise ValueError(f"data.tokenizer={config.data.tokenizer!r}: not a card, a tokenizer.json or a directory holding "
+                     "one, and no prepared cache gives the vocabulary; run `linnet prepare` first, or set model.vocab")
 
 
 def main(argv: list[str] | None = None) -> int:
