@@ -173,7 +173,7 @@ LINEAR_MARK = "plan_vs_measured.Linear"
 def mark_linears(model, torch) -> None:
     """Wrap every linnet `Linear` call in a profiler range, so the casts its forward makes
     of its own weights can be told from activations (forward hooks: no effect on autograd)."""
-    from linnet.torch.lora import Linear
+    from linnet.torch.model import Linear
 
     def enter(module, _inputs):
         module._bench_range = torch.profiler.record_function(LINEAR_MARK)

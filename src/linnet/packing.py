@@ -110,6 +110,12 @@ class Packed:
         return int((np.asarray(self.weights) > 0).sum())
 
 
+def segments(bounds) -> np.ndarray:
+    """[P] the document index of each position of a row with document offsets `bounds`."""
+    bounds = np.asarray(bounds)
+    return np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+
+
 @dataclass(frozen=True)
 class _Document:
     """Tokens placed in a row as one document: learned flags, the first position, and

@@ -77,7 +77,7 @@ def epochs_of_rows(prepared: Prepared):
 
 
 def _all_rows(prepared: Prepared):
-    from linnet.train import pack
+    from linnet.packing import pack
 
     d, seed = prepared.config.data, prepared.config.runtime.seed
     epoch = 0
@@ -117,7 +117,8 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
 
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
     """Fine-tune as `config` says; returns the summary written to summary.json."""
-    from linnet.train import pack, train
+    from linnet.packing import pack
+    from linnet.train import train
     from linnet.train.evaluation import held_out_loss
 
     prepared = prepare(config)  # data errors before anything is written

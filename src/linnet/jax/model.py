@@ -25,6 +25,7 @@ import numpy as np
 from linnet.cards import Card
 from linnet.jax.lora import Params, add_lora, linear
 from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
+from linnet.packing import segments
 from linnet.paths import parameter_shapes
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
@@ -48,7 +49,7 @@ def row_arrays(batch) -> dict[str, np.ndarray]:
     arrays = {name: np.asarray(getattr(batch, name)) for name in ("tokens", "targets", "positions")}
     arrays["weights"] = np.asarray(batch.weights, dtype=np.float32)
     lengths = np.diff(bounds)
-    arrays["segments"] = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    arrays["segments"] = segments(bounds).astype(np.int32)
     prefix = getattr(batch, "prefix", None)
     prefix = np.full(len(lengths), -1) if prefix is None else np.asarray(prefix)
     arrays["shared"] = np.repeat(prefix, lengths).astype(np.int32)

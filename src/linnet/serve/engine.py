@@ -48,8 +48,7 @@ import torch.nn.functional as F
 from linnet.adapter_files import ADAPTER_SUFFIXES
 from linnet.rollouts import Completion
 from linnet.torch import attention as attention_paths
-from linnet.torch.lora import Linear
-from linnet.torch.model import Decoder, rotate
+from linnet.torch.model import Decoder, Linear, rotate
 from linnet.torch.sharding import full
 
 

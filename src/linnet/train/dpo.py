@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from linnet.history import History, Step
-from linnet.packing import Pair, check_pairs, pack_prompted
-from linnet.torch.attention import document_ids, shares_prompts
+from linnet.packing import Pair, check_pairs, pack_prompted, segments
 from linnet.torch.distributed import idle_passes, passes_short, sum_across
 from linnet.train.loop import Work, fit, trained_parameters
 
@@ -44,7 +43,7 @@ def answer_log_probs(model, row) -> torch.Tensor:
     (documents without learned tokens, a shared prompt or the padding, are skipped)."""
     logp = model.log_probs_packed(row)
     bounds = row.bounds.tolist()
-    docs = document_ids(bounds, logp.device)
+    docs = torch.as_tensor(segments(bounds), device=logp.device)
     weights = torch.as_tensor(np.asarray(row.weights), device=logp.device)
     sums = torch.zeros(len(bounds) - 1, dtype=logp.dtype, device=logp.device)
     answers = np.flatnonzero(np.add.reduceat(np.asarray(row.weights), bounds[:-1]) > 0)
@@ -54,7 +53,7 @@ def answer_log_probs(model, row) -> torch.Tensor:
 def _rows(pairs: Sequence[Pair], tokens: int, *models):
     """Each pair's prompt once, its two answers attending to it, where every model's
     attention path takes shared prompts."""
-    share = all(hasattr(m, "attention") and shares_prompts(m.attention, m.device) for m in models if m is not None)
+    share = all(getattr(m, "shares_prompts", False) for m in models if m is not None)
     return pack_prompted(((p.prompt, (p.chosen, p.rejected)) for p in pairs), tokens, share=share)
 
 

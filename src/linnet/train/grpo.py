@@ -42,7 +42,7 @@ from linnet.rollouts import (
     score,
     step_metrics,
 )
-from linnet.torch.attention import shares_prompts
+from linnet.tables import print_table
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 from linnet.train.grpo_loss import grpo_loss
 from linnet.train.loop import Work, fit
@@ -151,7 +151,7 @@ def grpo(
         raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
                          "no top_k or top_p")
     # a prompt once a row, its completions attending to it, where the attention path allows
-    share = all(shares_prompts(m.attention, m.device) for m in (policy, reference) if m is not None)
+    share = all(m.shares_prompts for m in (policy, reference) if m is not None)
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
@@ -256,5 +256,4 @@ def _print_batch_table(prompts_per_step: int, group: int, max_new_tokens: int, t
         ("completion tokens per step", f"at most {completions * max_new_tokens:,}"),
         ("micro-batch", f"packed rows of {tokens:,} positions ({layout})"),
     ]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows), file=sys.stderr)
+    print_table(rows, file=sys.stderr)
