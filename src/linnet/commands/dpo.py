@@ -12,17 +12,7 @@ import math
 import numpy as np
 import torch
 
-from linnet.commands.runs import (
-    MetricsLog,
-    hold_out,
-    load_model,
-    open_run,
-    optimizer_and_schedule,
-    parse_command,
-    split_per_step,
-    steps_factor,
-    summarize,
-)
+from linnet.commands import runs
 from linnet.config import DPOConfig
 from linnet.tables import print_table
 from linnet.torch.distributed import process_group, sum_across, world
@@ -41,14 +31,14 @@ def prepare(config: DPOConfig):
     if d.eval_path:
         held_out = pairs_from_records(read_records(d.eval_path), tokenizer, **fields)
     else:
-        pairs, held_out = hold_out(pairs, d.eval_share, config.runtime.seed)
+        pairs, held_out = runs.hold_out(pairs, d.eval_share, config.runtime.seed)
     for i, p in enumerate(pairs + held_out):
         need = 2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
         if need > t.context_length:
             raise ValueError(f"{d.path}: pair {i} needs {need} positions (the prompt twice and both answers), "
                              f"more than a row of {t.context_length}; raise training.context_length")
     steps = t.steps or max(1, math.ceil(t.epochs * len(pairs) / config.dpo.pairs_per_step))
-    steps_factor(config, steps)
+    runs.steps_factor(config, steps)
     return card, pairs, held_out, steps
 
 
@@ -71,12 +61,12 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
 
     card, pairs, held_out, steps = prepare(config)
     t, s = config.training, config.dpo
-    per_process = split_per_step("dpo.pairs_per_step", s.pairs_per_step)
+    per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step)
     rank, processes = world()
     pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
-    out = open_run(config, overwrite=overwrite, resume=resume)
-    model = load_model(card, config)
-    optimizer, schedule = optimizer_and_schedule(config, model, steps)
+    out = runs.open_run(config, overwrite=overwrite, resume=resume)
+    model = runs.load_model(card, config)
+    optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
     evaluate = None
     if sum_across([len(held_out)])[0]:
         held_ref = reference_log_probs(model, held_out, tokens=t.context_length)  # before any step: the reference
@@ -84,17 +74,17 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
         def evaluate(step):
             return held_out_preferences(model, held_out, held_ref, s.beta, t.context_length)
 
-    with MetricsLog(out, "dpo", steps, config, evaluate) as log:
+    with runs.MetricsLog(out, "dpo", steps, config, evaluate) as log:
         history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
                       beta=s.beta, label_smoothing=s.label_smoothing, reference_cache=s.reference_cache,
                       tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                       keep=t.keep, on_step=log)
-    return summarize(out, history, log, card=card.name, steps=steps)
+    return runs.summarize(out, history, log, card=card.name, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, config = parse_command(argv, "linnet dpo", "Direct preference optimization from a YAML config.",
+    args, config = runs.parse_command(argv, "linnet dpo", "Direct preference optimization from a YAML config.",
                                  DPOConfig, training=True)
     if config is not None:
         with process_group():

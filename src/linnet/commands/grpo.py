@@ -9,17 +9,7 @@ from __future__ import annotations
 
 import math
 
-from linnet.commands.runs import (
-    MetricsLog,
-    hold_out,
-    load_model,
-    open_run,
-    optimizer_and_schedule,
-    parse_command,
-    split_per_step,
-    steps_factor,
-    summarize,
-)
+from linnet.commands import runs
 from linnet.config import GRPOConfig
 from linnet.tables import print_table
 from linnet.torch.distributed import process_group, sum_across, world
@@ -40,19 +30,19 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
     if d.eval_path:
         held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
     else:
-        prompts, held_out = hold_out(prompts, d.eval_share, rt.seed)
+        prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
     steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
-    steps_factor(config, steps)
-    per_process = split_per_step("grpo.prompts_per_step", g.prompts_per_step)
+    runs.steps_factor(config, steps)
+    per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step)
     rank, processes = world()
     prompts, held_out = prompts[rank::processes], held_out[rank::processes]  # this process's share
-    out = open_run(config, overwrite=overwrite, resume=resume)
-    policy = load_model(card, config)
+    out = runs.open_run(config, overwrite=overwrite, resume=resume)
+    policy = runs.load_model(card, config)
     engine = Engine(nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed))
     reference = None
     if g.beta:
         reference = nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed)
-    optimizer, schedule = optimizer_and_schedule(config, policy, steps)
+    optimizer, schedule = runs.optimizer_and_schedule(config, policy, steps)
     names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
 
     def held_out_metrics(step):
@@ -66,7 +56,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
         n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
         return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
 
-    with MetricsLog(out, "grpo", steps, config, held_out_metrics if sum_across([len(held_out)])[0] else None) as log:
+    with runs.MetricsLog(out, "grpo", steps, config, held_out_metrics if sum_across([len(held_out)])[0] else None) as log:
         history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,
                        prompts_per_step=per_process, max_new_tokens=g.max_new_tokens,
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, iterations=g.iterations,
@@ -76,11 +66,11 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
                        max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * rank,
                        save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                        keep=t.keep, on_step=log)
-    return summarize(out, history, log, card=card.name, steps=steps)
+    return runs.summarize(out, history, log, card=card.name, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, config = parse_command(argv, "linnet grpo", "GRPO from a YAML config.", GRPOConfig, training=True)
+    args, config = runs.parse_command(argv, "linnet grpo", "GRPO from a YAML config.", GRPOConfig, training=True)
     if config is not None:
         with process_group():
             print_table(run(config, overwrite=args.overwrite, resume=args.resume))

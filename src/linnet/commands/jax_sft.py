@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from linnet.commands.runs import MetricsLog, open_run, parse_command, steps_factor, summarize
+from linnet.commands import runs
 from linnet.commands.sft import epochs_of_rows, prepare
 from linnet.config import SFTConfig
 from linnet.tables import print_table
@@ -25,7 +25,7 @@ def optax_adamw(config: SFTConfig, steps: int):
     import optax
 
     o = config.optimizer
-    factor = steps_factor(config, steps)
+    factor = runs.steps_factor(config, steps)
     table = jnp.asarray([o.lr * factor(step) for step in range(steps + 1)], jnp.float32)
     return optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
         learning_rate=lambda count: table[jnp.minimum(count, steps)], b1=o.betas[0], b2=o.betas[1], eps=o.eps,
@@ -51,7 +51,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
                              "itself, compiles every step, attends with one masked path, has no adapter dropout "
                              "and shards with --fully-shard")
     prepared = prepare(config)
-    out = open_run(config, overwrite=overwrite, resume=resume)
+    out = runs.open_run(config, overwrite=overwrite, resume=resume)
     model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, dora=lora.dora,
@@ -63,18 +63,18 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
         return {"held_out_loss": float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))}
 
     mesh = Mesh(np.array(jax.devices()), ("data",)) if fully_shard else None
-    with MetricsLog(out, "jax sft", prepared.steps, config) as log:
+    with runs.MetricsLog(out, "jax sft", prepared.steps, config) as log:
         _, history = train(model, epochs_of_rows(prepared), optimizer=optax_adamw(config, prepared.steps),
                            steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip,
                            save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                            keep=t.keep, mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
                            evaluate_every=config.evaluation.every, on_step=log)
-    return summarize(out, history, log, card=prepared.card.name, steps=prepared.steps,
+    return runs.summarize(out, history, log, card=prepared.card.name, steps=prepared.steps,
                      backend="jax")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, config = parse_command(argv, "linnet jax", "The `linnet sft` run, trained by the JAX backend.", SFTConfig,
+    args, config = runs.parse_command(argv, "linnet jax", "The `linnet sft` run, trained by the JAX backend.", SFTConfig,
                                  training=True, flags=[
                                      ("--fully-shard", "data-parallel over every local device, parameters, "
                                                        "gradients and optimizer state split across them"),

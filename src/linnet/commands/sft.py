@@ -15,16 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from linnet.commands.runs import (
-    MetricsLog,
-    hold_out,
-    load_model,
-    open_run,
-    optimizer_and_schedule,
-    parse_command,
-    steps_factor,
-    summarize,
-)
+from linnet.commands import runs
 from linnet.config import SFTConfig
 from linnet.tables import print_table
 from linnet.torch.distributed import data_share, process_group
@@ -59,12 +50,12 @@ def prepare(config: SFTConfig) -> Prepared:
     if d.eval_path:
         held_out = load_examples(d.eval_path, **read)
     else:
-        examples, held_out = hold_out(examples, d.eval_share, config.runtime.seed)
+        examples, held_out = runs.hold_out(examples, d.eval_share, config.runtime.seed)
     if not examples:
         raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
     rows = count_rows(examples, t.context_length)
     steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.split)[1])))
-    steps_factor(config, steps)  # a schedule that cannot fit fails now
+    runs.steps_factor(config, steps)  # a schedule that cannot fit fails now
     return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
 
 
@@ -122,25 +113,25 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
     from linnet.train.evaluation import held_out_loss
 
     prepared = prepare(config)  # data errors before anything is written
-    out = open_run(config, overwrite=overwrite, resume=resume)
+    out = runs.open_run(config, overwrite=overwrite, resume=resume)
     t = config.training
-    model = load_model(prepared.card, config)
-    optimizer, schedule = optimizer_and_schedule(config, model, prepared.steps)
+    model = runs.load_model(prepared.card, config)
+    optimizer, schedule = runs.optimizer_and_schedule(config, model, prepared.steps)
     share, shares = data_share(t.split)
     eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
     evaluate = (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) \
         if eval_rows else None
-    with MetricsLog(out, "sft", prepared.steps, config, evaluate) as log:
+    with runs.MetricsLog(out, "sft", prepared.steps, config, evaluate) as log:
         history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,
                         accumulate=t.accumulation, clip=config.optimizer.grad_clip, schedule=schedule,
                         save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                         keep=t.keep, on_step=log)
-    return summarize(out, history, log, card=prepared.card.name, steps=prepared.steps)
+    return runs.summarize(out, history, log, card=prepared.card.name, steps=prepared.steps)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, config = parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config (under "
+    args, config = runs.parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config (under "
                                  "torchrun, each process trains on its share of the rows).", SFTConfig,
                                  training=True)
     if config is not None:
