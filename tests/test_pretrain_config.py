@@ -9,8 +9,10 @@ import pytest
 
 from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.config import load as load_config
+from linnet.config.fields import differences as recipe_differences
+from linnet.config.fields import identity as recipe_identity
 from linnet.pretrain.budget import epoch_boundaries, plan_budget
-from linnet.pretrain.recipe import recipe_differences, recipe_fields, recipe_identity
+from linnet.pretrain.recipe import recipe_fields
 
 
 def load(path, overrides=()):

@@ -74,8 +74,9 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
     whole = run(_config(workspace, tmp_path / "whole", steps=8))
     out = tmp_path / "run"
     run(_config(workspace, out, steps=8))
-    # as if killed after step 6: only step 5's checkpoint and five metrics lines remain
+    # as if killed after step 6: only step 5's checkpoint and five metrics lines remain, no summary
     shutil.rmtree(out / "checkpoints" / "step-00000008")
+    (out / "summary.json").unlink()
     lines = (out / "metrics.jsonl").read_text().splitlines()[:5]
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     again = run(_config(workspace, out, steps=8), resume=True)
@@ -182,6 +183,7 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
     if shard == "fsdp":  # killed after step 4: step 3's parts and three metrics lines remain; --resume finishes alike
         shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-00000006")
+        (tmp_path / "two" / "summary.json").unlink()
         metrics = tmp_path / "two" / "metrics.jsonl"
         metrics.write_text("\n".join(metrics.read_text().splitlines()[:3]) + "\n")
         args = common + [f"runtime.output_dir={tmp_path / 'two'}", "training.accumulation=1", f"training.shard={shard}"]

@@ -1,15 +1,32 @@
 """Writing files so that a crash at any instant leaves either the old file or the new
-one, never a torn one: write beside the target under a temporary name, then rename.
-And their checksums, to tell a damaged file from a good one."""
+one, never a torn one: write beside the target under a temporary name, then rename. Their
+checksums, to tell a damaged file from a good one; the leftovers a killed write leaves,
+and how a run directory is set aside while a new run replaces it.
+
+Every temporary name starts with a dot and holds `.tmp` (a file or directory being
+written) or `.old-` / `.replaced-` (one being swapped out), so `remove_leftovers` can tell
+them from what a run keeps.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+TEMPORARY = (".tmp", ".old-", ".replaced-")
+
+
+def _ordinary_permissions(path: str | os.PathLike) -> None:
+    """A published file gets the permissions an ordinary write would give it (mkstemp
+    makes its files private to their owner)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 @contextlib.contextmanager
@@ -21,6 +38,7 @@ def atomic_path(target: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _ordinary_permissions(tmp)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -39,3 +57,98 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def fingerprint(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, or of a directory's files (names and bytes, in
+    sorted order): what a resumed run compares to know its data did not change."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(file.relative_to(path).as_posix().encode() + b"\0" + sha256_file(file).encode())
+    return h.hexdigest()
+
+
+def is_leftover(path: Path) -> bool:
+    return path.name.startswith(".") and any(mark in path.name for mark in TEMPORARY)
+
+
+def remove_leftovers(*directories: str | os.PathLike) -> list[Path]:
+    """Delete what interrupted writes left in `directories` (not below them): temporary
+    files and directories (see the module docstring). Call it only where no other
+    process writes. Returns what it removed."""
+    removed = []
+    for directory in map(Path, directories):
+        if not directory.is_dir():
+            continue
+        for path in directory.iterdir():
+            if is_leftover(path):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                removed.append(path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process not yet reaped by its parent is a zombie: dead to us
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def recover_set_aside(path: str | os.PathLike) -> None:
+    """Settle what a killed replacement left beside `path` (see SetAside): a run set aside
+    by a process that is gone comes back if the new run never took a step (no metrics
+    row), and is deleted otherwise."""
+    path = Path(path)
+    for aside in path.parent.glob(f".{path.name}.replaced-*"):
+        pid = aside.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or process_alive(int(pid)):
+            continue
+        metrics = path / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().strip():
+            shutil.rmtree(aside)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(aside, path)
+
+
+class SetAside:
+    """A directory moved out of the way of a new one that replaces it: `restore()` puts it
+    back (the new one failed to start), `drop()` deletes it (the new one started)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.aside = self.path.parent / f".{self.path.name}.replaced-{os.getpid()}"
+        os.rename(self.path, self.aside)
+
+    def restore(self) -> None:
+        if self.aside.exists():
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.rename(self.aside, self.path)
+
+    def drop(self) -> None:
+        shutil.rmtree(self.aside, ignore_errors=True)
+
+
+def check_writable(directory: str | os.PathLike, what: str) -> None:
+    """Refuse an output directory that cannot be made or written: a file, under a file,
+    or without write permission. Reads only."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path}: {what} is a file, not a directory; choose another {what}")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{path}: {existing} is a file, so {what} cannot be made under it; choose another {what}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: {existing} is not writable; choose another {what}")

@@ -36,14 +36,25 @@ class MetricsFile:
 
 
 def read_metrics(run: str | os.PathLike, *, missing_ok: bool = False) -> list[dict]:
-    """The rows of a run directory's metrics.jsonl (or of that file itself)."""
+    """The rows of a run directory's metrics.jsonl (or of that file itself); a torn last
+    line, the trace of a killed write, is left out."""
     path = Path(run)
     path = path / FILE if path.is_dir() or path.suffix != ".jsonl" else path
     if not path.is_file():
         if missing_ok:
             return []
         raise FileNotFoundError(f"{path}: no metrics; is {run} a linnet run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for number, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number == len(lines):  # a write cut short by a kill: the step it began is not kept
+                break
+            raise ValueError(f"{path} line {number}: not a JSON row ({line[:40]!r}…); the metrics file is "
+                             "damaged there") from None
+    return rows
 
 
 def keep_metrics(source: str | os.PathLike, target: str | os.PathLike, step: int) -> None:

@@ -64,7 +64,9 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
     per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step)
     rank, processes = world()
     pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
-    out = runs.open_run(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    if run.complete is not None:
+        return run.complete
     model = runs.load_model(card, config)
     optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
     evaluate = None
@@ -74,13 +76,13 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
         def evaluate(step):
             return held_out_preferences(model, held_out, held_ref, s.beta, t.context_length)
 
-    with runs.MetricsLog(out, "dpo", steps, config, evaluate) as log:
+    with run.open() as out, runs.MetricsLog(run, "dpo", steps, config, evaluate) as log:
         history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
                       beta=s.beta, label_smoothing=s.label_smoothing, reference_cache=s.reference_cache,
                       tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                       keep=t.keep, on_step=log)
-    return runs.summarize(out, history, log, card=card.name, steps=steps)
+    return runs.summarize(run, history, log, card=card.name, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:

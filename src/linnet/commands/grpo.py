@@ -36,7 +36,9 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
     per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step)
     rank, processes = world()
     prompts, held_out = prompts[rank::processes], held_out[rank::processes]  # this process's share
-    out = runs.open_run(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    if run.complete is not None:
+        return run.complete
     policy = runs.load_model(card, config)
     engine = Engine(nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed))
     reference = None
@@ -56,7 +58,8 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
         n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
         return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
 
-    with runs.MetricsLog(out, "grpo", steps, config, held_out_metrics if sum_across([len(held_out)])[0] else None) as log:
+    judge = held_out_metrics if sum_across([len(held_out)])[0] else None
+    with run.open() as out, runs.MetricsLog(run, "grpo", steps, config, judge) as log:
         history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,
                        prompts_per_step=per_process, max_new_tokens=g.max_new_tokens,
                        temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, iterations=g.iterations,
@@ -66,7 +69,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
                        max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * rank,
                        save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                        keep=t.keep, on_step=log)
-    return runs.summarize(out, history, log, card=card.name, steps=steps)
+    return runs.summarize(run, history, log, card=card.name, steps=steps)
 
 
 def main(argv: list[str] | None = None) -> int:

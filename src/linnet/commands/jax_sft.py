@@ -51,7 +51,9 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
                              "itself, compiles every step, attends with one masked path, has no adapter dropout "
                              "and shards with --fully-shard")
     prepared = prepare(config)
-    out = runs.open_run(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    if run.complete is not None:
+        return run.complete
     model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, dora=lora.dora,
@@ -63,14 +65,13 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
         return {"held_out_loss": float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))}
 
     mesh = Mesh(np.array(jax.devices()), ("data",)) if fully_shard else None
-    with runs.MetricsLog(out, "jax sft", prepared.steps, config) as log:
+    with run.open() as out, runs.MetricsLog(run, "jax sft", prepared.steps, config) as log:
         _, history = train(model, epochs_of_rows(prepared), optimizer=optax_adamw(config, prepared.steps),
                            steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip,
                            save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                            keep=t.keep, mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
                            evaluate_every=config.evaluation.every, on_step=log)
-    return runs.summarize(out, history, log, card=prepared.card.name, steps=prepared.steps,
-                     backend="jax")
+    return runs.summarize(run, history, log, card=prepared.card.name, steps=prepared.steps, backend="jax")
 
 
 def main(argv: list[str] | None = None) -> int:

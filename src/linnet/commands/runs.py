@@ -11,21 +11,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from linnet import checkpoint_layout as layout
 from linnet.config import load, template, to_dict
-from linnet.files import write_text
-from linnet.metrics import MetricsFile
+from linnet.config.fields import differences, flatten, identity
+from linnet.files import SetAside, check_writable, fingerprint, recover_set_aside, remove_leftovers, write_text
+from linnet.metrics import MetricsFile, keep_metrics
 from linnet.schedules import lambda_schedule, schedule_factor
-from linnet.torch.distributed import data_share, from_first, world
+from linnet.torch.distributed import barrier, data_share, from_first, world
 from linnet.train.loop import start_runtime
 
 
@@ -80,25 +82,6 @@ def hold_out(items: list, share: float, seed: int) -> tuple[list, list]:
     return [items[i] for i in sorted(order[n:])], [items[i] for i in order[:n]]
 
 
-def _output_directory(path: Path, config_json: str, *, overwrite: bool, resume: bool) -> None:
-    """Refuse to write into a used run directory unless told to replace or resume it;
-    a resumed run must have the same config."""
-    if path.exists() and any(path.iterdir()):
-        if overwrite:
-            shutil.rmtree(path)
-        elif not resume:
-            raise ValueError(
-                f"{path}: the run directory exists and is not empty; pass --resume to continue "
-                "that run from its latest checkpoint, or --overwrite to replace it"
-            )
-        elif (path / "config.json").is_file() and (path / "config.json").read_text() != config_json:
-            raise ValueError(
-                f"{path / 'config.json'}: the run was started with another config; resume it with "
-                "the same config, or start a new run directory"
-            )
-    path.mkdir(parents=True, exist_ok=True)
-
-
 def split_per_step(name: str, per_step: int) -> int:
     """A step's items for this process: `per_step` split evenly over the processes."""
     processes = world()[1]
@@ -108,22 +91,116 @@ def split_per_step(name: str, per_step: int) -> int:
     return per_step // processes
 
 
-def open_run(config: Any, *, overwrite: bool, resume: bool) -> Path:
-    """Create (or reopen, with resume) the run directory and write its config.json; the
-    first process does, and every process gets its refusal."""
-    out = Path(config.runtime.output_dir)
-    config_json = json.dumps(to_dict(config), indent=2) + "\n"
-    refusal = None
-    if world()[0] == 0:
+# Fields that never change what a fine-tuning run learns: where it runs and what it keeps.
+# The data files' contents stand for their paths, so data may move between sessions.
+RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress",
+                        "training.checkpoint_every", "training.keep", "evaluation.every", "data.path",
+                        "data.eval_path", "dpo.reference_cache"})
+
+
+def recipe(config) -> dict[str, Any]:
+    """The flat fields that decide what a run learns, with its data files' fingerprints."""
+    fields = {k: v for k, v in flatten(to_dict(config)).items() if k not in RUN_FIELDS}
+    fields["data.fingerprint"] = fingerprint(config.data.path)
+    if config.data.eval_path:
+        fields["data.eval_fingerprint"] = fingerprint(config.data.eval_path)
+    return dict(sorted(fields.items()))
+
+
+class RunDirectory:
+    """Where a fine-tuning run writes (`runtime.output_dir`), checked before anything is
+    written: a new or empty directory starts the run; `resume` continues a run of the
+    same command, config and data from its latest checkpoint (a complete one only gives
+    back its summary); `overwrite` replaces a linnet run, setting it aside until the new
+    run has taken its first step (restored if the new run fails first). Nothing else is
+    touched: a directory that holds no linnet run is refused.
+
+        run = RunDirectory(config, overwrite=False, resume=True)    # checks; reads only
+        with run.open() as out:                                      # writes
+            ...                                                      # run.started() after step 1
+    """
+
+    def __init__(self, config, *, overwrite: bool, resume: bool):
+        if overwrite and resume:
+            raise ValueError("--resume continues the run in runtime.output_dir and --overwrite replaces it; give "
+                             "one of them")
+        self.config, self.overwrite, self.resume = config, overwrite, resume
+        self.path = Path(config.runtime.output_dir)
+        self.complete: dict | None = None  # the summary of a run already finished
+        self.step = 0  # the step of the checkpoint the run resumes from
+        self.aside: SetAside | None = None
+        state = None
+        if world()[0] == 0:
+            try:
+                self.recipe = recipe(config)
+                state = self._check()
+            except (ValueError, OSError) as e:
+                state = str(e)
+        state = from_first(state)
+        if isinstance(state, str):
+            raise ValueError(state)
+        self.complete, self.step = state
+
+    def _check(self) -> tuple[dict | None, int]:
+        """(a complete run's summary, the step to resume from); refusals raise. Reads only."""
+        command, path = self.config.command, self.path
+        check_writable(path, "runtime.output_dir")
+        recover_set_aside(path)
+        if not (path.is_dir() and any(path.iterdir())):
+            return None, 0
+        run_file = path / "run.json"
+        if not (self.resume or self.overwrite):
+            raise ValueError(f"{path}: the run directory exists and is not empty; pass --resume to continue that "
+                             "run from its latest checkpoint, or --overwrite to replace it")
+        if not run_file.is_file():
+            raise ValueError(f"{path}: holds files but no linnet run (no run.json); refusing to "
+                             f"{'replace' if self.overwrite else 'resume'} it: choose another runtime.output_dir")
+        saved = json.loads(run_file.read_text())
+        if self.overwrite:
+            return None, 0
+        if saved.get("command") != command:
+            raise ValueError(f"{run_file}: a `linnet {saved.get('command', 'pretrain')}` run, not a "
+                             f"`linnet {command}` one; resume it with its own command, or choose another "
+                             "runtime.output_dir")
+        changed = differences(saved["recipe"], self.recipe, ("run", "now"))
+        if changed:
+            raise ValueError(f"{run_file}: the run learned from another config or data; differing: "
+                             f"{'; '.join(changed)}. Resume with the run's own config ({path / 'config.json'}) and "
+                             "data, or start a new runtime.output_dir")
+        if (path / "summary.json").is_file():
+            return json.loads((path / "summary.json").read_text()), 0
+        found = layout.find_checkpoint(path / "checkpoints")
+        return None, int(found.name.removeprefix(layout.PREFIX)) if found is not None else 0
+
+    @contextmanager
+    def open(self):
+        """Write the run's files: set aside a run it replaces, clear what killed writes left,
+        keep metrics.jsonl up to the resumed step, write config.json and run.json. A failure
+        inside the block before `started()` restores a run it replaced."""
+        if world()[0] == 0:
+            if self.overwrite and self.path.is_dir() and any(self.path.iterdir()):
+                self.aside = SetAside(self.path)
+            self.path.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(self.path, self.path / "checkpoints", self.path / "final")
+            keep_metrics(self.path / "metrics.jsonl", self.path / "metrics.jsonl", self.step)
+            write_text(self.path / "config.json", json.dumps(to_dict(self.config), indent=2) + "\n")
+            record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe}
+            write_text(self.path / "run.json", json.dumps(record, indent=1) + "\n")
+        barrier()
         try:
-            _output_directory(out, config_json, overwrite=overwrite, resume=resume)
-            write_text(out / "config.json", config_json)
-        except ValueError as e:
-            refusal = str(e)
-    refusal = from_first(refusal)
-    if refusal:
-        raise ValueError(refusal)
-    return out
+            yield self.path
+        except BaseException:
+            if self.aside is not None:
+                self.aside.restore()
+                self.aside = None
+            raise
+        self.started()
+
+    def started(self) -> None:
+        """The new run took its first step: a run it replaces goes for good."""
+        if self.aside is not None:
+            self.aside.drop()
+            self.aside = None
 
 
 def load_model(card, config):
@@ -165,14 +242,16 @@ def load_model(card, config):
 
 
 class MetricsLog:
-    """A run's `on_step`: appends one JSON line a step to metrics.jsonl and moves the
-    progress bar; `evaluate(step) -> dict` adds held-out metrics every
+    """A run's `on_step`: appends one JSON line a step to the run's metrics.jsonl and
+    moves the progress bar; `evaluate(step) -> dict` adds held-out metrics every
     `evaluation.every` steps and at the end (the bar shows the latest of them). Use it
     as a context: it times the run and closes the file."""
 
-    def __init__(self, out: Path, label: str, steps: int, config, evaluate=None):
+    def __init__(self, run: RunDirectory, label: str, steps: int, config, evaluate=None):
         lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
-        self.file = MetricsFile(out / "metrics.jsonl", label, steps, progress=config.runtime.progress) if lead else None
+        self.run = run
+        self.file = MetricsFile(run.path / "metrics.jsonl", label, steps, progress=config.runtime.progress) \
+            if lead else None
         self.steps, self.every, self.evaluate = steps, config.evaluation.every, evaluate
         self.latest: dict = {}
         self.started = self.seconds = 0.0
@@ -197,27 +276,28 @@ class MetricsLog:
             row.update(self.latest)
         if self.file is not None:
             self.file.write(row, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
+        self.run.started()
 
 
-def summarize(out: Path, history, log: MetricsLog, **extra: Any) -> dict:
-    """summary.json from the whole metrics log (earlier runs of a resumed one included);
-    the first process writes and returns it, the others return {}."""
+def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict:
+    """summary.json from the whole metrics log (every session of a resumed run); the
+    first process writes and returns it, the others return {}."""
     from linnet.metrics import read_metrics
 
     if world()[0] != 0:
         return {}
-    records = read_metrics(out)
-    steps = list(history.steps)
+    records = read_metrics(run.path)
+    seconds = sum(r["seconds"] for r in records)
     summary = {
         **extra,
-        "steps_this_run": len(steps),
+        "steps_this_run": len(history.steps),
         "seconds": round(log.seconds, 1),
         "first_loss": records[0]["loss"] if records else None,
         "last_loss": records[-1]["loss"] if records else None,
-        "tokens_per_second": sum(x.real for x in steps) / sum(x.seconds for x in steps) if steps else None,
-        "final": str(out / "final"),
+        "tokens_per_second": sum(r["tokens_per_second"] * r["seconds"] for r in records) / seconds if seconds else None,
+        "final": str(run.path / "final"),
     }
     for key in sorted({k for r in records for k in r if k.startswith("held_out")}):
         summary[key] = [r[key] for r in records if key in r][-1]
-    write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_text(run.path / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

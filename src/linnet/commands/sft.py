@@ -113,7 +113,9 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
     from linnet.train.evaluation import held_out_loss
 
     prepared = prepare(config)  # data errors before anything is written
-    out = runs.open_run(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    if run.complete is not None:
+        return run.complete
     t = config.training
     model = runs.load_model(prepared.card, config)
     optimizer, schedule = runs.optimizer_and_schedule(config, model, prepared.steps)
@@ -122,12 +124,12 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> 
         if prepared.eval_examples else []
     evaluate = (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) \
         if eval_rows else None
-    with runs.MetricsLog(out, "sft", prepared.steps, config, evaluate) as log:
+    with run.open() as out, runs.MetricsLog(run, "sft", prepared.steps, config, evaluate) as log:
         history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,
                         accumulate=t.accumulation, clip=config.optimizer.grad_clip, schedule=schedule,
                         save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                         keep=t.keep, on_step=log)
-    return runs.summarize(out, history, log, card=prepared.card.name, steps=prepared.steps)
+    return runs.summarize(run, history, log, card=prepared.card.name, steps=prepared.steps)
 
 
 def main(argv: list[str] | None = None) -> int:

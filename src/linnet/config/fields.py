@@ -194,3 +194,36 @@ def template(cls: type, indent: int = 0, command: str | None = None, defaults: A
             rendered = yaml.safe_dump(default, default_flow_style=True).strip().removesuffix("...").strip()
             lines.append(f"{pad}{f.name}: {rendered}  # {help_text}")
     return "\n".join(lines)
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested fields as one flat dict of dotted names ({"optimizer.lr": 0.001, ...})."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def identity(fields: dict[str, Any]) -> str:
+    """16 hex digits naming a set of flat fields (a run's recipe)."""
+    import hashlib
+    import json
+
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def differences(saved: dict[str, Any], current: dict[str, Any], labels: tuple[str, str] = ("saved", "now")) -> list[str]:
+    """'field: A (saved) vs B (now)' for each field that differs."""
+    missing = object()
+    out = []
+    for name in sorted(set(saved) | set(current)):
+        a, b = saved.get(name, missing), current.get(name, missing)
+        if a != b:
+            show = lambda v: "(absent)" if v is missing else repr(v)
+            out.append(f"{name}: {show(a)} ({labels[0]}) vs {show(b)} ({labels[1]})")
+    return out

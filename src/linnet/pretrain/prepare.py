@@ -38,11 +38,11 @@ from typing import Any
 from linnet.config import PretrainConfig
 from linnet.config.groups import CorpusConfig
 from linnet.data.corpus import documents, source_files
-from linnet.files import write_text
+from linnet.files import process_alive, write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
 from linnet.pretrain.shards import Writers
-from linnet.pretrain.tokenize import TRAINED_EOS, Batches, alive, resolve_tokenizer, tokenize_pool, tokenize_serial
+from linnet.pretrain.tokenize import TRAINED_EOS, Batches, resolve_tokenizer, tokenize_pool, tokenize_serial
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def _remove_stale(target: Path) -> None:
     """Temporary directories of preparations whose process is gone (killed runs)."""
     for tmp in target.parent.glob(f".{target.name}.tmp-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from linnet.config import PretrainConfig, to_dict
+from linnet.config.fields import flatten
 
 LOADER_VERSION = 2
 
@@ -78,44 +79,13 @@ CACHE_FIELDS = frozenset({
 })
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
 def recipe_fields(config: PretrainConfig, data_fingerprint: str) -> dict[str, Any]:
     """The flat fields that decide the result, with the cache fingerprint and the loader
     version (which fixes the sample order)."""
     # An optional group left out (None) does not enter the identity, so adding one to the
     # schema later keeps every earlier run's identity.
-    flat = _flatten({k: v for k, v in to_dict(config).items() if v is not None})
+    flat = flatten({k: v for k, v in to_dict(config).items() if v is not None})
     fields = {k: v for k, v in flat.items() if k not in RUN_FIELDS and k not in CACHE_FIELDS}
     fields["data.fingerprint"] = data_fingerprint
     fields["data.loader_version"] = LOADER_VERSION
     return dict(sorted(fields.items()))
-
-
-def recipe_identity(fields: dict[str, Any]) -> str:
-    import hashlib
-    import json
-
-    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def recipe_differences(saved: dict[str, Any], current: dict[str, Any], labels: tuple[str, str] = ("saved", "now")) -> list[str]:
-    """'field: A (saved) vs B (now)' for each field that differs."""
-    missing = object()
-    out = []
-    for name in sorted(set(saved) | set(current)):
-        a, b = saved.get(name, missing), current.get(name, missing)
-        if a != b:
-            show = lambda v: "(absent)" if v is missing else repr(v)
-            out.append(f"{name}: {show(a)} ({labels[0]}) vs {show(b)} ({labels[1]})")
-    return out

@@ -50,6 +50,8 @@ import torch
 
 from linnet import checkpoint_layout as layout
 from linnet.config import PretrainConfig, checkpoint_epochs
+from linnet.config.fields import differences
+from linnet.config.fields import identity as recipe_identity
 from linnet.files import write_text
 from linnet.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.pretrain.budget import Budget
@@ -57,9 +59,7 @@ from linnet.pretrain.cache import TokenCache, open_cache
 from linnet.pretrain.recipe import (
     make_budget,
     model_card,
-    recipe_differences,
     recipe_fields,
-    recipe_identity,
     to_yaml,
 )
 from linnet.schedules import lambda_schedule, schedule_factor
@@ -160,9 +160,9 @@ def _check_cache_settings(config: PretrainConfig, cache: TokenCache) -> None:
         for key in ("source", "validation_source"):
             saved.pop(key, None)
             wanted.pop(key, None)
-    differences = settings_differences(saved, wanted)
-    if differences:
-        raise ValueError(f"{cache.path}: prepared with other settings than this config: " + "; ".join(differences)
+    changed = settings_differences(saved, wanted)
+    if changed:
+        raise ValueError(f"{cache.path}: prepared with other settings than this config: " + "; ".join(changed)
                          + ". Point data.cache at a cache prepared with this config (`linnet prepare`)")
 
 
@@ -182,11 +182,11 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
     decides alike before the first one deletes anything (`Start.clear`)."""
 
     def refuse_other_recipe(where: Path, run_dir: Path, saved_fields: dict[str, Any], saved_identity: str) -> None:
-        differences = recipe_differences(saved_fields, fields, ("run", "config"))
-        if differences:
+        changed = differences(saved_fields, fields, ("run", "config"))
+        if changed:
             raise ValueError(
                 f"{where}: written by another recipe (identity {saved_identity}; this config gives {identity}); "
-                f"differing fields: {'; '.join(differences)}. Resume with the run's own config "
+                f"differing fields: {'; '.join(changed)}. Resume with the run's own config "
                 f"({run_dir / 'config.yaml'}), changing only device, output directory, prefetch or checkpoint "
                 "retention; or start a fresh run"
             )

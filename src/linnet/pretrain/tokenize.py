@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from linnet.files import process_alive
+
 if TYPE_CHECKING:
     from linnet.config.groups import CorpusConfig
 
@@ -103,27 +105,13 @@ def resolve_tokenizer(d: CorpusConfig) -> tuple[Any, int, dict[str, Any]]:
 _WORKER: dict[str, Any] = {}
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process not yet reaped by its parent is a zombie: dead to us
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def _watch_main(main: int) -> None:
     # A killed main process cannot drain its pool: exit instead of waiting for work
     # forever. (Under the fork server our parent is the server, which itself lives as
     # long as any worker holds its pipe, so the main process is what we watch.)
     while True:
         time.sleep(0.5)
-        if not alive(main):
+        if not process_alive(main):
             os._exit(1)
 
 
