@@ -18,7 +18,7 @@ def test_info_prints_counts(capsys):
 def test_unknown_command_and_card(capsys):
     assert cli.main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
-    assert cli.main(["info", "no-such-card"]) == 1
+    assert cli.main(["info", "no-such-card"]) == 2  # refused input
     assert "qwen3-0.6b" in capsys.readouterr().err
 
 

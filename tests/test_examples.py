@@ -48,7 +48,13 @@ def test_resume_example():
 def test_fully_shard_example_under_torchrun(tmp_path):
     """A real torchrun launch (two CPU processes, gloo): the sharded run's gathered
     weights load back as a whole model."""
+    import socket
+
+    with socket.socket() as s:  # a free port: torchrun's default 29500 may still be held by an earlier run
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(port),
                              str(EXAMPLES / "06_fully_shard.py"), "--steps", "3", "--out", str(tmp_path / "sharded")],
                             capture_output=True, text=True, timeout=300,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})

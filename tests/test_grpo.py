@@ -69,13 +69,13 @@ def test_bad_inputs_name_the_item():
     kw = dict(optimizer=opt, steps=1, group=2, prompts_per_step=2, max_new_tokens=3, tokens=32, verbose=False)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         grpo(policy, engine, [Prompt([3]), Prompt([])], sevens, **kw)
-    with pytest.raises(TypeError, match=r"returned 'yes' on prompt 0, completion 0"):
+    with pytest.raises(ValueError, match=r"returned 'yes' on prompt 0, completion 0"):
         grpo(policy, engine, [Prompt([3])], lambda p, c: "yes", **kw)
 
     def broken(prompt, completion):
         raise KeyError("answer")
 
-    with pytest.raises(RuntimeError, match="reward 'broken' raised KeyError"):
+    with pytest.raises(ValueError, match="reward 'broken' raised KeyError"):
         grpo(policy, engine, [Prompt([3])], broken, **kw)
     with pytest.raises(ValueError, match="does not fit a row"):
         grpo(policy, engine, [Prompt(list(range(3, 15)) * 3)], sevens, **kw)

@@ -358,7 +358,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
     assert 0 < one[1]["lr"] <= 3e-3 * (1 + 1e-6) and (tmp_path / "one" / "final" / "model.safetensors").is_file()
     if len(jx[0].devices()) == 4:  # four devices a micro-step, one row each: the rows of accumulate=4
         assert [m["loss"] for m in every] == pytest.approx([m["loss"] for m in one], rel=1e-4)
-    assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'no'}", "training.shard=fsdp")]) == 1
+    assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'no'}", "training.shard=fsdp")]) == 2
     assert not (tmp_path / "no").exists()
 
 

@@ -131,7 +131,7 @@ def test_cli_inspect_and_plot(workspace, tmp_path, capsys):
     args = ["sft", "--config", str(yaml_path), "--set", "training.steps=2", "--set", "lora.enabled=false",
             "--set", "lr_schedule.warmup_steps=1"]
     assert cli.main(args) == 0
-    assert cli.main(args) == 1  # the run directory now exists
+    assert cli.main(args) == 2  # the run directory now exists: refused
     assert "--overwrite" in capsys.readouterr().err
     pytest.importorskip("matplotlib")
     assert cli.main(["plot", str(tmp_path / "cli")]) == 0

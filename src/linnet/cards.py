@@ -238,20 +238,28 @@ def card_from_config(config: dict, *, name: str, where: str = "config.json") -> 
         )
     _refuse_unsupported(config, family, where)
     base, scaling = _rope(config, where)
-    try:
-        hidden = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
-        card_fields = dict(
-            vocab=int(config["vocab_size"]),
-            hidden=hidden,
-            intermediate=int(config["intermediate_size"]),
-            layers=int(config["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-        )
-    except KeyError as missing:
-        raise ValueError(f"{where}: missing field {missing}") from None
+
+    def number(key: str, default=None, kind: type = int):
+        """config[key], which must be a number (an integer where `kind` is int)."""
+        if key not in config or config[key] is None:
+            if default is None:
+                raise ValueError(f"{where}: missing field {key!r}")
+            return default
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"{where}: {key} is {value!r}; it must be {'an integer' if kind is int else 'a number'}")
+        return kind(value)
+
+    hidden, heads = number("hidden_size"), number("num_attention_heads")
+    card_fields = dict(
+        vocab=number("vocab_size"),
+        hidden=hidden,
+        intermediate=number("intermediate_size"),
+        layers=number("num_hidden_layers"),
+        heads=heads,
+        kv_heads=number("num_key_value_heads", heads),
+        head_dim=number("head_dim", hidden // heads if heads else 0),
+    )
     attention_bias = bool(config.get("attention_bias", False))
     eos = config.get("eos_token_id")
     return Card(
@@ -260,13 +268,13 @@ def card_from_config(config: dict, *, name: str, where: str = "config.json") -> 
         **card_fields,
         rope_base=base,
         rope_scaling=scaling,
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_eps=number("rms_norm_eps", 1e-6, float),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
-        max_positions=int(config.get("max_position_embeddings", 2048)),
+        max_positions=number("max_position_embeddings", 2048),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         pad_token_id=config.get("pad_token_id"),

@@ -13,6 +13,10 @@ a thin layer over library functions.
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run (--config F: a run's)
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
+
+Exit status: 0 done; 1 training stopped on a non-finite loss or gradient; 2 refused input
+(one line naming the file, the field and the fix; nothing was written); 130 interrupted
+(a training command says which checkpoint resumes).
 """
 
 from __future__ import annotations
@@ -50,12 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return importlib.import_module(f"linnet.commands.{COMMANDS[name]}").main(rest)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"linnet {name}: {e}", file=sys.stderr)
-        return 1
     except BrokenPipeError:  # `linnet info CARD | head` stopped reading: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except (ValueError, OSError) as e:  # refused input: one line naming the file, field or fix
+        print(f"linnet {name}: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # a non-finite loss or gradient stopped training
+        print(f"linnet {name}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"linnet {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

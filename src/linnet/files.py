@@ -71,6 +71,31 @@ def fingerprint(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def safetensors_file(path: str | os.PathLike, framework: str, **options):
+    """`safetensors.safe_open`, with a truncated, damaged or foreign file refused by name."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(str(path), framework=framework, **options)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); it may be cut short or of another "
+                         "format: copy or save it again") from None
+    with handle as f:
+        yield f
+
+
+def tokenizer_file(path: str | os.PathLike):
+    """A `tokenizers.Tokenizer` from tokenizer.json, with an empty or damaged file refused by name."""
+    import tokenizers
+
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e}); copy it again from the model's "
+                         "files") from None
+
+
 def is_leftover(path: Path) -> bool:
     return path.name.startswith(".") and any(mark in path.name for mark in TEMPORARY)
 
@@ -102,6 +127,16 @@ def process_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def remove_stale(target: str | os.PathLike) -> None:
+    """Delete the `.<name>.tmp-<pid>` directories beside `target` whose process is gone:
+    what a killed write of `target` left."""
+    target = Path(target)
+    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def recover_set_aside(path: str | os.PathLike) -> None:

@@ -53,7 +53,10 @@ def numeric(tokenizer) -> Callable:
 
 
 def format_match(tokenizer, pattern: str) -> Callable:
-    compiled = re.compile(pattern, flags=re.DOTALL)
+    try:
+        compiled = re.compile(pattern, flags=re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"grpo.format_pattern={pattern!r} is not a regular expression ({e})") from None
 
     def format_reward(prompt, completion: list[int]) -> float:
         return float(compiled.search(tokenizer.decode(completion)) is not None)

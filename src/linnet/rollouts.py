@@ -64,9 +64,9 @@ def score(functions: dict[str, Reward], prompt: Prompt, completion: list[int], w
         try:
             value = f(prompt, completion)
         except Exception as e:
-            raise RuntimeError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
+            raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-            raise TypeError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
+            raise ValueError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
         values[name] = float(value)
     return values
 

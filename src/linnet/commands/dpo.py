@@ -14,8 +14,7 @@ import torch
 
 from linnet.commands import runs
 from linnet.config import DPOConfig
-from linnet.tables import print_table
-from linnet.torch.distributed import process_group, sum_across, world
+from linnet.torch.distributed import sum_across, world
 
 
 def prepare(config: DPOConfig):
@@ -37,6 +36,9 @@ def prepare(config: DPOConfig):
         if need > t.context_length:
             raise ValueError(f"{d.path}: pair {i} needs {need} positions (the prompt twice and both answers), "
                              f"more than a row of {t.context_length}; raise training.context_length")
+    if config.dpo.pairs_per_step > len(pairs):
+        raise ValueError(f"{d.path}: dpo.pairs_per_step={config.dpo.pairs_per_step} is more than the {len(pairs)} "
+                         "training pairs, so pairs would repeat within a step; lower dpo.pairs_per_step")
     steps = t.steps or max(1, math.ceil(t.epochs * len(pairs) / config.dpo.pairs_per_step))
     runs.steps_factor(config, steps)
     return card, pairs, held_out, steps
@@ -56,7 +58,8 @@ def held_out_preferences(model, pairs, reference: np.ndarray, beta: float, token
     return {"held_out_loss": loss_sum / n, "held_out_accuracy": right / n, "held_out_margin": margin_sum / n}
 
 
-def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None) -> dict:
     from linnet.train.dpo import dpo, reference_log_probs
 
     card, pairs, held_out, steps = prepare(config)
@@ -64,7 +67,7 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
     per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step)
     rank, processes = world()
     pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete
     model = runs.load_model(card, config)
@@ -88,7 +91,4 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False) -> 
 def main(argv: list[str] | None = None) -> int:
     args, config = runs.parse_command(argv, "linnet dpo", "Direct preference optimization from a YAML config.",
                                  DPOConfig, training=True)
-    if config is not None:
-        with process_group():
-            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
-    return 0
+    return 0 if config is None else runs.execute(run, args, config)

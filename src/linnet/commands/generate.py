@@ -53,11 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     from linnet import nest
     from linnet.data.tokenizer import load_tokenizer
     from linnet.serve.engine import Engine
+    from linnet.train.loop import resolve_device
 
     card = nest.resolve(args.card)
+    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
+            or (args.top_p is not None and not 0 < args.top_p <= 1):
+        raise ValueError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
     tok = load_tokenizer(card)
     prompt = _encode(tok, args)
-    engine = Engine(nest.load(card, device=args.device, dtype=args.dtype, weights=args.weights))
+    if len(prompt) + args.max_new_tokens > card.max_positions:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} after a prompt of {len(prompt)} tokens passes "
+                         f"{card.name}'s {card.max_positions} positions; lower --max-new-tokens to at most "
+                         f"{card.max_positions - len(prompt)}")
+    device = resolve_device(args.device or "cpu", "--device")
+    engine = Engine(nest.load(card, device=device, dtype=args.dtype, weights=args.weights))
 
     start = time.perf_counter()
     ids: list[int] = []

@@ -11,11 +11,11 @@ import math
 
 from linnet.commands import runs
 from linnet.config import GRPOConfig
-from linnet.tables import print_table
-from linnet.torch.distributed import process_group, sum_across, world
+from linnet.torch.distributed import sum_across, world
 
 
-def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None) -> dict:
     from linnet import nest, rewards
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.serve import Engine
@@ -31,12 +31,15 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
         held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
     else:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
+    if g.prompts_per_step > len(prompts):
+        raise ValueError(f"{d.path}: grpo.prompts_per_step={g.prompts_per_step} is more than the {len(prompts)} "
+                         "training prompts, so prompts would repeat within a step; lower grpo.prompts_per_step")
     steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
     runs.steps_factor(config, steps)
     per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step)
     rank, processes = world()
     prompts, held_out = prompts[rank::processes], held_out[rank::processes]  # this process's share
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete
     policy = runs.load_model(card, config)
@@ -74,7 +77,4 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False) ->
 
 def main(argv: list[str] | None = None) -> int:
     args, config = runs.parse_command(argv, "linnet grpo", "GRPO from a YAML config.", GRPOConfig, training=True)
-    if config is not None:
-        with process_group():
-            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
-    return 0
+    return 0 if config is None else runs.execute(run, args, config)

@@ -13,7 +13,6 @@ import numpy as np
 from linnet.commands import runs
 from linnet.commands.sft import epochs_of_rows, prepare
 from linnet.config import SFTConfig
-from linnet.tables import print_table
 
 
 def optax_adamw(config: SFTConfig, steps: int):
@@ -32,7 +31,8 @@ def optax_adamw(config: SFTConfig, steps: int):
         weight_decay=o.weight_decay, mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
 
 
-def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, fully_shard: bool = False,
+def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None, fully_shard: bool = False,
         remat: bool = False) -> dict:
     """Fine-tune as `config` says with the JAX backend; returns the summary."""
     import jax
@@ -51,7 +51,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False, ful
                              "itself, compiles every step, attends with one masked path, has no adapter dropout "
                              "and shards with --fully-shard")
     prepared = prepare(config)
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete
     model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
@@ -80,7 +80,4 @@ def main(argv: list[str] | None = None) -> int:
                                      ("--fully-shard", "data-parallel over every local device, parameters, "
                                                        "gradients and optimizer state split across them"),
                                      ("--remat", "recompute each layer in backward instead of keeping its values")])
-    if config is not None:
-        print_table(run(config, overwrite=args.overwrite, resume=args.resume, fully_shard=args.fully_shard,
-                        remat=args.remat))
-    return 0
+    return 0 if config is None else runs.execute(run, args, config, fully_shard=args.fully_shard, remat=args.remat)

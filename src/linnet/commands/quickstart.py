@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -28,7 +31,7 @@ import numpy as np
 import torch
 
 from linnet import nest
-from linnet.files import write_text
+from linnet.files import SetAside, check_writable, remove_stale, write_text
 from linnet.packing import Example
 from linnet.plots import plot_metrics
 from linnet.progress import Progress
@@ -123,18 +126,44 @@ def save_tokenizer(path: Path) -> None:
     write_text(path, tok.to_str())
 
 
+def check(out: Path, *, steps: int, dpo_steps: int, grpo_steps: int, digits: int, tokens: int, lr: float,
+          threads: int | None, overwrite: bool) -> None:
+    """Refuse settings the quickstart cannot run, and an output it would clobber. Reads only."""
+    if not 2 <= digits <= 6:  # one digit leaves no problem outside the 500 held out
+        raise ValueError(f"--digits {digits}: use 2 to 6 digits an addend")
+    if steps < 1 or dpo_steps < 0 or grpo_steps < 0:
+        raise ValueError("--steps must be >= 1, --dpo-steps and --grpo-steps >= 0")
+    if tokens < 3 * digits + 5 or not lr > 0 or (threads is not None and threads < 1):
+        raise ValueError(f"--tokens must hold one problem ({3 * digits + 5} positions), --lr be > 0 and --threads "
+                         ">= 1")
+    check_writable(out, "--out")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ValueError(f"{out}: exists and is not empty; pass --overwrite to replace a quickstart run there, "
+                             "or choose another --out")
+        if not (out / "summary.json").is_file():
+            raise ValueError(f"{out}: holds files but no quickstart run (no summary.json); refusing to replace it: "
+                             "choose another --out")
+
+
 def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int = 20, grpo_steps: int = 30,
         digits: int = 2, tokens: int = 1024, lr: float = 2e-3, seed: int = 0, evaluate_every: int = 50,
-        threads: int | None = None) -> dict:
-    """Run the three stages and return the summary (also written to summary.json)."""
+        threads: int | None = None, overwrite: bool = False) -> dict:
+    """Run the three stages and return the summary (also written to summary.json). The
+    results are written beside `out` and moved into place at the end: an interrupted
+    quickstart leaves `out` as it was."""
     from linnet.serve import Engine
     from linnet.train.dpo import dpo
     from linnet.train.grpo import Prompt, grpo
 
+    final = Path(out)
+    check(final, steps=steps, dpo_steps=dpo_steps, grpo_steps=grpo_steps, digits=digits, tokens=tokens, lr=lr,
+          threads=threads, overwrite=overwrite)
+    remove_stale(final)
+    out = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    out.mkdir(parents=True)
     if threads:
         torch.set_num_threads(threads)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed + 1)
     tests = problems(rng, 500, digits)
@@ -212,8 +241,12 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     summary = {"accuracy": accuracies, "seconds": round(seconds, 1), "dpo_pairs": len(pairs),
                "dpo_steps_run": dpo_steps if pairs else 0}
     write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
+    replaced = SetAside(final) if final.exists() else None
+    os.rename(out, final)
+    if replaced is not None:
+        replaced.drop()
     print(title + f" ({seconds:.0f} s)")
-    print(f"wrote {out}/model, metrics.jsonl, summary.json" + (", curves.png" if drew else
+    print(f"wrote {final}/model, metrics.jsonl, summary.json" + (", curves.png" if drew else
           " (pip install matplotlib for curves.png)"))
     return summary
 
@@ -229,7 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3, help="SFT peak learning rate (default: 2e-3)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a quickstart run in --out")
     args = parser.parse_args(argv)
-    run(args.out, steps=args.steps, dpo_steps=args.dpo_steps, grpo_steps=args.grpo_steps, digits=args.digits, tokens=args.tokens, lr=args.lr, seed=args.seed,
-        threads=args.threads)
+    out = Path(args.out)
+    try:
+        run(out, steps=args.steps, dpo_steps=args.dpo_steps, grpo_steps=args.grpo_steps, digits=args.digits,
+            tokens=args.tokens, lr=args.lr, seed=args.seed, threads=args.threads, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        shutil.rmtree(out.parent / f".{out.name}.tmp-{os.getpid()}", ignore_errors=True)
+        print(f"linnet quickstart: interrupted; {out} is as it was", file=sys.stderr)
+        return 130
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -27,8 +28,9 @@ from linnet.config.fields import differences, flatten, identity
 from linnet.files import SetAside, check_writable, fingerprint, recover_set_aside, remove_leftovers, write_text
 from linnet.metrics import MetricsFile, keep_metrics
 from linnet.schedules import lambda_schedule, schedule_factor
-from linnet.torch.distributed import barrier, data_share, from_first, world
-from linnet.train.loop import start_runtime
+from linnet.tables import print_table
+from linnet.torch.distributed import barrier, data_share, from_first, process_group, world
+from linnet.train.loop import resolve_device, start_runtime
 
 
 def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool,
@@ -41,8 +43,12 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
                         help="override a field, e.g. training.steps=100 (repeatable)")
     parser.add_argument("--template", action="store_true", help="print every field with its default and help")
     if training:
-        parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
-        parser.add_argument("--resume", action="store_true", help="continue the run in the run directory")
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace the linnet run in runtime.output_dir (once the new run takes its first step)")
+        parser.add_argument("--resume", action="store_true", help="continue the run in runtime.output_dir from its "
+                                                                   "latest checkpoint")
+        parser.add_argument("--resume-from", metavar="CKPT", help="continue the run from this checkpoint of its "
+                                                                  "checkpoints/ (the later ones are deleted)")
     else:
         parser.add_argument("--examples", type=int, default=3, help="examples to show (default: 3)")
     for name, text in flags:
@@ -120,11 +126,12 @@ class RunDirectory:
             ...                                                      # run.started() after step 1
     """
 
-    def __init__(self, config, *, overwrite: bool, resume: bool):
-        if overwrite and resume:
+    def __init__(self, config, *, overwrite: bool, resume: bool, resume_from: str | os.PathLike | None = None):
+        if overwrite and (resume or resume_from):
             raise ValueError("--resume continues the run in runtime.output_dir and --overwrite replaces it; give "
                              "one of them")
-        self.config, self.overwrite, self.resume = config, overwrite, resume
+        self.config, self.overwrite, self.resume = config, overwrite, resume or resume_from is not None
+        self.resume_from = None if resume_from is None else Path(resume_from)
         self.path = Path(config.runtime.output_dir)
         self.complete: dict | None = None  # the summary of a run already finished
         self.step = 0  # the step of the checkpoint the run resumes from
@@ -167,9 +174,16 @@ class RunDirectory:
             raise ValueError(f"{run_file}: the run learned from another config or data; differing: "
                              f"{'; '.join(changed)}. Resume with the run's own config ({path / 'config.json'}) and "
                              "data, or start a new runtime.output_dir")
-        if (path / "summary.json").is_file():
+        if self.resume_from is not None:
+            found = self.resume_from
+            if found.resolve().parent != (path / "checkpoints").resolve() or not layout.is_checkpoint(found):
+                raise ValueError(f"{found}: --resume-from takes a checkpoint of this run, "
+                                 f"{path / 'checkpoints'}/{layout.PREFIX}…")
+            layout.verify(found)
+        elif (path / "summary.json").is_file():
             return json.loads((path / "summary.json").read_text()), 0
-        found = layout.find_checkpoint(path / "checkpoints")
+        else:
+            found = layout.find_checkpoint(path / "checkpoints")
         return None, int(found.name.removeprefix(layout.PREFIX)) if found is not None else 0
 
     @contextmanager
@@ -182,6 +196,11 @@ class RunDirectory:
                 self.aside = SetAside(self.path)
             self.path.mkdir(parents=True, exist_ok=True)
             remove_leftovers(self.path, self.path / "checkpoints", self.path / "final")
+            if self.resume_from is not None:  # the run continues from there: what came after goes
+                for later in layout.checkpoints(self.path / "checkpoints"):
+                    if int(later.name.removeprefix(layout.PREFIX)) > self.step:
+                        shutil.rmtree(later)
+                (self.path / "summary.json").unlink(missing_ok=True)
             keep_metrics(self.path / "metrics.jsonl", self.path / "metrics.jsonl", self.step)
             write_text(self.path / "config.json", json.dumps(to_dict(self.config), indent=2) + "\n")
             record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe}
@@ -214,7 +233,7 @@ def load_model(card, config):
     split = getattr(t, "split", 1)
     start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     rank, processes = world()
-    device = rt.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(rt.device))
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
@@ -277,6 +296,29 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(row, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
         self.run.started()
+
+
+def execute(run, args, config, **options) -> int:
+    """Run a training command's `run(config, ...)` with the command line's --overwrite,
+    --resume and --resume-from (under torchrun, in its process group) and print the
+    summary; after a Ctrl-C, say where the run resumes (exit status 130)."""
+    with process_group():
+        try:
+            summary = run(config, overwrite=args.overwrite, resume=args.resume, resume_from=args.resume_from,
+                          **options)
+        except KeyboardInterrupt:
+            return interrupted(config)
+        print_table(summary)
+    return 0
+
+
+def interrupted(config) -> int:
+    """Say, after a Ctrl-C, where the run can resume from; the exit status 130."""
+    found = layout.find_checkpoint(Path(config.runtime.output_dir) / "checkpoints")
+    where = (f"the latest checkpoint is {found}; add --resume to the same command to continue from it"
+             if found is not None else "no checkpoint was written yet; the same command with --overwrite restarts")
+    print(f"linnet {config.command}: interrupted; {where}", file=sys.stderr)
+    return 130
 
 
 def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict:

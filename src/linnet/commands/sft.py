@@ -17,8 +17,7 @@ import numpy as np
 
 from linnet.commands import runs
 from linnet.config import SFTConfig
-from linnet.tables import print_table
-from linnet.torch.distributed import data_share, process_group
+from linnet.torch.distributed import data_share
 
 
 @dataclass
@@ -106,14 +105,15 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     ]
 
 
-def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False) -> dict:
+def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None) -> dict:
     """Fine-tune as `config` says; returns the summary written to summary.json."""
     from linnet.packing import pack
     from linnet.train import train
     from linnet.train.evaluation import held_out_loss
 
     prepared = prepare(config)  # data errors before anything is written
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume)
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete
     t = config.training
@@ -136,7 +136,4 @@ def main(argv: list[str] | None = None) -> int:
     args, config = runs.parse_command(argv, "linnet sft", "Supervised fine-tuning from a YAML config (under "
                                  "torchrun, each process trains on its share of the rows).", SFTConfig,
                                  training=True)
-    if config is not None:
-        with process_group():
-            print_table(run(config, overwrite=args.overwrite, resume=args.resume))
-    return 0
+    return 0 if config is None else runs.execute(run, args, config)

@@ -143,7 +143,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"--set {item!r}: {part} is not a group of fields")
-        node[leaf] = yaml.safe_load(raw) if raw else None
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({str(e).splitlines()[0]}); quote text "
+                             "that holds YAML syntax, e.g. --set 'data.path=\"a: b.jsonl\"'") from None
     return data
 
 

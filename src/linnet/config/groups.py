@@ -66,6 +66,13 @@ class LoraConfig:
     dora: bool = option(False, "DoRA: a trained magnitude per output row beside the low-rank direction update")
     targets: list[str] = option(ALL_LINEAR, "glob patterns of the linear layers that get adapters")
 
+    def __post_init__(self):
+        _positive(**{"lora.rank": self.rank})
+        if not self.alpha > 0 or not 0 <= self.dropout < 1:
+            raise ValueError(f"config: lora.alpha={self.alpha} must be > 0 and lora.dropout={self.dropout} in [0, 1)")
+        if not self.targets:
+            raise ValueError("config: lora.targets lists no pattern; e.g. [model.layers.*.self_attn.*_proj]")
+
 
 @dataclass
 class RecordsConfig:
@@ -160,7 +167,8 @@ class TrainingConfig:
     def __post_init__(self):
         _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
-                     "training.checkpoint_every": self.checkpoint_every, "training.split": self.split})
+                     "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
+                     "training.keep": self.keep})
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):
@@ -279,3 +287,11 @@ class GRPOSettings:
             raise ValueError("config: grpo.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
         if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:
             raise ValueError("config: grpo.pass_samples needs grpo.pass_k >= 2, and must be at least pass_k")
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ValueError(f"config: grpo.clip_low={self.clip_low} must be in [0, 1) (the ratio is clipped below "
+                             f"at 1 - clip_low) and grpo.clip_high={self.clip_high} >= 0")
+        if self.temperature < 0 or self.beta < 0 or (self.top_k is not None and self.top_k < 1) \
+                or (self.top_p is not None and not 0 < self.top_p <= 1) \
+                or (self.correction_cap is not None and not self.correction_cap > 0):
+            raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
+                             "(0, 1] and grpo.correction_cap > 0")

@@ -30,6 +30,9 @@ from linnet.data.readers import Record, read_records
 from linnet.data.tokenizer import Tokenizer
 from linnet.packing import Example
 
+# The roles a chat may hold: the template renders them, and only assistant turns are learned.
+ROLES = ("system", "user", "assistant", "tool")
+
 # Field names tried, in order, when the caller names none (Alpaca and its relatives).
 PROMPT_FIELDS = ("prompt", "instruction")
 COMPLETION_FIELDS = ("completion", "output", "response")
@@ -131,6 +134,7 @@ def examples_from_records(
         )
     if not examples:
         raise ValueError(f"no record has anything learned within {max_tokens} tokens; raise max_tokens")
+    tokenizer.check_known((ex.tokens for ex in examples), records[0].where.rsplit(" ", 2)[0])
     return examples
 
 
@@ -193,6 +197,9 @@ def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool) -> t
         return _chat(_field(record, messages_field, "messages"), tokenizer, record.where)
     prompt = "\n\n".join(t for t in (_text(record, f, "prompt") for f in prompt_fields) if t)
     completion = _text(record, completion_field, "completion")
+    if not completion.strip():
+        raise ValueError(f"{record.where}: field {completion_field!r} is empty, so the record teaches nothing; fill "
+                         "or drop it")
     if chat and tokenizer.render is not None:
         turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return _chat(turns, tokenizer, record.where)
@@ -272,6 +279,12 @@ def _check_messages(messages: Any, where: str) -> None:
                     f"{where}: messages[{k}] field {key!r} {state}; each message needs a role and "
                     f"text content{hint if 'from' in m else ''}"
                 )
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: messages[{k}] has the role {m['role']!r}, which is never learned and which "
+                             f"templates render differently; use one of {', '.join(ROLES)}")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise ValueError(f"{where}: messages[{k}] is an empty assistant turn, which teaches nothing; fill or "
+                             "drop it")
 
 
 def _render(tokenizer: Tokenizer, messages: list[dict], generation_prompt: bool, where: str) -> str:

@@ -55,9 +55,14 @@ def _pair_from_chat(record: Record, tokenizer: Tokenizer, prompt: str, chosen: s
         conversation = head + _messages(data[name], where, name)
         if not conversation or conversation[-1].get("role") != "assistant":
             raise ValueError(f"{where}: the {name!r} conversation must end with an assistant turn")
+        if not str(conversation[-1].get("content") or "").strip():
+            raise ValueError(f"{where}: the {name!r} answer is empty; every pair needs two answers")
         example = chat_example(conversation, tokenizer, where=f"{where} ({name})")
         sides.append(_split_last_answer(example.tokens, example.learned, f"{where} ({name})"))
     (prompt_c, answer_c), (prompt_r, answer_r) = sides
+    if answer_c == answer_r:
+        raise ValueError(f"{where}: {chosen!r} and {rejected!r} are the same answer, which teaches nothing; fix or "
+                         "drop this record")
     if prompt_c != prompt_r:
         raise ValueError(
             f"{where}: the chosen and rejected conversations do not share their prompt (everything "
@@ -71,6 +76,12 @@ def _pair_from_text(record: Record, tokenizer: Tokenizer, prompt: str, chosen: s
     for name in (prompt, chosen, rejected):
         if not isinstance(data.get(name), str):
             raise ValueError(f"{where}: field {name!r} must be text when chat is off")
+    for name in (chosen, rejected):
+        if not data[name].strip():
+            raise ValueError(f"{where}: the {name!r} answer is empty; every pair needs two answers")
+    if data[chosen] == data[rejected]:
+        raise ValueError(f"{where}: {chosen!r} and {rejected!r} are the same answer, which teaches nothing; fix or "
+                         "drop this record")
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     stop = [tokenizer.eos_ids[0]] if tokenizer.eos_ids else []
     return Pair(bos + tokenizer.encode(data[prompt]), tokenizer.encode(data[chosen]) + stop,
@@ -88,4 +99,6 @@ def pairs_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *
     for record, pair in zip(records, pairs):
         if not pair.chosen or not pair.rejected:
             raise ValueError(f"{record.where}: an answer is empty; every pair needs two answers")
+    tokenizer.check_known((ids for p in pairs for ids in (p.prompt, p.chosen, p.rejected)),
+                          records[0].where.rsplit(" ", 2)[0])
     return pairs

@@ -34,4 +34,6 @@ def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, pro
         if not isinstance(text, str) or not text:
             raise ValueError(f"{record.where}: field {prompt!r} must be non-empty text")
         prompts.append(Prompt(encode_prompt(tokenizer, text, chat), record.data[answer]))
+    if prompts:
+        tokenizer.check_known((p.ids for p in prompts), record.where.rsplit(" ", 2)[0])
     return prompts

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from linnet.cards import Card, local_directory, resolve
+from linnet.files import tokenizer_file
 
 BACKENDS = ("auto", "transformers", "tokenizers")
+UNKNOWN_REFUSED = 0.01  # data with more unknown tokens than this share is refused
 
 # What a tokenizer needs from a hub repository (not the weights).
 _TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "*.jinja"]
@@ -62,6 +65,34 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.raw.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id text the vocabulary cannot spell becomes (None: it spells everything, as
+        byte-level BPE does)."""
+        name = getattr(self.raw.model, "unk_token", None)
+        return None if name is None else self.raw.token_to_id(name)
+
+    def check_known(self, token_lists: Iterable[Sequence[int]], where: str) -> None:
+        """Warn when encoded text holds the unknown token (text this tokenizer cannot spell,
+        which would be trained on as that one token), with its share; refuse more than
+        UNKNOWN_REFUSED of the tokens."""
+        unk = self.unk_id
+        if unk is None:
+            return
+        total = unknown = 0
+        for ids in token_lists:
+            total += len(ids)
+            unknown += sum(1 for t in ids if t == unk)
+        if not unknown:
+            return
+        share = unknown / total
+        message = (f"{where}: {share:.2%} of the tokens ({unknown:,} of {total:,}) are the unknown token "
+                   f"{self.raw.id_to_token(unk)!r}: text {self.source} cannot encode")
+        if share > UNKNOWN_REFUSED:
+            raise ValueError(message + "; use a tokenizer whose vocabulary covers the data (data.tokenizer), or "
+                             "clean the data")
+        warnings.warn(message + "; it is trained on as that token", stacklevel=3)
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text` with no special tokens added: a rendered chat carries its own."""
@@ -184,8 +215,6 @@ def _tokenizer_directory(card: Card) -> Path:
 
 def _read_directory(root: Path) -> tuple[Any, dict[str, str | None], str | None]:
     """tokenizer.json, the special-token names and the chat template of a directory."""
-    import tokenizers
-
     path = root / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(
@@ -208,7 +237,7 @@ def _read_directory(root: Path) -> tuple[Any, dict[str, str | None], str | None]
         template = {t["name"]: t["template"] for t in template}.get("default")
     if (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text()
-    return tokenizers.Tokenizer.from_file(str(path)), names, template
+    return tokenizer_file(path), names, template
 
 
 def _read_json(path: Path) -> dict:

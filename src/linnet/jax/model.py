@@ -237,13 +237,12 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
 
 
 def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
+    from linnet.files import safetensors_file
     from linnet.torch.weights import weight_files
 
     found: dict[str, np.ndarray] = {}
     for file in weight_files(source):
-        with safe_open(str(file), framework="numpy") as f:
+        with safetensors_file(file, "numpy") as f:
             for key in f.keys():
                 if key not in shapes:
                     if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and card.tied_embeddings):

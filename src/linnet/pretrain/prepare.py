@@ -38,7 +38,7 @@ from typing import Any
 from linnet.config import PretrainConfig
 from linnet.config.groups import CorpusConfig
 from linnet.data.corpus import documents, source_files
-from linnet.files import process_alive, write_text
+from linnet.files import check_writable, remove_stale, write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
 from linnet.pretrain.shards import Writers
@@ -205,14 +205,6 @@ def _check_existing(path: Path, d: CorpusConfig, config: PretrainConfig | None) 
     )
 
 
-def _remove_stale(target: Path) -> None:
-    """Temporary directories of preparations whose process is gone (killed runs)."""
-    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _batches(d: CorpusConfig, capped: Callable[[], bool]) -> Batches:
     """(split, texts, positions) batches; each split's batch flushes when full. Once the
     training split is `capped`, reading stops: the validation documents already read
@@ -255,10 +247,11 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
     if not d.source and d.dataset is None:
         raise ValueError("config: give data.source (corpus files) or data.dataset (a datasets name)")
     target = Path(d.cache)
+    check_writable(target, "data.cache")
     if target.exists():
         return _check_existing(target, d, config)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(target)
+    remove_stale(target)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from linnet import checkpoint_layout as layout
 from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.config.fields import differences
 from linnet.config.fields import identity as recipe_identity
-from linnet.files import write_text
+from linnet.files import SetAside, check_writable, recover_set_aside, remove_leftovers, write_text
 from linnet.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.pretrain.budget import Budget
 from linnet.pretrain.cache import TokenCache, open_cache
@@ -173,13 +172,14 @@ class Start:
     checkpoint: Path | None = None
     state: dict[str, Any] | None = None
     complete: dict[str, Any] | None = None  # the summary of a run already finished
-    clear: bool = False  # delete the output directory first (--overwrite)
+    clear: bool = False  # replace the run in the output directory (--overwrite)
 
 
 def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: str,
            resume: str | os.PathLike | None, overwrite: bool) -> Start:
-    """Decide (and check) where the run starts. It only reads, so that every process
-    decides alike before the first one deletes anything (`Start.clear`)."""
+    """Decide (and check) where the run starts. It only reads (but for settling what a
+    killed replacement left), so that every process decides alike before the first one
+    changes anything (`Start.clear`)."""
 
     def refuse_other_recipe(where: Path, run_dir: Path, saved_fields: dict[str, Any], saved_identity: str) -> None:
         changed = differences(saved_fields, fields, ("run", "config"))
@@ -191,7 +191,12 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
                 "retention; or start a fresh run"
             )
 
+    check_writable(out, "runtime.output_dir")
+    recover_set_aside(out)
     used = out.exists() and any(out.iterdir())
+    if used and overwrite and not (out / "run.json").is_file():
+        raise ValueError(f"{out}: holds files but no linnet run (no run.json); refusing to replace it: choose "
+                         "another runtime.output_dir")
     if resume is not None:
         checkpoint = find_checkpoint(resume)
         run_dir = checkpoint.parent.parent
@@ -219,7 +224,10 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
     else:
         return Start(clear=overwrite and out.exists())
     state = verify_checkpoint(checkpoint)
-    recipe = state["extra"]["recipe"]
+    recipe = state["extra"].get("recipe")
+    if recipe is None:
+        raise ValueError(f"{checkpoint}: not a pretraining checkpoint (a fine-tuning run's?); --resume takes a "
+                         "checkpoint written by `linnet pretrain`")
     refuse_other_recipe(checkpoint, run_dir, recipe["fields"], recipe["identity"])
     return Start(checkpoint, state, clear=overwrite and used and out.resolve() != run_dir.resolve())
 
@@ -234,6 +242,7 @@ def _open_run_directory(out: Path, start: Start, progress: Progress, config: Pre
     the checkpoint (rows a resumed run would otherwise log twice), best.json, the
     resolved config and run.json."""
     out.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out, out / CHECKPOINTS)
     if start.checkpoint is None:
         write_text(out / "metrics.jsonl", "")
     else:
@@ -257,7 +266,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet.torch.distributed import barrier, from_first, world
     from linnet.train.checkpoint import load_checkpoint
     from linnet.train.evaluation import held_out_loss
-    from linnet.train.loop import Work, start_runtime, take_step, trained_parameters
+    from linnet.train.loop import Work, resolve_device, start_runtime, take_step, trained_parameters
     from linnet.train.optimizer import adamw
 
     m, d, t, rt = config.model, config.data, config.training, config.runtime
@@ -267,7 +276,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         raise ValueError(f"config: training.accumulation={t.accumulation} micro-batches an update do not split "
                          f"evenly over {processes} processes; use a multiple of {processes} (the global batch, "
                          "micro_batch_size x accumulation sequences, is part of the recipe)")
-    device = torch.device(rt.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(rt.device)
     if device.type == "cuda" and processes > 1:  # one GPU a process
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
@@ -296,131 +305,144 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     if start.complete is not None:
         return start.complete
     barrier()  # every process has read the output directory before the first one changes it
-    if lead and start.clear:
-        shutil.rmtree(out)
+    # an overwritten run is set aside until this one has taken its first update (restored if it fails first)
+    aside = SetAside(out) if lead and start.clear else None
 
-    start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
-    model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=rt.seed, trainable=True,
-                      compile=m.compile, attention=m.attention)
-    params = trained_parameters(model)
-    assert sum(p.numel() for p in params) == card.params()
-    o, s = config.optimizer, config.lr_schedule
-    optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
-                                                          min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
-    progress = Progress()
-    loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
-                     prefetch=d.prefetch, device=device)
-    if start.checkpoint is not None:
-        extra = start.state["extra"]
-        load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, schedule=schedule)
-        progress = Progress(**extra["progress"])
-        loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
-    else:
-        loader = Loader(cache.train, **loader_kw)
-    if lead:
-        _open_run_directory(out, start, progress, config, {
-            "recipe": {"identity": identity, "fields": fields},
-            "checkpoint_policy": t.checkpoint_policy,
-            "budget": {"parameters": budget.parameters, "targets": budget.targets, "steps": budget.steps,
-                       "epochs": budget.epochs, "boundaries": list(budget.boundaries),
-                       "batch_targets": budget.batch_targets,
-                       "flops_per_token": flops_per_token(card, t.context_length)},
-            "cache": {"path": str(cache.path), "fingerprint": cache.fingerprint, "train_tokens": cache.train.tokens,
-                      "validation_tokens": cache.validation.tokens, "vocab_size": cache.vocab_size},
-            "loader": {"sequences_per_pass": loader.sequences_per_pass,
-                       "passes": budget.sequences / loader.sequences_per_pass},
-            "processes": processes,
-            "environment": _environment(device),
-            "resumed_from": None if start.checkpoint is None else str(start.checkpoint),
-        })
-    validation = Validation(cache.validation, context=t.context_length,
-                            subset_sequences=config.evaluation.subset_sequences, device=device) \
-        if (config.evaluation.subset_sequences or config.evaluation.full_validation) else None
-
-    save_kw = dict(model=model, optimizer=optimizer, schedule=schedule, loader=loader, fields=fields, identity=identity)
-    metrics = None
-    if lead:
-        print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
-              f"{budget.trained_targets:,} targets on {device} x {processes} (recipe {identity})", file=sys.stderr)
-        metrics = MetricsFile(out / "metrics.jsonl", "pretrain", budget.steps, progress=rt.progress)
-    A, B = t.accumulation, t.micro_batch_size
-    share = A // processes  # this process's micro-batches of each update, after `before` sequences
-    before, after = rank * share * B, (processes - 1 - rank) * share * B
-    learned = A * B * t.context_length  # the global batch's targets, every one learned
-    clip = config.optimizer.grad_clip
-    waited = 0.0  # seconds the current update waited for the loader
-
-    def micro_batches():
-        """This process's share of the update's micro-batches, read as they are needed."""
-        nonlocal waited
-        waited = 0.0
-        loader.skip(before)
-        for _ in range(share):
-            tl = time.perf_counter()
-            batch = loader.batch(B)
-            waited += time.perf_counter() - tl
-            yield batch
-        loader.skip(after)
-
-    def update() -> Work:
-        mine = share * B * t.context_length
-        return Work(micro_batches(), lambda _, batch: (model.loss_packed(batch)[0], {}), learned, mine, mine)
-
-    session_start, session_steps = time.perf_counter(), 0
-    try:
-        model.train()
-        for epoch in range(progress.epoch + 1, budget.epochs + 1):
-            for step in budget.epoch_steps(epoch):
-                record = take_step(params, update(), optimizer=optimizer, schedule=schedule, clip=clip, step=step,
-                                   checkpoint=out / CHECKPOINTS)
-                loss, norm, lr, seconds = record.loss, record.grad_norm, record.lr, record.seconds
-                record.metrics["loader_seconds"] = waited
-                progress.step, progress.seconds = step, progress.seconds + seconds
-                progress.loader_seconds += waited
-                session_steps += 1
-                row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": norm,
-                       "tokens_per_second": record.tokens_per_second, "seconds": seconds, "loader_seconds": waited,
-                       "targets": step * learned}
-                if step == budget.boundaries[epoch - 1] and validation is not None and len(validation.subset):
-                    row["held_out_loss"] = held_out_loss(model, validation.subset_batches(config.evaluation.batch_size), share=rank, shares=processes)
-                    if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
-                        kept = t.checkpoint_policy != "none" and epoch in selected
-                        progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
-                                         "weights": f"epoch-{epoch:03d}.safetensors" if kept else None}
-                        if lead:
-                            write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
-                if metrics is not None:
-                    metrics.write(row, loss=loss, tok_s=record.tokens_per_second)
-            progress.epoch = epoch
-            if t.checkpoint_policy != "none" and epoch in selected:
-                if lead:
-                    model.save_weights(out / f"epoch-{epoch:03d}.safetensors", dtype=torch.float32)
-                if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
-                    save_state(out, progress=progress, kind="epoch", **save_kw)
-    finally:
-        if metrics is not None:
-            metrics.close()
-        loader.close()
-    if t.checkpoint_policy != "none":
-        if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
-            save_state(out, progress=progress, kind="final", **save_kw)
+    def session() -> dict[str, Any]:
+        nonlocal aside
+        start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
+        model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=rt.seed, trainable=True,
+                          compile=m.compile, attention=m.attention)
+        params = trained_parameters(model)
+        assert sum(p.numel() for p in params) == card.params()
+        o, s = config.optimizer, config.lr_schedule
+        optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
+                                                              min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
+        progress = Progress()
+        loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
+                         prefetch=d.prefetch, device=device)
+        if start.checkpoint is not None:
+            extra = start.state["extra"]
+            load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, schedule=schedule)
+            progress = Progress(**extra["progress"])
+            loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
+        else:
+            loader = Loader(cache.train, **loader_kw)
         if lead:
-            model.save_weights(out / "final.safetensors", dtype=torch.float32)
-    full = None
-    if validation is not None and config.evaluation.full_validation:
-        t0 = time.perf_counter()
-        full = held_out_loss(model, validation.full_batches(config.evaluation.batch_size), share=rank, shares=processes)
-        full_seconds = time.perf_counter() - t0
-    summary = None
-    if lead:
-        summary = _summary(config, out, budget, card, progress, identity, session_steps,
-                           time.perf_counter() - session_start)
-        if full is not None:
-            summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
-                           full_validation_sequences=validation.total, full_validation_seconds=round(full_seconds, 2))
-        write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    return from_first(summary)
+            _open_run_directory(out, start, progress, config, {
+                "command": "pretrain",
+                "recipe": {"identity": identity, "fields": fields},
+                "checkpoint_policy": t.checkpoint_policy,
+                "budget": {"parameters": budget.parameters, "targets": budget.targets, "steps": budget.steps,
+                           "epochs": budget.epochs, "boundaries": list(budget.boundaries),
+                           "batch_targets": budget.batch_targets,
+                           "flops_per_token": flops_per_token(card, t.context_length)},
+                "cache": {"path": str(cache.path), "fingerprint": cache.fingerprint, "train_tokens": cache.train.tokens,
+                          "validation_tokens": cache.validation.tokens, "vocab_size": cache.vocab_size},
+                "loader": {"sequences_per_pass": loader.sequences_per_pass,
+                           "passes": budget.sequences / loader.sequences_per_pass},
+                "processes": processes,
+                "environment": _environment(device),
+                "resumed_from": None if start.checkpoint is None else str(start.checkpoint),
+            })
+        validation = Validation(cache.validation, context=t.context_length,
+                                subset_sequences=config.evaluation.subset_sequences, device=device) \
+            if (config.evaluation.subset_sequences or config.evaluation.full_validation) else None
+
+        save_kw = dict(model=model, optimizer=optimizer, schedule=schedule, loader=loader, fields=fields, identity=identity)
+        metrics = None
+        if lead:
+            print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
+                  f"{budget.trained_targets:,} targets on {device} x {processes} (recipe {identity})", file=sys.stderr)
+            metrics = MetricsFile(out / "metrics.jsonl", "pretrain", budget.steps, progress=rt.progress)
+        A, B = t.accumulation, t.micro_batch_size
+        share = A // processes  # this process's micro-batches of each update, after `before` sequences
+        before, after = rank * share * B, (processes - 1 - rank) * share * B
+        learned = A * B * t.context_length  # the global batch's targets, every one learned
+        clip = config.optimizer.grad_clip
+        waited = 0.0  # seconds the current update waited for the loader
+
+        def micro_batches():
+            """This process's share of the update's micro-batches, read as they are needed."""
+            nonlocal waited
+            waited = 0.0
+            loader.skip(before)
+            for _ in range(share):
+                tl = time.perf_counter()
+                batch = loader.batch(B)
+                waited += time.perf_counter() - tl
+                yield batch
+            loader.skip(after)
+
+        def update() -> Work:
+            mine = share * B * t.context_length
+            return Work(micro_batches(), lambda _, batch: (model.loss_packed(batch)[0], {}), learned, mine, mine)
+
+        session_start, session_steps = time.perf_counter(), 0
+        try:
+            model.train()
+            for epoch in range(progress.epoch + 1, budget.epochs + 1):
+                for step in budget.epoch_steps(epoch):
+                    record = take_step(params, update(), optimizer=optimizer, schedule=schedule, clip=clip, step=step,
+                                       checkpoint=out / CHECKPOINTS)
+                    loss, norm, lr, seconds = record.loss, record.grad_norm, record.lr, record.seconds
+                    record.metrics["loader_seconds"] = waited
+                    progress.step, progress.seconds = step, progress.seconds + seconds
+                    progress.loader_seconds += waited
+                    session_steps += 1
+                    if aside is not None:
+                        aside.drop()
+                        aside = None
+                    row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": norm,
+                           "tokens_per_second": record.tokens_per_second, "seconds": seconds, "loader_seconds": waited,
+                           "targets": step * learned}
+                    if step == budget.boundaries[epoch - 1] and validation is not None and len(validation.subset):
+                        row["held_out_loss"] = held_out_loss(model, validation.subset_batches(config.evaluation.batch_size), share=rank, shares=processes)
+                        if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
+                            kept = t.checkpoint_policy != "none" and epoch in selected
+                            progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
+                                             "weights": f"epoch-{epoch:03d}.safetensors" if kept else None}
+                            if lead:
+                                write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
+                    if metrics is not None:
+                        metrics.write(row, loss=loss, tok_s=record.tokens_per_second)
+                progress.epoch = epoch
+                if t.checkpoint_policy != "none" and epoch in selected:
+                    if lead:
+                        model.save_weights(out / f"epoch-{epoch:03d}.safetensors", dtype=torch.float32)
+                    if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
+                        save_state(out, progress=progress, kind="epoch", **save_kw)
+        finally:
+            if metrics is not None:
+                metrics.close()
+            loader.close()
+        if t.checkpoint_policy != "none":
+            if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
+                save_state(out, progress=progress, kind="final", **save_kw)
+            if lead:
+                model.save_weights(out / "final.safetensors", dtype=torch.float32)
+        full = None
+        if validation is not None and config.evaluation.full_validation:
+            t0 = time.perf_counter()
+            full = held_out_loss(model, validation.full_batches(config.evaluation.batch_size), share=rank, shares=processes)
+            full_seconds = time.perf_counter() - t0
+        summary = None
+        if lead:
+            summary = _summary(config, out, budget, card, progress, identity, session_steps,
+                               time.perf_counter() - session_start)
+            if full is not None:
+                summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
+                               full_validation_sequences=validation.total, full_validation_seconds=round(full_seconds, 2))
+            write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+        return from_first(summary)
+
+    try:
+        return session()
+    except BaseException:
+        if aside is not None:
+            aside.restore()
+        raise
 
 
 def _summary(config, out: Path, budget: Budget, card, progress: Progress, identity: str, session_steps: int,

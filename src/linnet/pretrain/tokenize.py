@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from linnet.files import process_alive
+from linnet.files import process_alive, tokenizer_file
 
 if TYPE_CHECKING:
     from linnet.config.groups import CorpusConfig
@@ -64,7 +64,6 @@ def _train_tokenizer(d: CorpusConfig):
 def resolve_tokenizer(d: CorpusConfig) -> tuple[Any, int, dict[str, Any]]:
     """(tokenizers.Tokenizer, EOS id, its settings entry) from data.tokenizer, or a
     byte-level BPE trained on the training documents when it is null."""
-    import tokenizers
 
     if d.tokenizer is None:
         raw = _train_tokenizer(d)
@@ -73,7 +72,7 @@ def resolve_tokenizer(d: CorpusConfig) -> tuple[Any, int, dict[str, Any]]:
     else:
         path = Path(d.tokenizer)
         if path.is_file():
-            raw = tokenizers.Tokenizer.from_file(str(path))
+            raw = tokenizer_file(path)
             own_eos = None
         else:
             from linnet.data.tokenizer import load_tokenizer

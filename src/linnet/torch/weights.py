@@ -10,11 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from linnet.adapter_files import PEFT_PREFIX, from_peft_name
-from linnet.files import atomic_path, write_text
+from linnet.files import atomic_path, safetensors_file, write_text
 from linnet.paths import select
 from linnet.torch.distributed import world
 from linnet.torch.sharding import full
@@ -76,7 +75,7 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
     loaded: list[str] = []
     unexpected: list[str] = []
     for file in weight_files(source):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safetensors_file(file, "pt", device="cpu") as f:
             for key in f.keys():
                 name = from_peft_name(key) if key.startswith(PEFT_PREFIX) else key
                 if name not in params:

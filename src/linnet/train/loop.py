@@ -76,6 +76,15 @@ def start_runtime(seed: int, *, threads: int | None = None, deterministic: bool 
     torch.manual_seed(seed)
 
 
+def resolve_device(name: str | None, where: str = "runtime.device") -> torch.device:
+    """The device a run computes on: `name`, or CUDA when present; a CUDA device that is
+    not there is refused by name."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{where}={name}: no CUDA device is visible here; use cpu, or null (CUDA when present)")
+    return device
+
+
 def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
