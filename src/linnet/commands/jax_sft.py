@@ -35,13 +35,6 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None, fully_shard: bool = False,
         remat: bool = False) -> dict:
     """Fine-tune as `config` says with the JAX backend; returns the summary."""
-    import jax
-    from jax.sharding import Mesh
-
-    from linnet.jax import load_model
-    from linnet.jax.train import train
-    from linnet.packing import pack
-
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
     for name, value, default in (("runtime.device", rt.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
@@ -54,6 +47,13 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete
+    import jax  # after every check: a refused config starts no JAX (its threads make forking unsafe)
+    from jax.sharding import Mesh
+
+    from linnet.jax import load_model
+    from linnet.jax.train import train
+    from linnet.packing import pack
+
     model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, dora=lora.dora,

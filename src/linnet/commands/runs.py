@@ -25,7 +25,15 @@ import torch
 from linnet import checkpoint_layout as layout
 from linnet.config import load, template, to_dict
 from linnet.config.fields import differences, flatten, identity
-from linnet.files import SetAside, check_writable, fingerprint, recover_set_aside, remove_leftovers, write_text
+from linnet.files import (
+    SetAside,
+    check_writable,
+    fingerprint,
+    is_leftover,
+    recover_set_aside,
+    remove_leftovers,
+    write_text,
+)
 from linnet.metrics import MetricsFile, keep_metrics
 from linnet.schedules import lambda_schedule, schedule_factor
 from linnet.tables import print_table
@@ -153,7 +161,7 @@ class RunDirectory:
         command, path = self.config.command, self.path
         check_writable(path, "runtime.output_dir")
         recover_set_aside(path)
-        if not (path.is_dir() and any(path.iterdir())):
+        if not (path.is_dir() and any(not is_leftover(p) for p in path.iterdir())):  # leftovers are no run
             return None, 0
         run_file = path / "run.json"
         if not (self.resume or self.overwrite):
@@ -192,9 +200,11 @@ class RunDirectory:
         keep metrics.jsonl up to the resumed step, write config.json and run.json. A failure
         inside the block before `started()` restores a run it replaced."""
         if world()[0] == 0:
-            if self.overwrite and self.path.is_dir() and any(self.path.iterdir()):
+            if self.overwrite and self.path.is_dir() and any(not is_leftover(p) for p in self.path.iterdir()):
                 self.aside = SetAside(self.path)
             self.path.mkdir(parents=True, exist_ok=True)
+            record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe}
+            write_text(self.path / "run.json", json.dumps(record, indent=1) + "\n")  # first: it marks the run
             remove_leftovers(self.path, self.path / "checkpoints", self.path / "final")
             if self.resume_from is not None:  # the run continues from there: what came after goes
                 for later in layout.checkpoints(self.path / "checkpoints"):
@@ -203,8 +213,6 @@ class RunDirectory:
                 (self.path / "summary.json").unlink(missing_ok=True)
             keep_metrics(self.path / "metrics.jsonl", self.path / "metrics.jsonl", self.step)
             write_text(self.path / "config.json", json.dumps(to_dict(self.config), indent=2) + "\n")
-            record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe}
-            write_text(self.path / "run.json", json.dumps(record, indent=1) + "\n")
         barrier()
         try:
             yield self.path

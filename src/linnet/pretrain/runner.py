@@ -51,7 +51,7 @@ from linnet import checkpoint_layout as layout
 from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.config.fields import differences
 from linnet.config.fields import identity as recipe_identity
-from linnet.files import SetAside, check_writable, recover_set_aside, remove_leftovers, write_text
+from linnet.files import SetAside, check_writable, is_leftover, recover_set_aside, remove_leftovers, write_text
 from linnet.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.pretrain.budget import Budget
 from linnet.pretrain.cache import TokenCache, open_cache
@@ -193,7 +193,7 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
 
     check_writable(out, "runtime.output_dir")
     recover_set_aside(out)
-    used = out.exists() and any(out.iterdir())
+    used = out.exists() and any(not is_leftover(p) for p in out.iterdir())  # a killed write's leftover is not a run
     if used and overwrite and not (out / "run.json").is_file():
         raise ValueError(f"{out}: holds files but no linnet run (no run.json); refusing to replace it: choose "
                          "another runtime.output_dir")
@@ -216,10 +216,10 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
         if (out / "summary.json").is_file():
             return Start(complete=json.loads((out / "summary.json").read_text()))
         found = layout.checkpoints(out / CHECKPOINTS)
-        if not found:
-            raise ValueError(f"{out}: an incomplete run without retained training state (checkpoint policy "
-                             f"{saved.get('checkpoint_policy', '?')}); start it again in a fresh runtime.output_dir, "
-                             "or pass --overwrite")
+        if not found:  # nothing retained to resume from: the same recipe starts again
+            print(f"{out}: an incomplete run that kept no training state (checkpoint policy "
+                  f"{saved.get('checkpoint_policy', '?')}); starting it again", file=sys.stderr)
+            return Start(clear=True)
         checkpoint, run_dir = found[-1], out
     else:
         return Start(clear=overwrite and out.exists())
@@ -242,6 +242,7 @@ def _open_run_directory(out: Path, start: Start, progress: Progress, config: Pre
     the checkpoint (rows a resumed run would otherwise log twice), best.json, the
     resolved config and run.json."""
     out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "run.json", json.dumps(record, indent=1) + "\n")  # first: it marks the run
     remove_leftovers(out, out / CHECKPOINTS)
     if start.checkpoint is None:
         write_text(out / "metrics.jsonl", "")
@@ -255,7 +256,6 @@ def _open_run_directory(out: Path, start: Start, progress: Progress, config: Pre
                 progress.best["weights"] = str(kept) if kept.is_file() else None
             write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
     write_text(out / "config.yaml", to_yaml(config))
-    write_text(out / "run.json", json.dumps(record, indent=1) + "\n")
 
 
 def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, overwrite: bool = False) -> dict[str, Any]:

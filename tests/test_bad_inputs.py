@@ -1,0 +1,284 @@
+"""Bad input to every command, table-driven: each is refused with exit status 2 and one
+line naming the file, the field or the fix, no traceback, and every file that existed
+before is byte-identical after (nothing written, nothing lost)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from linnet import cli, nest
+from linnet.commands import quickstart
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    """A tiny model, data for every command, configs, a finished SFT run, a prepared
+    token cache, a stand-in pretraining run, a folder of other files and a plain file."""
+    from conftest import word_tokenizer
+
+    root = tmp_path_factory.mktemp("bad")
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    problems = quickstart.problems(rng, 60, 2)
+    (root / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": a}) + "\n" for p, a in problems))
+    (root / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": p, "chosen": a, "rejected": f"{(int(a) + 1) % 200:03d}"}) + "\n" for p, a in problems))
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in problems))
+    common = {"model": {"card": str(root / "model")}, "lora": {"rank": 4},
+              "optimizer": {"lr": 1e-3}, "lr_schedule": {"warmup_steps": 1}, "runtime": {"progress": False}}
+    configs = {
+        "sft": {"data": {"path": str(root / "train.jsonl"), "chat": False}, "training": {"steps": 2,
+                                                                                          "context_length": 64}},
+        "dpo": {"data": {"path": str(root / "pairs.jsonl"), "chat": False}, "training": {"steps": 2,
+                                                                                          "context_length": 64},
+                "dpo": {"pairs_per_step": 4}},
+        "grpo": {"data": {"path": str(root / "prompts.jsonl"), "chat": False}, "training": {"steps": 2,
+                                                                                             "context_length": 64},
+                 "grpo": {"group": 2, "prompts_per_step": 2, "max_new_tokens": 3}},
+    }
+    for name, config in configs.items():
+        config = {**common, **config, "runtime": {**common["runtime"], "output_dir": str(root / "runs" / name)}}
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["sft", "--config", str(root / "sft.yaml"), "--set", f"runtime.output_dir={root / 'done'}",
+                     "--set", "training.checkpoint_every=1"]) == 0
+    word_tokenizer(root / "tok.json")
+    (root / "corpus.txt").write_text("\n".join(" ".join(f"w{(i * j) % 40}" for j in range(12)) for i in range(300)))
+    pretrain = {"data": {"cache": str(root / "cache"), "source": [str(root / "corpus.txt")],
+                         "tokenizer": str(root / "tok.json"), "document_split": "line", "shard_tokens": 300,
+                         "prepare_workers": 1},
+                "model": {"hidden": 32, "intermediate": 64, "layers": 1, "heads": 2, "vocab": 64},
+                "training": {"context_length": 16, "micro_batch_size": 2, "accumulation": 1, "total_targets": 256,
+                             "epochs": 2},
+                "lr_schedule": {"warmup_steps": 1}, "evaluation": {"subset_sequences": 4, "batch_size": 2},
+                "runtime": {"progress": False, "output_dir": str(root / "runs" / "pretrain")}}
+    (root / "pretrain.yaml").write_text(yaml.safe_dump(pretrain))
+    assert cli.main(["prepare", "--config", str(root / "pretrain.yaml")]) == 0
+    (root / "fake-pretrain").mkdir()
+    (root / "fake-pretrain" / "run.json").write_text(json.dumps({"command": "pretrain", "recipe": {}}))
+    (root / "other").mkdir()
+    (root / "other" / "notes.txt").write_text("not a run\n")
+    (root / "afile").write_text("a plain file\n")
+    return root
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _copy(ws: Path, name: str, change: Callable[[Path], None]) -> Path:
+    """A copy of a workspace file, changed: the bad input of one case."""
+    (ws / "cases").mkdir(exist_ok=True)
+    target = Path(tempfile.mkdtemp(dir=ws / "cases")) / name
+    if (ws / name).is_dir():
+        shutil.copytree(ws / name, target, dirs_exist_ok=True)
+    else:
+        shutil.copy(ws / name, target)
+    change(target)
+    return target
+
+
+def _lines(path: Path, *records: dict | str) -> None:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+
+
+def _bad_config_json(path: Path) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["hidden_size"] = str(config["hidden_size"])
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _truncate(path: Path) -> None:
+    file = path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _damage_latest(path: Path) -> None:
+    latest = sorted((path / "checkpoints").iterdir())[-1]
+    (latest / "trained.safetensors").write_bytes(b"\0" * 64)
+
+
+def _resume_from_damaged(ws: Path) -> list[str]:
+    run = _copy(ws, "done", _damage_latest)
+    latest = sorted((run / "checkpoints").iterdir())[-1]
+    return ["sft", "--config", str(ws / "sft.yaml"), "--set", f"runtime.output_dir={run}", "--resume-from", str(latest)]
+
+
+def SFT(*sets: str) -> Callable[[Path], list[str]]:
+    return lambda ws: ["sft", "--config", str(ws / "sft.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def DPO(*sets: str) -> Callable[[Path], list[str]]:
+    return lambda ws: ["dpo", "--config", str(ws / "dpo.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def GRPO(*sets: str) -> Callable[[Path], list[str]]:
+    return lambda ws: ["grpo", "--config", str(ws / "grpo.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def PRETRAIN(*sets: str, command: str = "pretrain") -> Callable[[Path], list[str]]:
+    return lambda ws: [command, "--config", str(ws / "pretrain.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+# (case, argv from the workspace, what the one line must say)
+CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
+    # the config: values, names, fields a command does not read
+    ("steps-zero", SFT("training.steps=0"), r"training.steps=0; it must be a positive integer"),
+    ("lr-negative", SFT("optimizer.lr=-1"), r"optimizer.lr=-1.0; use a positive, finite"),
+    ("lr-nan", SFT("optimizer.lr=.nan"), r"optimizer.lr=nan"),
+    ("lr-inf", SFT("optimizer.lr=.inf"), r"optimizer.lr=inf"),
+    ("betas-length", SFT("optimizer.betas=[0.9]"), r"optimizer.betas=\[0.9\]; give two numbers"),
+    ("clip-negative", SFT("optimizer.grad_clip=-1"), r"optimizer.grad_clip=-1.0; use a positive threshold"),
+    ("clip-zero", SFT("optimizer.grad_clip=0"), r"optimizer.grad_clip=0.0"),
+    ("epochs-inf", SFT("training.steps=null", "training.epochs=.inf"), r"training.epochs=inf"),
+    ("keep-zero", SFT("training.keep=0"), r"training.keep=0"),
+    ("threads-negative", SFT("runtime.threads=-2"), r"runtime.threads=-2"),
+    ("set-not-yaml", SFT("data.path=[unclosed"), r"--set 'data.path=\[unclosed': .* is not a YAML value"),
+    ("set-no-equals", lambda ws: ["sft", "--config", str(ws / "sft.yaml"), "--set", "training.steps"],
+     r"expected KEY=VALUE"),
+    ("unknown-field", SFT("training.stpes=3"), r"unknown field 'stpes'"),
+    ("former-accumulate", SFT("training.accumulate=2"), r"training.accumulate is a former field.*accumulation"),
+    ("former-output", SFT("output=x"), r"output is a former field.*runtime.output_dir"),
+    ("former-schedule", SFT("schedule.warmup=2"), r"schedule is a former field.*warmup_steps"),
+    ("unread-field", SFT("training.targets_per_parameter=5"), r"targets_per_parameter is not read by `linnet sft`"),
+    ("lora-rank", SFT("lora.rank=0"), r"lora.rank=0"),
+    ("lora-dropout", SFT("lora.dropout=1.5"), r"lora.dropout=1.5"),
+    ("schedule-name", SFT("lr_schedule.name=linear"), r"lr_schedule.name: 'linear' is not one of"),
+    ("schedule-fit", SFT("lr_schedule.warmup_steps=50"), r"lr_schedule \(cosine, warmup_steps 50\) over 2 steps"),
+    ("context-short", SFT("training.context_length=8"), r"training.context_length=8; a packed row needs"),
+    ("eval-share", SFT("data.eval_share=1.5"), r"data.eval_share=1.5"),
+    ("split-lora", SFT("training.split=2"), r"training.split=2 splits whole models"),
+    ("shard-name", SFT("training.shard=ddp"), r"training.shard: 'ddp' is not one of"),
+    ("config-missing", lambda ws: ["sft", "--config", str(ws / "nope.yaml")], r"nope.yaml: no such config file"),
+    ("config-not-yaml", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
+        "model: [\n")))], r"sft.yaml: not valid YAML"),
+    # the data
+    ("data-missing", SFT("data.path=/nonexistent/train.jsonl"), r"train.jsonl: no such file"),
+    ("data-empty", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: p.write_text(''))}")(ws),
+     r"holds no records"),
+    ("data-not-json", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: _lines(p, '{oops'))}")(ws),
+     r"train.jsonl line 1: not valid JSON"),
+    ("data-no-completion", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: _lines(p, {'prompt': '1+2='}))}")(ws),
+     r"line 1: .*completion"),
+    ("data-empty-completion", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: _lines(p, {'prompt': '01+02=', 'completion': ' '}))}")(ws),
+     r"line 1: field 'completion' is empty"),
+    ("data-unknown-text", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: _lines(p, *[{'prompt': 'what is one plus two?', 'completion': 'three'}] * 4))}")(ws),
+     r"of the tokens .* are the unknown token '<pad>'"),
+    ("data-unknown-role", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: _lines(p, {'messages': [{'role': 'user', 'content': '1+2='}, {'role': 'narrator', 'content': 'x'}, {'role': 'assistant', 'content': '003'}]}))}", "data.chat=true")(ws),
+     r"messages\[1\] has the role 'narrator'"),
+    ("model-missing-card", SFT("model.card=no-such-card"), r"unknown card 'no-such-card'"),
+    ("model-truncated-weights", lambda ws: SFT(f"model.card={_copy(ws, 'model', _truncate)}")(ws),
+     r"model.safetensors: not a readable safetensors file"),
+    ("model-config-string", lambda ws: SFT(f"model.card={_copy(ws, 'model', _bad_config_json)}")(ws),
+     r"config.json: hidden_size is '\d+'; it must be an integer"),
+    ("model-tokenizer-empty", lambda ws: SFT(f"model.card={_copy(ws, 'model', lambda p: (p / 'tokenizer.json').write_text(''))}")(ws),
+     r"tokenizer.json: not a readable tokenizer.json"),
+    ("device-cuda", SFT("runtime.device=cuda"), r"runtime.device=cuda: no CUDA device is visible"),
+    # the run directory
+    ("out-is-file", lambda ws: SFT(f"runtime.output_dir={ws / 'afile'}")(ws), r"afile: runtime.output_dir is a file"),
+    ("out-under-file", lambda ws: SFT(f"runtime.output_dir={ws / 'afile' / 'run'}")(ws), r"is a file, so runtime.output_dir"),
+    ("out-used", lambda ws: SFT(f"runtime.output_dir={ws / 'done'}")(ws), r"pass --resume .* or --overwrite"),
+    ("out-overwrite-other", lambda ws: [*SFT(f"runtime.output_dir={ws / 'other'}")(ws), "--overwrite"],
+     r"other: holds files but no linnet run"),
+    ("resume-and-overwrite", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}")(ws), "--resume", "--overwrite"],
+     r"give one of them"),
+    ("resume-changed-data", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", f"data.path={_copy(ws, 'train.jsonl', lambda p: _lines(p, *p.read_text().splitlines()[:-1]))}")(ws), "--resume"],
+     r"another config or data; differing: data.fingerprint"),
+    ("resume-changed-lr", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", "optimizer.lr=0.5")(ws), "--resume"],
+     r"differing: optimizer.lr: 0.001 \(run\) vs 0.5"),
+    ("resume-other-kind", lambda ws: [*SFT(f"runtime.output_dir={ws / 'fake-pretrain'}")(ws), "--resume"],
+     r"a `linnet pretrain` run, not a `linnet sft` one"),
+    ("resume-from-elsewhere", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}")(ws), "--resume-from", str(ws / "other")],
+     r"--resume-from takes a checkpoint of this run"),
+    ("resume-from-damaged", lambda ws: _resume_from_damaged(ws),
+     r"trained.safetensors: corrupt or truncated .*--resume-from"),
+    # dpo
+    ("dpo-same-answers", lambda ws: DPO(f"data.path={_copy(ws, 'pairs.jsonl', lambda p: _lines(p, {'prompt': '1+2=', 'chosen': '003', 'rejected': '003'}))}")(ws),
+     r"line 1: 'chosen' and 'rejected' are the same answer"),
+    ("dpo-empty-answer", lambda ws: DPO(f"data.path={_copy(ws, 'pairs.jsonl', lambda p: _lines(p, {'prompt': '1+2=', 'chosen': '003', 'rejected': ''}))}")(ws),
+     r"line 1: the 'rejected' answer is empty"),
+    ("dpo-pairs-per-step", DPO("dpo.pairs_per_step=1000"), r"dpo.pairs_per_step=1000 is more than the 57 training pairs"),
+    ("dpo-beta", DPO("dpo.beta=0"), r"dpo.beta must be > 0"),
+    ("dpo-accumulation", DPO("training.accumulation=2"), r"accumulation is not read by `linnet dpo`"),
+    ("dpo-two-prompts", DPO("data.prompt=[a, b]"), r"`linnet dpo` reads one prompt field"),
+    ("dpo-row-short", DPO("training.context_length=16"), r"needs .* positions .* raise training.context_length"),
+    # grpo
+    ("grpo-clip-low", GRPO("grpo.clip_low=1.5"), r"grpo.clip_low=1.5 must be in \[0, 1\)"),
+    ("grpo-bad-regex", GRPO("grpo.rewards=[format]", "grpo.format_pattern=("), r"grpo.format_pattern='\(' is not a regular expression"),
+    ("grpo-unknown-reward", GRPO("grpo.rewards=[nosuch]"), r"reward 'nosuch': use exact, numeric, format"),
+    ("grpo-reward-import", GRPO("grpo.rewards=[nosuch_module:f]"), r"reward 'nosuch_module:f': cannot import"),
+    ("grpo-group", GRPO("grpo.group=1"), r"grpo.group >= 2"),
+    ("grpo-prompts-per-step", GRPO("grpo.prompts_per_step=999"), r"grpo.prompts_per_step=999 is more than"),
+    ("grpo-pass-k", GRPO("grpo.pass_k=1"), r"grpo.pass_k is 0 \(off\) or >= 2"),
+    ("grpo-no-answer", lambda ws: GRPO(f"data.path={_copy(ws, 'prompts.jsonl', lambda p: _lines(p, {'prompt': '1+2='}))}")(ws),
+     r"line 1: missing field 'answer'"),
+    ("grpo-top-p", GRPO("grpo.top_p=2"), r"grpo.top_p in \(0, 1\]"),
+    # jax, inspect, generate, quickstart, plan, plot, info
+    ("jax-pytorch-field", lambda ws: ["jax", *SFT("training.shard=fsdp")(ws)[1:]], r"training.shard='fsdp' is for the PyTorch backend"),
+    ("inspect-bad-data", lambda ws: ["inspect", *SFT("data.path=/nonexistent.jsonl")(ws)[1:]], r"no such file"),
+    ("generate-too-long", lambda ws: ["generate", str(ws / "model"), "--prompt", "12+34=", "--max-new-tokens", "5000"],
+     r"--max-new-tokens 5000 after a prompt of .* passes"),
+    ("generate-temperature", lambda ws: ["generate", str(ws / "model"), "--prompt", "1", "--temperature", "-1"],
+     r"--temperature >= 0"),
+    ("generate-cuda", lambda ws: ["generate", str(ws / "model"), "--prompt", "1", "--max-new-tokens", "4", "--device", "cuda"],
+     r"--device=cuda: no CUDA device"),
+    ("quickstart-digits", lambda ws: ["quickstart", "--digits", "0", "--out", str(ws / "qs")], r"--digits 0: use 2 to 6"),
+    ("quickstart-steps", lambda ws: ["quickstart", "--steps", "-1", "--out", str(ws / "qs")], r"--steps must be >= 1"),
+    ("quickstart-out-used", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "other")],
+     r"other: exists and is not empty; pass --overwrite"),
+    ("quickstart-out-other", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "other"), "--overwrite"],
+     r"holds files but no quickstart run"),
+    ("quickstart-out-file", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "afile")], r"afile: --out is a file"),
+    ("plan-unknown-card", lambda ws: ["plan", "no-such-card"], r"unknown card 'no-such-card'"),
+    ("plan-config-field", lambda ws: ["plan", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
+        p.read_text() + "extra: 1\n")))], r"unknown field 'extra'"),
+    ("plot-no-metrics", lambda ws: ["plot", str(ws / "other")], r"no metrics; is .* a linnet run directory"),
+    ("info-unknown", lambda ws: ["info", "no-such-card"], r"unknown card 'no-such-card'"),
+    # pretraining
+    ("prepare-cache-under-file", lambda ws: PRETRAIN(f"data.cache={ws / 'afile' / 'cache'}", command="prepare")(ws),
+     r"is a file, so data.cache cannot be made"),
+    ("prepare-missing-source", PRETRAIN("data.source=[/nonexistent.txt]", "data.cache=/tmp/linnet-no-cache",
+                                        command="prepare"), r"nonexistent.txt: no such corpus file"),
+    ("pretrain-epochs", PRETRAIN("training.epochs=2.5"), r"training.epochs=2.5; pretraining splits its budget into a whole"),
+    ("pretrain-card", PRETRAIN("model.card=debug"), r"model.card is not read by `linnet pretrain`"),
+    ("pretrain-missing-cache", PRETRAIN("data.cache=/nonexistent/cache", "data.source=[]"), r"/nonexistent/cache"),
+    ("pretrain-overwrite-other", lambda ws: [*PRETRAIN(f"runtime.output_dir={ws / 'other'}")(ws), "--overwrite"],
+     r"other: holds files but no linnet run"),
+    ("pretrain-out-file", lambda ws: PRETRAIN(f"runtime.output_dir={ws / 'afile'}")(ws), r"afile: runtime.output_dir is a file"),
+    ("pretrain-sft-checkpoint", lambda ws: [*PRETRAIN()(ws), "--resume", str(ws / "done")],
+     r"not a pretraining checkpoint"),
+]
+
+def test_there_are_many_cases_across_every_command():
+    commands = {case.split("-")[0] for case, _, _ in CASES}
+    assert len(CASES) >= 60
+    assert {"dpo", "grpo", "jax", "inspect", "generate", "quickstart", "plan", "plot", "info", "prepare",
+            "pretrain"} <= commands  # and sft: the cases without a prefix
+
+
+@pytest.mark.parametrize("case, argv, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_by_name_and_changes_nothing(ws, case, argv, message, capsys):
+    args = argv(ws)  # a case's bad file is made here, before the workspace is fingerprinted
+    before = _tree(ws)
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    last = [line for line in err.splitlines() if line.startswith("linnet ")]
+    assert len(last) == 1, err
+    assert re.search(message, last[0]), last[0]
+    assert _tree(ws) == before, "a refused command changed files"

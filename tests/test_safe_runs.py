@@ -1,0 +1,140 @@
+"""What a run directory survives: a replaced run comes back when its replacement fails
+first, a complete run is only reported on --resume, a kill's leftovers go at the next
+start, metrics.jsonl keeps one row a step, Ctrl-C names the checkpoint that resumes, and
+published files get ordinary permissions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from linnet import cli, nest
+from linnet.commands import quickstart
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("safe")
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    (root / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": a}) + "\n"
+                                              for p, a in quickstart.problems(rng, 80, 2)))
+    config = {"model": {"card": str(root / "model")}, "data": {"path": str(root / "train.jsonl"), "chat": False},
+              "lora": {"rank": 4}, "training": {"steps": 4, "context_length": 64, "checkpoint_every": 1},
+              "optimizer": {"lr": 1e-3}, "lr_schedule": {"warmup_steps": 1}, "evaluation": {"every": 2},
+              "runtime": {"progress": False, "output_dir": str(root / "run")}}
+    (root / "sft.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["sft", "--config", str(root / "sft.yaml")]) == 0
+    return root
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _sft(ws: Path, out: Path, *flags: str) -> int:
+    return cli.main(["sft", "--config", str(ws / "sft.yaml"), "--set", f"runtime.output_dir={out}", *flags])
+
+
+def test_resume_on_a_complete_run_reports_it_and_writes_nothing(ws, capsys):
+    before = _tree(ws / "run")
+    assert _sft(ws, ws / "run", "--resume") == 0
+    assert "last_loss" in capsys.readouterr().out
+    assert _tree(ws / "run") == before
+
+
+def test_a_replaced_run_comes_back_when_the_new_one_fails_before_its_first_step(ws, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    before = _tree(out)
+    from linnet.train import loop
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the new run broke in its first step")
+
+    monkeypatch.setattr(loop, "take_step", fail)
+    with pytest.raises(RuntimeError, match="first step"):
+        _sft(ws, out, "--overwrite", "--set", "optimizer.lr=0.002")
+    assert _tree(out) == before and not list(tmp_path.glob(".run.replaced-*"))
+    monkeypatch.undo()
+    assert _sft(ws, out, "--overwrite", "--set", "optimizer.lr=0.002") == 0  # it started: the old run is gone
+    assert json.loads((out / "run.json").read_text())["recipe"]["optimizer.lr"] == 0.002
+    assert not list(tmp_path.glob(".run.replaced-*"))
+
+
+def test_a_killed_runs_leftovers_go_and_metrics_keep_one_row_a_step(ws, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    # as a kill at step 3 leaves it: step 2's checkpoint, a half-written checkpoint and weight
+    # file, three metrics rows and a torn fourth, no summary
+    for late in ("step-00000003", "step-00000004"):
+        shutil.rmtree(out / "checkpoints" / late)
+    (out / "checkpoints" / ".step-00000003.tmp-99999999").mkdir()
+    (out / "final" / ".adapter_model.safetensors.x1y2.tmp").write_bytes(b"\0" * 10)
+    (out / "summary.json").unlink()
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(rows[:3]) + "\n" + rows[3][:17])
+    assert _sft(ws, out, "--resume") == 0
+    leftovers = [p for p in out.rglob(".*") if ".tmp" in p.name]
+    assert leftovers == []
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    whole = [json.loads(line)["loss"] for line in (ws / "run" / "metrics.jsonl").read_text().splitlines()]
+    again = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert again == whole  # resumed exactly
+
+
+def test_resume_from_an_earlier_checkpoint_drops_the_later_ones(ws, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    assert _sft(ws, out, "--resume-from", str(out / "checkpoints" / "step-00000003")) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_ctrl_c_names_the_checkpoint_that_resumes(ws, tmp_path, monkeypatch, capsys):
+    from linnet.train import loop
+
+    real = loop.take_step
+    calls = []
+
+    def interrupt_at_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "take_step", interrupt_at_3)
+    assert _sft(ws, tmp_path / "run") == 130
+    err = capsys.readouterr().err
+    assert "interrupted; the latest checkpoint is" in err and "step-00000002" in err and "--resume" in err
+
+
+def test_published_files_get_ordinary_permissions(ws):
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (ws / "run" / "final" / "adapter_model.safetensors", ws / "run" / "config.json",
+                 ws / "run" / "summary.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+def test_plot_reads_a_metrics_file_with_a_torn_last_line(ws, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run"
+    out.mkdir()
+    rows = (ws / "run" / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl").write_text(rows + '{"step": 5, "lo')
+    assert cli.main(["plot", str(out)]) == 0
