@@ -75,6 +75,20 @@ def test_a_replaced_run_comes_back_when_the_new_one_fails_before_its_first_step(
     assert not list(tmp_path.glob(".run.replaced-*"))
 
 
+def test_a_new_run_that_fails_before_its_first_step_leaves_nothing_behind(ws, tmp_path, monkeypatch):
+    from linnet.train import loop
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("broke in the first step")
+
+    monkeypatch.setattr(loop, "take_step", fail)
+    with pytest.raises(RuntimeError, match="first step"):
+        _sft(ws, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
+    assert _sft(ws, tmp_path / "new") == 0  # the same command, corrected: no --overwrite needed
+
+
 def test_a_killed_runs_leftovers_go_and_metrics_keep_one_row_a_step(ws, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(ws / "run", out)

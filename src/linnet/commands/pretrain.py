@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field, e.g. training.epochs=4 (repeatable)")
     parser.add_argument("--resume", metavar="CKPT", help="a checkpoints/step-… directory (or a run directory)")
-    parser.add_argument("--overwrite", action="store_true", help="delete the output directory first")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run in runtime.output_dir (once the new run takes its first update)")
     parser.add_argument("--plan", action="store_true", help="print the budget and exit")
     parser.add_argument("--template", action="store_true", help="print every field with its default and help")
     args = parser.parse_args(argv)

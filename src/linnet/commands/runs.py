@@ -126,8 +126,9 @@ class RunDirectory:
     written: a new or empty directory starts the run; `resume` continues a run of the
     same command, config and data from its latest checkpoint (a complete one only gives
     back its summary); `overwrite` replaces a linnet run, setting it aside until the new
-    run has taken its first step (restored if the new run fails first). Nothing else is
-    touched: a directory that holds no linnet run is refused.
+    run has taken its first step (restored if the new run fails first). A new run that
+    fails before its first step leaves its directory empty, so the corrected command runs
+    as it is. Nothing else is touched: a directory that holds no linnet run is refused.
 
         run = RunDirectory(config, overwrite=False, resume=True)    # checks; reads only
         with run.open() as out:                                      # writes
@@ -144,6 +145,8 @@ class RunDirectory:
         self.complete: dict | None = None  # the summary of a run already finished
         self.step = 0  # the step of the checkpoint the run resumes from
         self.aside: SetAside | None = None
+        self.made: Path | None = None  # the directory `open` made (or found empty), until the first step
+        self.existed = True
         state = None
         if world()[0] == 0:
             try:
@@ -200,8 +203,11 @@ class RunDirectory:
         keep metrics.jsonl up to the resumed step, write config.json and run.json. A failure
         inside the block before `started()` restores a run it replaced."""
         if world()[0] == 0:
-            if self.overwrite and self.path.is_dir() and any(not is_leftover(p) for p in self.path.iterdir()):
+            used = self.path.is_dir() and any(not is_leftover(p) for p in self.path.iterdir())
+            if self.overwrite and used:
                 self.aside = SetAside(self.path)
+            if not used:
+                self.made, self.existed = self.path, self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
             record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe}
             write_text(self.path / "run.json", json.dumps(record, indent=1) + "\n")  # first: it marks the run
@@ -217,14 +223,21 @@ class RunDirectory:
         try:
             yield self.path
         except BaseException:
-            if self.aside is not None:
+            if self.aside is not None:  # the new run failed before its first step: the old one comes back
                 self.aside.restore()
                 self.aside = None
+            elif self.made is not None:  # a new run that never stepped leaves nothing to --resume or --overwrite
+                for path in self.made.iterdir():
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                if not self.existed:
+                    self.made.rmdir()
             raise
         self.started()
 
     def started(self) -> None:
-        """The new run took its first step: a run it replaces goes for good."""
+        """The new run took its first step: a run it replaces goes for good, and what it
+        wrote stays if it fails later."""
+        self.made = None
         if self.aside is not None:
             self.aside.drop()
             self.aside = None
