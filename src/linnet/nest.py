@@ -43,6 +43,8 @@ def load(
     seed: int = 0,
     attention: str = "auto",
     tensor_parallel: Any = None,
+    activation_checkpointing: bool | str = False,
+    activation_memory_budget: float | None = None,
     **seed_spelling: Any,
 ):
     """Build the card's decoder for `backend`.
@@ -56,6 +58,11 @@ def load(
     names a torch.compile backend.
     tensor_parallel: a one-dimension DeviceMesh (mesh["split"]) whose processes split every
     block's weights (linnet.torch.sharding.tensor_parallel); full fine-tuning with `train`.
+    activation_checkpointing: True (or "full") keeps each block's input alone in training
+    and computes the block again in backward; "selective" also keeps attention's outputs
+    (`Decoder.checkpoint_activations`). activation_memory_budget (with compile="inductor"):
+    the share of a compiled block's activations the compiler may keep, recomputing the
+    rest (torch._functorch.config.activation_memory_budget, process-wide).
     backend="jax" (or the seed's "jax_source") gives a linnet.jax.JaxModel (needs the
     `jax` extra); it takes weights, dtype and seed.
     """
@@ -75,11 +82,14 @@ def load(
     if backend != "torch":
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
                                                    ("compile", compile, False), ("attention", attention, "auto"),
-                                                   ("tensor_parallel", tensor_parallel, None))
+                                                   ("tensor_parallel", tensor_parallel, None),
+                                                   ("activation_checkpointing", activation_checkpointing, False),
+                                                   ("activation_memory_budget", activation_memory_budget, None))
                   if value != default]
         if unused:
             raise ValueError(f"backend={backend!r} does not take {', '.join(unused)}: JAX places arrays itself, "
-                             "compiles every step, and picks what trains in linnet.jax.train.train(trainable=)")
+                             "compiles every step, picks what trains in linnet.jax.train.train(trainable=) and recomputes "
+                             "layers with train(remat=True)")
         try:
             from linnet.jax import load_model
         except ModuleNotFoundError as e:
@@ -99,4 +109,6 @@ def load(
         seed=seed,
         attention=attention,
         tensor_parallel=tensor_parallel,
+        activation_checkpointing=activation_checkpointing,
+        activation_memory_budget=activation_memory_budget,
     )

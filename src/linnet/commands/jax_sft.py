@@ -43,6 +43,10 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "
                              "itself, compiles every step, attends with one masked path, has no adapter dropout "
                              "and shards with --fully-shard")
+    if t.activation_checkpointing == "selective":
+        raise ValueError("config: training.activation_checkpointing='selective' is the PyTorch backend's; `linnet "
+                         "jax` recomputes whole layers: use true")
+    remat = remat or bool(t.activation_checkpointing)  # JAX recomputes whole layers (jax.checkpoint)
     prepared = prepare(config)
     run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:

@@ -109,7 +109,8 @@ def split_per_step(name: str, per_step: int) -> int:
 # The data files' contents stand for their paths, so data may move between sessions.
 RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress",
                         "training.checkpoint_every", "training.keep", "evaluation.every", "data.path",
-                        "data.eval_path", "dpo.reference_cache"})
+                        "data.eval_path", "dpo.reference_cache", "training.activation_checkpointing",
+                        "model.activation_memory_budget"})
 
 
 def recipe(config) -> dict[str, Any]:
@@ -266,7 +267,9 @@ def load_model(card, config):
         mesh = init_device_mesh(torch.device(device).type, (copies, split), mesh_dim_names=("copies", "split"))
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
-                      tensor_parallel=None if mesh is None else mesh["split"])
+                      tensor_parallel=None if mesh is None else mesh["split"],
+                      activation_checkpointing=t.activation_checkpointing,
+                      activation_memory_budget=m.activation_memory_budget)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora)

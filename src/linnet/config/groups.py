@@ -46,8 +46,14 @@ class ModelConfig:
     dtype: str | None = option(None, "compute dtype (float32, bfloat16); null: bfloat16 on CUDA, float32 on CPU")
     attention: str = option("auto", "attention path inside packed rows: auto, documents, dense, flex, varlen")
     compile: bool = option(False, "compile each block with torch.compile (inductor)")
+    activation_memory_budget: float | None = option(None, "with compile: the share of a compiled block's "
+                                                          "activations the compiler may keep, recomputing the "
+                                                          "rest (0 to 1); null: all")
 
     def __post_init__(self):
+        if self.activation_memory_budget is not None and not (self.compile and 0 <= self.activation_memory_budget <= 1):
+            raise ValueError(f"config: model.activation_memory_budget={self.activation_memory_budget} needs "
+                             "model.compile=true and a share in [0, 1]")
         _positive(**{"model.hidden": self.hidden, "model.intermediate": self.intermediate,
                      "model.layers": self.layers, "model.heads": self.heads, "model.kv_heads": self.kv_heads,
                      "model.head_dim": self.head_dim})
@@ -157,6 +163,9 @@ class TrainingConfig:
                                                     "snapshot", only=PRETRAINING)
     checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)", only=FINE_TUNING)
     keep: int = option(2, "checkpoints kept", only=FINE_TUNING)
+    activation_checkpointing: Literal[False, True, "full", "selective"] = option(
+        False, "keep each block's input alone and compute the block again in backward (true or full); selective "
+               "also keeps attention's outputs; false keeps every activation. Same gradients, less memory")
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)

@@ -312,7 +312,8 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         nonlocal aside
         start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
         model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=rt.seed, trainable=True,
-                          compile=m.compile, attention=m.attention)
+                          compile=m.compile, attention=m.attention, activation_checkpointing=t.activation_checkpointing,
+                          activation_memory_budget=m.activation_memory_budget)
         params = trained_parameters(model)
         assert sum(p.numel() for p in params) == card.params()
         o, s = config.optimizer, config.lr_schedule

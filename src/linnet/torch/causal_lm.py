@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,7 +264,7 @@ class CausalLM(nn.Module):
     accepts_loss_kwargs = True  # transformers.Trainer then passes num_items_in_batch
     loss_type = "ForCausalLM"  # Trainer counts num_items_in_batch over the shifted labels
     _keys_to_ignore_on_save = None
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
 
     def __init__(self, decoder: nn.Module, *, bucket: int | None = BUCKET, logits: bool = False):
         super().__init__()
@@ -326,25 +325,26 @@ class CausalLM(nn.Module):
             if tag not in self.model_tags:
                 self.model_tags.append(tag)
 
-    # Activation checkpointing: transformers/TRL call these from their gradient_checkpointing
-    # (TRL's default is on). The packed decoder has no hook for it here; say so, do nothing.
-    is_gradient_checkpointing = False
-    is_activation_checkpointing = False
+    # Activation checkpointing: transformers and TRL call these from gradient_checkpointing
+    # (TRL's default is on); the decoder then keeps each block's input alone and computes the
+    # block again in backward (Decoder.checkpoint_activations): the same gradients, less memory.
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self._decoder.checkpointing is not None
 
-    def activation_checkpointing_enable(self, *args, **kwargs) -> None:
-        warnings.warn(
-            "CausalLM does not checkpoint activations: gradient_checkpointing / "
-            "activation_checkpointing has no effect (set it False to silence this). To trade "
-            "recomputation for memory, load the model with nest.load(..., compile='inductor') and "
-            "set torch._functorch.config.activation_memory_budget (e.g. 0.5).",
-            UserWarning,
-            stacklevel=2,
-        )
+    is_activation_checkpointing = is_gradient_checkpointing
+
+    def activation_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+        """Checkpoint every block, keeping a mode the decoder was loaded with ("selective").
+        transformers' gradient_checkpointing_kwargs, such as use_reentrant, have no meaning
+        here: linnet's checkpointing is non-reentrant."""
+        if self._decoder.checkpointing is None:
+            self._decoder.checkpoint_activations(True)
 
     gradient_checkpointing_enable = activation_checkpointing_enable
 
     def activation_checkpointing_disable(self) -> None:
-        pass  # never enabled
+        self._decoder.checkpoint_activations(False)
 
     gradient_checkpointing_disable = activation_checkpointing_disable
 

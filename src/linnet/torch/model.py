@@ -28,6 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from linnet.cards import Card
 from linnet.paths import select
@@ -217,6 +223,7 @@ class Decoder(nn.Module):
         self.lora: dict | None = None  # the add_lora settings, while adapters are in place
         self.copies = None  # with tensor_parallel: the group of the same part in other copies
         self.compiled = False  # compiled blocks want one row length: keep the padding
+        self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
         self.model = Body(card)
         if not card.tied_embeddings:
             self.lm_head = Linear(card.hidden, card.vocab, bias=False)
@@ -247,8 +254,13 @@ class Decoder(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
+        recompute = self.checkpointing is not None and torch.is_grad_enabled()
         for block in self.model.layers:
-            x = block(x, cos, sin, bounds, attend)
+            if recompute:  # keep the block's input, compute the rest again in backward
+                x = checkpoint(block, x, cos, sin, bounds, attend, use_reentrant=False,
+                               context_fn=_KEEP[self.checkpointing])
+            else:
+                x = block(x, cos, sin, bounds, attend)
         return self.model.norm(x)
 
     def _fields(self, batch):
@@ -331,6 +343,17 @@ class Decoder(nn.Module):
         logits = (h @ full(self.head_weight).to(self.dtype).T).float().view(B, T, -1)
         return logits[0] if squeeze else logits
 
+    def checkpoint_activations(self, mode: bool | str = True) -> None:
+        """Activation checkpointing, a block at a time: in training forward each block keeps
+        only its input, and backward computes the block again. True or "full" recomputes
+        everything; "selective" keeps the attention's outputs (quadratic in a document's
+        length to recompute, one [P, D] tensor to store) and recomputes the rest; False
+        stores every activation. Gradients are the same either way; peak memory falls
+        roughly to one block's activations plus the blocks' inputs."""
+        if mode not in (True, False, "full", "selective"):
+            raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective' or False")
+        self.checkpointing = None if mode is False else "full" if mode is True else mode
+
     # -- parameters ------------------------------------------------------------------
 
     def set_trainable(self, spec: bool | str | Sequence[str]) -> list[str]:
@@ -384,7 +407,23 @@ def _initialise(model: Decoder, seed: int) -> None:
             p.copy_(value)
 
 
-def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None) -> Decoder:
+def _keep_attention(ctx, op, *args, **kwargs):
+    """The selective checkpointing policy: store what attention returns, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math") if hasattr(torch.ops.aten, name)}
+
+# checkpoint's context_fn for each mode (None: the default, recompute everything)
+_KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selective_checkpoint_contexts,
+                                                                  _keep_attention)}
+
+
+def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
+          activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
     from linnet.torch.weights import bind_weights
@@ -408,6 +447,15 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)
+    model.checkpoint_activations(activation_checkpointing)
+    if activation_memory_budget is not None:
+        if compile not in (True, "inductor"):
+            raise ValueError("activation_memory_budget sets how much the inductor compiler keeps: use it with "
+                             "compile='inductor'")
+        if not 0 <= activation_memory_budget <= 1:
+            raise ValueError(f"activation_memory_budget={activation_memory_budget}: a share in [0, 1] of what "
+                             "the compiled blocks would keep")
+        torch._functorch.config.activation_memory_budget = activation_memory_budget  # process-wide, read at compile
     if compile:
         backend = "inductor" if compile is True else compile
         for block in model.model.layers:
