@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# dtype "auto" (every config's default) computes in bfloat16 on CPUs with AMX or AVX-512
+# BF16 and in float32 elsewhere: the suite computes in float32 on every machine, child
+# processes included (tests/test_dtype.py checks the choice itself).
+os.environ["LINNET_CPU_BF16"] = "0"
 
 TINY = dict(
     vocab_size=97,

@@ -45,14 +45,17 @@ def load(
     tensor_parallel: Any = None,
     activation_checkpointing: bool | str = False,
     activation_memory_budget: float | None = None,
+    quantize: str | None = None,
     **seed_spelling: Any,
 ):
     """Build the card's decoder for `backend`.
 
     weights: a directory or .safetensors file; None takes the card's own (its local
     directory, else the hub cache); "random" initialises from `seed`.
-    dtype: the compute dtype (default: the card's on CUDA, float32 on CPU). Trainable
-    parameters are kept in float32 and cast on use; frozen ones are stored in `dtype`.
+    dtype: the compute dtype (default: the card's on CUDA, float32 on CPU); "auto" takes
+    bfloat16 where the device computes it natively (CUDA with bf16, a CPU with amx_bf16 or
+    avx512_bf16; linnet.hardware), else float32. Trainable parameters are kept in float32
+    and cast on use; frozen ones are stored in `dtype`.
     trainable: True, False, or glob patterns over parameter paths.
     compile: True or "inductor" compiles each block with torch.compile; another string
     names a torch.compile backend.
@@ -63,6 +66,9 @@ def load(
     (`Decoder.checkpoint_activations`). activation_memory_budget (with compile="inductor"):
     the share of a compiled block's activations the compiler may keep, recomputing the
     rest (torch._functorch.config.activation_memory_budget, process-wide).
+    quantize="nf4": QLoRA's frozen base, every block's linear weight in 4-bit NormalFloat
+    with double quantization (bitsandbytes; the `qlora` extra), computed in `dtype`; train
+    adapters over it with add_lora (linnet.torch.quantize).
     backend="jax" (or the seed's "jax_source") gives a linnet.jax.JaxModel (needs the
     `jax` extra); it takes weights, dtype and seed.
     """
@@ -84,7 +90,8 @@ def load(
                                                    ("compile", compile, False), ("attention", attention, "auto"),
                                                    ("tensor_parallel", tensor_parallel, None),
                                                    ("activation_checkpointing", activation_checkpointing, False),
-                                                   ("activation_memory_budget", activation_memory_budget, None))
+                                                   ("activation_memory_budget", activation_memory_budget, None),
+                                                   ("quantize", quantize, None))
                   if value != default]
         if unused:
             raise ValueError(f"backend={backend!r} does not take {', '.join(unused)}: JAX places arrays itself, "
@@ -111,4 +118,5 @@ def load(
         tensor_parallel=tensor_parallel,
         activation_checkpointing=activation_checkpointing,
         activation_memory_budget=activation_memory_budget,
+        quantize=quantize,
     )

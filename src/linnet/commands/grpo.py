@@ -43,10 +43,9 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     if run.complete is not None:
         return run.complete
     policy = runs.load_model(card, config)
-    engine = Engine(nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed))
-    reference = None
-    if g.beta:
-        reference = nest.load(card, device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed)
+    base = dict(device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed, quantize=m.quantize)
+    engine = Engine(nest.load(card, **base))  # with quantize, it samples from the policy's own NF4 base
+    reference = nest.load(card, **base) if g.beta else None
     optimizer, schedule = runs.optimizer_and_schedule(config, policy, steps)
     names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
 

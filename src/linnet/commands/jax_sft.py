@@ -38,11 +38,12 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
     for name, value, default in (("runtime.device", rt.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
-                                 ("training.shard", t.shard, "none"), ("training.split", t.split, 1)):
+                                 ("training.shard", t.shard, "none"), ("training.split", t.split, 1),
+                                 ("model.quantize", m.quantize, None)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "
                              "itself, compiles every step, attends with one masked path, has no adapter dropout "
-                             "and shards with --fully-shard")
+                             "or 4-bit base, and shards with --fully-shard")
     if t.activation_checkpointing == "selective":
         raise ValueError("config: training.activation_checkpointing='selective' is the PyTorch backend's; `linnet "
                          "jax` recomputes whole layers: use true")

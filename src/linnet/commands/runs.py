@@ -84,7 +84,7 @@ def optimizer_and_schedule(config, model, steps: int):
 
     o = config.optimizer
     optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                      shard=config.training.shard)
+                      shard=config.training.shard, kind=o.name)
     return optimizer, lambda_schedule(optimizer, steps_factor(config, steps))
 
 
@@ -269,7 +269,7 @@ def load_model(card, config):
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=None if mesh is None else mesh["split"],
                       activation_checkpointing=t.activation_checkpointing,
-                      activation_memory_budget=m.activation_memory_budget)
+                      activation_memory_budget=m.activation_memory_budget, quantize=m.quantize)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora)

@@ -73,6 +73,18 @@ class FineTuningConfig:
         if self.training.context_length < 16:
             raise ValueError(f"config: training.context_length={self.training.context_length}; a packed row needs "
                              "at least 16 positions")
+        if self.model.quantize and not self.lora.enabled:
+            raise ValueError(f"config: model.quantize={self.model.quantize} freezes the base in 4 bits; it trains "
+                             "adapters only: set lora.enabled=true, or model.quantize=null for full fine-tuning")
+        if self.model.quantize and (self.model.compile or self.training.shard != "none"):
+            raise ValueError(f"config: model.quantize={self.model.quantize} with "
+                             + ("model.compile=true" if self.model.compile else f"training.shard={self.training.shard}")
+                             + " is not supported yet; quantized runs are eager, one whole model a process")
+        split = getattr(self.training, "split", 1)
+        if self.optimizer.name != "adamw" and (self.training.shard != "none" or split > 1):
+            where = f"training.split={split}" if split > 1 else f"training.shard={self.training.shard}"
+            raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; use "
+                             "optimizer.name=adamw for a split model or optimizer")
         if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
             raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
                              "field")

@@ -43,14 +43,22 @@ class ModelConfig:
     vocab: int | None = option(None, "embedding rows; null: the cache tokenizer's vocabulary", only=PRETRAINING)
     rope_base: float = option(10000.0, "RoPE base", only=PRETRAINING)
     norm_eps: float = option(1e-5, "RMSNorm epsilon", only=PRETRAINING)
-    dtype: str | None = option(None, "compute dtype (float32, bfloat16); null: bfloat16 on CUDA, float32 on CPU")
+    dtype: str | None = option("auto", "compute dtype: auto (bfloat16 where the device computes it natively: "
+                                       "CUDA, a CPU with amx_bf16 or avx512_bf16; else float32), float32, "
+                                       "bfloat16; null: bfloat16 on CUDA, float32 on CPU")
     attention: str = option("auto", "attention path inside packed rows: auto, documents, dense, flex, varlen")
     compile: bool = option(False, "compile each block with torch.compile (inductor)")
     activation_memory_budget: float | None = option(None, "with compile: the share of a compiled block's "
                                                           "activations the compiler may keep, recomputing the "
                                                           "rest (0 to 1); null: all")
+    quantize: str | None = option(None, "nf4: QLoRA, the frozen base's block weights stored in 4-bit NormalFloat "
+                                        "(bitsandbytes, the qlora extra); needs lora.enabled", only=FINE_TUNING)
 
     def __post_init__(self):
+        if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"config: model.dtype={self.dtype!r}; use auto, float32, bfloat16, float16 or null")
+        if self.quantize not in (None, "nf4"):
+            raise ValueError(f"config: model.quantize={self.quantize!r}; use nf4 (QLoRA) or null")
         if self.activation_memory_budget is not None and not (self.compile and 0 <= self.activation_memory_budget <= 1):
             raise ValueError(f"config: model.activation_memory_budget={self.activation_memory_budget} needs "
                              "model.compile=true and a share in [0, 1]")
@@ -186,8 +194,10 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = option("adamw", "optimizer (AdamW: decoupled weight decay on matrices, none on norms, "
-                                             "biases and DoRA magnitudes)")
+    name: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = option(
+        "adamw", "AdamW (decoupled weight decay on matrices, none on norms, biases and DoRA magnitudes) with float32 "
+                 "moments; adamw8bit: 8-bit moments (bitsandbytes, the qlora extra), 2 bytes a parameter instead of "
+                 "8; paged_adamw8bit: those, paged to host memory under pressure (CUDA)")
     lr: float = option(2e-4, "peak learning rate")
     betas: list[float] = option([0.9, 0.999], "AdamW betas")
     eps: float = option(1e-8, "AdamW epsilon")

@@ -38,7 +38,8 @@ def model_card(config: PretrainConfig, vocab_size: int, eos_id: int, tokenizer: 
         "pretrain", "llama", vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads or m.heads,
         m.head_dim or m.hidden // m.heads, rope_base=m.rope_base, norm_eps=m.norm_eps, tied_embeddings=True,
         max_positions=config.training.context_length, eos_token_ids=(eos_id,), pad_token_id=eos_id,
-        dtype=m.dtype or "bfloat16", tokenizer=Location(path=tokenizer), source="linnet pretrain",
+        dtype=m.dtype if m.dtype not in (None, "auto") else "bfloat16", tokenizer=Location(path=tokenizer),
+        source="linnet pretrain",
     )
 
 

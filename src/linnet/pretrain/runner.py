@@ -317,7 +317,8 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         params = trained_parameters(model)
         assert sum(p.numel() for p in params) == card.params()
         o, s = config.optimizer, config.lr_schedule
-        optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                          kind=o.name)
         schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
                                                               min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
         progress = Progress()

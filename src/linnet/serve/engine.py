@@ -49,6 +49,7 @@ from linnet.adapter_files import ADAPTER_SUFFIXES
 from linnet.rollouts import Completion
 from linnet.torch import attention as attention_paths
 from linnet.torch.model import Decoder, Linear, rotate
+from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import full
 
 
@@ -92,8 +93,8 @@ class Engine:
             )
         if (max_batch is None) != (max_seq is None):
             raise ValueError("Engine: give both max_batch and max_seq to preallocate the cache, or neither")
-        if model.lora:
-            model.merge_lora()
+        if model.lora and not model.quantized:
+            model.merge_lora()  # an NF4 base keeps its adapters beside it (see load_weights)
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -110,8 +111,12 @@ class Engine:
         """Copy a policy's weights into the engine's (by parameter name, in place: no
         tensor is reallocated). LoRA adapters are merged on the way (W + scale * B @ A,
         in float32); the policy itself is not changed. A policy sharded by fully_shard is
-        gathered one tensor at a time (every process must call this together)."""
-        own = dict(self.model.named_parameters())
+        gathered one tensor at a time (every process must call this together).
+
+        An engine loaded with quantize="nf4" samples from the policy's own NF4 base,
+        shared rather than copied, with copies of its adapters beside it (unmerged: an NF4
+        weight cannot take them), so it computes what the QLoRA policy computes."""
+        own = {n: p for n, p in self.model.named_parameters() if not n.endswith(ADAPTER_SUFFIXES)}
         adapted = {
             f"{name}.weight": m
             for name, m in policy.named_modules()
@@ -126,8 +131,12 @@ class Engine:
                     f"Engine.load_weights: the policy has {name!r}, which the engine's model "
                     "lacks; load the engine from the same card as the policy"
                 )
+            seen.add(name)
+            if is_quantized(own[name]):
+                self._share_quantized(name, p, adapted.get(name))
+                continue
             layer = adapted.get(name)
-            src = full(p.detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
+            src = full(dense(p).detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
             dst = own[name]
             if src.shape != dst.shape:
                 raise ValueError(
@@ -135,13 +144,31 @@ class Engine:
                     f"{tuple(dst.shape)} in the engine; load the engine from the same card"
                 )
             dst.copy_(src)
-            seen.add(name)
         missing = sorted(set(own) - seen)
         if missing:
             raise ValueError(
                 f"Engine.load_weights: the policy has no {missing[0]!r} (and {len(missing) - 1} "
                 "more); load the engine from the same card as the policy"
             )
+
+    def _share_quantized(self, name: str, weight: torch.nn.Parameter, source: Linear | None) -> None:
+        """Point the engine's NF4 layer at the policy's NF4 weight and copy its adapters."""
+        if not is_quantized(weight):
+            raise ValueError(f"Engine.load_weights: the engine's {name} is NF4 but the policy's is not; load the "
+                             "engine as the policy was loaded (quantize= the same)")
+        layer = self.model.get_submodule(name.removesuffix(".weight"))
+        layer.weight = weight
+        for part in ("lora_a", "lora_b", "lora_magnitude"):
+            value = None if source is None else getattr(source, part)
+            mine = getattr(layer, part)
+            if value is None:
+                setattr(layer, part, None)
+            elif mine is not None and mine.shape == value.shape:
+                mine.copy_(value)
+            else:
+                setattr(layer, part, torch.nn.Parameter(value.detach().clone(), requires_grad=False))
+        if source is not None:
+            layer.lora_scale = source.lora_scale
 
     # -- sampling -------------------------------------------------------------------
 

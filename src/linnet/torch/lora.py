@@ -24,6 +24,7 @@ from torch import nn
 
 from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, write_peft
 from linnet.paths import adapted_layers
+from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import is_sharded
 
 
@@ -53,7 +54,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer = linears[name]
         if layer.lora_a is not None:
             raise ValueError(f"add_lora: {name} already has an adapter; merge_lora() first")
-        d_out, d_in = layer.weight.shape
+        d_out, d_in = layer.out_features, layer.in_features  # an NF4 weight's own shape is its packed bytes'
         a = torch.empty(rank, d_in, device=layer.weight.device)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default for A
         layer.lora_a = torch.nn.Parameter(a)
@@ -61,7 +62,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer.lora_scale, layer.lora_dropout = scale, dropout
         if dora:
             with torch.no_grad():
-                layer.lora_magnitude = torch.nn.Parameter(torch.linalg.vector_norm(layer.weight.float(), dim=1))
+                layer.lora_magnitude = torch.nn.Parameter(torch.linalg.vector_norm(dense(layer.weight).float(), dim=1))
     model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
@@ -69,15 +70,21 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
 
 def merge_lora(model) -> None:
     """Fold every adapter into its weight (W + scale * B @ A in float32, DoRA's rows
-    rescaled to their magnitudes), then drop the adapters."""
+    rescaled to their magnitudes), then drop the adapters. An NF4 base (QLoRA) is
+    dequantized first, every layer of it: the adapters were trained against the
+    dequantized weights, not the original ones, and the merged model is a plain one."""
     if is_sharded(model):
         raise ValueError("merge_lora: this model is sharded (fully_shard); save the adapters (save_to=) and "
                          "merge them on one process, into a model loaded whole")
     for layer in _linears(model).values():
+        with torch.no_grad():
+            merged = dense(layer.weight) if layer.lora_a is None else layer.merged_weight()
+            if is_quantized(layer.weight):
+                layer.weight = nn.Parameter(merged.to(model.dtype), requires_grad=False)
+            elif layer.lora_a is not None:
+                layer.weight.copy_(merged.to(layer.weight.dtype))
         if layer.lora_a is None:
             continue
-        with torch.no_grad():
-            layer.weight.copy_(layer.merged_weight().to(layer.weight.dtype))
         del layer.lora_a, layer.lora_b, layer.lora_magnitude
         layer.lora_a = layer.lora_b = layer.lora_magnitude = None
     model.lora = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,10 +36,12 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from linnet import hardware
 from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
+from linnet.torch.quantize import QUANTIZE, dense, is_quantized, linear_4bit, nf4
 from linnet.torch.sharding import full
 from linnet.torch.weights import as_dtype
 
@@ -64,8 +67,7 @@ class Linear(nn.Linear):
     def forward(self, x):
         if self.lora_magnitude is not None:
             return self._dora(x)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        y = F.linear(x, self.weight.to(x.dtype), bias)
+        y = self._base(x, None if self.bias is None else self.bias.to(x.dtype))
         if self.lora_a is None:
             return y
         z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
@@ -75,18 +77,26 @@ class Linear(nn.Linear):
                           alpha=self.lora_scale)
         return out.view(y.shape)
 
+    def _base(self, x, bias=None):
+        """x @ W.T (+ b) with the frozen or trained weight (an NF4 one through bitsandbytes)."""
+        if is_quantized(self.weight):
+            y = linear_4bit(x, self.weight)
+            return y if bias is None else y + bias
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
     def _dora(self, x):
         with torch.no_grad():
             norm = torch.linalg.vector_norm(self.adapted_weight(), dim=1)
-        y = F.linear(x, self.weight.to(x.dtype))
+        y = self._base(x)
         y = y + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.lora_scale
         y = y * (self.lora_magnitude / norm).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def adapted_weight(self, whole=lambda t: t) -> torch.Tensor:
-        """W + scale * B @ A in float32 (`whole` gathers sharded tensors)."""
+        """W + scale * B @ A in float32 (`whole` gathers sharded tensors; an NF4 W is
+        dequantized first)."""
         delta = whole(self.lora_b).float() @ whole(self.lora_a).float()
-        return whole(self.weight).float() + delta * self.lora_scale
+        return whole(dense(self.weight)).float() + delta * self.lora_scale
 
     def merged_weight(self, whole=lambda t: t) -> torch.Tensor:
         """The plain weight this adapted layer computes with, in float32."""
@@ -234,6 +244,11 @@ class Decoder(nn.Module):
         return self.model.norm.weight.device
 
     @property
+    def quantized(self) -> str | None:
+        """'nf4' when the blocks' linear weights are stored quantized (QLoRA), else None."""
+        return "nf4" if any(is_quantized(p) for p in self.model.layers.parameters()) else None
+
+    @property
     def shares_prompts(self) -> bool:
         """Whether this model's attention path takes rows whose completions share their
         prompt (`Packed.prefix`; linnet.packing.pack_prompted)."""
@@ -364,6 +379,11 @@ class Decoder(nn.Module):
         chosen = select(names, spec, what="trainable")
         for name, p in self.named_parameters():
             train = name in chosen
+            if is_quantized(p):
+                if train:
+                    raise ValueError(f"trainable: {name} is stored in NF4 and cannot train; QLoRA trains "
+                                     "adapters (add_lora), or load without quantize to train it")
+                continue
             want = torch.float32 if train else self.dtype
             if p.dtype != want:
                 p.data = p.data.to(want)
@@ -390,6 +410,45 @@ class Decoder(nn.Module):
         from linnet.torch.weights import save_weights
 
         save_weights(self, path, dtype=dtype, include=include)
+
+
+def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:
+    """The dtype a model computes in. None: the card's on CUDA, float32 elsewhere. "auto":
+    bfloat16 where the device multiplies it natively (CUDA with bf16; a CPU with AMX or
+    AVX-512 BF16, read from its flags), else float32. An explicit bfloat16 on a CPU that
+    emulates it runs, with a warning: it is about 20x slower there than float32."""
+    if dtype == "auto":
+        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else (
+            device.type == "cpu" and hardware.cpu_prefers_bf16())
+        return torch.bfloat16 if native else torch.float32
+    dtype = as_dtype(card.dtype if device.type == "cuda" else "float32") if dtype is None else as_dtype(dtype)
+    if dtype == torch.bfloat16 and device.type == "cpu" and hardware.cpu_bf16_flag() is None:
+        warnings.warn(f"dtype bfloat16 on a CPU without {' or '.join(hardware.BF16_FLAGS)}: bfloat16 is emulated "
+                      f"here, about {hardware.EMULATED_BF16_SLOWDOWN}x slower than float32 on an SFT-LoRA step. "
+                      "Use dtype 'auto' (float32 here) or float32", stacklevel=4)
+    return dtype
+
+
+def _check_quantize(quantize, *, trainable, tensor_parallel, compile) -> None:
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize={quantize!r}: the one supported form is 'nf4' (QLoRA's 4-bit NormalFloat)")
+    if trainable is not False:
+        raise ValueError("quantize='nf4' freezes the base: load with trainable=False and train adapters "
+                         "(model.add_lora)")
+    if tensor_parallel is not None or compile:
+        raise ValueError("quantize='nf4' with " + ("tensor_parallel" if tensor_parallel is not None else "compile")
+                         + " is not supported yet; load the quantized model whole and eager")
+
+
+def quantize_blocks(model: Decoder) -> list[str]:
+    """Store every block's linear weight in NF4 (QLoRA, linnet.torch.quantize), one layer
+    at a time; embeddings, norms and the head keep the compute dtype. Returns the paths."""
+    done = []
+    for name, layer in model.model.layers.named_modules(prefix="model.layers"):
+        if isinstance(layer, Linear):
+            layer.weight = nf4(layer.weight, model.dtype)
+            done.append(f"{name}.weight")
+    return done
 
 
 def _initialise(model: Decoder, seed: int) -> None:
@@ -423,15 +482,16 @@ _KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selectiv
 
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
-          activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None) -> Decoder:
+          activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
+          quantize: str | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
     from linnet.torch.weights import bind_weights
 
+    if quantize is not None:
+        _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, compile=compile)
     device = torch.device(device or "cpu")
-    if dtype is None:
-        dtype = card.dtype if device.type == "cuda" else "float32"
-    dtype = as_dtype(dtype)
+    dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
     with torch.device("meta"):
         model = Decoder(card, dtype=dtype, attention=attention)
@@ -443,6 +503,8 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     else:
         source = weights_directory(card) if weights is None else weights
         bind_weights(model, source, strict=True)
+    if quantize is not None:
+        quantize_blocks(model)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 

@@ -43,6 +43,9 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
     if is_sharded(model):
         raise ValueError("fully_shard: this model is sharded already")
+    if getattr(model, "quantized", None):
+        raise ValueError("fully_shard: a model with an NF4 base (quantize='nf4') is not supported yet; train "
+                         "QLoRA on one process per model (its base is a quarter of bf16's size)")
     adapters = {p for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
     options = dict(mesh=mesh, ignored_params=adapters or None,
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))

@@ -16,6 +16,7 @@ from linnet.adapter_files import PEFT_PREFIX, from_peft_name
 from linnet.files import atomic_path, safetensors_file, write_text
 from linnet.paths import select
 from linnet.torch.distributed import world
+from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import full
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -83,6 +84,9 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
                         unexpected.append(name)
                     continue
                 tensor, p = f.get_tensor(key), params[name]
+                if is_quantized(p):
+                    raise ValueError(f"{file}: {name} is stored in NF4 in this model; base weights are read "
+                                     "before quantizing: nest.load(card, weights=..., quantize='nf4')")
                 if tensor.shape != p.shape:
                     raise ValueError(
                         f"{file}: {name} has shape {tuple(tensor.shape)} but card "
@@ -115,7 +119,7 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, include: Sequenc
     names = [n for n, _ in model.named_parameters()]
     chosen = select(names, True if include is None else include, what="include")
     tensors = {
-        n: full(p.detach()).to("cpu", dtype).contiguous()
+        n: full(dense(p).detach()).to("cpu", dtype).contiguous()
         for n, p in model.named_parameters()
         if n in chosen
     }

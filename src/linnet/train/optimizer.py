@@ -1,4 +1,4 @@
-"""The one AdamW every PyTorch command builds."""
+"""The one AdamW every PyTorch command builds: float32 states, or bitsandbytes' 8-bit ones."""
 
 from __future__ import annotations
 
@@ -6,18 +6,30 @@ import torch
 
 from linnet.torch.distributed import world
 
+KINDS = ("adamw", "adamw8bit", "paged_adamw8bit")
+
 
 def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-          shard: str = "none") -> torch.optim.Optimizer:
+          shard: str = "none", kind: str = "adamw") -> torch.optim.Optimizer:
     """AdamW over the trained parameters, with decoupled weight decay on matrices (the
     embedding, a tied head and adapters included) and none on vectors (norms, biases,
     DoRA's magnitudes); its state split across the processes with shard="zero"
-    (ZeroRedundancyOptimizer)."""
+    (ZeroRedundancyOptimizer).
+
+    kind="adamw8bit" keeps both moments in 8 bits, blockwise quantized (bitsandbytes'
+    AdamW8bit, Dettmers et al. 2022): 2 bytes a parameter instead of 8 (tensors under 4096
+    values keep float32 moments). "paged_adamw8bit" also lets CUDA page them out to CPU memory
+    under pressure (PagedAdamW8bit; CUDA only)."""
+    if kind not in KINDS:
+        raise ValueError(f"adamw: kind={kind!r}; use one of {', '.join(KINDS)}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     options = dict(lr=lr, betas=tuple(betas), eps=eps)
+    if kind != "adamw":
+        return _eight_bit(groups, options, paged=kind == "paged_adamw8bit", shard=shard,
+                          device=named[0][1].device if named else torch.device("cpu"))
     if shard == "zero" and world()[1] > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -27,3 +39,16 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
             optimizer.add_param_group(extra)
         return optimizer
     return torch.optim.AdamW(groups, **options)
+
+
+def _eight_bit(groups, options, *, paged: bool, shard: str, device: torch.device) -> torch.optim.Optimizer:
+    from linnet.torch.quantize import bitsandbytes
+
+    if shard != "none" and world()[1] > 1:
+        raise ValueError(f"adamw: 8-bit states with shard={shard!r} are not supported yet; keep float32 states to "
+                         "split them, or train unsharded")
+    if paged and device.type != "cuda":
+        raise ValueError(f"adamw: paged 8-bit states page CUDA memory out to the host; the model is on {device.type}: "
+                         "use the 8-bit states unpaged")
+    optim = bitsandbytes().optim
+    return (optim.PagedAdamW8bit if paged else optim.AdamW8bit)(groups, **options)

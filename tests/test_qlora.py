@@ -1,0 +1,247 @@
+"""QLoRA: an NF4 base (bitsandbytes) under f32 adapters. The quantization is the
+library's own, training lowers held-out loss, the adapters export to PEFT for the plain
+base, merging dequantizes first, and DPO and GRPO run with a quantized policy and
+engine. Also the 8-bit AdamW states."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, Pair, pack
+from linnet.train.dpo import dpo
+from linnet.train.grpo import Prompt, grpo
+from tests.conftest import make_hf_model
+
+bnb = pytest.importorskip("bitsandbytes", reason="QLoRA and 8-bit AdamW need bitsandbytes (the qlora extra)")
+
+from linnet.torch.quantize import dense, is_quantized, quantized_bytes  # noqa: E402
+
+torch.set_num_threads(1)
+CARD = nest.resolve("debug").replace(vocab=96, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16,
+                                     layers=2, tied_embeddings=False)
+PATTERNS = ["*_proj"]
+TOKENS = torch.randint(3, 96, (2, 13), generator=torch.Generator().manual_seed(0))
+
+
+def _adapted(quantize="nf4", dtype=None, source="random", dora=False):
+    model = nest.load(CARD if source == "random" else source, weights="random" if source == "random" else None,
+                      seed=0, quantize=quantize, dtype=dtype)
+    torch.manual_seed(1)
+    model.add_lora(PATTERNS, rank=4, alpha=8, dora=dora)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # B away from zero: the adapters change the logits
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def test_the_base_is_the_librarys_own_nf4():
+    plain = nest.load(CARD, weights="random", seed=0)
+    quantized = nest.load(CARD, weights="random", seed=0, quantize="nf4")
+    assert quantized.quantized == "nf4" and plain.quantized is None
+    weights = dict(plain.named_parameters())
+    linears = 0
+    for name, p in quantized.named_parameters():
+        if not is_quantized(p):  # embeddings, norms and the head keep the compute dtype
+            assert not name.endswith("_proj.weight") and torch.equal(p, weights[name]), name
+            continue
+        linears += 1
+        w = weights[name]
+        codes, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+        theirs = bnb.functional.dequantize_4bit(codes, state)
+        assert state.nested and state.state2.blocksize == 256
+        assert torch.equal(dense(p), theirs), name  # the same round trip, so the same error
+        assert 0 < (dense(p) - w).abs().mean() < 0.3 * w.abs().mean()  # 16 levels a block: ~0.2 of |w|
+    assert linears == 7 * CARD.layers
+    stored = quantized_bytes(quantized) / sum(CARD.layers * d_out * d_in for d_out, d_in in
+                                              CARD.linear_shapes().values())
+    assert 0.5 < stored < 0.56  # 4 bits + an 8-bit absmax per 64 + an f32 per 64 x 256 (+ the offsets)
+
+
+def test_adapters_train_over_the_frozen_base_and_gradients_match_its_dequantized_copy():
+    quantized = _adapted()
+    plain = _adapted(quantize=None)
+    with torch.no_grad():  # the same base: the plain model given the dequantized weights
+        for p, q in zip(plain.parameters(), quantized.parameters(), strict=True):
+            p.copy_(dense(q))
+    row = next(pack([Example.plain(TOKENS[0].tolist() + TOKENS[1].tolist())], tokens=32))
+    grads = []
+    for model in (quantized, plain):
+        loss, n = model.loss_packed(row)
+        (loss / n).backward()
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and all(k.endswith(("lora_a", "lora_b")) for k in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-4), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("dora", [False, True])
+def test_merging_dequantizes_first_and_keeps_the_adapted_logits(dtype, tolerance, dora):
+    model = _adapted(dtype=dtype, dora=dora)
+    with torch.no_grad():
+        adapted = model(TOKENS).float()
+        model.merge_lora()
+        merged = model(TOKENS).float()
+    assert model.quantized is None and not any(is_quantized(p) or "lora" in n for n, p in model.named_parameters())
+    assert (merged - adapted).abs().max() < tolerance
+    # the same adapters merged onto the original base give other logits: the bug this avoids
+    onto_original = _adapted(quantize=None, dtype=dtype, dora=dora)
+    with torch.no_grad():
+        onto_original.merge_lora()
+        assert (onto_original(TOKENS).float() - adapted).abs().max() > 2 * (merged - adapted).abs().max()
+
+
+def test_peft_export_loads_in_peft_over_the_plain_base(tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from linnet.torch.lora import save_peft
+
+    make_hf_model("llama").save_pretrained(tmp_path / "base")
+    model = _adapted(source=tmp_path / "base")
+    save_peft(model, tmp_path / "peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    tuned = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    plain = _adapted(quantize=None, source=tmp_path / "base")  # the same adapters over the original weights
+    with torch.no_grad():
+        assert (tuned(TOKENS).logits - plain(TOKENS)).abs().max() < 1e-4
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["peft_type"] == "LORA"
+
+
+def test_dpo_and_grpo_run_with_a_quantized_policy_and_engine():
+    from linnet.serve import Engine
+
+    policy = _adapted()
+    before = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    g = np.random.default_rng(0)
+    pairs = [Pair(g.integers(3, 96, 4).tolist(), g.integers(3, 96, 5).tolist(), g.integers(3, 96, 3).tolist())
+             for _ in range(4)]
+    preference = dpo(policy, pairs, optimizer=opt, steps=2, pairs_per_step=2, tokens=64).steps
+    assert len(preference) == 2 and all(np.isfinite(s.loss) for s in preference)
+    engine = Engine(nest.load(CARD, weights="random", seed=0, quantize="nf4"))
+    prompts = [Prompt(g.integers(3, 96, 4).tolist(), answer=None) for _ in range(4)]
+    history = grpo(policy, engine, prompts, lambda p, c: float(sum(c) % 5), optimizer=opt, steps=2, group=2,
+                   prompts_per_step=2, max_new_tokens=4, tokens=64, verbose=False)
+    assert len(history.steps) == 2
+    layer, theirs = engine.model.model.layers[1].mlp.up_proj, policy.model.layers[1].mlp.up_proj
+    assert layer.weight is theirs.weight  # one NF4 base, shared
+    assert layer.lora_b is not None and layer.lora_b is not theirs.lora_b  # a copy of the adapters beside it
+    assert any(not torch.equal(p, before[n]) for n, p in policy.named_parameters() if p.requires_grad)
+    engine.load_weights(policy)
+    _scores_as(policy, engine)
+
+
+def _scores_as(policy, engine):
+    """The engine's log-probabilities of what it samples are the policy's."""
+    prompt = TOKENS[0].tolist()
+    done = engine.sample([prompt], max_new_tokens=3, seed=0)[0]
+    ex = Example.prompted(prompt, done.tokens)
+    (row,) = pack([ex], tokens=len(ex))
+    with torch.no_grad():
+        theirs = policy.log_probs_packed(row)[len(prompt) - 1: len(ex) - 1]
+    torch.testing.assert_close(theirs, torch.as_tensor(done.logprobs), atol=1e-4, rtol=0)
+
+
+def test_an_engine_without_quantize_samples_from_the_dequantized_merged_policy():
+    from linnet.serve import Engine
+
+    policy = _adapted()
+    engine = Engine(nest.load(CARD, weights="random", seed=0))
+    engine.load_weights(policy)
+    _scores_as(policy, engine)
+    with pytest.raises(ValueError, match="NF4 but the policy's is not"):
+        Engine(nest.load(CARD, weights="random", quantize="nf4")).load_weights(nest.load(CARD, weights="random"))
+
+
+def test_quantized_misuse_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="freezes the base: load with trainable=False"):
+        nest.load(CARD, weights="random", quantize="nf4", trainable=True)
+    with pytest.raises(ValueError, match="quantize='nf8'"):
+        nest.load(CARD, weights="random", quantize="nf8")
+    model = nest.load(CARD, weights="random", quantize="nf4")
+    with pytest.raises(ValueError, match="stored in NF4 and cannot train"):
+        model.set_trainable(["model.layers.0.mlp.up_proj.weight"])
+    nest.load(CARD, weights="random").save_weights(tmp_path / "w.safetensors")
+    from linnet.torch.weights import bind_weights
+
+    with pytest.raises(ValueError, match="stored in NF4 in this model"):
+        bind_weights(model, tmp_path / "w.safetensors")
+
+
+def test_eight_bit_adamw_keeps_8_bit_moments_and_trains():
+    from linnet.train import train
+    from linnet.train.optimizer import adamw
+
+    model = nest.load(CARD, weights="random", seed=0, trainable=True)
+    optimizer = adamw(model, lr=3e-3, kind="adamw8bit")
+    rows = list(pack([Example.plain(list(range(3, 40)))] * 4, tokens=48))
+    history = train(model, rows * 5, optimizer=optimizer, steps=20)
+    assert history.steps[-1].loss < 0.5 * history.steps[0].loss
+    state = optimizer.state[model.model.embed_tokens.weight]
+    assert state["state1"].dtype == state["state2"].dtype == torch.uint8
+    with pytest.raises(ValueError, match="paged 8-bit states page CUDA memory"):
+        adamw(model, lr=1e-3, kind="paged_adamw8bit")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from linnet.commands import quickstart
+
+    root = tmp_path_factory.mktemp("qlora")
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    lines = [json.dumps({"prompt": p, "completion": a})
+             for p, a in quickstart.problems(np.random.default_rng(0), 300, 2)]
+    (root / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _sft(workspace, out, *extra):
+    from linnet.config import SFTConfig, load
+
+    return load(SFTConfig, None, [
+        f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", "data.chat=false",
+        "training.context_length=256", "data.eval_share=0.1", "model.quantize=nf4", "optimizer.name=adamw8bit",
+        "optimizer.lr=1e-2", "lr_schedule.warmup_steps=2", "evaluation.every=4", "training.checkpoint_every=4",
+        "training.steps=8", f"runtime.output_dir={out}", *extra])
+
+
+def test_a_qlora_sft_run_with_8_bit_adamw_learns_and_resumes_exactly(workspace, tmp_path):
+    import shutil
+
+    from linnet.commands.sft import run
+
+    whole = run(_sft(workspace, tmp_path / "whole"))
+    metrics = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    held = [m["held_out_loss"] for m in metrics if "held_out_loss" in m]
+    assert len(held) == 2 and held[-1] < 0.9 * metrics[0]["loss"] and held[-1] < held[0]
+    assert (tmp_path / "whole" / "final" / "adapter_config.json").is_file()
+    out = tmp_path / "cut"
+    run(_sft(workspace, out))
+    shutil.rmtree(out / "checkpoints" / "step-00000008")  # as if killed after step 5
+    (out / "summary.json").unlink()
+    (out / "metrics.jsonl").write_text("\n".join((out / "metrics.jsonl").read_text().splitlines()[:5]) + "\n")
+    again = run(_sft(workspace, out), resume=True)
+    assert again["steps_this_run"] == 4 and again["last_loss"] == whole["last_loss"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lora.enabled=false"], "model.quantize=nf4 freezes the base in 4 bits"),
+    (["model.quantize=int4"], "model.quantize='int4'; use nf4"),
+    (["training.shard=fsdp"], "model.quantize=nf4 with training.shard=fsdp is not supported yet"),
+    (["model.quantize=null", "training.shard=zero"], "optimizer.name=adamw8bit with training.shard=zero"),
+    (["optimizer.name=adamw", "model.compile=true"], "model.quantize=nf4 with model.compile=true"),
+    (["model.dtype=half"], "model.dtype='half'"),
+])
+def test_bad_qlora_configs_fail_before_training(workspace, tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _sft(workspace, tmp_path / "x", *overrides)
+    assert not (tmp_path / "x").exists()
