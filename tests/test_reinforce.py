@@ -46,6 +46,15 @@ def test_grpo_run_writes_metrics(workspace, tmp_path, capsys):
     assert "held_out_pass@2" in capsys.readouterr().err  # on the progress line
 
 
+def test_grpo_run_with_a_qlora_policy_engine_and_reference(workspace, tmp_path):
+    pytest.importorskip("bitsandbytes", reason="model.quantize=nf4 needs bitsandbytes (the qlora extra)")
+    summary = run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "run", "model.quantize=nf4",
+                                                    "grpo.beta=0.05", "training.activation_checkpointing=true")))
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3 and all(np.isfinite(m["loss"]) for m in metrics) and "held_out_reward" in summary
+    assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+
+
 def test_builtin_rewards():
     tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
     prompt = SimpleNamespace(answer="Natalia sold 72 clips.\n#### 72")
