@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from linnet import nest
 from linnet.torch import CausalLM
 from linnet.torch.causal_lm import pack_batch
+from linnet.torch.weights import bind_weights
 from tests.conftest import make_hf_model
 
 torch.set_num_threads(1)
@@ -279,22 +280,31 @@ def test_save_pretrained_loads_in_transformers(base, tmp_path):
     assert back.config.pad_token_id == 0
 
 
-def test_lora_sft_run_saves_an_adapter_peft_loads(base, tmp_path):
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_lora_sft_run_saves_an_adapter_peft_loads(base, tmp_path, quantize):
+    """LoRA, and QLoRA over an NF4 base with TRL's default activation checkpointing."""
     peft = pytest.importorskip("peft")
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
+    if quantize:
+        pytest.importorskip("bitsandbytes", reason="quantize='nf4' needs bitsandbytes")
     directory, fresh = base
-    decoder = nest.load(directory)
+    decoder = nest.load(directory, quantize=quantize)
     decoder.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, alpha=8)
     lm = CausalLM(decoder)
     data = datasets.Dataset.from_list([{"prompt": p, "completion": c} for p, c, _ in _completions()])
-    args = trl.SFTConfig(output_dir=str(tmp_path / "run"), max_length=64, activation_checkpointing=False,
+    args = trl.SFTConfig(output_dir=str(tmp_path / "run"), max_length=64, activation_checkpointing=bool(quantize),
                          **{**STEPS, "max_steps": 2})
     losses = _losses(trl.SFTTrainer(model=lm, args=args, train_dataset=data, processing_class=_tokenizer()))
-    assert len(losses) == 2
+    assert len(losses) == 2 and decoder.checkpointing == ("full" if quantize else None)
     assert all(p.abs().max() > 0 for n, p in decoder.named_parameters() if n.endswith("lora_b"))  # it trained
     lm.save_pretrained(tmp_path / "adapter")
     tuned = peft.PeftModel.from_pretrained(fresh(), tmp_path / "adapter").eval()
+    if quantize:  # PEFT's model is over the original weights: compare with those, adapters included
+        plain = nest.load(directory)
+        plain.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, alpha=8)
+        bind_weights(plain, tmp_path / "adapter", strict=False)
+        decoder = plain
     ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (tuned(ids).logits - decoder.eval()(ids)).abs().max().item() <= 1e-4
