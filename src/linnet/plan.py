@@ -6,9 +6,11 @@
                     Cluster(accelerator("h100"), gpus=8, mfu=0.35, price=2.5), tokens=12e6)
 
 Pure arithmetic over a card's shape: stdlib only, no torch, so it answers in well under a
-second on any machine. Every convention the numbers rest on (bytes per parameter, the
-activation formula, usable memory, 6ND) is derived in the docstring of the function that
-uses it, and `linnet plan` lists the ones a plan used under its table.
+second on any machine. The memory of a step (states, the activations linnet's blocks keep,
+the chunked loss, the peak of each phase) is linnet.step_memory's, whose names this module
+re-exports; accelerators, clusters, FLOPs and cost are here. Every convention the numbers
+rest on is derived in the docstring of the function that uses it, and `linnet plan` lists
+the ones a plan used under its table.
 
 Units: bytes are plain bytes, and GB in the output is 10^9 bytes (as accelerator data
 sheets and the seed's tables count them), not GiB.
@@ -23,13 +25,39 @@ from dataclasses import dataclass
 from typing import Any
 
 from linnet import cards
+from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's public names)
+    BF16_BYTES,
+    CHECKPOINTING,
+    COMPARED,
+    CPU_LOSS_BLOCK_BYTES,
+    CPU_LOSS_MIN_ROWS,
+    DEVICES,
+    DTYPES,
+    GRADIENT_BYTES,
+    LINEAR_NAMES,
+    LOSS_BLOCK_BYTES,
+    METHODS,
+    NF4_BYTES,
+    PHASES,
+    SHARDED_STATES,
+    Activations,
+    Batch,
+    Method,
+    Moment,
+    States,
+    _require,
+    activation_bytes,
+    block_activation_bytes,
+    logits_bytes,
+    loss_rows,
+    quantized_params,
+    state_bytes,
+    step_moments,
+    trainable_params,
+)
 
 GB = 1e9
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+DEFAULT_METHOD, DEFAULT_BATCH = Method(), Batch()  # frozen: safe as argument defaults
 
 
 # ---------------------------------------------------------------------------------------
@@ -111,102 +139,7 @@ def accelerator(
 
 
 # ---------------------------------------------------------------------------------------
-# What is trained, on what batch, on what cluster
-
-METHODS = ("full", "lora", "qlora", "dora")
-COMPARED = ("full", "lora", "qlora")
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GRADIENT_BYTES = {"bf16": 2, "fp32": 4}
-
-# Bytes per parameter of weights in bf16: the compute copy of trainable weights, and
-# frozen base weights for LoRA and DoRA.
-BF16_BYTES = 2
-
-# QLoRA's NF4 with double quantization: 4 bits per weight, plus one 8-bit absmax per block
-# of 64 weights, plus one f32 constant per block of 256 absmaxes (Dettmers et al. 2023):
-# 4 + 8/64 + 32/(64*256) = 4.127 bits = 0.516 bytes per parameter.
-NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
-
-
-@dataclass(frozen=True)
-class Method:
-    """How the weights are trained, and what each trainable parameter costs in memory.
-
-    The defaults are mixed-precision AdamW (Micikevicius et al. 2018): a bf16 weight the
-    matmuls read (2 B), its bf16 gradient (2 B; 4 B with `grad_dtype="fp32"`), an f32
-    master copy the optimizer updates (4 B), and Adam's two f32 moments (8 B): 16 bytes
-    per trainable parameter. (linnet keeps trainable weights in f32 and casts them on use,
-    so its 16 bytes split as a 4 B weight, a 4 B gradient and 8 B of moments: same total.)
-    """
-
-    name: str = "full"
-    rank: int = 16
-    targets: tuple[str, ...] = LINEAR_NAMES
-    optimizer_bytes: float = 8
-    grad_dtype: str = "bf16"
-    master_bytes: float = 4
-
-    def __post_init__(self):
-        _require(self.name in METHODS, f"method {self.name!r} is unknown; use one of {', '.join(METHODS)}")
-        _require(self.rank >= 1, f"rank must be a positive integer, got {self.rank}")
-        unknown = [t for t in self.targets if t not in LINEAR_NAMES]
-        _require(
-            bool(self.targets) and not unknown,
-            f"targets {list(unknown or self.targets)} are not linear layers of a block; "
-            f"use 'all-linear' or names from {', '.join(LINEAR_NAMES)}",
-        )
-        _require(self.optimizer_bytes >= 0, f"optimizer_bytes must be >= 0 (8 for AdamW), got {self.optimizer_bytes}")
-        _require(
-            self.grad_dtype in GRADIENT_BYTES,
-            f"grad_dtype {self.grad_dtype!r} is unknown; use one of {', '.join(GRADIENT_BYTES)}",
-        )
-        _require(
-            self.master_bytes >= 0, f"master_bytes must be >= 0 (4 for f32, 0 for none), got {self.master_bytes}"
-        )
-
-    @property
-    def adapters(self) -> bool:
-        """Whether the base is frozen and only low-rank adapters train."""
-        return self.name != "full"
-
-    @property
-    def base_bytes(self) -> float:
-        """Bytes per parameter of the frozen base (unused by full fine-tuning)."""
-        return NF4_BYTES if self.name == "qlora" else BF16_BYTES
-
-    @property
-    def bytes_per_trainable(self) -> float:
-        return BF16_BYTES + GRADIENT_BYTES[self.grad_dtype] + self.master_bytes + self.optimizer_bytes
-
-
-# A loss computed a block of rows at a time holds one block of f32 logits, not the whole
-# [positions, vocab] matrix: 1 GiB on accelerators, linnet.torch.losses.BLOCK_BYTES (a test keeps them equal).
-LOSS_BLOCK_BYTES = 2**30
-
-
-@dataclass(frozen=True)
-class Batch:
-    """What one GPU runs per micro-step."""
-
-    seq: int = 4096
-    micro_batch: int = 1
-    checkpointing: bool = True
-    chunked_loss: bool = False
-
-    def __post_init__(self):
-        _require(self.seq >= 1, f"seq must be a positive number of tokens, got {self.seq}")
-        _require(self.micro_batch >= 1, f"micro_batch must be a positive number of sequences, got {self.micro_batch}")
-
-
-# Which states each sharding stage splits over the data-parallel GPUs (Rajbhandari et al.
-# 2020): ZeRO-1 the optimizer (with its f32 master copy), ZeRO-2 also the gradients,
-# ZeRO-3 / FSDP also the weights. Activations are never split: each GPU runs its own batch.
-SHARDED_STATES: dict[str, frozenset[str]] = {
-    "none": frozenset(),
-    "zero1": frozenset({"master", "optimizer"}),
-    "zero2": frozenset({"master", "optimizer", "gradients"}),
-    "fsdp": frozenset({"master", "optimizer", "gradients", "weights"}),
-}
+# The cluster
 
 
 @dataclass(frozen=True)
@@ -216,7 +149,7 @@ class Cluster:
     `usable` is the share of each GPU's memory a run can fill: the CUDA context, the caching
     allocator's fragmentation and communication buffers take the rest. 0.9 is the value
     that reproduces the seed's minimum of 18 H100s for full fine-tuning of a 70B (with all
-    80 GB usable the arithmetic gives 16; any share from 0.892 to 0.937 gives 18).
+    80 GB usable the arithmetic gives 16; any share from 0.882 to 0.933 gives 18).
     `mfu` defaults to 0.35, the low end of the 35-50% BF16 MFU that good large dense runs
     reach on H100; small models and adapters usually reach less.
     """
@@ -249,104 +182,16 @@ class Cluster:
 
 
 # ---------------------------------------------------------------------------------------
-# Memory
-
-
-def trainable_params(card: cards.Card, method: Method) -> int:
-    """Parameters the optimizer updates.
-
-    Full fine-tuning trains every parameter. LoRA replaces the update of each targeted
-    d_out x d_in matrix by B A with A: r x d_in and B: d_out x r, so it trains
-    r (d_in + d_out) per matrix (Hu et al. 2021). DoRA adds a magnitude per output row
-    of each targeted matrix (Liu et al. 2024). QLoRA trains the same adapters as LoRA.
-    """
-    if not method.adapters:
-        return card.params()
-    shapes = [shape for path, shape in card.linear_shapes().items() if path.rsplit(".", 1)[-1] in method.targets]
-    per_block = sum(method.rank * (d_out + d_in) for d_out, d_in in shapes)
-    if method.name == "dora":
-        per_block += sum(d_out for d_out, _ in shapes)
-    return card.layers * per_block
-
-
-@dataclass(frozen=True)
-class States:
-    """Bytes of weights, gradients, f32 master weights and optimizer state on one GPU."""
-
-    weights: float
-    gradients: float
-    master: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.master + self.optimizer
-
-
-def state_bytes(params: int, trainable: int, method: Method, shard: str = "none", gpus: int = 1) -> States:
-    """Bytes of model and optimizer state per GPU.
-
-    Trainable parameters cost `method.bytes_per_trainable` (16 B for mixed-precision
-    AdamW: 2 + 2 + 4 + 8). Adapter methods keep the whole base frozen: its parameters
-    need no gradient, master copy or optimizer moments, which removes 14 of those 16
-    bytes (2 B/param left in bf16, 0.516 B/param in QLoRA's NF4; every parameter is
-    counted at that rate, embeddings and output head included, as the seed's table does:
-    bitsandbytes leaves those two in bf16, 1.5 B/param more for them). `shard` splits the
-    states over `gpus` data-parallel ranks as in SHARDED_STATES.
-    """
-    frozen = params if method.adapters else 0
-    whole = {
-        "weights": method.base_bytes * frozen + BF16_BYTES * trainable,
-        "gradients": GRADIENT_BYTES[method.grad_dtype] * trainable,
-        "master": method.master_bytes * trainable,
-        "optimizer": method.optimizer_bytes * trainable,
-    }
-    split = SHARDED_STATES[shard]
-    return States(**{name: value / gpus if name in split else value for name, value in whole.items()})
-
-
-def block_activation_bytes(hidden: int, seq: int, micro_batch: int) -> float:
-    """Bytes one decoder block keeps for its backward pass: 34 s b d in bf16.
-
-    Korthikanti et al. 2022 count s b d (34 + 5 a s / d) bytes per transformer layer; the
-    5 a s^2 b attention-score term vanishes with FlashAttention, which recomputes the scores
-    in backward. The 34 is their GPT block's (4d MLP, full-width K/V); a Llama block with
-    GQA and a SwiGLU MLP keeps a somewhat different amount, and we keep their published
-    constant, as the seed does.
-    """
-    return 34 * seq * micro_batch * hidden
-
-
-def logits_bytes(vocab: int, seq: int, micro_batch: int, chunked_loss: bool = False) -> float:
-    """The f32 logits of the loss: s b V 4 bytes (2.1 GB for 4096 tokens of a 128K vocab),
-    or one block of LOSS_BLOCK_BYTES when the loss runs a block of rows at a time."""
-    whole = 4 * seq * micro_batch * vocab
-    return min(whole, LOSS_BLOCK_BYTES) if chunked_loss else whole
-
-
-def activation_bytes(layers: int, hidden: int, vocab: int, batch: Batch) -> float:
-    """Activation bytes per GPU at the peak of the backward pass, logits included.
-
-    Without checkpointing every block keeps 34 s b d. With checkpointing each block keeps
-    only its bf16 input, 2 s b d, and recomputes the rest during backward, so one block's
-    34 s b d is live on top of the L inputs; without that block our totals would fall
-    0.6 GB (8B) and 1.1 GB (70B) below the seed's with-activations column.
-    Adapters' own activations, r values per token and adapted matrix, are left out: well
-    under 1% of a block's.
-    """
-    tokens = batch.seq * batch.micro_batch
-    block = block_activation_bytes(hidden, batch.seq, batch.micro_batch)
-    blocks = layers * 2 * tokens * hidden + block if batch.checkpointing else layers * block
-    return blocks + logits_bytes(vocab, batch.seq, batch.micro_batch, batch.chunked_loss)
-
+# GPUs
 
 GPUS_PER_NODE = 8  # an HGX / DGX node
 
 
 def min_gpus(states: float, activations: float, usable_bytes: float) -> int | None:
-    """Fewest GPUs that hold a run with every state sharded (FSDP / ZeRO-3): the smallest
-    n with states / n + activations <= usable. Activations do not shrink with n (each GPU
-    runs its own micro-batch), so None when they alone overflow one GPU."""
+    """Fewest GPUs that hold one moment of a step with every state sharded (FSDP /
+    ZeRO-3): the smallest n with states / n + activations <= usable. Activations do not
+    shrink with n (each GPU runs its own micro-batch), so None when they alone overflow
+    one GPU. A plan takes the largest n over the moments of its step (step_moments)."""
     room = usable_bytes - activations
     if room <= 0:
         return None
@@ -426,20 +271,22 @@ class Plan:
     batch: Batch
     cluster: Cluster
     states: States  # per GPU, split as cluster.shard says over cluster.gpus
-    activations_checkpointed: float
-    activations_uncheckpointed: float
-    logits: float  # included in both activation figures
+    activations: Activations  # with checkpointing as the batch chose it
+    activations_checkpointed: float  # the activation peak with full checkpointing
+    activations_uncheckpointed: float  # and without
+    logits: float  # part of every activation figure
+    phases: dict[str, float]  # the most bytes live per GPU in each phase of a step (PHASES)
     min_gpus: int | None  # with every state sharded; None: activations alone overflow a GPU
     compute: Compute | None
 
     @property
-    def activations(self) -> float:
-        """Activation bytes with checkpointing as the batch chose it."""
-        return self.activations_checkpointed if self.batch.checkpointing else self.activations_uncheckpointed
+    def total(self) -> float:
+        """Peak bytes per GPU: the largest phase."""
+        return max(self.phases.values())
 
     @property
-    def total(self) -> float:
-        return self.states.total + self.activations
+    def peak_phase(self) -> str:
+        return max(PHASES, key=self.phases.__getitem__)
 
     @property
     def fits(self) -> bool:
@@ -449,15 +296,15 @@ class Plan:
         """Every input and result as JSON-ready data; bytes are plain bytes."""
         data = dataclasses.asdict(self)
         data["states"]["total"] = self.states.total
-        data.update(activations=self.activations, total=self.total, fits=self.fits,
-                    usable=self.cluster.usable_bytes)
+        data["activations"]["peak"] = self.activations.peak
+        data.update(total=self.total, peak_phase=self.peak_phase, fits=self.fits, usable=self.cluster.usable_bytes)
         return data
 
 
 def estimate(
     card: cards.Card | str,
-    method: Method = Method(),
-    batch: Batch = Batch(),
+    method: Method = DEFAULT_METHOD,
+    batch: Batch = DEFAULT_BATCH,
     cluster: Cluster = Cluster(),
     tokens: float | str | None = None,
 ) -> Plan:
@@ -466,16 +313,17 @@ def estimate(
     card = cards.resolve(card)
     params = card.params()
     trainable = trainable_params(card, method)
-    activations = {
-        flag: activation_bytes(card.layers, card.hidden, card.vocab, dataclasses.replace(batch, checkpointing=flag))
-        for flag in (True, False)
-    }
+    activations = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode))
+                   for mode in CHECKPOINTING}
+    moments = step_moments(card, method, batch, activations[batch.checkpointing])
     if tokens == "chinchilla":
         tokens = chinchilla_tokens(params)
     _require(
         tokens is None or (not isinstance(tokens, str) and tokens > 0),
         f"tokens must be a positive count such as 12e6, or 'chinchilla'; got {tokens!r}",
     )
+    fewest = [min_gpus(sum(m.states.values()), m.activations, cluster.usable_bytes)
+              for ms in moments.values() for m in ms]
     return Plan(
         model=card.name,
         params=params,
@@ -483,21 +331,21 @@ def estimate(
         method=method,
         batch=batch,
         cluster=cluster,
-        states=state_bytes(params, trainable, method, cluster.shard, cluster.gpus),
-        activations_checkpointed=activations[True],
-        activations_uncheckpointed=activations[False],
-        logits=logits_bytes(card.vocab, batch.seq, batch.micro_batch, batch.chunked_loss),
-        min_gpus=min_gpus(
-            state_bytes(params, trainable, method).total, activations[batch.checkpointing], cluster.usable_bytes
-        ),
+        states=state_bytes(params, trainable, method, cluster.shard, cluster.gpus, quantized_params(card, method)),
+        activations=activations[batch.checkpointing],
+        activations_checkpointed=activations["full"].peak,
+        activations_uncheckpointed=activations["none"].peak,
+        logits=logits_bytes(card.vocab, batch),
+        phases={phase: max(m.on(cluster.shard, cluster.gpus) for m in moments[phase]) for phase in PHASES},
+        min_gpus=None if None in fewest else max(fewest),
         compute=None if tokens is None else compute_cost(params, tokens, method, cluster),
     )
 
 
 def compare(
     card: cards.Card | str,
-    method: Method = Method(),
-    batch: Batch = Batch(),
+    method: Method = DEFAULT_METHOD,
+    batch: Batch = DEFAULT_BATCH,
     cluster: Cluster = Cluster(),
     tokens: float | str | None = None,
     names: Sequence[str] = COMPARED,

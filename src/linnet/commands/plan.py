@@ -5,6 +5,7 @@
         --tokens 12e6 --mfu 0.35 --gpus 8 --gpu h100 --price 2.5
     linnet plan llama-3.1-70b-instruct --compare          # full vs LoRA vs QLoRA
     linnet plan path/to/hf-model-dir --tokens chinchilla --json
+    linnet plan llama-3.2-1b-instruct --method lora --dtype f32 --device cpu --chunked-loss --grad-dtype fp32
     linnet plan --config run.yaml                         # the run a config describes (any command's)
 """
 
@@ -21,8 +22,10 @@ from typing import Any
 from linnet import cards, plan
 from linnet.plan import (
     ACCELERATORS,
-    BF16_BYTES,
+    CHECKPOINTING,
     COMPARED,
+    DEVICES,
+    DTYPES,
     GPUS_PER_NODE,
     GRADIENT_BYTES,
     METHODS,
@@ -52,10 +55,13 @@ def _gpu_count(n: int | None) -> str:
     return f"{n} ({nodes} nodes of {GPUS_PER_NODE})" if nodes > 1 else str(n)
 
 
+CHECKPOINTING_LABELS = {"full": "checkpointing", "selective": "selective checkpointing", "none": "no checkpointing"}
+
+
 def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
     """(label, one value per plan) for the table."""
     first = plans[0]
-    chosen = "checkpointing" if first.batch.checkpointing else "no checkpointing"
+    chosen = CHECKPOINTING_LABELS[first.batch.checkpointing]
     memory = {
         "parameters": lambda p: count(p.params),
         "trainable": lambda p: f"{count(p.trainable)} ({p.trainable / p.params:.1%})",
@@ -66,10 +72,16 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
         "states": lambda p: gb(p.states.total),
         "activations, checkpointing": lambda p: gb(p.activations_checkpointed),
         "activations, no checkpointing": lambda p: gb(p.activations_uncheckpointed),
+    }
+    if first.batch.checkpointing == "selective":
+        memory["activations, selective checkpointing"] = lambda p: gb(p.activations.peak)
+    memory.update({f"peak in the {phase}": lambda p, key=key: gb(p.phases[key])
+                   for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "optimizer"))})
+    memory.update({
         f"total per GPU ({chosen})": lambda p: gb(p.total),
         f"fits {gb(first.cluster.usable_bytes)} usable": lambda p: "yes" if p.fits else "no",
         f"minimum {first.cluster.gpu.name} GPUs (FSDP)": lambda p: _gpu_count(p.min_gpus),
-    }
+    })
     compute = {
         "tokens": lambda c: count(c.tokens),
         "FLOPs": lambda c: sci(c.flops),
@@ -90,32 +102,43 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
     method, batch, cluster = first.method, first.batch, first.cluster
     names = {p.method.name for p in plans}
     adapted = [p.method.name for p in plans if p.method.adapters]
+    c = method.compute_bytes
+    copy = (f"{method.copy_bytes:g} B {method.dtype} weight" if method.copy_bytes
+            else "no separate weight (f32 compute reads the f32 master)")
     lines = [
         "GB = 10^9 bytes (MB = 10^6); memory is per GPU",
-        f"each trainable parameter: {BF16_BYTES} B bf16 weight + {GRADIENT_BYTES[method.grad_dtype]} B "
-        f"{method.grad_dtype} gradient + {method.master_bytes:g} B f32 master + {method.optimizer_bytes:g} B "
-        f"optimizer state = {method.bytes_per_trainable:g} B",
+        f"each trainable parameter: {copy} + {GRADIENT_BYTES[method.grad_dtype]} B {method.grad_dtype} gradient + "
+        f"{method.master_bytes:g} B f32 master + {method.optimizer_bytes:g} B optimizer state = "
+        f"{method.bytes_per_trainable:g} B",
     ]
     if adapted:
         lines.append(
-            f"{', '.join(adapted)}: base frozen (no gradient, master or optimizer state); rank {method.rank} "
-            f"adapters on {', '.join(method.targets)} in every block, r·(d_in + d_out) parameters each"
+            f"{', '.join(adapted)}: base frozen (no gradient, master or optimizer state)"
+            + ("" if adapted == ["qlora"] else f" in {method.dtype}, {c} B per parameter")
+            + f"; rank {method.rank} adapters on {', '.join(method.targets)} in every block, "
+            "r·(d_in + d_out) parameters each"
         )
-    if names & {"lora", "dora"}:
-        lines.append(f"frozen base in bf16: {BF16_BYTES} B per parameter")
     if "qlora" in names:
         lines.append(
-            f"qlora base in NF4 with double quantization: 4 + 8/64 + 32/(64·256) bits = {NF4_BYTES:.3f} B "
-            "per parameter, embeddings and head included"
+            f"qlora: every block's linear weights in NF4 with double quantization, 4 + 8/64 + 32/(64·256) bits = "
+            f"{NF4_BYTES:.3f} B per parameter; embeddings, norms and the head stay in {method.dtype}"
         )
     if "dora" in names:
         lines.append("dora also trains one magnitude per output row of each adapted matrix")
+    attention = "f32 attention, " if batch.device == "cpu" and c == 2 else ""
     lines += [
-        "activations in bf16: 34·s·b·d bytes per block (Korthikanti et al., FlashAttention); with "
-        f"checkpointing each block keeps its 2·s·b·d input and one block is recomputed; s = {batch.seq}, "
-        f"b = {batch.micro_batch}",
-        f"logits in f32: s·b·V·4 bytes = {gb(first.logits)}"
-        + (" (one block of the chunked loss)" if batch.chunked_loss else " (--chunked-loss holds one 1 GiB block)"),
+        f"activations: what linnet's block saves for backward, from the card's shapes in {method.dtype} "
+        f"({attention}s = {batch.seq}, b = {batch.micro_batch}); checkpointing keeps each block's input and "
+        "recomputes one block at a time in backward, selective also keeps attention's outputs",
+        (f"logits: one block of linnet's chunked loss in f32 = {gb(first.logits)} ("
+         + ("16 MiB but at least 512 rows on a CPU" if batch.device == "cpu" else "at most about 1 GiB on a GPU")
+         + "), with the hidden states' gradient" if batch.chunked_loss
+         else f"logits in f32: s·b·V·4 bytes = {gb(first.logits)} (--chunked-loss: linnet's blockwise loss)"),
+        "peak: the largest of the end of the forward ("
+        + (f"{batch.accumulation} micro-steps a step: every gradient live from the second on" if batch.accumulation > 1
+           else "no gradient yet but the head's, which the chunked loss makes there")
+        + "), the backward (gradients growing as activations are freed) and the optimizer step "
+        f"({'AdamW tensor by tensor' if batch.device == 'cpu' else 'foreach AdamW: 4 B more per trainable parameter'})",
     ]
     split = [name for name in dataclasses.asdict(first.states) if name in SHARDED_STATES[cluster.shard]]
     lines.append(
@@ -199,17 +222,30 @@ def _parser() -> argparse.ArgumentParser:
     what("--master-bytes", type=float, metavar="B",
          help="master weight bytes per trainable parameter: 4 for an f32 copy, 0 for pure bf16 training "
          f"(default {method.master_bytes:g})")
+    what("--dtype", choices=list(DTYPES),
+         help="compute dtype: activations and frozen weights in it; bf16 casts each trained f32 weight for the "
+         f"matmuls, f32 computes with the f32 weights themselves (default {method.dtype}; linnet on a CPU "
+         "without bf16 instructions: f32)")
 
     run = parser.add_argument_group("batch").add_argument
     run("--seq", type=int, metavar="TOKENS", help=f"tokens per sequence (default {batch.seq})")
     run("--micro-batch", type=int, metavar="N",
         help=f"sequences per GPU per micro-step (default {batch.micro_batch})")
-    run("--checkpointing", action=argparse.BooleanOptionalAction,
-        help="activation checkpointing: keep each block's input, recompute the rest (default on)")
+    run("--checkpointing", nargs="?", const="full", choices=CHECKPOINTING, metavar="MODE",
+        help="activation checkpointing: full (the flag alone) keeps each block's input and recomputes the "
+        "block in backward; selective also keeps attention's outputs; none keeps everything (default full)")
+    run("--no-checkpointing", dest="checkpointing", action="store_const", const="none",
+        help="the same as --checkpointing none")
+    run("--accumulation", type=int, metavar="N",
+        help="micro-steps per optimizer step; from the second on, the earlier ones' gradients are live in the "
+        f"forward (default {batch.accumulation})")
     run("--chunked-loss", action=argparse.BooleanOptionalAction,
         help="compute the loss a block of rows at a time instead of holding every logit (default off)")
 
     hardware = parser.add_argument_group("hardware").add_argument
+    hardware("--device", choices=DEVICES,
+             help=f"where the steps run: gpu, or cpu for linnet's CPU paths (16 MiB loss blocks, bf16 attention "
+             f"computed in f32, AdamW tensor by tensor); GPU counts and costs still use --gpu (default {batch.device})")
     hardware("--gpu", metavar="NAME",
              help=f"accelerator: {', '.join(ACCELERATORS)}; any other name needs --gpu-memory and "
              f"--gpu-tflops (default {cluster.gpu.name})")
@@ -240,31 +276,43 @@ def _parser() -> argparse.ArgumentParser:
 
 def settings_from_config(path: str) -> dict[str, Any]:
     """The card and plan settings of a run config, loaded and checked as the run would
-    load it (an unknown field is the same error): for sft, dpo and grpo, LoRA (or DoRA) or
-    full, rank, adapted layers, the packed row as the sequence, linnet's blockwise loss,
-    and the token count when the steps are fixed; for pretraining, the model it builds,
-    its micro-batch and the budget's tokens."""
+    load it (an unknown field is the same error), describing linnet's step: f32 gradients,
+    the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
+    linnet's blockwise loss, the packed row as the sequence and the token count when the
+    steps are fixed. For sft, dpo and grpo also LoRA, DoRA, QLoRA (model.quantize) or full,
+    rank and adapted layers; for pretraining, the model it builds, its micro-batch and the
+    budget's tokens."""
     import fnmatch
 
     from linnet.config import PretrainConfig, load_any
 
     config = load_any(path)
-    t = config.training
-    settings: dict[str, Any] = {"chunked_loss": True, "checkpointing": False, "seq": t.context_length}
+    t, model = config.training, config.model
+    device = "cpu" if (config.runtime.device or "").startswith("cpu") else "gpu"
+    settings: dict[str, Any] = {
+        "chunked_loss": True, "seq": t.context_length, "device": device, "grad_dtype": "fp32",
+        "checkpointing": {False: "none", True: "full"}.get(t.activation_checkpointing, t.activation_checkpointing),
+        "dtype": _config_dtype(model.dtype, device),
+        "optimizer_bytes": 8 if config.optimizer.name == "adamw" else 2,
+        "accumulation": t.accumulation if config.command in ("sft", "pretrain") else 1,
+    }
     if isinstance(config, PretrainConfig):
         from linnet.pretrain.recipe import make_budget, model_card
 
         card = model_card(config, _pretrain_vocab(config), eos_id=0)
         return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size,
                 "tokens": make_budget(config, card.params()).trained_targets}
-    settings.update(card=config.model.card, micro_batch=1)
+    settings.update(card=model.card, micro_batch=1)
     lora = config.lora
     if lora.enabled:
+        if model.quantize and lora.dora:
+            raise ValueError(f"{path}: DoRA over an NF4 base (model.quantize with lora.dora) has no plan yet; "
+                             "plan it as qlora (lora.dora: false) and add one magnitude per output row")
         parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-        settings.update(method="dora" if lora.dora else "lora", rank=lora.rank, targets=[
-            name for name in plan.LINEAR_NAMES
-            if any(fnmatch.fnmatch(f"model.layers.0.{parents.get(name, 'mlp')}.{name}{end}", pattern)
-                   for pattern in lora.targets for end in ("", ".weight"))])
+        settings.update(method="qlora" if model.quantize else "dora" if lora.dora else "lora", rank=lora.rank,
+                        targets=[name for name in plan.LINEAR_NAMES
+                                 if any(fnmatch.fnmatch(f"model.layers.0.{parents.get(name, 'mlp')}.{name}{end}",
+                                                        pattern) for pattern in lora.targets for end in ("", ".weight"))])
     else:
         settings["method"] = "full"
     if t.steps:
@@ -272,6 +320,19 @@ def settings_from_config(path: str) -> dict[str, Any]:
     if config.command == "grpo":
         settings["sampling_rows"] = config.grpo.prompts_per_step * config.grpo.group
     return settings
+
+
+def _config_dtype(dtype: str | None, device: str) -> str:
+    """The planner's dtype for a config's model.dtype: null takes bf16 on a GPU and f32 on a
+    CPU (linnet's default), auto bf16 where the device computes it natively (a CPU's flags
+    are read from this machine), float16 counts as bf16 (the same bytes)."""
+    if dtype == "float32" or (dtype is None and device == "cpu"):
+        return "f32"
+    if dtype == "auto" and device == "cpu":
+        from linnet import hardware
+
+        return "bf16" if hardware.cpu_prefers_bf16() else "f32"
+    return "bf16"
 
 
 def _pretrain_vocab(config) -> int:

@@ -1,0 +1,422 @@
+"""What one training step holds in memory, phase by phase: the planner's memory arithmetic
+(`linnet.plan` builds plans on it and re-exports every name here).
+
+    memory = step_memory(card, Method("lora", dtype="f32"), Batch(seq=4096, device="cpu"))
+    memory.peak, memory.phases["forward"], memory.activations.kept
+
+A run is described by a `Method` (what trains, in which dtype, with which optimizer) and a
+`Batch` (tokens per micro-step, checkpointing, the loss, the device). The counts describe
+linnet's own step (linnet.torch.model, linnet.torch.losses, linnet.train): the tensors its
+decoder keeps for backward, its chunked loss's working set, the gradients as backward
+makes them and AdamW's temporaries. Every count is derived in the docstring of the function
+that makes it, and `bench/plan_vs_measured.py` measures them. Stdlib only, no torch.
+
+Shapes in the counts: s·b tokens per micro-step, d hidden, F intermediate, q = heads·head_dim,
+k = kv_heads·head_dim, V vocabulary, L layers, c bytes of the compute dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from linnet import cards
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+METHODS = ("full", "lora", "qlora", "dora")
+COMPARED = ("full", "lora", "qlora")
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GRADIENT_BYTES = {"bf16": 2, "fp32": 4}
+DTYPES = {"bf16": 2, "f32": 4}  # compute dtype -> bytes per value
+BF16_BYTES = DTYPES["bf16"]
+DEVICES = ("gpu", "cpu")
+CHECKPOINTING = ("full", "selective", "none")
+
+# QLoRA's NF4 with double quantization: 4 bits per weight, plus one 8-bit absmax per block
+# of 64 weights, plus one f32 constant per block of 256 absmaxes (Dettmers et al. 2023):
+# 4 + 8/64 + 32/(64*256) = 4.127 bits = 0.516 bytes per parameter.
+NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+
+# linnet.torch.losses' blocks (a test keeps them equal): 1 GiB of f32 logits a block on
+# accelerators; on a CPU 16 MiB, but never fewer than 512 rows.
+LOSS_BLOCK_BYTES = 2**30
+CPU_LOSS_BLOCK_BYTES = 2**24
+CPU_LOSS_MIN_ROWS = 512
+
+
+@dataclass(frozen=True)
+class Method:
+    """How the weights are trained, in which compute dtype, and what each trainable
+    parameter costs.
+
+    The defaults are mixed-precision AdamW as the seed counts it (Micikevicius et al.
+    2018): a bf16 weight the matmuls read (2 B), its bf16 gradient (2 B; 4 B with
+    `grad_dtype="fp32"`), an f32 master copy the optimizer updates (4 B) and Adam's two
+    f32 moments (8 B): 16 bytes per trainable parameter. linnet keeps each trainable weight
+    in f32 (the master), makes its gradient in f32 (`grad_dtype="fp32"`) and, computing in
+    bf16, casts the weight to bf16 in every forward: that copy is the 2 B, and it lives
+    until backward has used it. With `dtype="f32"` the matmuls read the f32 master itself,
+    so there is no copy. Frozen parameters are stored in the compute dtype (QLoRA's block
+    weights in NF4).
+    """
+
+    name: str = "full"
+    rank: int = 16
+    targets: tuple[str, ...] = LINEAR_NAMES
+    optimizer_bytes: float = 8
+    grad_dtype: str = "bf16"
+    master_bytes: float = 4
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        _require(self.name in METHODS, f"method {self.name!r} is unknown; use one of {', '.join(METHODS)}")
+        _require(self.rank >= 1, f"rank must be a positive integer, got {self.rank}")
+        unknown = [t for t in self.targets if t not in LINEAR_NAMES]
+        _require(
+            bool(self.targets) and not unknown,
+            f"targets {list(unknown or self.targets)} are not linear layers of a block; "
+            f"use 'all-linear' or names from {', '.join(LINEAR_NAMES)}",
+        )
+        _require(self.optimizer_bytes >= 0, f"optimizer_bytes must be >= 0 (8 for AdamW), got {self.optimizer_bytes}")
+        _require(
+            self.grad_dtype in GRADIENT_BYTES,
+            f"grad_dtype {self.grad_dtype!r} is unknown; use one of {', '.join(GRADIENT_BYTES)}",
+        )
+        _require(
+            self.master_bytes >= 0, f"master_bytes must be >= 0 (4 for f32, 0 for none), got {self.master_bytes}"
+        )
+        _require(self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+
+    @property
+    def adapters(self) -> bool:
+        """Whether the base is frozen and only low-rank adapters train."""
+        return self.name != "full"
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def copy_bytes(self) -> float:
+        """Bytes of the weight the matmuls read, per trainable parameter: a compute-dtype
+        copy of the master; none when master and compute are both f32; without a master
+        (master_bytes 0), the trained weight itself."""
+        return 0 if self.master_bytes and self.dtype == "f32" else self.compute_bytes
+
+    @property
+    def bytes_per_trainable(self) -> float:
+        return self.copy_bytes + GRADIENT_BYTES[self.grad_dtype] + self.master_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one GPU runs per micro-step, and how.
+
+    `checkpointing`: "full" (or True) keeps each block's input and computes the block again
+    in backward; "selective" also keeps attention's outputs; "none" (or False) keeps every
+    activation. `chunked_loss`: linnet's loss, a block of rows at a time, instead of the
+    whole f32 logits. `device`: "cpu" for linnet's CPU paths (16 MiB loss blocks; bf16
+    attention computed in f32; AdamW tensor by tensor); GPU counts and costs still come
+    from the Cluster. `accumulation`: micro-steps per optimizer step; from the second on,
+    the gradients of the earlier ones are live through the forward.
+    """
+
+    seq: int = 4096
+    micro_batch: int = 1
+    checkpointing: bool | str = True
+    chunked_loss: bool = False
+    device: str = "gpu"
+    accumulation: int = 1
+
+    def __post_init__(self):
+        _require(self.seq >= 1, f"seq must be a positive number of tokens, got {self.seq}")
+        _require(self.micro_batch >= 1, f"micro_batch must be a positive number of sequences, got {self.micro_batch}")
+        mode = self.checkpointing
+        if isinstance(mode, bool):
+            mode = "full" if mode else "none"
+        _require(mode in CHECKPOINTING,
+                 f"checkpointing {self.checkpointing!r} is unknown; use one of {', '.join(CHECKPOINTING)}")
+        object.__setattr__(self, "checkpointing", mode)
+        _require(self.device in DEVICES, f"device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
+        _require(self.accumulation >= 1, f"accumulation must be a positive number of micro-steps, got {self.accumulation}")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.micro_batch
+
+
+# Which states each sharding stage splits over the data-parallel GPUs (Rajbhandari et al.
+# 2020): ZeRO-1 the optimizer (with its f32 master copy), ZeRO-2 also the gradients,
+# ZeRO-3 / FSDP also the weights. Activations are never split: each GPU runs its own batch.
+SHARDED_STATES: dict[str, frozenset[str]] = {
+    "none": frozenset(),
+    "zero1": frozenset({"master", "optimizer"}),
+    "zero2": frozenset({"master", "optimizer", "gradients"}),
+    "fsdp": frozenset({"master", "optimizer", "gradients", "weights"}),
+}
+
+
+# ---------------------------------------------------------------------------------------
+# States
+
+
+def trainable_params(card: cards.Card, method: Method) -> int:
+    """Parameters the optimizer updates.
+
+    Full fine-tuning trains every parameter. LoRA replaces the update of each targeted
+    d_out x d_in matrix by B A with A: r x d_in and B: d_out x r, so it trains
+    r (d_in + d_out) per matrix (Hu et al. 2021). DoRA adds a magnitude per output row
+    of each targeted matrix (Liu et al. 2024). QLoRA trains the same adapters as LoRA.
+    """
+    if not method.adapters:
+        return card.params()
+    shapes = _targeted(card, method)
+    per_block = sum(method.rank * (d_out + d_in) for d_out, d_in in shapes)
+    if method.name == "dora":
+        per_block += sum(d_out for d_out, _ in shapes)
+    return card.layers * per_block
+
+
+def _largest_trainable(card: cards.Card, method: Method) -> int:
+    """Values in the largest trainable tensor."""
+    if method.adapters:
+        return method.rank * max(max(shape) for shape in _targeted(card, method))
+    return max(card.vocab * card.hidden, *(o * i for o, i in card.linear_shapes().values()))
+
+
+def _targeted(card: cards.Card, method: Method) -> list[tuple[int, int]]:
+    return [shape for path, shape in card.linear_shapes().items() if path.rsplit(".", 1)[-1] in method.targets]
+
+
+def quantized_params(card: cards.Card, method: Method) -> int:
+    """Frozen parameters QLoRA stores in NF4: every block's seven linear weights, whichever
+    carry adapters (linnet.torch.model.quantize_blocks); embeddings, norms and the head
+    stay in the compute dtype. 0 for the other methods."""
+    if method.name != "qlora":
+        return 0
+    return card.layers * sum(o * i for o, i in card.linear_shapes().values())
+
+
+@dataclass(frozen=True)
+class States:
+    """Bytes of weights, gradients, f32 master weights and optimizer state on one GPU."""
+
+    weights: float
+    gradients: float
+    master: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.master + self.optimizer
+
+
+def state_bytes(params: int, trainable: int, method: Method, shard: str = "none", gpus: int = 1,
+                quantized: int = 0) -> States:
+    """Bytes of model and optimizer state per GPU.
+
+    Trainable parameters cost `method.bytes_per_trainable` (16 B for mixed-precision
+    AdamW: 2 + 2 + 4 + 8). Adapter methods keep the whole base frozen: its parameters
+    need no gradient, master copy or optimizer moments, so they cost the compute dtype's
+    bytes (2 in bf16), except the `quantized` ones (QLoRA's block weights) at NF4_BYTES.
+    `shard` splits the states over `gpus` data-parallel ranks as in SHARDED_STATES.
+    """
+    frozen = params if method.adapters else 0
+    whole = {
+        "weights": method.compute_bytes * (frozen - quantized) + NF4_BYTES * quantized
+        + method.copy_bytes * trainable,
+        "gradients": GRADIENT_BYTES[method.grad_dtype] * trainable,
+        "master": method.master_bytes * trainable,
+        "optimizer": method.optimizer_bytes * trainable,
+    }
+    split = SHARDED_STATES[shard]
+    return States(**{name: value / gpus if name in split else value for name, value in whole.items()})
+
+
+# ---------------------------------------------------------------------------------------
+# Activations
+
+
+def _norm_bytes(width: int, c: int, trains: bool) -> int:
+    """Per token, what one of linnet's RMSNorms keeps: its input in f32 (4·width; in f32
+    compute the input itself), 1/rms (4), its output (c·width, the next matmuls' input) and,
+    when its weight trains, the normalised input (c·width) for that weight's gradient."""
+    return 4 * width + 4 + c * width * (1 + trains)
+
+
+def block_activation_bytes(card: cards.Card, method: Method, batch: Batch) -> float:
+    """Bytes one of linnet's decoder blocks keeps for its backward pass, for s·b tokens.
+
+    These are autograd's saved tensors in linnet's eager block (linnet.torch.model), per
+    token: two RMSNorms (_norm_bytes); attention keeps q, k, v and its output (a·(2q + 2k),
+    a = 4 where linnet runs attention in f32, which it does for bf16 on a CPU, else c), its
+    log-sum-exp (4 per head) and, when a is not c, the output cast back (c·q); the SwiGLU
+    MLP keeps gate, up, silu(gate) and their product (4·c·F). Each adapted matrix adds
+    x·Aᵀ (c·r) and DoRA also the sum it rescales (c·d_out); Qwen3's qk-norm adds a norm
+    per head of q and of k. For Llama 3 8B, bf16 on a GPU, full fine-tuning: 49·d bytes a
+    token (0.82 GB at 4,096 tokens). Korthikanti et al. (2022) count 34·d for a GPT block
+    (a 4·d MLP, dropout masks, a bf16 LayerNorm input): not this block.
+    """
+    c = method.compute_bytes
+    a = 4 if batch.device == "cpu" else c
+    q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
+    trains = not method.adapters
+    per_token = 2 * _norm_bytes(card.hidden, c, trains) + a * (2 * q + 2 * kv) + 4 * card.heads \
+        + (c * q if a != c else 0) + 4 * c * card.intermediate
+    if method.adapters:
+        shapes = _targeted(card, method)
+        per_token += c * method.rank * len(shapes) + (c * sum(o for o, _ in shapes) if method.name == "dora" else 0)
+    if card.qk_norm:
+        per_token += (4 + c * trains) * (q + kv) + 4 * (card.heads + card.kv_heads)
+    return per_token * batch.tokens
+
+
+def loss_rows(vocab: int, batch: Batch) -> int:
+    """Rows of logits linnet's chunked loss holds at once (linnet.torch.losses.rows_per_block)."""
+    if batch.device == "cpu":
+        rows = max(CPU_LOSS_MIN_ROWS, CPU_LOSS_BLOCK_BYTES // (4 * vocab))
+    else:
+        rows = max(1, LOSS_BLOCK_BYTES // (4 * vocab))
+    return min(rows, batch.tokens)
+
+
+def logits_bytes(vocab: int, batch: Batch) -> float:
+    """The f32 logits the loss holds: s·b·V·4 bytes (2.1 GB for 4,096 tokens of a 128K
+    vocabulary), or with the chunked loss one block of them."""
+    return 4 * vocab * (loss_rows(vocab, batch) if batch.chunked_loss else batch.tokens)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes on one GPU by when they are live (activation_bytes)."""
+
+    kept: float  # saved for backward when the forward ends
+    loss: float  # the loss's working set at the end of the forward
+    recompute: float  # a block computed again in backward (checkpointing), less what it kept
+    backward: float  # what a block's backward holds beside its saved tensors
+    top: float  # still kept when backward reaches the last block (the final norm's are freed)
+    bottom: float  # still kept when backward reaches the first block
+
+    @property
+    def peak(self) -> float:
+        """The most activation bytes live at once: at the end of the forward, or in a block's backward."""
+        return max(self.kept + self.loss, self.top + self.recompute + self.backward)
+
+
+def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activations:
+    """Activation bytes per GPU, by phase.
+
+    kept: without checkpointing every block's saved tensors (block_activation_bytes);
+    with it each block's input (c·d a token: torch's non-reentrant checkpoint keeps the
+    arguments) and, selective, what attention's kernel returned (a·q + 4·heads). Beside
+    the blocks, the final norm's, the RoPE tables (2·c·head_dim) and, when the embedding
+    trains, the token ids its gradient reads (8). With a frozen embedding (adapters) the
+    first block's input needs no gradient: its first norm keeps only its output.
+    loss: logits_bytes; with the chunked loss also the hidden states' gradient (c·d a
+    token) and a [rows, d] product; in bf16 the logits block cast to bf16 and, when the
+    head trains, its bf16 copy and the slices its f32 gradient is accumulated through.
+    recompute: with checkpointing, the block computed again (less what selective kept),
+    with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight.
+    backward: the gradients in flight inside a block's backward, two [s·b, F] tensors in
+    the compute dtype (measured: bench/plan_vs_measured.md).
+    """
+    c, d, tokens = method.compute_bytes, card.hidden, batch.tokens
+    a = 4 if batch.device == "cpu" else c
+    block = block_activation_bytes(card, method, batch)
+    selective = (a * card.heads * card.head_dim + 4 * card.heads) * tokens
+    per_block = {"none": block, "full": c * d * tokens, "selective": c * d * tokens + selective}[batch.checkpointing]
+    frozen_input = (4 * d + 4) * tokens if method.adapters and batch.checkpointing == "none" else 0
+    rope = 2 * c * card.head_dim * tokens + (0 if method.adapters else 8 * tokens)  # + token ids, for the embedding
+    top = card.layers * per_block + rope - frozen_input
+    loss = logits_bytes(card.vocab, batch)
+    if batch.chunked_loss:
+        rows = loss_rows(card.vocab, batch)
+        loss += c * d * (tokens + rows) + (2 * rows * card.vocab if c == 2 else 0)
+        if not method.adapters and c == 2:
+            loss += (2 * card.vocab * d if method.master_bytes else 0) + min(card.vocab, 2**26 // (4 * d)) * d * 6
+    largest = max(o * i for o, i in card.linear_shapes().values())
+    recompute = c * largest if method.name == "qlora" else 0
+    if batch.checkpointing != "none":
+        recompute += block - (selective if batch.checkpointing == "selective" else 0)
+        recompute += (3 + (c == 2)) * 4 * largest if method.name == "dora" else 0
+    return Activations(top + _norm_bytes(d, c, not method.adapters) * tokens, loss, recompute,
+                       2 * c * card.intermediate * tokens, top, per_block + rope - frozen_input)
+
+
+# ---------------------------------------------------------------------------------------
+# The step, phase by phase
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Moment:
+    """A point of a step: the states then live, by kind (they shard as SHARDED_STATES
+    says), and the activations (never sharded)."""
+
+    states: dict[str, float]
+    activations: float
+
+    def on(self, shard: str, gpus: int) -> float:
+        """Bytes per GPU with `shard` over `gpus` data-parallel ranks."""
+        split = SHARDED_STATES[shard]
+        return sum(v / gpus if k in split else v for k, v in self.states.items()) + self.activations
+
+
+def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations) -> dict[str, list[Moment]]:
+    """For each phase of a training step, the moments that may hold its peak (whole states:
+    one GPU, nothing sharded). linnet sets gradients to None after every optimizer step, so
+    the first micro-step's forward holds no gradient but the head's, which the chunked loss
+    computes in the forward; with accumulation, later micro-steps hold every gradient.
+
+    forward, at its end inside the loss: the stored weights (frozen base; trained weights
+    are the master), the master and optimizer state, the compute copies of trained block
+    weights (bf16 without checkpointing; the head's is in the loss's working set), what the
+    forward kept and the loss's working set.
+    backward, at three moments: its start (the loss's backward scales the head's gradient
+    into a new tensor, so two exist, beside the hidden states' gradient); its first block
+    (the head's gradient, everything kept, the block recomputed and gradients in flight);
+    its last block (every gradient but the embedding's, which comes last, and that block's
+    activations).
+    optimizer: every state and the step's temporaries. On a GPU foreach AdamW takes the
+    square root of every second moment at once (4 B a trainable parameter); on a CPU it
+    goes tensor by tensor (two f32 copies of the largest). Other optimizers
+    (`optimizer_bytes` other than 8): none counted.
+    """
+    trainable = trainable_params(card, method)
+    whole = state_bytes(card.params(), trainable, method, quantized=quantized_params(card, method))
+    grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
+    copies = method.copy_bytes * trainable if method.master_bytes else 0
+    stored = whole.weights - copies
+    if not method.adapters:  # the embedding and head are not copied by the blocks' linears
+        copies = method.copy_bytes * card.layers * card.block_params() if method.master_bytes else 0
+    matrix = card.vocab * card.hidden  # the head; untied, the embedding too
+    head = 0 if method.adapters else grad * matrix
+    embedding = 0 if method.adapters or card.tied_embeddings else grad * matrix
+    in_forward = head if batch.chunked_loss else 0
+    kept_copies = copies if batch.checkpointing == "none" else 0
+
+    def moment(activations: float, gradients: float = 0, copies: float = 0, temporary: float = 0) -> Moment:
+        return Moment({"weights": stored + copies, "gradients": gradients, "master": whole.master,
+                       "optimizer": whole.optimizer + temporary}, activations)
+
+    if method.optimizer_bytes != 8:
+        temporary = 0
+    elif batch.device == "cpu":
+        temporary = 2 * 4 * _largest_trainable(card, method)
+    else:
+        temporary = 4 * trainable
+    start = acts.kept + (c * card.hidden * tokens if batch.chunked_loss else logits_bytes(card.vocab, batch))
+    working = acts.recompute + acts.backward
+    earlier = whole.gradients if batch.accumulation > 1 else 0  # new gradients add into these
+    return {
+        "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies)],
+        "backward": [moment(start, earlier + head + in_forward, kept_copies),
+                     moment(acts.top + working, max(earlier, head), kept_copies or copies / card.layers),
+                     moment(acts.bottom + working, max(earlier, whole.gradients - embedding), copies / card.layers)],
+        "optimizer": [moment(0, whole.gradients, temporary=temporary)],
+    }
