@@ -105,11 +105,12 @@ def quantize_supported() -> bool:
 
 # -- the planner's side ------------------------------------------------------------------
 
-def plan_settings(method: str, checkpointing: str, dtype: str, seq: int) -> dict:
+def plan_settings(method: str, checkpointing: str, dtype: str, seq: int, optimizer: str = "adamw") -> dict:
     """`linnet plan` flags (by their Python names) that describe linnet's CPU run."""
     return {
         "method": method, "rank": RANK, "targets": "all-linear", "seq": seq, "micro_batch": 1,
         "checkpointing": checkpointing, "chunked_loss": True, "dtype": dtype, "device": "cpu", "grad_dtype": "fp32",
+        **({"optimizer_bytes": 2} if optimizer == "adamw8bit" else {}),
     }
 
 
@@ -130,7 +131,7 @@ def planned(r: dict) -> dict:
 
     try:
         p = plan.estimate(card(r["card"]), **plan.plan_inputs(
-            plan_settings(r["method"], r["checkpointing"], r["dtype"], r["seq"])))
+            plan_settings(r["method"], r["checkpointing"], r["dtype"], r["seq"], r.get("optimizer", "adamw"))))
     except ValueError as e:
         return {"error": str(e)}
     return {"params": p.params, "trainable": p.trainable, "total": p.total, "phase": p.peak_phase,
@@ -302,6 +303,10 @@ def build(args):
     if args.method != "full":
         model.add_lora(LORA_PATTERNS, rank=RANK, dora=args.method == "dora")
     params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "adamw8bit":
+        from linnet.train.optimizer import adamw
+
+        return model, params, adamw(model, lr=1e-4, kind="adamw8bit")
     return model, params, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
 
 
@@ -387,8 +392,10 @@ def measure(config: tuple, args, env: dict) -> dict:
     card_name, method, checkpointing, dtype, seq = config
     r = run_child([os.path.abspath(__file__), "--child", "--card", card_name, "--method", method,
                    "--checkpointing", checkpointing, "--dtype", dtype, "--seq", seq, "--threads", args.threads,
-                   "--steps", args.steps] + ([] if args.profile else ["--no-profile"]), env=env)
+                   "--steps", args.steps, "--optimizer", args.optimizer]
+                  + ([] if args.profile else ["--no-profile"]), env=env)
     return {"card": card_name, "method": method, "checkpointing": checkpointing, "dtype": dtype, "seq": seq,
+            "optimizer": args.optimizer,
             "env": {k: v for k, v in env.items() if v is not None}, **r}
 
 
@@ -429,6 +436,9 @@ def main(argv=None) -> None:
                     help="MALLOC_MMAP_THRESHOLD_ for every child, so freed tensors leave RSS; 0: glibc's defaults")
     ap.add_argument("--allocator-check", default="20m:lora:none:f32", metavar="CARD:METHOD:CHECKPOINTING:DTYPE",
                     help="rerun this configuration with glibc's default malloc settings; 'none' skips it")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"],
+                    help="AdamW with f32 moments (torch), or 8-bit moments (linnet's adamw(kind='adamw8bit'), "
+                         "bitsandbytes; planned with --optimizer-bytes 2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per configuration (peak over all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "plan_vs_measured.md"),
@@ -531,7 +541,10 @@ def report(run: dict) -> str:
         f"took {run['elapsed']:.0f} s ({run['cpu_s'] / 60:.1f} CPU-minutes; load average {run['load'][0]:.1f} at "
         f"the start, {run['load'][1]:.1f} at the end).",
         (f"- Run: each row is a fresh subprocess running `linnet.train.train(..., steps={run['steps']})` on "
-         "packed rows of `seq` random tokens (micro-batch 1): AdamW with f32 moments, linnet's chunked "
+         "packed rows of `seq` random tokens (micro-batch 1): "
+         + ("AdamW with 8-bit moments (bitsandbytes' AdamW8bit through `linnet.train.optimizer.adamw`)"
+            if any(r.get("optimizer") == "adamw8bit" for r in run["results"]) else "AdamW with f32 moments")
+         + ", linnet's chunked "
          "`linear_cross_entropy`, gradient clipping. Adapters: rank 16 on every q/k/v/o/gate/up/down "
          "projection (`add_lora([\"*_proj\"])`, DoRA with `dora=True`, QLoRA over `quantize=\"nf4\"`). "
          "Trainable parameters are f32 (linnet's master weights); frozen ones are stored in the compute dtype."),
@@ -614,7 +627,7 @@ def report(run: dict) -> str:
     lines += ["", "Planner inputs and cards:", ""]
     seen = set()
     for r in results:
-        key = (r["method"], r["checkpointing"], r["dtype"], r["seq"])
+        key = (r["method"], r["checkpointing"], r["dtype"], r["seq"], r.get("optimizer", "adamw"))
         if key not in seen:
             seen.add(key)
             lines.append(f"- `linnet plan CARD {flags(plan_settings(*key))}`")

@@ -351,6 +351,9 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activati
 # The step, phase by phase
 
 PHASES = ("forward", "backward", "optimizer")
+# f32 copies of the largest trained tensor bitsandbytes' AdamW8bit holds at once on a CPU
+# (bench/plan_vs_measured_adamw8bit.md: 0.33 GB over the 60M model's 65 MB embedding)
+EIGHT_BIT_CPU_COPIES = 5
 
 
 @dataclass(frozen=True)
@@ -384,8 +387,10 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     activations).
     optimizer: every state and the step's temporaries. On a GPU foreach AdamW takes the
     square root of every second moment at once (4 B a trainable parameter); on a CPU it
-    goes tensor by tensor (two f32 copies of the largest). Other optimizers
-    (`optimizer_bytes` other than 8): none counted.
+    goes tensor by tensor (two f32 copies of the largest); bitsandbytes' 8-bit AdamW
+    (`optimizer_bytes` 2) too, holding `EIGHT_BIT_CPU_COPIES` f32 tensors of the largest
+    there (its moments dequantized and the update's temporaries); fused on a GPU. Other
+    optimizers: none counted.
     """
     trainable = trainable_params(card, method)
     whole = state_bytes(card.params(), trainable, method, quantized=quantized_params(card, method))
@@ -404,8 +409,10 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
         return Moment({"weights": stored + copies, "gradients": gradients, "master": whole.master,
                        "optimizer": whole.optimizer + temporary}, activations)
 
-    if method.optimizer_bytes != 8:
+    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
         temporary = 0
+    elif method.optimizer_bytes == 2:
+        temporary = EIGHT_BIT_CPU_COPIES * 4 * _largest_trainable(card, method)
     elif batch.device == "cpu":
         temporary = 2 * 4 * _largest_trainable(card, method)
     else:

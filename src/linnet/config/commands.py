@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from linnet.config.fields import apply_overrides, from_dict, group, read_yaml, refuse_former
+from linnet.config.fields import apply_overrides, from_dict, group, option, read_yaml, refuse_former
 from linnet.config.groups import (
     CorpusConfig,
+    DecentralizedConfig,
     DPOSettings,
     EvaluationConfig,
     GRPOSettings,
@@ -130,6 +131,9 @@ class PretrainConfig:
                                           min_lr_ratio=0.1)
     evaluation: EvaluationConfig = group(EvaluationConfig, "validation")
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/pretrain")
+    decentralized: DecentralizedConfig | None = option(
+        None, "packed decentralized training (linnet.pretrain.packed): num_models workers on one device that "
+              "mix their parameters every update; null: one ordinary model")
 
     def __post_init__(self):
         epochs = self.training.epochs
@@ -138,6 +142,34 @@ class PretrainConfig:
                              "of virtual epochs")
         self.training.epochs = int(epochs)
         checkpoint_epochs(self)  # raises on a bad policy/epoch combination
+        global_batch_sequences(self)  # raises on a global batch the batch sizes do not make
+
+
+def global_batch_sequences(config: PretrainConfig) -> int:
+    """Sequences an update. Ordinary runs: micro_batch_size x accumulation (and
+    training.global_batch_tokens, when given, must say the same); packed runs: one
+    micro-batch per worker, no accumulation, and global_batch_tokens must be num_models x
+    micro_batch_size x context_length."""
+    t, d = config.training, config.decentralized
+    T, B = t.context_length, t.micro_batch_size
+    if d is None:
+        made = B * t.accumulation
+        if t.global_batch_tokens is not None and t.global_batch_tokens != made * T:
+            raise ValueError(f"config: training.global_batch_tokens={t.global_batch_tokens:,} but micro_batch_size "
+                             f"{B} x accumulation {t.accumulation} x context_length {T} = {made * T:,}; make them "
+                             "agree, or leave global_batch_tokens null")
+        return made
+    if t.accumulation != 1:
+        raise ValueError(f"config: training.accumulation={t.accumulation}; packed decentralized training takes one "
+                         "micro-batch per worker an update and never accumulates: set training.accumulation=1 "
+                         "(the global batch is num_models x micro_batch_size sequences)")
+    made = d.num_models * B
+    if t.global_batch_tokens is not None and t.global_batch_tokens != made * T:
+        raise ValueError(f"config: training.global_batch_tokens={t.global_batch_tokens:,} but decentralized.num_models "
+                         f"{d.num_models} x micro_batch_size {B} x context_length {T} = {made * T:,}; change "
+                         f"micro_batch_size to {t.global_batch_tokens / (d.num_models * T):g} for the same global "
+                         "batch, or global_batch_tokens")
+    return made
 
 
 def checkpoint_epochs(config: PretrainConfig) -> list[int]:

@@ -154,6 +154,10 @@ class TrainingConfig:
     micro_batch_size: int = option(32, "sequences per forward/backward pass", only=PRETRAINING)
     accumulation: int = option(1, "micro-batches per optimizer step (dpo and grpo size their steps in pairs and "
                                   "prompts)", only=("sft", "pretrain"))
+    global_batch_tokens: int | None = option(None, "targets an update (the global batch); null: micro_batch_size x "
+                                                   "accumulation x context_length. A packed run needs "
+                                                   "decentralized.num_models x micro_batch_size x context_length",
+                                             only=PRETRAINING)
     steps: int | None = option(None, "optimizer steps; null: from epochs", only=FINE_TUNING)
     epochs: int | float = option(1, "passes over the data when steps is null (fine-tuning); the whole number of "
                                     "virtual epochs the budget is split into, validated and checkpointed at their "
@@ -185,7 +189,7 @@ class TrainingConfig:
         _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
-                     "training.keep": self.keep})
+                     "training.keep": self.keep, "training.global_batch_tokens": self.global_batch_tokens})
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):
@@ -314,3 +318,38 @@ class GRPOSettings:
                 or (self.correction_cap is not None and not self.correction_cap > 0):
             raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
                              "(0, 1] and grpo.correction_cap > 0")
+
+
+@dataclass
+class AdaptiveConsensusConfig:
+    start_frac: float | None = option(None, "share of the run's updates after which mixing weakens (required)")
+    p: float | None = option(None, "gamma = (lr / lr_max)^p once active; 0 keeps full mixing (required)")
+
+    def __post_init__(self):
+        if self.start_frac is None or self.p is None:
+            raise ValueError("config: decentralized.adaptive_consensus needs both start_frac and p")
+        check_consensus(self.start_frac, self.p)
+
+
+def check_consensus(start_frac: float, p: float) -> None:
+    """Adaptive consensus's settings: start_frac finite in [0, 1], p finite and >= 0."""
+    if not (math.isfinite(start_frac) and 0 <= start_frac <= 1):
+        raise ValueError(f"config: decentralized.adaptive_consensus.start_frac={start_frac}; use a finite number "
+                         "in [0, 1]")
+    if not (math.isfinite(p) and p >= 0):
+        raise ValueError(f"config: decentralized.adaptive_consensus.p={p}; use a finite number >= 0")
+
+
+@dataclass
+class DecentralizedConfig:
+    num_models: int = option(4, "workers trained together on one device (PackedLlama), each its own model")
+    topology: Literal["complete", "one_peer_ring", "one_peer_exponential"] = option(
+        "complete", "how workers mix their parameters every update: complete (global average), one_peer_ring "
+                    "(half a neighbour, left and right in turn), one_peer_exponential (half the worker 2^k back)")
+    scheme: Literal["awc", "atc"] = option("awc", "awc: mix, then each worker's AdamW update; atc: AdamW update "
+                                                  "(weight decay included), then mix")
+    adaptive_consensus: AdaptiveConsensusConfig | None = option(
+        None, "weaken mixing late in training: {start_frac, p}; null: full mixing throughout")
+
+    def __post_init__(self):
+        _positive(**{"decentralized.num_models": self.num_models})

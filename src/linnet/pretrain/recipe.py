@@ -46,10 +46,11 @@ def model_card(config: PretrainConfig, vocab_size: int, eos_id: int, tokenizer: 
 def make_budget(config: PretrainConfig, parameters: int):
     """The training budget (`linnet.pretrain.budget`) of a model of `parameters` unique
     trainable parameters under this config."""
+    from linnet.config.commands import global_batch_sequences
     from linnet.pretrain.budget import plan_budget
 
     t = config.training
-    return plan_budget(parameters, context=t.context_length, sequences_per_update=t.micro_batch_size * t.accumulation,
+    return plan_budget(parameters, context=t.context_length, sequences_per_update=global_batch_sequences(config),
                        targets_per_parameter=t.targets_per_parameter, total_targets=t.total_targets, epochs=t.epochs)
 
 

@@ -112,24 +112,85 @@ class Progress:
                 "loader_seconds": self.loader_seconds}
 
 
-def save_state(out: Path, *, model, optimizer, schedule, loader, progress: Progress, kind: str,
+def save_state(out: Path, *, trainee, schedule, loader, progress: Progress, kind: str,
                fields: dict[str, Any], identity: str) -> Path | None:
-    """A resumable snapshot: linnet.train.checkpoint's directory plus checksums.json,
+    """A resumable snapshot: the trainee's checkpoint directory plus checksums.json,
     written last (a checkpoint without it is incomplete). First process only."""
     from linnet.torch.distributed import world
-    from linnet.train.checkpoint import save_checkpoint
 
     if world()[0] != 0:
         return None
-
     extra = {
         "kind": kind,
         "progress": progress.as_dict(),
         "cursor": loader.cursor(),
         "recipe": {"identity": identity, "fields": fields},
     }
-    return save_checkpoint(out / CHECKPOINTS, model=model, optimizer=optimizer, step=progress.step,
-                           schedule=schedule, keep=0, extra=extra)
+    return trainee.save_state(out / CHECKPOINTS, progress.step, schedule, extra)
+
+
+class OrdinaryTrainee:
+    """One Decoder and its AdamW: what an ordinary pretraining run trains (the packed
+    counterpart is linnet.pretrain.packed_run.PackedTrainee). `share`: this process's
+    micro-batches an update; `count`: the update's targets over every process."""
+
+    def __init__(self, model, optimizer, share: int, count: int):
+        from linnet.train.loop import trained_parameters
+
+        self.model, self.optimizer, self.micro_batches, self.count = model, optimizer, share, count
+        self.params = trained_parameters(model)
+
+    def work(self, batches, learned: int):
+        from linnet.train.loop import Work
+
+        return Work(batches, lambda _, batch: (self.model.loss_packed(batch)[0], {}), self.count, learned, learned)
+
+    def report(self, row: dict[str, Any]) -> None:
+        """Nothing beyond the step's own metrics."""
+
+    def evaluation_model(self):
+        return self.model
+
+    def metadata(self) -> None:
+        return None
+
+    def save_weights(self, out: Path, stem: str) -> None:
+        self.model.save_weights(out / f"{stem}.safetensors", dtype=torch.float32)
+
+    def save_state(self, directory: Path, step: int, schedule, extra: dict[str, Any]) -> Path | None:
+        from linnet.train.checkpoint import save_checkpoint
+
+        return save_checkpoint(directory, model=self.model, optimizer=self.optimizer, step=step, schedule=schedule,
+                               keep=0, extra=extra)
+
+    def load_state(self, checkpoint: Path, schedule) -> None:
+        from linnet.train.checkpoint import load_checkpoint
+
+        load_checkpoint(checkpoint, model=self.model, optimizer=self.optimizer, schedule=schedule)
+
+
+def _trainee(config: PretrainConfig, card, budget: Budget, device: torch.device, processes: int):
+    """The run's model and optimizer: a PackedTrainee with a decentralized group, else an
+    OrdinaryTrainee."""
+    from linnet import nest
+    from linnet.train.optimizer import adamw
+
+    m, t, o = config.model, config.training, config.optimizer
+    if config.decentralized is not None:
+        from linnet.pretrain.packed_run import PackedTrainee
+        from linnet.torch.model import compute_dtype
+
+        if m.compile or t.activation_checkpointing or o.name != "adamw":
+            raise ValueError("config: packed decentralized training runs eager, without activation checkpointing, "
+                             "with its own AdamW over the arenas: set model.compile=false, "
+                             "training.activation_checkpointing=false and optimizer.name=adamw")
+        return PackedTrainee(config, card, budget.steps, device, compute_dtype(m.dtype, device, card))
+    model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=config.runtime.seed, trainable=True,
+                      compile=m.compile, attention=m.attention, activation_checkpointing=t.activation_checkpointing,
+                      activation_memory_budget=m.activation_memory_budget)
+    optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, kind=o.name)
+    return OrdinaryTrainee(model, optimizer, t.accumulation // processes,
+                           budget.batch_targets)
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,17 +322,17 @@ def _open_run_directory(out: Path, start: Start, progress: Progress, config: Pre
 def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Pretrain as `config` says (resuming when told, or when its output directory holds
     an incomplete run); returns the summary written to summary.json, on every process."""
-    from linnet import nest
     from linnet.pretrain.loader import Loader, Validation
     from linnet.torch.distributed import barrier, from_first, world
-    from linnet.train.checkpoint import load_checkpoint
     from linnet.train.evaluation import held_out_loss
-    from linnet.train.loop import Work, resolve_device, start_runtime, take_step, trained_parameters
-    from linnet.train.optimizer import adamw
+    from linnet.train.loop import resolve_device, start_runtime, take_step
 
-    m, d, t, rt = config.model, config.data, config.training, config.runtime
+    d, t, rt = config.data, config.training, config.runtime
     rank, processes = world()
     lead = rank == 0  # writes the run directory
+    if config.decentralized is not None and processes > 1:
+        raise ValueError(f"config: decentralized training computes its {config.decentralized.num_models} workers "
+                         f"together on one device; run it in one process, not under torchrun ({processes})")
     if t.accumulation % processes:
         raise ValueError(f"config: training.accumulation={t.accumulation} micro-batches an update do not split "
                          f"evenly over {processes} processes; use a multiple of {processes} (the global batch, "
@@ -311,14 +372,9 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     def session() -> dict[str, Any]:
         nonlocal aside
         start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
-        model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=rt.seed, trainable=True,
-                          compile=m.compile, attention=m.attention, activation_checkpointing=t.activation_checkpointing,
-                          activation_memory_budget=m.activation_memory_budget)
-        params = trained_parameters(model)
-        assert sum(p.numel() for p in params) == card.params()
-        o, s = config.optimizer, config.lr_schedule
-        optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                          kind=o.name)
+        trainee = _trainee(config, card, budget, device, processes)
+        assert sum(p.numel() for p in trainee.evaluation_model().parameters()) == card.params()
+        optimizer, s = trainee.optimizer, config.lr_schedule
         schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
                                                               min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
         progress = Progress()
@@ -326,7 +382,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                          prefetch=d.prefetch, device=device)
         if start.checkpoint is not None:
             extra = start.state["extra"]
-            load_checkpoint(start.checkpoint, model=model, optimizer=optimizer, schedule=schedule)
+            trainee.load_state(start.checkpoint, schedule)
             progress = Progress(**extra["progress"])
             loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
         else:
@@ -345,6 +401,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                 "loader": {"sequences_per_pass": loader.sequences_per_pass,
                            "passes": budget.sequences / loader.sequences_per_pass},
                 "processes": processes,
+                "decentralized": trainee.metadata(),
                 "environment": _environment(device),
                 "resumed_from": None if start.checkpoint is None else str(start.checkpoint),
             })
@@ -352,17 +409,17 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                                 subset_sequences=config.evaluation.subset_sequences, device=device) \
             if (config.evaluation.subset_sequences or config.evaluation.full_validation) else None
 
-        save_kw = dict(model=model, optimizer=optimizer, schedule=schedule, loader=loader, fields=fields, identity=identity)
+        save_kw = dict(trainee=trainee, schedule=schedule, loader=loader, fields=fields, identity=identity)
         metrics = None
         if lead:
             print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
                   f"{budget.trained_targets:,} targets on {device} x {processes} (recipe {identity})", file=sys.stderr)
             metrics = MetricsFile(out / "metrics.jsonl", "pretrain", budget.steps, progress=rt.progress)
-        A, B = t.accumulation, t.micro_batch_size
-        share = A // processes  # this process's micro-batches of each update, after `before` sequences
+        B = t.micro_batch_size
+        share = trainee.micro_batches  # this process's micro-batches of each update, after `before` sequences
         before, after = rank * share * B, (processes - 1 - rank) * share * B
-        learned = A * B * t.context_length  # the global batch's targets, every one learned
-        clip = config.optimizer.grad_clip
+        learned = budget.batch_targets  # the global batch's targets, every one learned
+        clip = config.optimizer.grad_clip if config.decentralized is None else None  # PackedAdamW clips locally
         waited = 0.0  # seconds the current update waited for the loader
 
         def micro_batches():
@@ -377,17 +434,14 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                 yield batch
             loader.skip(after)
 
-        def update() -> Work:
-            mine = share * B * t.context_length
-            return Work(micro_batches(), lambda _, batch: (model.loss_packed(batch)[0], {}), learned, mine, mine)
-
         session_start, session_steps = time.perf_counter(), 0
         try:
-            model.train()
+            trainee.model.train()
             for epoch in range(progress.epoch + 1, budget.epochs + 1):
                 for step in budget.epoch_steps(epoch):
-                    record = take_step(params, update(), optimizer=optimizer, schedule=schedule, clip=clip, step=step,
-                                       checkpoint=out / CHECKPOINTS)
+                    work = trainee.work(micro_batches(), share * B * t.context_length)
+                    record = take_step(trainee.params, work, optimizer=optimizer, schedule=schedule, clip=clip,
+                                       step=step, checkpoint=out / CHECKPOINTS)
                     loss, norm, lr, seconds = record.loss, record.grad_norm, record.lr, record.seconds
                     record.metrics["loader_seconds"] = waited
                     progress.step, progress.seconds = step, progress.seconds + seconds
@@ -399,8 +453,11 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                     row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": norm,
                            "tokens_per_second": record.tokens_per_second, "seconds": seconds, "loader_seconds": waited,
                            "targets": step * learned}
+                    trainee.report(row)
                     if step == budget.boundaries[epoch - 1] and validation is not None and len(validation.subset):
-                        row["held_out_loss"] = held_out_loss(model, validation.subset_batches(config.evaluation.batch_size), share=rank, shares=processes)
+                        row["held_out_loss"] = held_out_loss(trainee.evaluation_model(),
+                                                             validation.subset_batches(config.evaluation.batch_size),
+                                                             share=rank, shares=processes)
                         if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
                             kept = t.checkpoint_policy != "none" and epoch in selected
                             progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
@@ -408,11 +465,11 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                             if lead:
                                 write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
                     if metrics is not None:
-                        metrics.write(row, loss=loss, tok_s=record.tokens_per_second)
+                        metrics.write(row, loss=row["loss"], tok_s=record.tokens_per_second)
                 progress.epoch = epoch
                 if t.checkpoint_policy != "none" and epoch in selected:
                     if lead:
-                        model.save_weights(out / f"epoch-{epoch:03d}.safetensors", dtype=torch.float32)
+                        trainee.save_weights(out, f"epoch-{epoch:03d}")
                     if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
                         save_state(out, progress=progress, kind="epoch", **save_kw)
         finally:
@@ -423,11 +480,12 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
             if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
                 save_state(out, progress=progress, kind="final", **save_kw)
             if lead:
-                model.save_weights(out / "final.safetensors", dtype=torch.float32)
+                trainee.save_weights(out, "final")
         full = None
         if validation is not None and config.evaluation.full_validation:
             t0 = time.perf_counter()
-            full = held_out_loss(model, validation.full_batches(config.evaluation.batch_size), share=rank, shares=processes)
+            full = held_out_loss(trainee.evaluation_model(), validation.full_batches(config.evaluation.batch_size),
+                                 share=rank, shares=processes)
             full_seconds = time.perf_counter() - t0
         summary = None
         if lead:

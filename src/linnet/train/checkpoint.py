@@ -43,7 +43,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -111,7 +111,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     if schedule is not None and state["schedule"] is not None:
         schedule.load_state_dict(state["schedule"])
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     return {"step": state["step"], "extra": state["extra"], "path": path}
 
 
