@@ -27,7 +27,8 @@ from linnet.config import (
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 PRESETS = {"sft-lora.yaml": "sft", "sft-full.yaml": "sft", "dpo.yaml": "dpo", "grpo.yaml": "grpo",
-           "pretrain-tiny-cpu.yaml": "pretrain", "pretrain-20m.yaml": "pretrain"}
+           "pretrain-tiny-cpu.yaml": "pretrain", "pretrain-20m.yaml": "pretrain", "packed4-20m-awc.yaml": "pretrain",
+           "packed4-20m-atc.yaml": "pretrain", "packed4-tiny-cpu.yaml": "pretrain"}
 
 
 def test_every_command_has_presets_and_every_preset_is_known():

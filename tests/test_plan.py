@@ -610,4 +610,17 @@ def test_plan_of_a_config_describes_linnets_run(tmp_path, capsys):
     assert data["method"]["name"] == "qlora" and data["method"]["dtype"] == "f32"
     assert data["method"]["grad_dtype"] == "fp32" and data["method"]["optimizer_bytes"] == 2
     assert data["batch"] == {"seq": 1024, "micro_batch": 1, "checkpointing": "selective", "chunked_loss": True,
-                             "device": "cpu", "accumulation": 4}
+                             "device": "cpu", "accumulation": 4, "workers": 1}
+
+
+def test_a_packed_config_plans_its_workers_side_by_side(capsys):
+    """A packed pretraining config: N whole models' states and N micro-batches' activations."""
+    from linnet.commands import plan as plan_command
+
+    assert plan_command.main(["--config", "configs/packed4-20m-awc.yaml", "--json"]) == 0
+    packed = json.loads(capsys.readouterr().out)
+    assert plan_command.main(["--config", "configs/packed4-20m-awc.yaml", "--json", "--workers", "1"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert packed["batch"]["workers"] == 4 and one["batch"]["workers"] == 1
+    assert packed["states"]["optimizer"] == pytest.approx(4 * one["states"]["optimizer"])
+    assert packed["total"] == pytest.approx(4 * one["total"], rel=1e-6)

@@ -178,6 +178,20 @@ def test_mixing_matrices_are_doubly_stochastic_and_follow_their_phases():
         mixing_matrix("star", 4, 0)
 
 
+@pytest.mark.parametrize("topology", ["complete", "one_peer_ring", "one_peer_exponential"])
+def test_mix_applies_the_topologys_matrix(topology):
+    model = PackedLlama(CARD, 4, seed=0)
+    with torch.no_grad():
+        model.parameter_storage.normal_(generator=torch.Generator().manual_seed(1))
+    for step, gamma in ((0, 1.0), (1, 0.3), (2, 0.0), (3, 1.0)):
+        before = model.parameter_storage.detach().double().clone()
+        model.mix_(topology, step, gamma=gamma)
+        expected = (mixing_matrix(topology, 4, step, gamma=gamma) @ before).float()
+        torch.testing.assert_close(model.parameter_storage.detach(), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="decentralized.topology='star'"):
+        model.mix_("star", 0)
+
+
 def test_adaptive_consensus_gamma_at_its_edges():
     warm = lambda r: 0.1 * min(1.0, (r + 1) / 4)  # noqa: E731  warmup over 4 updates, then flat
     plan = AdaptiveConsensus.plan(start_frac=0.0, p=1.0, total=10, lr_at=warm)
@@ -328,3 +342,28 @@ def test_a_worker_export_loads_in_linnet_and_transformers(ring, tmp_path):
         model.save_weights(tmp_path / "hf")
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
         torch.testing.assert_close(hf(tokens).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_adaptive_consensus_in_a_run_and_its_resume(workspace, tmp_path):  # noqa: F811
+    """gamma is 1 until update ceil(0.5 x 32) = 16, then lr / lr_max; the run records the
+    plan, and a resume from an epoch snapshot rebuilds it (bitwise the same run). Without
+    clipping the local norms are still logged."""
+    sets = (*PACKED, "decentralized.num_models=2", "decentralized.topology=one_peer_exponential",
+            "decentralized.adaptive_consensus.start_frac=0.5", "decentralized.adaptive_consensus.p=1",
+            "optimizer.grad_clip=null")
+    out = tmp_path / "adaptive"
+    run(_config(workspace, out, *sets, "training.checkpoint_policy=interval", "training.save_epoch_training_state=true"))
+    rows = _metrics(out)
+    lr_max = max(r["lr"] for r in rows[16:])
+    assert [r["mixing_gamma"] for r in rows[:16]] == [1.0] * 16
+    assert [r["mixing_gamma"] for r in rows[16:]] == pytest.approx([r["lr"] / lr_max for r in rows[16:]])
+    assert rows[-1]["mixing_gamma"] < 0.5 and all(n > 0 for r in rows for n in r["local_grad_norms"])
+    plan = json.loads((out / "run.json").read_text())["decentralized"]["adaptive_consensus"]
+    assert plan == {"total_steps": 32, "start_step": 16, "lr_max": pytest.approx(lr_max), "p": 1.0}
+    branch = tmp_path / "branch"
+    run(_config(workspace, branch, *sets), resume=out / "checkpoints" / "step-00000016")
+    assert [r["loss"] for r in _metrics(branch)] == [r["loss"] for r in rows]
+    assert [r["mixing_gamma"] for r in _metrics(branch)] == [r["mixing_gamma"] for r in rows]
+    with pytest.raises(ValueError, match=r"decentralized.adaptive_consensus.p: 1.0 \(run\) vs 2.0 \(config\)"):
+        run(_config(workspace, tmp_path / "other", *sets, "decentralized.adaptive_consensus.p=2"),
+            resume=out / "checkpoints" / "step-00000016")

@@ -322,6 +322,13 @@ def estimate(
         tokens is None or (not isinstance(tokens, str) and tokens > 0),
         f"tokens must be a positive count such as 12e6, or 'chinchilla'; got {tokens!r}",
     )
+    states = state_bytes(params, trainable, method, cluster.shard, cluster.gpus, quantized_params(card, method))
+    n = batch.workers
+    if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
+        moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
+                   for phase, ms in moments.items()}
+        activations = {mode: Activations(*(v * n for v in dataclasses.astuple(a))) for mode, a in activations.items()}
+        states = States(*(v * n for v in dataclasses.astuple(states)))
     fewest = [min_gpus(sum(m.states.values()), m.activations, cluster.usable_bytes)
               for ms in moments.values() for m in ms]
     return Plan(
@@ -331,7 +338,7 @@ def estimate(
         method=method,
         batch=batch,
         cluster=cluster,
-        states=state_bytes(params, trainable, method, cluster.shard, cluster.gpus, quantized_params(card, method)),
+        states=states,
         activations=activations[batch.checkpointing],
         activations_checkpointed=activations["full"].peak,
         activations_uncheckpointed=activations["none"].peak,

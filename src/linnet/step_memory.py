@@ -131,6 +131,7 @@ class Batch:
     chunked_loss: bool = False
     device: str = "gpu"
     accumulation: int = 1
+    workers: int = 1  # packed decentralized training: whole models (and micro-batches) per GPU
 
     def __post_init__(self):
         _require(self.seq >= 1, f"seq must be a positive number of tokens, got {self.seq}")
@@ -143,6 +144,7 @@ class Batch:
         object.__setattr__(self, "checkpointing", mode)
         _require(self.device in DEVICES, f"device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
         _require(self.accumulation >= 1, f"accumulation must be a positive number of micro-steps, got {self.accumulation}")
+        _require(self.workers >= 1, f"workers must be a positive number of packed models, got {self.workers}")
 
     @property
     def tokens(self) -> int:

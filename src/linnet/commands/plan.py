@@ -125,6 +125,9 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
         )
     if "dora" in names:
         lines.append("dora also trains one magnitude per output row of each adapted matrix")
+    if batch.workers > 1:
+        lines.append(f"packed: {batch.workers} workers, each a whole model with its gradients, master weights, AdamW "
+                     "moments and its own micro-batch's activations, side by side on each GPU")
     attention = "f32 attention, " if batch.device == "cpu" and c == 2 else ""
     lines += [
         f"activations: what linnet's block saves for backward, from the card's shapes in {method.dtype} "
@@ -168,7 +171,8 @@ def render(plans: Sequence[Plan]) -> str:
     cluster = first.cluster
     title = (
         f"{first.model}: seq {first.batch.seq} × micro-batch {first.batch.micro_batch} "
-        f"on {cluster.gpus} × {cluster.gpu.name}"
+        + (f"× {first.batch.workers} packed workers " if first.batch.workers > 1 else "")
+        + f"on {cluster.gpus} × {cluster.gpu.name}"
     )
     rows = _rows(plans)
     label_width = max(len(label) for label, _ in rows)
@@ -239,6 +243,9 @@ def _parser() -> argparse.ArgumentParser:
     run("--accumulation", type=int, metavar="N",
         help="micro-steps per optimizer step; from the second on, the earlier ones' gradients are live in the "
         f"forward (default {batch.accumulation})")
+    run("--workers", type=int, metavar="N",
+        help="packed decentralized training: N whole models on each GPU, each with its gradients, AdamW moments "
+        f"and micro-batch (default {batch.workers})")
     run("--chunked-loss", action=argparse.BooleanOptionalAction,
         help="compute the loss a block of rows at a time instead of holding every logit (default off)")
 
@@ -280,8 +287,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
     linnet's blockwise loss, the packed row as the sequence and the token count when the
     steps are fixed. For sft, dpo and grpo also LoRA, DoRA, QLoRA (model.quantize) or full,
-    rank and adapted layers; for pretraining, the model it builds, its micro-batch and the
-    budget's tokens."""
+    rank and adapted layers; for pretraining, the model it builds, its micro-batch, the
+    budget's tokens and, packed, its workers (N models side by side)."""
     import fnmatch
 
     from linnet.config import PretrainConfig, load_any
@@ -300,7 +307,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
         from linnet.pretrain.recipe import make_budget, model_card
 
         card = model_card(config, _pretrain_vocab(config), eos_id=0)
-        return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size,
+        workers = config.decentralized.num_models if config.decentralized is not None else 1
+        return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size, "workers": workers,
                 "tokens": make_budget(config, card.params()).trained_targets}
     settings.update(card=model.card, micro_batch=1)
     lora = config.lora
