@@ -367,3 +367,17 @@ def test_adaptive_consensus_in_a_run_and_its_resume(workspace, tmp_path):  # noq
     with pytest.raises(ValueError, match=r"decentralized.adaptive_consensus.p: 1.0 \(run\) vs 2.0 \(config\)"):
         run(_config(workspace, tmp_path / "other", *sets, "decentralized.adaptive_consensus.p=2"),
             resume=out / "checkpoints" / "step-00000016")
+
+
+def test_gradients_land_in_one_buffer_and_accumulate_until_zero_grad():
+    model = PackedLlama(CARD, 2, seed=0)
+    x, y = _batch(2, 0)
+    local_mean_losses(model, x, y).sum().backward()
+    first = model.parameter_storage.grad.clone()
+    buffer = model.parameter_storage.grad.data_ptr()
+    local_mean_losses(model, x, y).sum().backward()  # no zero_grad: adds, as autograd would
+    torch.testing.assert_close(model.parameter_storage.grad, 2 * first)
+    model.zero_grad()
+    local_mean_losses(model, x, y).sum().backward()
+    assert torch.equal(model.parameter_storage.grad, first) and model.parameter_storage.grad.data_ptr() == buffer
+    assert not first[:, ~model.real_mask()].any()
