@@ -167,7 +167,8 @@ def consensus(args) -> list[str]:
     _plot(runs, plot)
     lines = ["## Consensus over a run, by topology", "",
              f"`configs/packed4-tiny-cpu.yaml` with `training.targets_per_parameter={args.targets_per_parameter}`, "
-             f"`training.epochs={args.epochs}`: {len(runs['complete'][0])} updates of 4 workers x 4 x 256 tokens. "
+             f"`training.epochs={args.epochs}`: {len(runs['complete'][0])} updates of 4 workers x 4 x 256 tokens, "
+             "scheme awc (the preset's; the distance is measured after each update's local step). "
              f"Consensus distance = sqrt(mean over workers and parameters of (w - mean w)^2). Plot: `{plot.name}`.", "",
              *table(["topology", "distance after update 1", "largest distance", "distance at the end",
                      "held-out loss of the average (last epoch)", "mean worker loss, last update", "run s"],

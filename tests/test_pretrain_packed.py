@@ -275,6 +275,7 @@ def test_a_packed_run_validates_the_average_and_exports_every_worker(ring):
     assert record["decentralized"] == {"num_models": 2, "scheme": "awc", "topology": "one_peer_ring",
                                        "adaptive_consensus": None}
     assert record["recipe"]["fields"]["decentralized.scheme"] == "awc"
+    assert json.loads((ring / "summary.json").read_text())["decentralized"] == record["decentralized"]
     snapshot = ring / "checkpoints" / "step-00000016"
     assert sorted(p.name for p in snapshot.iterdir()) == ["checksums.json", "node-000.pt", "node-001.pt",
                                                           "packed.pt", "state.pt"]

@@ -30,6 +30,11 @@ A run directory holds:
 
 Running a config whose output directory holds an incomplete run resumes it from its
 latest checkpoint (the recipe identity must match); a complete run is left as it is.
+
+What trains is a trainee: `OrdinaryTrainee` (one Decoder and AdamW), or, with a
+`decentralized` group, `linnet.pretrain.packed_run.PackedTrainee` (N packed workers whose
+average is validated and exported at the root, each worker under node-NNN/). Both give the
+step's `Work`, the model to evaluate, weight exports and training-state snapshots.
 """
 
 from __future__ import annotations
@@ -491,6 +496,8 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         if lead:
             summary = _summary(config, out, budget, card, progress, identity, session_steps,
                                time.perf_counter() - session_start)
+            if trainee.metadata() is not None:
+                summary["decentralized"] = trainee.metadata()
             if full is not None:
                 summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
                                full_validation_sequences=validation.total, full_validation_seconds=round(full_seconds, 2))
