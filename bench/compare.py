@@ -292,7 +292,7 @@ def alike(method: str, ours: dict, theirs: dict) -> str:
     rel = np.abs(a[:n] - b[:n]) / np.maximum(np.abs(b[:n]), 1e-9)
     text = f"max loss diff {100 * rel.max():.2f}% (step {int(rel.argmax()) + 1})"
     if method == "dpo":
-        acc_a = [m["accuracy"] for m in ours["metrics"]][-3:]
+        acc_a = [m["rewards/accuracies"] for m in ours["metrics"]][-3:]
         acc_b = [m.get("rewards/accuracies", float("nan")) for m in theirs["metrics"]][-3:]
         text += f"; acc last 3 {np.mean(acc_a):.2f} vs {np.mean(acc_b):.2f}"
     return text

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from linnet import nest
-from linnet.train.dpo import Pair, answer_log_probs, dpo, dpo_sigmoid, reference_log_probs
+from linnet.train.dpo import Pair, answer_log_probs, dpo, reference_log_probs
+from linnet.train.preference_loss import pair_losses
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=32, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8)
@@ -23,6 +24,10 @@ def _pairs(n=24, seed=0):
         prompt = g.integers(3, 32, size=int(g.integers(2, 6))).tolist()
         out.append(Pair([1] + prompt, prompt + [2], prompt[::-1] + [2]))
     return out
+
+
+def dpo_sigmoid(c, r, rc, rr, **kw):
+    return pair_losses("sigmoid", c, r, rc, rr, **kw)[0]
 
 
 def test_dpo_sigmoid_golden_numbers():
@@ -74,9 +79,9 @@ def test_dpo_starts_at_log2_and_learns_with_lora():
     pairs = _pairs(64)
     history = dpo(model, pairs, optimizer=opt, steps=16, pairs_per_step=16, beta=0.5, tokens=64)
     assert history.steps[0].loss == pytest.approx(math.log(2), abs=1e-6)
-    assert history.steps[0].metrics["margin"] == pytest.approx(0.0, abs=1e-6)
+    assert history.steps[0].metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     last = history.steps[-4:]
-    assert sum(s.metrics["accuracy"] for s in last) / 4 > 0.8
+    assert sum(s.metrics["rewards/accuracies"] for s in last) / 4 > 0.8
     assert sum(s.loss for s in last) / 4 < math.log(2) - 0.1
 
 

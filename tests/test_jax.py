@@ -317,10 +317,10 @@ def test_dpo_steps_equal_pytorch(jx, tmp_path):
     assert jhistory.losses == pytest.approx(history.losses, rel=1e-5)
     for got, want in zip(jhistory.steps, history.steps):
         assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
-        assert got.metrics["margin"] == pytest.approx(want.metrics["margin"], rel=1e-4, abs=1e-6)
+        assert got.metrics["rewards/margins"] == pytest.approx(want.metrics["rewards/margins"], rel=1e-4, abs=1e-6)
     # step 1's margins are zero up to rounding (policy = reference); step 2's are not
-    assert abs(jhistory.steps[1].metrics["margin"]) > 1e-3
-    assert jhistory.steps[1].metrics["accuracy"] == history.steps[1].metrics["accuracy"]
+    assert abs(jhistory.steps[1].metrics["rewards/margins"]) > 1e-3
+    assert jhistory.steps[1].metrics["rewards/accuracies"] == history.steps[1].metrics["rewards/accuracies"]
     jax, _ = jx
     if len(jax.devices()) >= 2:  # rows split over two devices (a third row filled out), layers recomputed
         from jax.sharding import Mesh

@@ -46,7 +46,8 @@ def test_dpo_run_writes_metrics_and_an_adapter(workspace, tmp_path):
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 8
     assert metrics[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)
-    assert {"accuracy", "margin", "pairs"} <= set(metrics[0])
+    assert {"rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
+            "logps/rejected", "pairs"} <= set(metrics[0])
     held = [m["held_out_accuracy"] for m in metrics if "held_out_accuracy" in m]
     assert len(held) == 2 and held[-1] > 0.55 and summary["held_out_accuracy"] == held[-1]
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
@@ -89,6 +90,7 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
                 for d in ("two", "one"))
     assert len(two) == len(one) == 4
     for a, b in zip(two, one):
-        for key in ("loss", "grad_norm", "accuracy", "margin", "pairs", "held_out_loss", "held_out_accuracy"):
+        for key in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "pairs", "held_out_loss",
+                    "held_out_accuracy"):
             assert (key in a) == (key in b)
             assert key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

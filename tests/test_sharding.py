@@ -149,7 +149,7 @@ def _pairs(process: int, step: int) -> list[Pair]:
 def _dpo(model, pairs, per_step):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     history = dpo(model, pairs, optimizer=opt, steps=2, pairs_per_step=per_step, tokens=40)
-    return [(s.loss, s.grad_norm, s.metrics["accuracy"]) for s in history.steps]
+    return [(s.loss, s.grad_norm, s.metrics["rewards/accuracies"]) for s in history.steps]
 
 
 def _sharded_dpo(rank):

@@ -44,15 +44,21 @@ def prepare(config: DPOConfig):
     return card, pairs, held_out, steps
 
 
-def held_out_preferences(model, pairs, reference: np.ndarray, beta: float, tokens: int) -> dict:
-    """Held-out DPO loss, accuracy and margin against precomputed reference log-probs
-    (under torchrun, `pairs` are this process's share; the means are over every share)."""
-    from linnet.train.dpo import dpo_sigmoid, reference_log_probs
+def held_out_preferences(model, pairs, reference: np.ndarray | None, settings, tokens: int) -> dict:
+    """Held-out loss (the run's loss_type), accuracy and margin against precomputed
+    reference log-probs (None for reference-free losses); under torchrun, `pairs` are
+    this process's share and the means are over every share."""
+    from linnet.train.dpo import reference_log_probs
+    from linnet.train.preference_loss import pair_losses
 
+    s = settings
     policy = torch.as_tensor(reference_log_probs(model, pairs, tokens=tokens)).view(-1, 2)
-    ref = torch.as_tensor(reference).view(-1, 2)
-    loss = dpo_sigmoid(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta=beta)
-    margins = beta * ((policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1]))
+    ref = None if reference is None else torch.as_tensor(reference).view(-1, 2)
+    lengths = torch.tensor([[len(p.chosen), len(p.rejected)] for p in pairs], dtype=policy.dtype).view(-1, 2)
+    loss, good, bad = pair_losses(s.loss_type, policy[:, 0], policy[:, 1], None if ref is None else ref[:, 0],
+                                  None if ref is None else ref[:, 1], beta=s.beta, label_smoothing=s.label_smoothing,
+                                  simpo_gamma=s.simpo_gamma, chosen_tokens=lengths[:, 0], rejected_tokens=lengths[:, 1])
+    margins = good - bad
     n, loss_sum, right, margin_sum = sum_across(
         [len(pairs), float(loss.sum()), float((margins > 0).sum()), float(margins.sum())])
     return {"held_out_loss": loss_sum / n, "held_out_accuracy": right / n, "held_out_margin": margin_sum / n}
@@ -61,6 +67,7 @@ def held_out_preferences(model, pairs, reference: np.ndarray, beta: float, token
 def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None) -> dict:
     from linnet.train.dpo import dpo, reference_log_probs
+    from linnet.train.preference_loss import REFERENCE_FREE
 
     card, pairs, held_out, steps = prepare(config)
     t, s = config.training, config.dpo
@@ -74,14 +81,17 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
     optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
     evaluate = None
     if sum_across([len(held_out)])[0]:
-        held_ref = reference_log_probs(model, held_out, tokens=t.context_length)  # before any step: the reference
+        free = s.loss_type in REFERENCE_FREE
+        # before any step: the reference (none for reference-free losses)
+        held_ref = None if free else reference_log_probs(model, held_out, tokens=t.context_length)
 
         def evaluate(step):
-            return held_out_preferences(model, held_out, held_ref, s.beta, t.context_length)
+            return held_out_preferences(model, held_out, held_ref, s, t.context_length)
 
     with run.open() as out, runs.MetricsLog(run, "dpo", steps, config, evaluate) as log:
         history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
-                      beta=s.beta, label_smoothing=s.label_smoothing, reference_cache=s.reference_cache,
+                      beta=s.beta, label_smoothing=s.label_smoothing, loss_type=s.loss_type,
+                      simpo_gamma=s.simpo_gamma, reference_cache=s.reference_cache,
                       tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                       keep=t.keep, on_step=log)

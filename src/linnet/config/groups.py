@@ -267,13 +267,21 @@ class RuntimeConfig:
 @dataclass
 class DPOSettings:
     beta: float = option(0.1, "strength of the implicit KL constraint: rewards are beta * log(pi / ref)")
-    label_smoothing: float = option(0.0, "share of pairs taken as labelled the wrong way round (cDPO)")
+    label_smoothing: float = option(0.0, "share of pairs taken as labelled the wrong way round (cDPO; sigmoid, "
+                                         "robust, simpo)")
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo"] = option(
+        "sigmoid", "sigmoid (DPO), robust (label-noise-robust DPO), hinge, ipo, and the reference-free simpo and orpo "
+                   "(no reference computed)")
+    simpo_gamma: float = option(0.5, "simpo: the target reward margin gamma (beta x the margin in log-probability)")
     pairs_per_step: int = option(32, "pairs per optimizer step")
     reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
 
     def __post_init__(self):
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
+        if self.loss_type in ("simpo", "orpo") and self.reference_cache is not None:
+            raise ValueError(f"config: dpo.reference_cache is set but dpo.loss_type={self.loss_type} uses no reference; "
+                             "remove reference_cache")
 
 
 @dataclass

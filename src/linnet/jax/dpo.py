@@ -47,7 +47,7 @@ def _answer_log_probs(params: Params, card, rows, where, dtype, lora_scale: floa
 
 
 def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0):
-    """Per-pair DPO loss (as linnet.train.dpo.dpo_sigmoid)."""
+    """Per-pair DPO loss (linnet.train.preference_loss's sigmoid)."""
     margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
     return -(1 - label_smoothing) * jax.nn.log_sigmoid(margin) - label_smoothing * jax.nn.log_sigmoid(-margin)
 
@@ -87,7 +87,8 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
         on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train on preference pairs for `steps` steps of `pairs_per_step` pairs (the
     sequence repeated as epochs); returns (parameters, history). Each Step's metrics
-    hold accuracy (share of pairs ranked right) and margin (mean reward margin). `mesh`
+    hold rewards/accuracies (share of pairs ranked right) and rewards/margins (mean reward
+    margin), as TRL names them. `mesh`
     and `remat` work as for `linnet.jax.train.train` (a step's rows split over the
     devices, filled out with rows that learn nothing)."""
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
@@ -103,7 +104,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
         state.trained, state.opt_state, loss, norm, accuracy, margin = compiled(
             state.trained, state.frozen, state.opt_state, place_rows(rows, mesh), where, ref)
         return Update(loss, norm, int(rows["weights"].sum()), real,
-                      {"pairs": len(chunk), "accuracy": float(accuracy), "margin": float(margin)})
+                      {"pairs": len(chunk), "rewards/accuracies": float(accuracy), "rewards/margins": float(margin)})
 
     return fit(model, itertools.cycle(enumerate(pairs)), step, per_step=pairs_per_step, steps=steps,
                optimizer=optimizer, trainable=trainable, checkpoint=checkpoint, checkpoint_every=checkpoint_every,

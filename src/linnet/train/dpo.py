@@ -1,7 +1,9 @@
-"""Direct preference optimization (DPO, Rafailov et al. 2023, arXiv:2305.18290).
+"""Direct preference optimization (DPO, Rafailov et al. 2023, arXiv:2305.18290) and its
+relatives over the same pairs (`loss_type`: sigmoid, robust, hinge, ipo, and the
+reference-free simpo and orpo; linnet.train.preference_loss has the formulas).
 
     history = dpo(model, [Pair(prompt, chosen, rejected), ...], optimizer=opt, steps=100,
-                  pairs_per_step=32, beta=0.1)
+                  pairs_per_step=32, beta=0.1, loss_type="sigmoid")
 
 The KL-constrained reward-maximising policy satisfies r(x, y) = beta * log pi(y|x) /
 pi_ref(y|x) + const, and under a Bradley-Terry preference model the constant cancels
@@ -23,19 +25,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
 from linnet.torch.distributed import idle_passes, passes_short, sum_across
 from linnet.train.loop import Work, fit, trained_parameters
+from linnet.train.preference_loss import LOSS_TYPES, PER_TOKEN, REFERENCE_FREE, pair_losses
 
-
-def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, label_smoothing: float = 0.0):
-    """Per-pair DPO loss; label_smoothing is the share of pairs taken to be labelled the
-    wrong way round (conservative DPO): (1-e) * -log s(beta*d) + e * -log s(-beta*d)."""
-    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
-    return -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+# Step metrics under TRL's names, so dashboards built for TRL read linnet runs
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
 
 
 def answer_log_probs(model, row) -> torch.Tensor:
@@ -108,6 +107,8 @@ def dpo(
     pairs_per_step: int = 32,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+    simpo_gamma: float = 0.5,
     reference=None,
     reference_cache: str | os.PathLike | None = None,
     tokens: int = 4096,
@@ -126,16 +127,26 @@ def dpo(
     one, `pairs` must be a sequence, and the model's own log-probabilities before
     training are computed for every pair first (one model in memory for a LoRA run).
     reference_cache: a directory where reference log-probabilities are kept across runs
-    (needs a sequence of pairs). Each Step's metrics hold accuracy (share of pairs
-    ranked right) and margin (mean reward margin), rewards being beta * (log pi - log ref).
+    (needs a sequence of pairs). loss_type: see linnet.train.preference_loss; simpo and
+    orpo use no reference at all (none is loaded or computed; passing one is refused), and
+    orpo adds the chosen answers' NLL averaged over the step's chosen tokens. Each Step's
+    metrics hold TRL's rewards/chosen, rewards/rejected, rewards/margins (means over the
+    step's pairs), rewards/accuracies (share ranked right), logps/chosen, logps/rejected
+    (mean summed log-probabilities), and pairs.
     """
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    if loss_type not in LOSS_TYPES or loss_type == "kto":
+        raise ValueError(f"dpo: loss_type={loss_type!r}; use one of {', '.join(t for t in LOSS_TYPES if t != 'kto')} "
+                         "(KTO trains on unpaired answers: linnet.train.kto)")
+    free = loss_type in REFERENCE_FREE
+    if free and (reference is not None or reference_cache is not None):
+        raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
     if getattr(model, "copies", None) is not None:
         raise ValueError("dpo does not train split models (tensor_parallel) yet; use fully_shard")
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
-    if reference is None or reference_cache is not None:
+    if not free and (reference is None or reference_cache is not None):
         if not isinstance(pairs, Sequence):
             raise ValueError("dpo: without a reference model (or with reference_cache), pairs must be a "
                              "sequence: the reference log-probabilities are computed for all pairs first")
@@ -148,31 +159,47 @@ def dpo(
     def prepare(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
         check_pairs(batch)
-        (count,) = sum_across([float(len(batch))])
+        (count, chosen_total) = sum_across([float(len(batch)), float(sum(len(p.chosen) for p in batch))])
         rows = list(_rows(batch, tokens, model, reference))
         starts = np.cumsum([0] + [row.examples // 2 for row in rows])  # each row's first pair
         short = passes_short(len(rows), model, live_reference)
 
         def loss(r: int, row):
             n = row.examples // 2
+            mine = batch[starts[r] : starts[r] + n]
             logp = answer_log_probs(model, row).view(n, 2)
+            ref = None
             if fixed is not None:
                 ref = torch.as_tensor(fixed[indices[starts[r] : starts[r] + n]], dtype=logp.dtype, device=logp.device)
-            else:
+            elif not free:
                 with torch.no_grad():
                     ref = answer_log_probs(reference, row).view(n, 2).to(logp.dtype)
-            losses = dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], beta=beta,
-                                 label_smoothing=label_smoothing)
-            with torch.no_grad():
-                rewards = beta * (logp - ref)
-                margins = rewards[:, 0] - rewards[:, 1]
-            return losses.sum(), {"correct": float((margins > 0).sum()), "margin": float(margins.sum())}
+            lengths = None
+            if loss_type in PER_TOKEN:
+                lengths = torch.tensor([[len(p.chosen), len(p.rejected)] for p in mine], dtype=logp.dtype,
+                                       device=logp.device)
+            losses, good, bad = pair_losses(
+                loss_type, logp[:, 0], logp[:, 1], None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
+                beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+                chosen_tokens=None if lengths is None else lengths[:, 0],
+                rejected_tokens=None if lengths is None else lengths[:, 1])
+            total = losses.sum()
+            if loss_type == "orpo":  # the chosen answers' NLL, a mean over the step's chosen tokens
+                total = total - logp[:, 0].sum() * (count / chosen_total)
+            margins = good - bad
+            return total, {"correct": float((margins > 0).sum()), "margin": float(margins.sum()),
+                           "chosen": float(good.sum()), "rejected": float(bad.sum()),
+                           "logp_chosen": float(logp[:, 0].detach().sum()),
+                           "logp_rejected": float(logp[:, 1].detach().sum())}
 
         def metrics(sums: dict[str, float]) -> dict[str, float]:
-            return {"pairs": count, "accuracy": sums["correct"] / count, "margin": sums["margin"] / count}
+            means = [sums[k] / count for k in ("chosen", "rejected", "margin", "correct", "logp_chosen",
+                                                 "logp_rejected")]
+            return {"pairs": count, **dict(zip(METRICS, means))}
 
-        return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows), ("correct", "margin"),
-                    metrics, idle=lambda: idle_passes(short, model, live_reference, row=rows[0]))
+        return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows),
+                    ("correct", "margin", "chosen", "rejected", "logp_chosen", "logp_rejected"), metrics,
+                    idle=lambda: idle_passes(short, model, live_reference, row=rows[0]))
 
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
