@@ -94,3 +94,33 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
                     "held_out_accuracy"):
             assert (key in a) == (key in b)
             assert key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_dpo_command_with_simpo_and_with_kto_records(workspace, tmp_path, monkeypatch):
+    """dpo.loss_type=simpo trains with no reference pass; kto reads prompt/completion/label
+    records (here each pair split into two labelled answers) and learns the preference."""
+    from linnet.train import dpo as dpo_module
+
+    monkeypatch.setattr(dpo_module, "cached_reference_log_probs",
+                        lambda *a, **k: pytest.fail("simpo computed reference log-probabilities"))
+    run(_config(workspace, tmp_path / "simpo", "dpo.loss_type=simpo", "dpo.beta=2.0", "training.steps=12"))
+    rows = [json.loads(x) for x in (tmp_path / "simpo" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
+    held = [r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r]
+    assert held[-1] > 0.55
+    records = []
+    for line in (workspace / "pairs.jsonl").read_text().splitlines():
+        pair = json.loads(line)
+        records += [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
+                    {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
+    (tmp_path / "kto.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    summary = run(_config(workspace, tmp_path / "kto", "dpo.loss_type=kto", f"data.path={tmp_path / 'kto.jsonl'}",
+                          "training.steps=16"))
+    rows = [json.loads(x) for x in (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == pytest.approx(0.5, abs=1e-5) and rows[0]["kl"] == 0.0
+    held = [r["held_out_margin"] for r in rows if "held_out_margin" in r]
+    assert held[-1] > max(held[0], 0) and summary["held_out_margin"] == held[-1]
+    assert all(r["kl"] >= 0 and "rewards/chosen" in r and "logps/rejected" in r for r in rows)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "1+1", "completion": "2", "label": "yes"}) + "\n")
+    with pytest.raises(ValueError, match="field 'label' must be true"):
+        run(_config(workspace, tmp_path / "bad", "dpo.loss_type=kto", f"data.path={tmp_path / 'bad.jsonl'}"))

@@ -66,6 +66,15 @@ class Pair:
         return [Example.prompted(self.prompt, self.chosen), Example.prompted(self.prompt, self.rejected)]
 
 
+@dataclass
+class Unpaired:
+    """A prompt and one answer to it, judged desirable or not (token ids), for KTO."""
+
+    prompt: Sequence[int]
+    completion: Sequence[int]
+    desirable: bool
+
+
 def check_pairs(pairs: Sequence[Pair]) -> None:
     for i, pair in enumerate(pairs):
         if not isinstance(pair, Pair):

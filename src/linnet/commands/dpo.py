@@ -7,6 +7,7 @@ reporting every training command shares (linnet.commands.runs).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -20,22 +21,31 @@ from linnet.torch.distributed import sum_across, world
 def prepare(config: DPOConfig):
     """(card, train pairs, held-out pairs, steps), every record checked up front."""
     from linnet.cards import resolve
-    from linnet.data import load_tokenizer, pairs_from_records, read_records
+    from linnet.data import load_tokenizer, pairs_from_records, read_records, unpaired_from_records
 
     d, t = config.data, config.training
     card = resolve(config.model.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
-    fields = dict(prompt=(d.prompt or ["prompt"])[0], chosen=d.chosen, rejected=d.rejected, chat=d.chat)
-    pairs = pairs_from_records(read_records(d.path), tokenizer, **fields)
+    prompt = (d.prompt or ["prompt"])[0]
+    if config.dpo.loss_type == "kto":
+        fields = dict(prompt=prompt, completion=d.completion or "completion", label=d.label, chat=d.chat)
+        read = functools.partial(unpaired_from_records, **fields)
+    else:
+        read = functools.partial(pairs_from_records, prompt=prompt, chosen=d.chosen, rejected=d.rejected, chat=d.chat)
+    pairs = read(read_records(d.path), tokenizer)
     if d.eval_path:
-        held_out = pairs_from_records(read_records(d.eval_path), tokenizer, **fields)
+        held_out = read(read_records(d.eval_path), tokenizer)
     else:
         pairs, held_out = runs.hold_out(pairs, d.eval_share, config.runtime.seed)
-    for i, p in enumerate(pairs + held_out):
-        need = 2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
-        if need > t.context_length:
-            raise ValueError(f"{d.path}: pair {i} needs {need} positions (the prompt twice and both answers), "
-                             f"more than a row of {t.context_length}; raise training.context_length")
+    for examples in (pairs, held_out):
+        for i, p in enumerate(examples):
+            if config.dpo.loss_type == "kto":  # its answer also follows the next example's prompt (the KL estimate)
+                need = max(len(p.prompt), len(examples[(i + 1) % len(examples)].prompt)) + len(p.completion)
+            else:
+                need = 2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
+            if need > t.context_length:
+                raise ValueError(f"{d.path}: example {i} needs {need} positions (a prompt and its answers), more "
+                                 f"than a row of {t.context_length}; raise training.context_length")
     if config.dpo.pairs_per_step > len(pairs):
         raise ValueError(f"{d.path}: dpo.pairs_per_step={config.dpo.pairs_per_step} is more than the {len(pairs)} "
                          "training pairs, so pairs would repeat within a step; lower dpo.pairs_per_step")
@@ -67,6 +77,8 @@ def held_out_preferences(model, pairs, reference: np.ndarray | None, settings, t
 def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None) -> dict:
     from linnet.train.dpo import dpo, reference_log_probs
+    from linnet.train.kto import held_out_kto, kto
+    from linnet.train.kto import reference_log_probs as kto_reference
     from linnet.train.preference_loss import REFERENCE_FREE
 
     card, pairs, held_out, steps = prepare(config)
@@ -80,21 +92,31 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
     model = runs.load_model(card, config)
     optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
     evaluate = None
+    kto_weights = dict(desirable_weight=s.desirable_weight, undesirable_weight=s.undesirable_weight)
     if sum_across([len(held_out)])[0]:
-        free = s.loss_type in REFERENCE_FREE
         # before any step: the reference (none for reference-free losses)
-        held_ref = None if free else reference_log_probs(model, held_out, tokens=t.context_length)
+        if s.loss_type == "kto":
+            held_ref = kto_reference(model, held_out, tokens=t.context_length)
 
-        def evaluate(step):
-            return held_out_preferences(model, held_out, held_ref, s, t.context_length)
+            def evaluate(step):
+                return held_out_kto(model, held_out, held_ref, beta=s.beta, tokens=t.context_length, **kto_weights)
+        else:
+            held_ref = None if s.loss_type in REFERENCE_FREE else reference_log_probs(model, held_out,
+                                                                                       tokens=t.context_length)
 
+            def evaluate(step):
+                return held_out_preferences(model, held_out, held_ref, s, t.context_length)
+
+    common = dict(optimizer=optimizer, steps=steps, beta=s.beta, tokens=t.context_length,
+                  clip=config.optimizer.grad_clip, schedule=schedule, checkpoint_every=t.checkpoint_every, keep=t.keep)
     with run.open() as out, runs.MetricsLog(run, "dpo", steps, config, evaluate) as log:
-        history = dpo(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process,
-                      beta=s.beta, label_smoothing=s.label_smoothing, loss_type=s.loss_type,
-                      simpo_gamma=s.simpo_gamma, reference_cache=s.reference_cache,
-                      tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
-                      save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
-                      keep=t.keep, on_step=log)
+        files = dict(save_to=out / "final", checkpoint=out / "checkpoints", on_step=log)
+        if s.loss_type == "kto":
+            history = kto(model, pairs, examples_per_step=per_process, **kto_weights, **common, **files)
+        else:
+            history = dpo(model, pairs, pairs_per_step=per_process, label_smoothing=s.label_smoothing,
+                          loss_type=s.loss_type, simpo_gamma=s.simpo_gamma, reference_cache=s.reference_cache,
+                          **common, **files)
     return runs.summarize(run, history, log, card=card.name, steps=steps)
 
 

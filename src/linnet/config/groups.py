@@ -96,9 +96,12 @@ class RecordsConfig:
     messages: str | None = option(None, "field holding chat messages; null: 'messages' when present", only=("sft",))
     prompt: list[str] | None = option(None, "prompt field; null: 'prompt' (sft: or instruction + input; sft may "
                                             "name several, joined)")
-    completion: str | None = option(None, "completion field; null: completion, output or response", only=("sft",))
+    completion: str | None = option(None, "completion field; null: completion, output or response (dpo with "
+                                          "loss_type kto: completion)", only=("sft", "dpo"))
     chosen: str = option("chosen", "preferred answer field (text, a message, or a whole dialogue)", only=("dpo",))
     rejected: str = option("rejected", "other answer field", only=("dpo",))
+    label: str = option("label", "kto: the field saying whether the completion is desirable (true) or not (false)",
+                        only=("dpo",))
     answer: str = option("answer", "reference answer field, given to the rewards", only=("grpo",))
     chat: bool = option(True, "format the records with the chat template (when the tokenizer has one)")
     chat_template: str | None = option(None, "a Jinja chat template overriding the tokenizer's")
@@ -269,19 +272,22 @@ class DPOSettings:
     beta: float = option(0.1, "strength of the implicit KL constraint: rewards are beta * log(pi / ref)")
     label_smoothing: float = option(0.0, "share of pairs taken as labelled the wrong way round (cDPO; sigmoid, "
                                          "robust, simpo)")
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo"] = option(
-        "sigmoid", "sigmoid (DPO), robust (label-noise-robust DPO), hinge, ipo, and the reference-free simpo and orpo "
-                   "(no reference computed)")
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "simpo", "orpo", "kto"] = option(
+        "sigmoid", "sigmoid (DPO), robust (label-noise-robust DPO), hinge, ipo, the reference-free simpo and orpo "
+                   "(no reference computed), kto (unpaired records: prompt, completion, label)")
     simpo_gamma: float = option(0.5, "simpo: the target reward margin gamma (beta x the margin in log-probability)")
+    desirable_weight: float = option(1.0, "kto: weight of the desirable answers' losses")
+    undesirable_weight: float = option(1.0, "kto: weight of the undesirable answers' losses")
     pairs_per_step: int = option(32, "pairs per optimizer step")
     reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
 
     def __post_init__(self):
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
-        if self.loss_type in ("simpo", "orpo") and self.reference_cache is not None:
-            raise ValueError(f"config: dpo.reference_cache is set but dpo.loss_type={self.loss_type} uses no reference; "
-                             "remove reference_cache")
+        if self.desirable_weight < 0 or self.undesirable_weight < 0:
+            raise ValueError("config: dpo.desirable_weight and dpo.undesirable_weight must be >= 0")
+        if self.loss_type in ("simpo", "orpo", "kto") and self.reference_cache is not None:
+            raise ValueError(f"config: dpo.reference_cache is not used with dpo.loss_type={self.loss_type}; remove it")
 
 
 @dataclass

@@ -15,7 +15,7 @@ fine-tuning, `iter_records` streaming them for a corpus.
 """
 
 from linnet.data.examples import chat_example, examples_from_records, load_examples
-from linnet.data.pairs import pairs_from_records
+from linnet.data.pairs import pairs_from_records, unpaired_from_records
 from linnet.data.prompts import encode_prompt, prompts_from_records
 from linnet.data.readers import Record, iter_records, read_records
 from linnet.data.tokenizer import Tokenizer, load_tokenizer
@@ -30,6 +30,7 @@ __all__ = [
     "load_examples",
     "load_tokenizer",
     "pairs_from_records",
+    "unpaired_from_records",
     "prompts_from_records",
     "read_records",
 ]

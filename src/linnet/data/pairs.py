@@ -1,4 +1,5 @@
-"""Preference records to `Pair`s of token ids, for DPO.
+"""Preference records to `Pair`s of token ids, for DPO, and unpaired ones to `Unpaired`, for
+KTO ({"prompt": ..., "completion": ..., "label": true | false}: one answer, desirable or not).
 
 A record holds a prompt and two answers. Accepted shapes:
   {"prompt": str | messages, "chosen": str | message | messages, "rejected": …}
@@ -19,7 +20,7 @@ import numpy as np
 from linnet.data.examples import chat_example
 from linnet.data.readers import Record
 from linnet.data.tokenizer import Tokenizer
-from linnet.packing import Pair
+from linnet.packing import Pair, Unpaired
 
 
 def _messages(value: Any, where: str, field: str) -> list[dict]:
@@ -44,22 +45,26 @@ def _split_last_answer(tokens: np.ndarray, learned: np.ndarray, where: str) -> t
     return tokens[:start].tolist(), tokens[start:end].tolist()
 
 
+def _chat_answer(record: Record, tokenizer: Tokenizer, head: list[dict], name: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of the conversation `head` + the record's field `name`."""
+    data, where = record.data, record.where
+    conversation = head + _messages(data[name], where, name)
+    if not conversation or conversation[-1].get("role") != "assistant":
+        raise ValueError(f"{where}: the {name!r} conversation must end with an assistant turn")
+    if not str(conversation[-1].get("content") or "").strip():
+        raise ValueError(f"{where}: the {name!r} answer is empty; every example needs its answer")
+    example = chat_example(conversation, tokenizer, where=f"{where} ({name})")
+    return _split_last_answer(example.tokens, example.learned, f"{where} ({name})")
+
+
 def _pair_from_chat(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str) -> Pair:
     data, where = record.data, record.where
     for name in (chosen, rejected):
         if name not in data:
             raise ValueError(f"{where}: missing field {name!r}; name the answer fields with chosen= / rejected=")
     head = _messages(data[prompt], where, "prompt") if prompt in data else []
-    sides = []
-    for name in (chosen, rejected):
-        conversation = head + _messages(data[name], where, name)
-        if not conversation or conversation[-1].get("role") != "assistant":
-            raise ValueError(f"{where}: the {name!r} conversation must end with an assistant turn")
-        if not str(conversation[-1].get("content") or "").strip():
-            raise ValueError(f"{where}: the {name!r} answer is empty; every pair needs two answers")
-        example = chat_example(conversation, tokenizer, where=f"{where} ({name})")
-        sides.append(_split_last_answer(example.tokens, example.learned, f"{where} ({name})"))
-    (prompt_c, answer_c), (prompt_r, answer_r) = sides
+    (prompt_c, answer_c), (prompt_r, answer_r) = (_chat_answer(record, tokenizer, head, name)
+                                                  for name in (chosen, rejected))
     if answer_c == answer_r:
         raise ValueError(f"{where}: {chosen!r} and {rejected!r} are the same answer, which teaches nothing; fix or "
                          "drop this record")
@@ -102,3 +107,40 @@ def pairs_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *
     tokenizer.check_known((ids for p in pairs for ids in (p.prompt, p.chosen, p.rejected)),
                           records[0].where.rsplit(" ", 2)[0])
     return pairs
+
+
+def _label(record: Record, field: str) -> bool:
+    value = record.data.get(field)
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"{record.where}: field {field!r} must be true (a desirable answer) or false (undesirable), got "
+                     f"{value!r}; name the label field with data.label")
+
+
+def unpaired_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *, prompt: str = "prompt",
+                          completion: str = "completion", label: str = "label", chat: bool = True) -> list[Unpaired]:
+    """One Unpaired a record (KTO), every record checked before any is returned; the
+    completion is text, a message or messages (chat), the label a boolean."""
+    records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
+    if not records:
+        raise ValueError("unpaired_from_records: no records; the data holds no labelled answers")
+    out = []
+    for r in records:
+        if completion not in r.data:
+            raise ValueError(f"{r.where}: missing field {completion!r}; name the answer field with data.completion")
+        desirable = _label(r, label)
+        if chat and tokenizer.chat_template:
+            head = _messages(r.data[prompt], r.where, "prompt") if prompt in r.data else []
+            ids, answer = _chat_answer(r, tokenizer, head, completion)
+        else:
+            for name in (prompt, completion):
+                if not isinstance(r.data.get(name), str) or not r.data[name].strip():
+                    raise ValueError(f"{r.where}: field {name!r} must be non-empty text when chat is off")
+            bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+            stop = [tokenizer.eos_ids[0]] if tokenizer.eos_ids else []
+            ids, answer = bos + tokenizer.encode(r.data[prompt]), tokenizer.encode(r.data[completion]) + stop
+        if not ids or not answer:
+            raise ValueError(f"{r.where}: the prompt or the answer is empty")
+        out.append(Unpaired(ids, answer, desirable))
+    tokenizer.check_known((ids for u in out for ids in (u.prompt, u.completion)), records[0].where.rsplit(" ", 2)[0])
+    return out

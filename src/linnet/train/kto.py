@@ -1,0 +1,160 @@
+"""KTO (Ethayarajh et al. 2024, arXiv:2402.01306): preference learning from unpaired
+answers, each only marked desirable or undesirable.
+
+    history = kto(model, [Unpaired(prompt, completion, desirable=True), ...], optimizer=opt,
+                  steps=100, examples_per_step=32, beta=0.1)
+
+Each answer's implied reward r = log pi(y|x) - log ref(y|x) is pushed above a reference
+point z for desirable answers and below it for undesirable ones (the loss is
+linnet.train.preference_loss.kto_losses). z estimates KL(pi || ref) on the step's answers
+paired with mismatched prompts: answer i with the prompt of example i + 1 (mod the data
+set), under no gradient, averaged over every process and clamped at 0.
+
+The reference is the model itself before training (or `reference`), its log-probabilities
+of every matched and mismatched answer computed once before the first step, so a LoRA run
+holds one model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from linnet.history import History, Step
+from linnet.packing import Unpaired, pack_prompted
+from linnet.torch.distributed import sum_across
+from linnet.train.dpo import answer_log_probs
+from linnet.train.loop import Work, fit, trained_parameters
+from linnet.train.preference_loss import kto_losses
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
+
+
+def check_unpaired(examples: Sequence[Unpaired]) -> None:
+    for i, e in enumerate(examples):
+        if not isinstance(e, Unpaired):
+            raise TypeError(f"kto: item {i} is a {type(e).__name__}, not a linnet.packing.Unpaired")
+        if len(e.prompt) == 0 or len(e.completion) == 0:
+            raise ValueError(f"kto: example {i} has an empty prompt or completion")
+    if len(examples) < 2:
+        raise ValueError("kto: at least two examples are needed (the KL estimate pairs answers with other prompts)")
+
+
+def _mismatched(examples: Sequence[Unpaired], i: int) -> tuple[Sequence[int], Sequence[int]]:
+    """Answer i after the prompt of example i + 1: the KL estimate's input."""
+    return examples[(i + 1) % len(examples)].prompt, examples[i].completion
+
+
+def _answer_log_probs(model, groups, tokens: int) -> list[torch.Tensor]:
+    """Each row's [answers] summed log-probabilities, one answer per (prompt, answer) group."""
+    return [answer_log_probs(model, row) for row in pack_prompted(((p, (a,)) for p, a in groups), tokens,
+                                                                   share=False)]
+
+
+@torch.no_grad()
+def _fixed_log_probs(model, groups, tokens: int) -> np.ndarray:
+    was_training = model.training
+    model.eval()
+    out = [x.double().cpu() for x in _answer_log_probs(model, groups, tokens)]
+    model.train(was_training)
+    return torch.cat(out).numpy() if out else np.zeros(0)
+
+
+def reference_log_probs(model, examples: Sequence[Unpaired], *, tokens: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """([examples], [examples]) summed log-probabilities of each answer after its own
+    prompt and after the mismatched one (see the module docstring)."""
+    return (_fixed_log_probs(model, [(e.prompt, e.completion) for e in examples], tokens),
+            _fixed_log_probs(model, [_mismatched(examples, i) for i in range(len(examples))], tokens))
+
+
+def held_out_kto(model, examples: Sequence[Unpaired], reference: tuple[np.ndarray, np.ndarray], *, beta: float,
+                 desirable_weight: float = 1.0, undesirable_weight: float = 1.0, tokens: int = 4096) -> dict:
+    """Held-out KTO loss, z and reward margin against `reference` (reference_log_probs of
+    the same examples before training); under torchrun, each process's share, summed."""
+    policy, mismatched = (torch.as_tensor(x) for x in reference_log_probs(model, examples, tokens=tokens))
+    ref, ref_mismatched = (torch.as_tensor(x) for x in reference)
+    n, drift = sum_across([float(len(examples)), float((mismatched - ref_mismatched).sum())])
+    z = max(0.0, drift / n)
+    good = torch.tensor([e.desirable for e in examples])
+    losses, rewards = kto_losses(policy, ref, good, z, beta=beta, desirable_weight=desirable_weight,
+                                 undesirable_weight=undesirable_weight)
+    g = good.double()
+    loss_sum, n_good, r_good, r_bad = sum_across([float(losses.sum()), float(g.sum()), float((rewards * g).sum()),
+                                                  float((rewards * (1 - g)).sum())])
+    margin = (r_good / n_good if n_good else 0.0) - (r_bad / (n - n_good) if n - n_good else 0.0)
+    return {"held_out_loss": loss_sum / n, "held_out_kl": z, "held_out_margin": margin}
+
+
+def kto(
+    model,
+    examples: Sequence[Unpaired],
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    examples_per_step: int = 32,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+    reference=None,
+    tokens: int = 4096,
+    clip: float | None = 1.0,
+    schedule=None,
+    save_to: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 2,
+    on_step: Callable[[Step], None] | None = None,
+) -> History:
+    """Train on unpaired answers for `steps` steps of `examples_per_step` each (the
+    sequence repeated as epochs); see the module docstring. Each Step's metrics hold TRL's
+    rewards/chosen and logps/chosen (means over the step's desirable answers),
+    rewards/rejected and logps/rejected (undesirable), rewards/margins and kl (z)."""
+    if not beta > 0 or examples_per_step < 1 or desirable_weight < 0 or undesirable_weight < 0:
+        raise ValueError("kto: beta must be > 0, examples_per_step >= 1 and the weights >= 0")
+    trained_parameters(model)
+    check_unpaired(examples)
+    ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)
+
+    def prepare(step: int, chunk: list) -> Work:
+        indices, batch = [i for i, _ in chunk], [e for _, e in chunk]
+        with torch.no_grad():
+            policy = _answer_log_probs(model, [_mismatched(examples, i) for i in indices], tokens)
+            drift = float(sum(x.double().sum() for x in policy)) - float(ref_mismatched[indices].sum())
+        count, drift_sum = sum_across([float(len(batch)), drift])
+        z = max(0.0, drift_sum / count)
+        rows = list(pack_prompted(((e.prompt, (e.completion,)) for e in batch), tokens, share=False))
+        starts = np.cumsum([0] + [row.examples for row in rows])
+
+        def loss(r: int, row):
+            logp = answer_log_probs(model, row)
+            mine = indices[starts[r]:starts[r + 1]]
+            good = torch.tensor([examples[i].desirable for i in mine], device=logp.device)
+            reference_logp = torch.as_tensor(ref[mine], dtype=logp.dtype, device=logp.device)
+            losses, rewards = kto_losses(logp, reference_logp, good, z, beta=beta, desirable_weight=desirable_weight,
+                                         undesirable_weight=undesirable_weight)
+            g = good.to(logp.dtype)
+            stats = {"n_good": float(g.sum()), "reward_good": float((rewards * g).sum()),
+                     "reward_bad": float((rewards * (1 - g)).sum()), "logp_good": float((logp.detach() * g).sum()),
+                     "logp_bad": float((logp.detach() * (1 - g)).sum())}
+            return losses.sum(), stats
+
+        def metrics(sums: dict[str, float]) -> dict[str, float]:
+            good, bad = sums["n_good"], count - sums["n_good"]
+            chosen = sums["reward_good"] / good if good else float("nan")
+            rejected = sums["reward_bad"] / bad if bad else float("nan")
+            return {"examples": count, "rewards/chosen": chosen, "rewards/rejected": rejected,
+                    "rewards/margins": chosen - rejected,
+                    "logps/chosen": sums["logp_good"] / good if good else float("nan"),
+                    "logps/rejected": sums["logp_bad"] / bad if bad else float("nan"), "kl": z}
+
+        return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows),
+                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics)
+
+    stream = itertools.cycle(enumerate(examples))
+    return fit(model, stream, prepare, per_step=examples_per_step, optimizer=optimizer, steps=steps, clip=clip,
+               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               keep=keep, on_step=on_step, what="kto: the examples")
