@@ -211,7 +211,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"line 1: 'chosen' and 'rejected' are the same answer"),
     ("dpo-empty-answer", lambda ws: DPO(f"data.path={_copy(ws, 'pairs.jsonl', lambda p: _lines(p, {'prompt': '1+2=', 'chosen': '003', 'rejected': ''}))}")(ws),
      r"line 1: the 'rejected' answer is empty"),
-    ("dpo-pairs-per-step", DPO("dpo.pairs_per_step=1000"), r"dpo.pairs_per_step=1000 is more than the 57 training pairs"),
+    ("dpo-pairs-per-step", DPO("dpo.pairs_per_step=1000"), r"dpo.pairs_per_step=1000 is more than the 57 training examples"),
     ("dpo-beta", DPO("dpo.beta=0"), r"dpo.beta must be > 0"),
     ("dpo-accumulation", DPO("training.accumulation=2"), r"accumulation is not read by `linnet dpo`"),
     ("dpo-two-prompts", DPO("data.prompt=[a, b]"), r"`linnet dpo` reads one prompt field"),

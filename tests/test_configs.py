@@ -16,6 +16,7 @@ from linnet.config import (
     DPOConfig,
     GRPOConfig,
     PretrainConfig,
+    RewardConfig,
     SFTConfig,
     command_of,
     from_data,
@@ -26,7 +27,7 @@ from linnet.config import (
 )
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
-PRESETS = {"sft-lora.yaml": "sft", "sft-full.yaml": "sft", "dpo.yaml": "dpo", "grpo.yaml": "grpo",
+PRESETS = {"sft-lora.yaml": "sft", "sft-full.yaml": "sft", "dpo.yaml": "dpo", "grpo.yaml": "grpo", "reward.yaml": "reward",
            "pretrain-tiny-cpu.yaml": "pretrain", "pretrain-20m.yaml": "pretrain", "packed4-20m-awc.yaml": "pretrain",
            "packed4-20m-atc.yaml": "pretrain", "packed4-tiny-cpu.yaml": "pretrain"}
 
@@ -45,7 +46,7 @@ def test_presets_load_as_their_command_and_plan(path, capsys):
     assert '"params"' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, DPOConfig, GRPOConfig, PretrainConfig], ids=lambda c: c.command)
+@pytest.mark.parametrize("cls", [SFTConfig, DPOConfig, GRPOConfig, RewardConfig, PretrainConfig], ids=lambda c: c.command)
 def test_each_template_loads_back_to_the_defaults(cls, tmp_path):
     text = template(cls)
     data = yaml.safe_load(text)

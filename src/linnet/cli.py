@@ -3,8 +3,9 @@ a thin layer over library functions.
 
     linnet quickstart          SFT, DPO and GRPO of a small model on an embedded task, no files needed
     linnet sft --config F      supervised fine-tuning (LoRA or full) from a YAML config
-    linnet dpo --config F      preference optimization (DPO) from a YAML config
-    linnet grpo --config F     GRPO with the KV-cache engine and built-in or custom rewards
+    linnet dpo --config F      preference optimization (DPO, IPO, SimPO, ORPO, KTO, ...) from a YAML config
+    linnet grpo --config F     GRPO with the KV-cache engine and built-in, model or custom rewards
+    linnet reward --config F   a reward model (scalar head, Bradley-Terry) from preference pairs
     linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --remat)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
@@ -31,6 +32,7 @@ COMMANDS = {
     "sft": "sft",
     "dpo": "dpo",
     "grpo": "grpo",
+    "reward": "reward",
     "jax": "jax_sft",
     "inspect": "inspect",
     "prepare": "prepare",

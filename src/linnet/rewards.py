@@ -66,7 +66,8 @@ def format_match(tokenizer, pattern: str) -> Callable:
 
 def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
     """A reward from its config spelling: "exact", "numeric", "format" (with `pattern`),
-    or "package.module:function" (a function taking (prompt, completion_ids))."""
+    "model:DIR" (a reward model saved by `linnet reward`, scored in packed batches), or
+    "package.module:function" (a function taking (prompt, completion_ids))."""
     if spec == "exact":
         return exact(tokenizer)
     if spec == "numeric":
@@ -75,6 +76,10 @@ def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
         if not pattern:
             raise ValueError("reward 'format' needs grpo.format_pattern, a regular expression")
         return format_match(tokenizer, pattern)
+    if spec.startswith("model:"):  # a reward model trained by `linnet reward`
+        from linnet.train.reward import RewardScorer
+
+        return RewardScorer(spec.removeprefix("model:"))
     module, sep, name = spec.partition(":")
     if not sep:
         raise ValueError(f"reward {spec!r}: use exact, numeric, format, or 'module:function'")

@@ -57,18 +57,27 @@ def reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]
     raise TypeError("grpo: reward must be a callable (prompt, completion) -> number, or a dict of them")
 
 
-def score(functions: dict[str, Reward], prompt: Prompt, completion: list[int], where: str) -> dict[str, float]:
-    """Each reward function's value for one completion; a failure names the item."""
-    values = {}
+def score(functions: dict[str, Reward], items: Sequence[tuple[Prompt, list[int], str]]) -> list[dict[str, float]]:
+    """Each reward function's value for each (prompt, completion, where) item; a function
+    with a `batch(items)` method (a reward model, linnet.train.reward.RewardScorer) scores
+    them all at once. A failure or a value that is not a finite number names the item."""
+    out: list[dict[str, float]] = [{} for _ in items]
     for name, f in functions.items():
+        batch = getattr(f, "batch", None)
         try:
-            value = f(prompt, completion)
+            values = batch([(p, c) for p, c, _ in items]) if batch is not None else None
         except Exception as e:
-            raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-            raise ValueError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
-        values[name] = float(value)
-    return values
+            raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on a batch of "
+                             f"{len(items)} completions") from e
+        for i, (prompt, completion, where) in enumerate(items):
+            try:
+                value = values[i] if values is not None else f(prompt, completion)
+            except Exception as e:
+                raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
+                raise ValueError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
+            out[i][name] = float(value)
+    return out
 
 
 def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
@@ -115,8 +124,8 @@ def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int,
     samples = engine.sample([list(p.ids) for p in prompts], n=group, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed)
     seconds = time.perf_counter() - t0
-    scores = [score(functions, prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
-              for i, s in enumerate(samples)]
+    scores = score(functions, [(prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
+                               for i, s in enumerate(samples)])
     per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
     rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
     uniform = rewards.std(axis=1) == 0

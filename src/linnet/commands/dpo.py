@@ -20,6 +20,13 @@ from linnet.torch.distributed import sum_across, world
 
 def prepare(config: DPOConfig):
     """(card, train pairs, held-out pairs, steps), every record checked up front."""
+    return preference_data(config, config.dpo.pairs_per_step, "dpo.pairs_per_step", config.dpo.loss_type == "kto")
+
+
+def preference_data(config, per_step: int, per_step_field: str, unpaired: bool = False):
+    """(card, train examples, held-out examples, steps) of a preference config (`linnet
+    dpo`, `linnet reward`): pairs, or unpaired labelled answers for KTO, every record
+    checked up front."""
     from linnet.cards import resolve
     from linnet.data import load_tokenizer, pairs_from_records, read_records, unpaired_from_records
 
@@ -27,7 +34,7 @@ def prepare(config: DPOConfig):
     card = resolve(config.model.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     prompt = (d.prompt or ["prompt"])[0]
-    if config.dpo.loss_type == "kto":
+    if unpaired:
         fields = dict(prompt=prompt, completion=d.completion or "completion", label=d.label, chat=d.chat)
         read = functools.partial(unpaired_from_records, **fields)
     else:
@@ -39,17 +46,17 @@ def prepare(config: DPOConfig):
         pairs, held_out = runs.hold_out(pairs, d.eval_share, config.runtime.seed)
     for examples in (pairs, held_out):
         for i, p in enumerate(examples):
-            if config.dpo.loss_type == "kto":  # its answer also follows the next example's prompt (the KL estimate)
+            if unpaired:  # its answer also follows the next example's prompt (the KL estimate)
                 need = max(len(p.prompt), len(examples[(i + 1) % len(examples)].prompt)) + len(p.completion)
             else:
                 need = 2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
             if need > t.context_length:
                 raise ValueError(f"{d.path}: example {i} needs {need} positions (a prompt and its answers), more "
                                  f"than a row of {t.context_length}; raise training.context_length")
-    if config.dpo.pairs_per_step > len(pairs):
-        raise ValueError(f"{d.path}: dpo.pairs_per_step={config.dpo.pairs_per_step} is more than the {len(pairs)} "
-                         "training pairs, so pairs would repeat within a step; lower dpo.pairs_per_step")
-    steps = t.steps or max(1, math.ceil(t.epochs * len(pairs) / config.dpo.pairs_per_step))
+    if per_step > len(pairs):
+        raise ValueError(f"{d.path}: {per_step_field}={per_step} is more than the {len(pairs)} training examples, so "
+                         f"examples would repeat within a step; lower {per_step_field}")
+    steps = t.steps or max(1, math.ceil(t.epochs * len(pairs) / per_step))
     runs.steps_factor(config, steps)
     return card, pairs, held_out, steps
 

@@ -8,6 +8,7 @@ from linnet.config.commands import (
     DPOConfig,
     GRPOConfig,
     PretrainConfig,
+    RewardConfig,
     SFTConfig,
     checkpoint_epochs,
     command_of,
@@ -17,6 +18,6 @@ from linnet.config.commands import (
 )
 from linnet.config.fields import apply_overrides, from_dict, group, option, read_yaml, template, to_dict
 
-__all__ = ["COMMANDS", "FORMER_FIELDS", "DPOConfig", "GRPOConfig", "PretrainConfig", "SFTConfig", "apply_overrides",
+__all__ = ["COMMANDS", "FORMER_FIELDS", "DPOConfig", "GRPOConfig", "PretrainConfig", "RewardConfig", "SFTConfig", "apply_overrides",
            "checkpoint_epochs", "command_of", "from_data", "from_dict", "group", "load", "load_any", "option",
            "read_yaml", "template", "to_dict"]

@@ -26,6 +26,7 @@ from linnet.config.groups import (
     ModelConfig,
     OptimizerConfig,
     RecordsConfig,
+    RewardSettings,
     RuntimeConfig,
     TrainingConfig,
 )
@@ -112,6 +113,13 @@ class DPOConfig(FineTuningConfig):
 
 
 @dataclass
+class RewardConfig(FineTuningConfig):
+    command: ClassVar[str] = "reward"
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/reward")
+    reward: RewardSettings = group(RewardSettings, "the Bradley-Terry objective of a scalar reward head")
+
+
+@dataclass
 class GRPOConfig(FineTuningConfig):
     command: ClassVar[str] = "grpo"
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/grpo")
@@ -194,7 +202,7 @@ def checkpoint_epochs(config: PretrainConfig) -> list[int]:
     return chosen
 
 
-COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, PretrainConfig)}
+COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, RewardConfig, PretrainConfig)}
 
 
 def from_data(cls: type, data: dict[str, Any], where: str = "config"):
@@ -211,13 +219,15 @@ def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
 
 
 def command_of(data: dict[str, Any]) -> str:
-    """Which command a config is for, from the groups it gives: a `dpo` or `grpo` group,
+    """Which command a config is for, from the groups it gives: a `dpo`, `grpo` or `reward` group,
     a corpus (`data.cache`, `data.source` or `data.dataset`) or an architecture for
     pretraining; sft otherwise."""
     if "dpo" in data:
         return "dpo"
     if "grpo" in data:
         return "grpo"
+    if "reward" in data:
+        return "reward"
     corpus = {"cache", "source", "dataset"} & set(data.get("data") or {})
     architecture = {"hidden", "layers", "heads", "intermediate"} & set(data.get("model") or {})
     return "pretrain" if corpus or architecture else "sft"

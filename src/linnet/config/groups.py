@@ -17,7 +17,7 @@ from typing import Literal
 
 from linnet.config.fields import option
 
-FINE_TUNING = ("sft", "dpo", "grpo")  # `linnet jax` reads the sft config
+FINE_TUNING = ("sft", "dpo", "grpo", "reward")  # `linnet jax` reads the sft config
 PRETRAINING = ("pretrain",)
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 
@@ -98,8 +98,9 @@ class RecordsConfig:
                                             "name several, joined)")
     completion: str | None = option(None, "completion field; null: completion, output or response (dpo with "
                                           "loss_type kto: completion)", only=("sft", "dpo"))
-    chosen: str = option("chosen", "preferred answer field (text, a message, or a whole dialogue)", only=("dpo",))
-    rejected: str = option("rejected", "other answer field", only=("dpo",))
+    chosen: str = option("chosen", "preferred answer field (text, a message, or a whole dialogue)",
+                         only=("dpo", "reward"))
+    rejected: str = option("rejected", "other answer field", only=("dpo", "reward"))
     label: str = option("label", "kto: the field saying whether the completion is desirable (true) or not (false)",
                         only=("dpo",))
     answer: str = option("answer", "reference answer field, given to the rewards", only=("grpo",))
@@ -291,8 +292,18 @@ class DPOSettings:
 
 
 @dataclass
+class RewardSettings:
+    pairs_per_step: int = option(32, "pairs per optimizer step")
+    margin: float = option(0.0, "Bradley-Terry with a margin: -log sigmoid(r_chosen - r_rejected - margin)")
+
+    def __post_init__(self):
+        _positive(**{"reward.pairs_per_step": self.pairs_per_step})
+
+
+@dataclass
 class GRPOSettings:
-    rewards: list[str] = option(["exact"], "exact, numeric, format, or module:function; summed")
+    rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
+                                           "reward`), or module:function; summed")
     format_pattern: str | None = option(None, "regular expression for the 'format' reward")
     group: int = option(8, "completions sampled per prompt")
     prompts_per_step: int = option(8, "prompts per sampling step")

@@ -63,7 +63,8 @@ def weight_files(source: str | os.PathLike) -> list[Path]:
 
 def _ignorable(name: str, model) -> bool:
     """Checkpoint tensors that carry nothing the model needs."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.card.tied_embeddings)
+    return (name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.card.tied_embeddings)
+            or (name == "score.weight" and not hasattr(model, "score")))  # a reward model's head
 
 
 def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: bool = False) -> list[str]:

@@ -229,9 +229,9 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
     ids = [list(p.ids) for p in prompts]
 
     def scores(done, n):
-        return np.array([sum(score(functions, prompts[c.prompt], c.tokens,
-                                   f"held-out prompt {c.prompt}, completion {i % n}").values())
-                         for i, c in enumerate(done)]).reshape(len(prompts), n)
+        found = score(functions, [(prompts[c.prompt], c.tokens, f"held-out prompt {c.prompt}, completion {i % n}")
+                                  for i, c in enumerate(done)])
+        return np.array([sum(values.values()) for values in found]).reshape(len(prompts), n)
 
     engine.load_weights(policy)
     greedy = scores(engine.sample(ids, max_new_tokens=max_new_tokens, temperature=0.0, stop=stop), 1)[:, 0]

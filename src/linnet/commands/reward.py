@@ -1,0 +1,48 @@
+"""`linnet reward`: a reward model (a scalar head on the decoder, Bradley-Terry on preference
+pairs) from a YAML config, with the run directory every training command shares; the result
+loads in transformers as AutoModelForSequenceClassification and serves GRPO as
+`grpo.rewards: [model:RUN/final]`.
+
+    linnet reward --config configs/reward.yaml --set data.path=pairs.jsonl
+    linnet reward --template > reward.yaml
+"""
+
+from __future__ import annotations
+
+from linnet.commands import runs
+from linnet.commands.dpo import preference_data
+from linnet.config import RewardConfig
+from linnet.torch.distributed import sum_across, world
+
+
+def run(config: RewardConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None) -> dict:
+    from linnet.train.reward import add_score_head, held_out_accuracy, reward, save_reward_model
+
+    card, pairs, held_out, steps = preference_data(config, config.reward.pairs_per_step, "reward.pairs_per_step")
+    t, s = config.training, config.reward
+    per_process = runs.split_per_step("reward.pairs_per_step", s.pairs_per_step)
+    rank, processes = world()
+    pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if run.complete is not None:
+        return run.complete
+    model = add_score_head(runs.load_model(card, config), seed=config.runtime.seed)
+    optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
+    evaluate = None
+    if sum_across([len(held_out)])[0]:
+        def evaluate(step):
+            return held_out_accuracy(model, held_out, tokens=t.context_length)
+
+    with run.open() as out, runs.MetricsLog(run, "reward", steps, config, evaluate) as log:
+        history = reward(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process, margin=s.margin,
+                         tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
+                         checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every, keep=t.keep, on_step=log)
+        save_reward_model(model, out / "final")
+    return runs.summarize(run, history, log, card=card.name, steps=steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = runs.parse_command(argv, "linnet reward", "A reward model (Bradley-Terry) from a YAML config.",
+                                      RewardConfig, training=True)
+    return 0 if config is None else runs.execute(run, args, config)

@@ -1,0 +1,194 @@
+"""Reward models: a scalar head on the decoder, trained on preference pairs with the
+Bradley-Terry loss, -log sigmoid(r(chosen) - r(rejected)) (Ouyang et al. 2022).
+
+    add_score_head(model)                       # model.score: hidden -> 1, N(0, 0.02)
+    history = reward(model, pairs, optimizer=opt, steps=100, pairs_per_step=32)
+    save_reward_model(model, "rm/")             # transformers: AutoModelForSequenceClassification
+    scorer = RewardScorer("rm/")                # a GRPO reward (grpo.reward: model:rm/)
+
+An answer's reward is the head applied to the final hidden state at the last token of the
+prompt and answer read as one sequence that is not the pad token: what transformers'
+*ForSequenceClassification computes (where the pad token is also the end of a sequence,
+the token before it). Each prompt + answer is its
+own document of a packed row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from linnet.history import History, Step
+from linnet.packing import Pair, check_pairs, pack_prompted
+from linnet.torch.distributed import sum_across
+from linnet.train.loop import Work, fit, trained_parameters
+
+ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+                 "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
+
+
+def add_score_head(model, seed: int = 0) -> torch.nn.Module:
+    """Give `model` a trainable float32 `score` head (hidden -> 1, no bias), as transformers
+    names it; returns the model."""
+    from linnet.torch.model import Linear
+
+    head = Linear(model.card.hidden, 1, bias=False).to(model.device)
+    with torch.no_grad():
+        head.weight.copy_(torch.empty(1, model.card.hidden).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed)))
+    model.score = head
+    return model
+
+
+def rows(groups: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]], tokens: int):
+    """Packed rows with each prompt + answer a document of its own (no shared prompts)."""
+    return pack_prompted(groups, tokens, share=False)
+
+
+def _last_positions(row, pad_id: int | None) -> np.ndarray:
+    """Each answer document's last position that does not hold the pad token (the rule
+    transformers' sequence classifiers use), its last position if all do."""
+    bounds, tokens = np.asarray(row.bounds), np.asarray(row.tokens)
+    learned = np.add.reduceat(np.asarray(row.weights), bounds[:-1]) > 0
+    out = []
+    for start, end in zip(bounds[:-1][learned], bounds[1:][learned]):
+        kept = np.flatnonzero(tokens[start:end] != pad_id) if pad_id is not None else []
+        out.append(start + (kept[-1] if len(kept) else end - start - 1))
+    return np.asarray(out, dtype=np.int64)
+
+
+def scores(model, row) -> torch.Tensor:
+    """[answers] float32 reward of each answer of a row (in order), from the final hidden
+    state at its document's last non-pad token."""
+    h = model.hidden_packed(row)
+    last = torch.as_tensor(_last_positions(row, model.card.pad_token_id), device=h.device)
+    return model.score(h[last]).float()[:, 0]
+
+
+def reward(
+    model,
+    pairs: Sequence[Pair],
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    pairs_per_step: int = 32,
+    margin: float = 0.0,
+    tokens: int = 4096,
+    clip: float | None = 1.0,
+    schedule=None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 2,
+    on_step: Callable[[Step], None] | None = None,
+) -> History:
+    """Train the model with its score head on preference pairs (repeated as epochs):
+    per pair -log sigmoid(r_c - r_r - margin). Each Step's metrics hold TRL's accuracy
+    (share of pairs ranked right), margin (mean r_c - r_r) and mean_reward."""
+    if not hasattr(model, "score"):
+        raise ValueError("reward: the model has no score head; call linnet.train.reward.add_score_head(model) first")
+    if pairs_per_step < 1:
+        raise ValueError("reward: pairs_per_step must be >= 1")
+    trained_parameters(model)
+    check_pairs(pairs)
+
+    def prepare(step: int, chunk: list) -> Work:
+        batch = [p for _, p in chunk]
+        (count,) = sum_across([float(len(batch))])
+        packed = list(rows(((p.prompt, (p.chosen, p.rejected)) for p in batch), tokens))
+
+        def loss(_, row):
+            r = scores(model, row).view(-1, 2)
+            gap = r[:, 0] - r[:, 1]
+            return -F.logsigmoid(gap - margin).sum(), {"correct": float((gap > 0).sum()),
+                                                       "gap": float(gap.detach().sum()),
+                                                       "total": float(r.detach().sum())}
+
+        def metrics(sums: dict[str, float]) -> dict[str, float]:
+            return {"pairs": count, "accuracy": sums["correct"] / count, "margin": sums["gap"] / count,
+                    "mean_reward": sums["total"] / (2 * count)}
+
+        return Work(packed, loss, count, sum(r.learned for r in packed), sum(r.real for r in packed),
+                    ("correct", "gap", "total"), metrics)
+
+    return fit(model, itertools.cycle(enumerate(pairs)), prepare, per_step=pairs_per_step, optimizer=optimizer,
+               steps=steps, clip=clip, schedule=schedule, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               keep=keep, on_step=on_step, what="reward: the pairs")
+
+
+@torch.no_grad()
+def score_answers(model, groups: Sequence[tuple[Sequence[int], Sequence[int]]], *, tokens: int = 4096) -> np.ndarray:
+    """[len(groups)] rewards of (prompt, answer) token lists, packed rows at a time."""
+    was_training = model.training
+    model.eval()
+    out = [scores(model, row).double().cpu() for row in rows(((p, (a,)) for p, a in groups), tokens)]
+    model.train(was_training)
+    return torch.cat(out).numpy() if out else np.zeros(0)
+
+
+def held_out_accuracy(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> dict[str, float]:
+    """Held-out pairwise accuracy, loss and margin (under torchrun: each process's share,
+    summed over every process)."""
+    r = score_answers(model, [(p.prompt, a) for p in pairs for a in (p.chosen, p.rejected)], tokens=tokens)
+    gap = r[0::2] - r[1::2]
+    n, right, loss, total = sum_across([float(len(pairs)), float((gap > 0).sum()),
+                                        float(np.logaddexp(0.0, -gap).sum()), float(gap.sum())])
+    return {"held_out_accuracy": right / n, "held_out_loss": loss / n, "held_out_margin": total / n}
+
+
+def save_reward_model(model, directory: str | os.PathLike, *, dtype=None) -> None:
+    """The whole model with its head (adapters merged first) as a transformers
+    *ForSequenceClassification directory: weights, config.json (num_labels 1), tokenizer."""
+    import json
+
+    from linnet.files import write_text
+
+    if getattr(model, "lora", None):
+        model.merge_lora()
+    model.save_weights(directory, dtype=dtype)
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    config.update(architectures=[ARCHITECTURES[model.card.family]], num_labels=1, id2label={"0": "LABEL_0"},
+                  label2id={"LABEL_0": 0})
+    write_text(path, json.dumps(config, indent=2) + "\n")
+
+
+def load_reward_model(directory: str | os.PathLike, **load: object):
+    """A reward model saved by `save_reward_model` (or any *ForSequenceClassification
+    directory with one label), its head read with it; `load`: nest.load's options."""
+    from safetensors import safe_open
+
+    from linnet import nest
+    from linnet.torch.weights import weight_files
+
+    model = nest.load(directory, weights=directory, **load)
+    add_score_head(model)
+    for file in weight_files(directory):
+        with safe_open(file, "pt", device="cpu") as f:
+            if "score.weight" in f.keys():
+                with torch.no_grad():
+                    model.score.weight.copy_(f.get_tensor("score.weight"))
+                return model
+    raise ValueError(f"{directory}: no score.weight; not a reward model (save one with save_reward_model)")
+
+
+class RewardScorer:
+    """A trained reward model as a GRPO reward: `scorer(prompt, completion_ids)` for one
+    completion, `scorer.batch(items)` for many at once, packed rows at a time. The policy
+    and the reward model must share their tokenizer (the token ids go in as they are)."""
+
+    def __init__(self, directory: str | os.PathLike, *, device=None, tokens: int = 4096):
+        self.model = load_reward_model(directory, device=device, dtype="float32")
+        self.tokens = tokens
+        self.__name__ = f"model:{directory}"
+
+    def batch(self, items: Sequence[tuple[object, Sequence[int]]]) -> list[float]:
+        return score_answers(self.model, [(prompt.ids, completion) for prompt, completion in items],
+                             tokens=self.tokens).tolist()
+
+    def __call__(self, prompt, completion: Sequence[int]) -> float:
+        return self.batch([(prompt, completion)])[0]
