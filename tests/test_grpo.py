@@ -142,3 +142,63 @@ def test_evaluate_through_the_engine_sees_the_policy():
         prompts = [Prompt(p.ids, int(pick(x))) for p, x in zip(_prompts(6), logits)]
         out = evaluate(policy, engine, prompts, first, max_new_tokens=2, k=3, temperature=1e-3)
         assert out == {"reward": expected, "pass@1": expected, "pass@3": expected}
+
+
+def test_rloo_advantages_are_leave_one_out_and_sum_to_zero():
+    from linnet.rollouts import group_advantages
+
+    rewards = np.random.default_rng(0).random((5, 4))
+    rloo = group_advantages(rewards, kind="rloo")
+    by_hand = np.array([[r[i] - np.delete(r, i).mean() for i in range(4)] for r in rewards])
+    np.testing.assert_allclose(rloo, by_hand)
+    np.testing.assert_allclose(rloo.sum(axis=1), 0, atol=1e-12)
+    with pytest.raises(ValueError, match="advantage='ppo'"):
+        group_advantages(rewards, kind="ppo")
+
+
+def test_rloo_and_sequence_mean_learn():
+    history = _run(12, advantage="rloo", sequence_mean=True)
+    rewards = [s.metrics["reward"] for s in history.steps]
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.2, rewards
+    with pytest.raises(ValueError, match="choose one"):
+        _run(1, dr_grpo=True, sequence_mean=True)
+
+
+def test_sequence_mean_weighs_each_completion_alike():
+    """sequence_mean: every completion's tokens weigh 1/|o_i| and the normaliser counts
+    completions, so a long completion counts as much as a short one."""
+    from linnet.rollouts import Completion as Sample
+    from linnet.train.grpo import _rollout
+
+    samples = [Sample(0, [5, 6, 7, 2], torch.zeros(4), True), Sample(0, [7, 2], torch.zeros(2), True)]
+    out = _rollout(samples, np.array([1.0, -1.0]), np.ones(2, bool), [Prompt([3, 4])], 64, True, True)
+    weights = torch.cat(out.token_weight)
+    assert weights.tolist() == [0.25] * 4 + [0.5] * 2 and out.sequences == 2
+
+
+def uniform_half(prompt, completion):
+    """Prompts starting with an even token always score 1 (uniform groups); the others
+    score the share of 7s."""
+    return 1.0 if prompt.ids[0] % 2 == 0 else sevens(prompt, completion)
+
+
+def test_dynamic_sampling_fills_the_step_with_informative_groups_and_resumes_alike(tmp_path):
+    def run(steps, checkpoint=None):
+        torch.manual_seed(0)
+        policy = nest.load(CARD, weights="random", seed=1, trainable=True)
+        engine = Engine(nest.load(CARD, weights="random", seed=1))
+        opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
+        return grpo(policy, engine, _prompts(), uniform_half, optimizer=opt, steps=steps, group=8, prompts_per_step=4,
+                    max_new_tokens=6, tokens=64, dynamic_sampling=6, checkpoint=checkpoint, checkpoint_every=2,
+                    verbose=False)
+
+    whole = run(4)
+    assert all(s.metrics["groups"] == 4 and s.metrics["uniform"] == 0 for s in whole.steps)
+    assert any(s.metrics["sampling_rounds"] > 1 for s in whole.steps)
+    run(2, checkpoint=tmp_path)
+    rest = run(4, checkpoint=tmp_path)
+    assert [s.loss for s in rest.steps] == [s.loss for s in whole.steps[2:]]
+    policy = nest.load(CARD, weights="random", trainable=True)
+    with pytest.raises(ValueError, match="pass the prompts as a sequence"):
+        grpo(policy, Engine(nest.load(CARD, weights="random")), iter(_prompts()), sevens,
+             optimizer=torch.optim.SGD(policy.parameters(), lr=0.1), steps=1, dynamic_sampling=2, verbose=False)

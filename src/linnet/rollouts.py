@@ -10,6 +10,7 @@ sample, and each backend's trainer turns the advantages into a loss.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -92,11 +93,23 @@ def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_toke
                              f"it does not fit a row of tokens={room}; raise tokens")
 
 
-def group_advantages(rewards_PG: np.ndarray, *, scale: bool = True, eps: float = 1e-4) -> np.ndarray:
-    """[prompts, group] (reward - group mean), over the group's std unless scale=False
-    (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, leaves the std out)."""
+ADVANTAGES = ("group", "rloo")
+
+
+def group_advantages(rewards_PG: np.ndarray, *, scale: bool = True, kind: str = "group",
+                     eps: float = 1e-4) -> np.ndarray:
+    """[prompts, group] advantages. group: reward - group mean, over the group's std
+    unless scale=False (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, leaves the std out).
+    rloo: reward - the mean of the group's other rewards (Ahmadian et al. 2024,
+    arXiv:2402.14740), G/(G-1) times the centred reward, never divided by a std; each
+    group's advantages sum to zero."""
+    if kind not in ADVANTAGES:
+        raise ValueError(f"advantage={kind!r}; use one of {', '.join(ADVANTAGES)}")
     rewards_PG = np.asarray(rewards_PG, np.float64)
     centered = rewards_PG - rewards_PG.mean(axis=1, keepdims=True)
+    if kind == "rloo":
+        G = rewards_PG.shape[1]
+        return centered * G / (G - 1)
     if not scale:
         return centered
     return centered / (rewards_PG.std(axis=1, keepdims=True) + eps)
@@ -116,7 +129,8 @@ class Scored:
 
 
 def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
-                     temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool) -> Scored:
+                     temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool,
+                     advantage: str = "group") -> Scored:
     """Sample `group` completions of each (index, prompt) of `chunk` with `engine` (the
     PyTorch or the JAX one), score them and give each its group advantage."""
     prompts = [p for _, p in chunk]
@@ -129,9 +143,33 @@ def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int,
     per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
     rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
     uniform = rewards.std(axis=1) == 0
-    advantages = group_advantages(rewards, scale=not dr_grpo).reshape(-1)
+    advantages = group_advantages(rewards, scale=not dr_grpo, kind=advantage).reshape(-1)
     keep = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
     return Scored(samples, per_function, rewards, uniform, advantages, keep, seconds)
+
+
+def fill_groups(parts: list[tuple[list, Scored]], want: int) -> tuple[list, Scored]:
+    """DAPO's dynamic sampling: from the scored chunks in order, the first `want` groups
+    whose rewards are not all equal (chunk, Scored), their samples renumbered; fewer when
+    the parts hold fewer."""
+    chunk, samples, rows, per_function, advantages = [], [], [], {name: [] for name in parts[0][1].per_function}, []
+    group = parts[0][1].rewards.shape[1]
+    for part, scored in parts:
+        for p in np.flatnonzero(~scored.uniform):
+            if len(chunk) == want:
+                break
+            taken = slice(p * group, (p + 1) * group)
+            samples += [dataclasses.replace(s, prompt=len(chunk)) for s in scored.samples[taken]]
+            for name, values in scored.per_function.items():
+                per_function[name].append(values[taken])
+            rows.append(scored.rewards[p])
+            advantages.append(scored.advantages[taken])
+            chunk.append(part[p])
+    n = len(chunk)
+    rewards = np.array(rows).reshape(n, group)
+    return chunk, Scored(samples, {k: np.concatenate(v) if v else np.zeros(0) for k, v in per_function.items()},
+                         rewards, np.zeros(n, bool), np.concatenate(advantages) if advantages else np.zeros(0),
+                         np.ones(n * group, bool), sum(s.seconds for _, s in parts))
 
 
 def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mismatch: float) -> dict[str, float]:

@@ -319,6 +319,12 @@ class GRPOSettings:
     correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped")
     dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
     sequence_level: bool = option(False, "GSPO: one ratio per completion")
+    advantage: Literal["group", "rloo"] = option("group", "group: reward - group mean, over the group's std; rloo: "
+                                                          "reward - the mean of the group's other rewards")
+    sequence_mean: bool = option(False, "average each completion's token losses over its own length, then over "
+                                        "completions (the GRPO paper's 1/|o_i|)")
+    dynamic_sampling: int = option(0, "DAPO's dynamic sampling: up to this many extra sampling rounds a step, "
+                                      "until it holds prompts_per_step groups whose rewards differ; 0: off")
     pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
                             "top_k and top_p; 0: only the greedy reward and pass@1")
     pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
@@ -331,6 +337,9 @@ class GRPOSettings:
             raise ValueError("config: grpo.group >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
         if not self.rewards:
             raise ValueError("config: grpo.rewards lists no reward")
+        if self.dynamic_sampling < 0 or (self.dr_grpo and self.sequence_mean):
+            raise ValueError("config: grpo.dynamic_sampling must be >= 0, and grpo.dr_grpo and grpo.sequence_mean "
+                             "exclude each other (a constant normaliser against each completion's length)")
         if self.pass_k < 0 or self.pass_k == 1:
             raise ValueError("config: grpo.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
         if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:

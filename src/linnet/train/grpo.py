@@ -35,6 +35,7 @@ from linnet.rollouts import (
     Prompt,
     Reward,
     check_prompts,
+    fill_groups,
     pass_at_k,
     prompt_groups,
     reward_functions,
@@ -57,7 +58,7 @@ class _Rollout:
     rows: list
     advantage: list[torch.Tensor]  # per row: [tokens] advantage of each learned position
     engine_logp: list[torch.Tensor]
-    token_weight: list[torch.Tensor]  # 1, or 1/len for sequence-level (GSPO) averaging
+    token_weight: list[torch.Tensor]  # 1, or 1/len for per-sequence (sequence_mean, GSPO) averaging
     sequence: list[torch.Tensor]  # per row: completion index of each token (GSPO)
     sequences: int
     tokens: int
@@ -65,7 +66,7 @@ class _Rollout:
 
 
 def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int,
-             sequence_level: bool, share: bool) -> _Rollout | None:
+             per_sequence: bool, share: bool) -> _Rollout | None:
     kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
     if not kept:
         return None
@@ -79,7 +80,7 @@ def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens:
             n = len(s.tokens)
             adv.append(torch.full((n,), float(advantages[i])))
             elp.append(s.logprobs.float())
-            w.append(torch.full((n,), 1.0 / n if sequence_level else 1.0))
+            w.append(torch.full((n,), 1.0 / n if per_sequence else 1.0))
             seq.append(torch.full((n,), i, dtype=torch.long))
         out.advantage.append(torch.cat(adv))
         out.engine_logp.append(torch.cat(elp))
@@ -117,6 +118,9 @@ def grpo(
     correction_cap: float | None = None,
     dr_grpo: bool = False,
     sequence_level: bool = False,
+    advantage: str = "group",
+    sequence_mean: bool = False,
+    dynamic_sampling: int = 0,
     tokens: int = 4096,
     max_grad_norm: float | None = 1.0,
     schedule=None,
@@ -136,7 +140,14 @@ def grpo(
         whose rewards are all equal. beta: weight of the k3 KL to `reference` (a frozen
         model). correction_cap: weigh each token by min(p_policy / p_engine, cap)
         (needs temperature 1, no top-k/top-p). dr_grpo: no std division, token sums over
-        completions * max_new_tokens. sequence_level: GSPO sequence ratios. tokens:
+        completions * max_new_tokens. sequence_level: GSPO sequence ratios. advantage:
+        "group" (GRPO's) or "rloo" (leave-one-out baseline, no std). sequence_mean: each
+        completion's token losses averaged over its own length, then over completions
+        (the GRPO paper's 1/|o_i|; GSPO always does), token ratios unchanged.
+        dynamic_sampling: DAPO's dynamic sampling, up to this many extra sampling rounds
+        a step, each drawing as many prompts again (seeded by the step, so a resumed run
+        draws the same), until the step holds prompts_per_step groups whose rewards are
+        not all equal; uniform groups never train (needs a sequence of prompts). tokens:
         positions per packed micro-batch row. A sequence of prompts is repeated as
         epochs; an iterator is read once.
     """
@@ -147,6 +158,12 @@ def grpo(
         raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
     if getattr(policy, "copies", None) is not None:
         raise ValueError("grpo does not train split models (tensor_parallel) yet; use fully_shard")
+    if dr_grpo and sequence_mean:
+        raise ValueError("grpo: dr_grpo divides token sums by a constant and sequence_mean by each completion's "
+                         "length; choose one")
+    if dynamic_sampling < 0 or (dynamic_sampling and not isinstance(prompts, Sequence)):
+        raise ValueError("grpo: dynamic_sampling is a number of extra sampling rounds (>= 0) and draws prompts "
+                         "again: pass the prompts as a sequence")
     if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
         raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
                          "no top_k or top_p")
@@ -163,14 +180,27 @@ def grpo(
         """Sample and score the step's groups, and pack the completions that train."""
         check_prompts(chunk, tokens, max_new_tokens)
         engine.load_weights(policy)
-        scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                  seed=seed * 1_000_003 + step, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
+        def sampled(part: list, round_: int):
+            return sample_and_score(engine, part, functions, group=group, max_new_tokens=max_new_tokens,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                    seed=seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=dr_grpo,
+                                    drop_uniform=drop_uniform, advantage=advantage)
+
+        scored, rounds = sampled(chunk, 0), 1
+        if dynamic_sampling:
+            parts = [(chunk, scored)]
+            draw = np.random.default_rng([seed, step, world()[0]])
+            while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) and rounds <= dynamic_sampling:
+                extra = [(int(i), prompts[int(i)]) for i in draw.integers(0, len(prompts), len(chunk))]
+                parts.append((extra, sampled(extra, rounds)))
+                rounds += 1
+            chunk, scored = fill_groups(parts, len(chunk))
+        per_sequence = sequence_level or sequence_mean
         rollout = _rollout(scored.samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens,
-                           sequence_level, share)
+                           per_sequence, share)
         mine = [0.0, 0.0, 0.0] if rollout is None else [rollout.sequences, rollout.tokens, rollout.real]
         sequences, n_tokens, _ = sum_across(mine)
-        normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
+        normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
         rows = [] if rollout is None else rollout.rows
         short = passes_short(len(rows), policy, judged)
         old: dict[int, torch.Tensor] = {}  # the policy's log-probs before this step's first update
@@ -195,7 +225,10 @@ def grpo(
             return total, {"clipped": s["clipped"], "kl": s.get("kl", 0.0), "mismatch": mismatch[r]}
 
         def metrics(sums: dict[str, float]) -> dict[str, float]:
-            return step_metrics(scored, tokens=n_tokens, **sums)
+            out = step_metrics(scored, tokens=n_tokens, **sums)
+            if dynamic_sampling:
+                out.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
+            return out
 
         return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch"), metrics,
                     idle=lambda: idle_passes(short, policy, judged), iterations=iterations)
