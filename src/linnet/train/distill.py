@@ -1,0 +1,213 @@
+"""Distillation: a student learns a frozen teacher's token distributions.
+
+    history = distill(student, teacher, rows, optimizer=opt, steps=100, divergence="jsd", beta=0.5)
+    examples = teacher_completions(teacher_engine, prompts, max_new_tokens=128)   # sequence-level
+    history = on_policy_distill(student, teacher, engine, prompts, optimizer=opt, steps=100)
+
+Logit distillation compares, at every learned position, the student's distribution p_s
+and the teacher's p_t, both softened by `temperature` (logits / T):
+
+- forward_kl: KL(p_t || p_s), mass-covering (Hinton et al. 2015);
+- reverse_kl: KL(p_s || p_t), mode-seeking;
+- jsd: generalized Jensen-Shannon with the mixture m = beta p_t + (1 - beta) p_s,
+  beta KL(p_t || m) + (1 - beta) KL(p_s || m) (GKD, Agarwal et al. 2024); beta 0 is
+  forward_kl and beta 1 reverse_kl, as TRL's GKD trainer defines them.
+
+`linear_divergence` takes both models' final hidden states and output heads and runs a
+block of positions at a time (recomputed in backward), so neither model's [N, V] logits
+are ever held whole. The loss of a step is the divergences summed over its learned
+positions over their count. Sequence-level distillation (Kim and Rush 2016) trains the
+student with SFT on the teacher's own completions; on-policy distillation (GKD with
+lambda = 1) samples the student's completions each step and distils the teacher's
+distributions on them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from linnet.history import History, Step
+from linnet.packing import Example, pack_prompted
+from linnet.torch.distributed import sum_across
+from linnet.torch.losses import rows_per_block
+from linnet.train.loop import Work, fit, trained_parameters
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def token_divergence(student_logits, teacher_logits, *, divergence: str = "forward_kl", beta: float = 0.5,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """[N] divergence at each position from [N, V] logits (float32); see the module docstring."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence={divergence!r}; use one of {', '.join(DIVERGENCES)}")
+    ls = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    lt = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+
+    def kl(log_p, log_q):  # KL(p || q), 0 where p is
+        return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+
+    if divergence == "forward_kl" or (divergence == "jsd" and beta == 0):
+        return kl(lt, ls)
+    if divergence == "reverse_kl" or beta == 1:
+        return kl(ls, lt)
+    mixture = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log(1 - beta)]), dim=0)
+    return beta * kl(lt, mixture) + (1 - beta) * kl(ls, mixture)
+
+
+def linear_divergence(h_s, w_s, h_t, w_t, weights, *, divergence: str = "forward_kl", beta: float = 0.5,
+                      temperature: float = 1.0, block_rows: int | None = None) -> torch.Tensor:
+    """sum over positions of weights * divergence(h_s @ w_s.T, h_t @ w_t.T), a block of
+    `block_rows` positions at a time (by default the chunked loss's block), each block
+    recomputed in backward: the student's and teacher's [N, V] logits are never whole.
+    Gradients reach h_s and w_s; the teacher's side is constant."""
+    rows = block_rows or rows_per_block(w_s.shape[0], h_s.device)
+
+    def block(hs, ws, ht, wt, wb):
+        per = token_divergence(hs @ ws.to(hs.dtype).T, ht @ wt.to(ht.dtype).T, divergence=divergence, beta=beta,
+                               temperature=temperature)
+        return (per * wb).sum()
+
+    h_t, w_t = h_t.detach(), w_t.detach()
+    total = h_s.new_zeros((), dtype=torch.float32)
+    for start in range(0, h_s.shape[0], rows):
+        sl = slice(start, start + rows)
+        total = total + checkpoint(block, h_s[sl], w_s, h_t[sl], w_t, weights[sl].float(), use_reentrant=False)
+    return total
+
+
+def check_teacher(student, teacher) -> None:
+    """A teacher must share the student's vocabulary: the same token ids, the same size."""
+    s, t = student.card, teacher.card
+    if s.vocab != t.vocab:
+        raise ValueError(f"distill: the teacher {t.name!r} has {t.vocab} embedding rows and the student {s.name!r} "
+                         f"{s.vocab}; token-level distillation compares distributions over one vocabulary, so the "
+                         "teacher must use the student's tokenizer (sequence-level distillation through text would "
+                         "not need it)")
+
+
+def row_divergence(student, teacher, row, **options) -> torch.Tensor:
+    """Summed divergence over a packed row's learned positions."""
+    h_s = student.hidden_packed(row)
+    with torch.no_grad():
+        h_t = teacher.hidden_packed(row)
+    weights = torch.as_tensor(np.asarray(row.weights), device=h_s.device)
+    return linear_divergence(h_s, student.head_weight, h_t, teacher.head_weight, weights, **options)
+
+
+def distill(
+    student,
+    teacher,
+    batches: Iterable,
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    accumulate: int = 1,
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    clip: float | None = 1.0,
+    schedule=None,
+    save_to: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 2,
+    on_step: Callable[[Step], None] | None = None,
+) -> History:
+    """Logit distillation on packed rows (`linnet.packing.pack` of Examples: their learned
+    positions are distilled), `accumulate` rows a step. Each Step's metrics hold the mean
+    divergence per learned token (`divergence`, the loss)."""
+    _check(divergence, beta, temperature)
+    check_teacher(student, teacher)
+    teacher.eval()
+    options = dict(divergence=divergence, beta=beta, temperature=temperature)
+
+    def prepare(step: int, micro: list) -> Work:
+        learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
+        (count,) = sum_across([learned])
+        if count == 0:
+            raise ValueError(f"distill: step {step}'s rows hold no learned position")
+        return Work(micro, lambda _, row: (row_divergence(student, teacher, row, **options), {}), count, learned,
+                    sum(float(b.real) for b in micro))
+
+    return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
+               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+               keep=keep, on_step=on_step, what="distill: the rows")
+
+
+def _check(divergence: str, beta: float, temperature: float) -> None:
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"distill: divergence={divergence!r}; use one of {', '.join(DIVERGENCES)}")
+    if not 0 <= beta <= 1 or not temperature > 0:
+        raise ValueError("distill: beta must be in [0, 1] and temperature > 0")
+
+
+def teacher_completions(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
+                        temperature: float = 0.0, stop: Iterable[int] | None = None, seed: int = 0) -> list[Example]:
+    """Sequence-level distillation's data: the teacher's completion of each prompt
+    (greedy by default) as an Example learning the completion; train it with SFT."""
+    done = engine.sample([list(p) for p in prompts], max_new_tokens=max_new_tokens, temperature=temperature,
+                         stop=stop, seed=seed)
+    return [Example.prompted(prompts[c.prompt], c.tokens) for c in done if c.tokens]
+
+
+def on_policy_distill(
+    student,
+    teacher,
+    engine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    prompts_per_step: int = 8,
+    max_new_tokens: int = 128,
+    sample_temperature: float = 1.0,
+    stop: Iterable[int] | None = None,
+    divergence: str = "reverse_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    tokens: int = 4096,
+    clip: float | None = 1.0,
+    schedule=None,
+    seed: int = 0,
+    save_to: str | os.PathLike | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int = 100,
+    keep: int = 2,
+    on_step: Callable[[Step], None] | None = None,
+) -> History:
+    """On-policy distillation: each step the student (through `engine`, loaded with its
+    current weights) completes `prompts_per_step` prompts, and the student learns the
+    teacher's distributions at every completion token (reverse KL by default, as on-policy
+    distillation usually takes). A sequence of prompts repeats as epochs."""
+    import itertools
+
+    _check(divergence, beta, temperature)
+    check_teacher(student, teacher)
+    teacher.eval()
+    trained_parameters(student)
+    options = dict(divergence=divergence, beta=beta, temperature=temperature)
+
+    def prepare(step: int, chunk: list) -> Work:
+        engine.load_weights(student)
+        mine = [list(p) for _, p in chunk]
+        done = engine.sample(mine, max_new_tokens=max_new_tokens, temperature=sample_temperature, stop=stop,
+                             seed=seed * 1_000_003 + step)
+        groups = [(mine[c.prompt], [c.tokens]) for c in done if c.tokens]
+        rows = list(pack_prompted(groups, tokens, share=False))
+        learned = sum(float(np.asarray(r.weights).sum()) for r in rows)
+        (count,) = sum_across([learned])
+        lengths = [len(c.tokens) for c in done]
+        return Work(rows, lambda _, row: (row_divergence(student, teacher, row, **options), {}), max(count, 1.0),
+                    learned, sum(float(r.real) for r in rows),
+                    metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0})
+
+    return fit(student, itertools.cycle(enumerate(prompts)), prepare, per_step=prompts_per_step, optimizer=optimizer,
+               steps=steps, clip=clip, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
+               checkpoint_every=checkpoint_every, keep=keep, on_step=on_step, what="on_policy_distill: the prompts")

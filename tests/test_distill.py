@@ -1,0 +1,133 @@
+"""Distillation: each divergence against its formula and TRL's GKD loss, the blockwise
+divergence against the plain one (values, gradients, peak memory of one block), a teacher
+distilled into itself (zero loss, zero gradient), and logit, sequence-level and on-policy
+distillation bringing a student closer to its teacher."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.serve import Engine
+from linnet.train.distill import (
+    distill,
+    linear_divergence,
+    on_policy_distill,
+    row_divergence,
+    teacher_completions,
+    token_divergence,
+)
+
+torch.set_num_threads(1)
+CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
+                                     eos_token_ids=(2,))
+
+
+def _rows(n=32, seed=0):
+    g = np.random.default_rng(seed)
+    examples = [Example.prompted(g.integers(3, 64, size=3).tolist(), g.integers(3, 64, size=5).tolist())
+                for _ in range(n)]
+    return list(pack(examples, tokens=64))
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3), ("jsd", 0.0),
+                                             ("jsd", 1.0)])
+def test_each_divergence_equals_its_formula_and_trls(divergence, beta):
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 11, generator=g, dtype=torch.float64), torch.randn(6, 11, generator=g, dtype=torch.float64)
+    ours = token_divergence(s, t, divergence=divergence, beta=beta, temperature=2.0).double()
+    ps, pt = torch.softmax(s / 2, -1), torch.softmax(t / 2, -1)
+    kl = lambda p, q: (p * (p.log() - q.log())).sum(-1)  # noqa: E731
+    if divergence == "forward_kl" or beta == 0:
+        want = kl(pt, ps)
+    elif divergence == "reverse_kl" or beta == 1:
+        want = kl(ps, pt)
+    else:
+        m = beta * pt + (1 - beta) * ps
+        want = beta * kl(pt, m) + (1 - beta) * kl(ps, m)
+    torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-5)
+    if divergence == "jsd":
+        trl = pytest.importorskip("trl")  # noqa: F841
+        from trl.experimental.gkd.gkd_trainer import GKDTrainer
+
+        theirs = GKDTrainer.generalized_jsd_loss(s.float()[None], t.float()[None], beta=beta, temperature=2.0,
+                                                 reduction="sum")
+        assert float(theirs) == pytest.approx(float(ours.sum()), rel=1e-5)
+
+
+def _peak_bytes(fn) -> int:
+    """The most bytes live in PyTorch's CPU allocator at once while fn runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # each op's own allocations and frees
+        live += e.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_blockwise_equals_plain_and_holds_one_block():
+    g = torch.Generator().manual_seed(1)
+    N, D, V = 512, 16, 2048
+    h_s = torch.randn(N, D, generator=g, requires_grad=True)
+    w_s = (torch.randn(V, D, generator=g) * 0.3).requires_grad_(True)
+    h_t, w_t = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.3
+    weights = (torch.rand(N, generator=g) > 0.2).float()
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        blocked = linear_divergence(h_s, w_s, h_t, w_t, weights, divergence=divergence, block_rows=64)
+        plain = (token_divergence(h_s @ w_s.T, h_t @ w_t.T, divergence=divergence) * weights).sum()
+        torch.testing.assert_close(blocked, plain, atol=1e-6 * float(plain.detach()), rtol=1e-6)
+        gb = torch.autograd.grad(blocked, [h_s, w_s])
+        gp = torch.autograd.grad(plain, [h_s, w_s])
+        for a, b in zip(gb, gp):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    def run(block_rows):
+        linear_divergence(h_s, w_s, h_t, w_t, weights, block_rows=block_rows).backward()
+
+    logits = N * V * 4  # one model's whole f32 logits
+    blocked, whole = _peak_bytes(lambda: run(64)), _peak_bytes(lambda: run(N))
+    assert blocked < logits < whole / 4, (blocked, logits, whole)  # blocks: less than one whole [N, V]
+
+
+def test_a_teacher_distilled_into_itself_has_zero_loss_and_gradient():
+    model = nest.load(CARD, weights="random", trainable=True, seed=0)
+    teacher = nest.load(CARD, weights="random", seed=0)
+    for divergence in ("forward_kl", "reverse_kl", "jsd"):
+        loss = row_divergence(model, teacher, _rows(4)[0], divergence=divergence)
+        assert abs(float(loss)) < 1e-5
+        loss.backward()
+        assert max(float(p.grad.abs().max()) for p in model.parameters()) < 1e-5
+        model.zero_grad()
+
+
+def test_logit_distillation_brings_the_student_to_its_teacher():
+    teacher = nest.load(CARD, weights="random", seed=3)
+    student = nest.load(CARD, weights="random", trainable=True, seed=0)
+    history = distill(student, teacher, iter(_rows(96) * 4), optimizer=torch.optim.AdamW(student.parameters(), lr=3e-3),
+                      steps=20, divergence="jsd", beta=0.5, temperature=2.0)
+    losses = [s.loss for s in history.steps]
+    assert np.mean(losses[-3:]) < 0.5 * np.mean(losses[:3])
+    with pytest.raises(ValueError, match="embedding rows"):
+        distill(student, nest.load(CARD.replace(vocab=96), weights="random"), iter(_rows(4)), optimizer=None, steps=1)
+    with pytest.raises(ValueError, match="divergence='kl'"):
+        distill(student, teacher, iter(_rows(4)), optimizer=None, steps=1, divergence="kl")
+
+
+def test_sequence_level_and_on_policy_distillation():
+    teacher = nest.load(CARD, weights="random", seed=3)
+    prompts = [np.random.default_rng(i).integers(3, 64, size=3).tolist() for i in range(16)]
+    examples = teacher_completions(Engine(teacher), prompts, max_new_tokens=6, stop=[2])
+    assert len(examples) == 16 and all(e.learned[3:].all() and not e.learned[:3].any() for e in examples)
+    student = nest.load(CARD, weights="random", trainable=True, seed=0)
+    engine = Engine(nest.load(CARD, weights="random", seed=0))
+    history = on_policy_distill(student, teacher, engine, prompts, optimizer=torch.optim.AdamW(student.parameters(),
+                                lr=3e-3), steps=15, prompts_per_step=8, max_new_tokens=6, stop=[2], tokens=128)
+    losses = [s.loss for s in history.steps]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) and all(s.metrics["completion_length"] > 0
+                                                                for s in history.steps)
