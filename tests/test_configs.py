@@ -13,6 +13,7 @@ from linnet.commands import plan as plan_command
 from linnet.config import (
     COMMANDS,
     FORMER_FIELDS,
+    DistillConfig,
     DPOConfig,
     GRPOConfig,
     PretrainConfig,
@@ -28,6 +29,7 @@ from linnet.config import (
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 PRESETS = {"sft-lora.yaml": "sft", "sft-full.yaml": "sft", "dpo.yaml": "dpo", "grpo.yaml": "grpo", "reward.yaml": "reward",
+           "distill.yaml": "distill",
            "pretrain-tiny-cpu.yaml": "pretrain", "pretrain-20m.yaml": "pretrain", "packed4-20m-awc.yaml": "pretrain",
            "packed4-20m-atc.yaml": "pretrain", "packed4-tiny-cpu.yaml": "pretrain"}
 
@@ -46,15 +48,21 @@ def test_presets_load_as_their_command_and_plan(path, capsys):
     assert '"params"' in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, DPOConfig, GRPOConfig, RewardConfig, PretrainConfig], ids=lambda c: c.command)
+@pytest.mark.parametrize("cls", [SFTConfig, DPOConfig, GRPOConfig, RewardConfig, DistillConfig,
+                                                                                   PretrainConfig], ids=lambda c: c.command)
 def test_each_template_loads_back_to_the_defaults(cls, tmp_path):
     text = template(cls)
     data = yaml.safe_load(text)
     if cls is not PretrainConfig:
-        data["data"]["path"] = "x.jsonl"  # the one field without a usable default
+        data["data"]["path"] = "x.jsonl"  # the fields without a usable default
+    if cls is DistillConfig:
+        data["distill"]["teacher"] = "debug"
     config = from_data(cls, data)
     assert command_of(data) == cls.command
-    defaults = to_dict(from_data(cls, {"data": {"path": "x.jsonl"}} if cls is not PretrainConfig else {}))
+    given = {} if cls is PretrainConfig else {"data": {"path": "x.jsonl"}}
+    if cls is DistillConfig:
+        given["distill"] = {"teacher": "debug"}
+    defaults = to_dict(from_data(cls, given))
     assert to_dict(config) == defaults
     assert "targets_per_parameter" not in text if cls is not PretrainConfig else "lora:" not in text
 

@@ -131,3 +131,60 @@ def test_sequence_level_and_on_policy_distillation():
     losses = [s.loss for s in history.steps]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) and all(s.metrics["completion_length"] > 0
                                                                 for s in history.steps)
+
+
+@pytest.fixture(scope="module")
+def distill_workspace(tmp_path_factory):
+    """Two randomly initialised models of the quickstart card (teacher and student, other
+    seeds, one tokenizer) and prompt/completion records."""
+    import json
+
+    from linnet.commands import quickstart
+
+    root = tmp_path_factory.mktemp("distill")
+    for name, seed in (("student", 0), ("teacher", 5)):
+        nest.load(quickstart.CARD, weights="random", seed=seed).save_weights(root / name)
+        quickstart.save_tokenizer(root / name / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"prompt": p, "completion": a}) for p, a in quickstart.problems(rng, 120, 2)]
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _distill_config(root, out, *extra):
+    from linnet.config import DistillConfig, load
+
+    return load(DistillConfig, None, [
+        f"model.card={root / 'student'}", f"distill.teacher={root / 'teacher'}", f"data.path={root / 'data.jsonl'}",
+        "data.chat=false", "training.context_length=128", "data.eval_share=0.1", "lora.enabled=false",
+        "optimizer.lr=3e-3", "lr_schedule.warmup_steps=1", "training.steps=10", "evaluation.every=5",
+        "distill.max_new_tokens=4", "distill.prompts_per_step=8", f"runtime.output_dir={out}", *extra])
+
+
+@pytest.mark.parametrize("mode", ["logit", "sequence", "on_policy"])
+def test_linnet_distill_brings_the_student_closer(distill_workspace, tmp_path, mode):
+    import json
+
+    from linnet.commands.distill import run
+
+    summary = run(_distill_config(distill_workspace, tmp_path / mode, f"distill.mode={mode}",
+                                  "distill.divergence=jsd"))
+    rows = [json.loads(x) for x in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["held_out_divergence"] for r in rows if "held_out_divergence" in r]
+    assert len(rows) == 10 and summary["held_out_divergence"] == gaps[-1]
+    if mode == "sequence":  # SFT on the teacher's own completions: their NLL falls
+        assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
+    else:  # the teacher's distributions, on the held-out records
+        assert gaps[-1] < gaps[0], gaps
+    assert (tmp_path / mode / "final" / "model.safetensors").is_file()
+
+
+def test_a_teacher_with_another_tokenizer_is_refused(distill_workspace, tmp_path):
+    from linnet.commands.distill import run
+    from tests.conftest import word_tokenizer
+
+    other = tmp_path / "other"
+    nest.load(CARD, weights="random").save_weights(other)
+    word_tokenizer(other / "tokenizer.json")  # another vocabulary
+    with pytest.raises(ValueError, match="must use the student's tokenizer"):
+        run(_distill_config(distill_workspace, tmp_path / "run", f"distill.teacher={other}"))

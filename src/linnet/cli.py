@@ -6,6 +6,7 @@ a thin layer over library functions.
     linnet dpo --config F      preference optimization (DPO, IPO, SimPO, ORPO, KTO, ...) from a YAML config
     linnet grpo --config F     GRPO with the KV-cache engine and built-in, model or custom rewards
     linnet reward --config F   a reward model (scalar head, Bradley-Terry) from preference pairs
+    linnet distill --config F  a student from a frozen teacher: logit, sequence-level or on-policy
     linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --remat)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
@@ -33,6 +34,7 @@ COMMANDS = {
     "dpo": "dpo",
     "grpo": "grpo",
     "reward": "reward",
+    "distill": "distill",
     "jax": "jax_sft",
     "inspect": "inspect",
     "prepare": "prepare",

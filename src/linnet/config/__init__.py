@@ -5,6 +5,7 @@ renders them (linnet.config.fields)."""
 from linnet.config.commands import (
     COMMANDS,
     FORMER_FIELDS,
+    DistillConfig,
     DPOConfig,
     GRPOConfig,
     PretrainConfig,
@@ -18,6 +19,6 @@ from linnet.config.commands import (
 )
 from linnet.config.fields import apply_overrides, from_dict, group, option, read_yaml, template, to_dict
 
-__all__ = ["COMMANDS", "FORMER_FIELDS", "DPOConfig", "GRPOConfig", "PretrainConfig", "RewardConfig", "SFTConfig", "apply_overrides",
+__all__ = ["COMMANDS", "FORMER_FIELDS", "DistillConfig", "DPOConfig", "GRPOConfig", "PretrainConfig", "RewardConfig", "SFTConfig", "apply_overrides",
            "checkpoint_epochs", "command_of", "from_data", "from_dict", "group", "load", "load_any", "option",
            "read_yaml", "template", "to_dict"]

@@ -18,6 +18,7 @@ from linnet.config.fields import apply_overrides, from_dict, group, option, read
 from linnet.config.groups import (
     CorpusConfig,
     DecentralizedConfig,
+    DistillSettings,
     DPOSettings,
     EvaluationConfig,
     GRPOSettings,
@@ -120,6 +121,18 @@ class RewardConfig(FineTuningConfig):
 
 
 @dataclass
+class DistillConfig(FineTuningConfig):
+    command: ClassVar[str] = "distill"
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/distill")
+    distill: DistillSettings = group(DistillSettings, "the teacher and how its knowledge is distilled")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.distill.teacher:
+            raise ValueError("config: distill.teacher is required (a card name or a model directory)")
+
+
+@dataclass
 class GRPOConfig(FineTuningConfig):
     command: ClassVar[str] = "grpo"
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/grpo")
@@ -202,7 +215,8 @@ def checkpoint_epochs(config: PretrainConfig) -> list[int]:
     return chosen
 
 
-COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, RewardConfig, PretrainConfig)}
+COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, RewardConfig, DistillConfig,
+                                                    PretrainConfig)}
 
 
 def from_data(cls: type, data: dict[str, Any], where: str = "config"):
@@ -219,7 +233,7 @@ def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
 
 
 def command_of(data: dict[str, Any]) -> str:
-    """Which command a config is for, from the groups it gives: a `dpo`, `grpo` or `reward` group,
+    """Which command a config is for, from the groups it gives: a `dpo`, `grpo`, `reward` or `distill` group,
     a corpus (`data.cache`, `data.source` or `data.dataset`) or an architecture for
     pretraining; sft otherwise."""
     if "dpo" in data:
@@ -228,6 +242,8 @@ def command_of(data: dict[str, Any]) -> str:
         return "grpo"
     if "reward" in data:
         return "reward"
+    if "distill" in data:
+        return "distill"
     corpus = {"cache", "source", "dataset"} & set(data.get("data") or {})
     architecture = {"hidden", "layers", "heads", "intermediate"} & set(data.get("model") or {})
     return "pretrain" if corpus or architecture else "sft"

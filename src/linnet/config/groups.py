@@ -17,7 +17,7 @@ from typing import Literal
 
 from linnet.config.fields import option
 
-FINE_TUNING = ("sft", "dpo", "grpo", "reward")  # `linnet jax` reads the sft config
+FINE_TUNING = ("sft", "dpo", "grpo", "reward", "distill")  # `linnet jax` reads the sft config
 PRETRAINING = ("pretrain",)
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 
@@ -93,11 +93,12 @@ class RecordsConfig:
     path: str = option("", "records: .jsonl, .json, .parquet, or a saved datasets directory")
     eval_path: str | None = option(None, "held-out records; null: take eval_share of path")
     eval_share: float = option(0.05, "share of the records held out when eval_path is null")
-    messages: str | None = option(None, "field holding chat messages; null: 'messages' when present", only=("sft",))
+    messages: str | None = option(None, "field holding chat messages; null: 'messages' when present",
+                                  only=("sft", "distill"))
     prompt: list[str] | None = option(None, "prompt field; null: 'prompt' (sft: or instruction + input; sft may "
                                             "name several, joined)")
     completion: str | None = option(None, "completion field; null: completion, output or response (dpo with "
-                                          "loss_type kto: completion)", only=("sft", "dpo"))
+                                          "loss_type kto: completion)", only=("sft", "dpo", "distill"))
     chosen: str = option("chosen", "preferred answer field (text, a message, or a whole dialogue)",
                          only=("dpo", "reward"))
     rejected: str = option("rejected", "other answer field", only=("dpo", "reward"))
@@ -107,8 +108,8 @@ class RecordsConfig:
     chat: bool = option(True, "format the records with the chat template (when the tokenizer has one)")
     chat_template: str | None = option(None, "a Jinja chat template overriding the tokenizer's")
     tokenizer: str | None = option(None, "tokenizer directory; null: the card's")
-    truncate: bool = option(False, "cut records longer than a row instead of refusing them", only=("sft",))
-    shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch", only=("sft",))
+    truncate: bool = option(False, "cut records longer than a row instead of refusing them", only=("sft", "distill"))
+    shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch", only=("sft", "distill"))
 
     def __post_init__(self):
         if not 0 <= self.eval_share < 1:
@@ -157,7 +158,7 @@ class TrainingConfig:
     context_length: int = option(2048, "positions per packed row (a micro-batch's sequence)")
     micro_batch_size: int = option(32, "sequences per forward/backward pass", only=PRETRAINING)
     accumulation: int = option(1, "micro-batches per optimizer step (dpo and grpo size their steps in pairs and "
-                                  "prompts)", only=("sft", "pretrain"))
+                                  "prompts)", only=("sft", "pretrain", "distill"))
     global_batch_tokens: int | None = option(None, "targets an update (the global batch); null: micro_batch_size x "
                                                    "accumulation x context_length. A packed run needs "
                                                    "decentralized.num_models x micro_batch_size x context_length",
@@ -298,6 +299,30 @@ class RewardSettings:
 
     def __post_init__(self):
         _positive(**{"reward.pairs_per_step": self.pairs_per_step})
+
+
+@dataclass
+class DistillSettings:
+    teacher: str = option("", "the teacher: a registered card or a model directory (it must share the student's "
+                              "tokenizer)")
+    mode: Literal["logit", "sequence", "on_policy"] = option(
+        "logit", "logit: the teacher's distributions on the records' completions; sequence: SFT on the teacher's "
+                 "completions of the records' prompts; on_policy: the student completes the prompts each step and "
+                 "learns the teacher's distributions on them")
+    divergence: Literal["forward_kl", "reverse_kl", "jsd"] = option(
+        "forward_kl", "forward_kl (mass-covering), reverse_kl (mode-seeking), jsd (generalized, weight beta)")
+    beta: float = option(0.5, "jsd: the teacher's weight in the mixture (0: forward KL, 1: reverse KL)")
+    temperature: float = option(1.0, "softens both distributions: logits / temperature")
+    max_new_tokens: int = option(256, "sequence, on_policy: the longest completion sampled")
+    sample_temperature: float = option(1.0, "on_policy: the student's sampling temperature (sequence: the "
+                                            "teacher's is 0, greedy)")
+    prompts_per_step: int = option(8, "on_policy: prompts completed each step")
+
+    def __post_init__(self):
+        if not 0 <= self.beta <= 1 or not self.temperature > 0 or self.sample_temperature < 0:
+            raise ValueError("config: distill.beta must be in [0, 1], distill.temperature > 0 and "
+                             "distill.sample_temperature >= 0")
+        _positive(**{"distill.max_new_tokens": self.max_new_tokens, "distill.prompts_per_step": self.prompts_per_step})
 
 
 @dataclass

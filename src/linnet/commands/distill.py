@@ -1,0 +1,112 @@
+"""`linnet distill`: a student learns from a frozen teacher, from a YAML config, with the
+run directory every training command shares (linnet.train.distill has the objectives).
+
+    linnet distill --config configs/distill.yaml --set distill.teacher=path/to/teacher
+    linnet distill --template > distill.yaml
+
+distill.mode: logit (the teacher's distributions on the records' completions, blockwise
+over positions), sequence (SFT on the teacher's greedy completions of the records'
+prompts) or on_policy (the student completes the prompts each step; it learns the
+teacher's distributions on its own completions). The data are read as `linnet sft` reads
+them; the teacher must share the student's tokenizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from linnet.commands import runs, sft
+from linnet.config import DistillConfig
+
+
+def load_teacher(config: DistillConfig, student, tokenizer):
+    """The frozen teacher, on the student's device, refused by name unless its tokenizer
+    is the student's (token-level distillation compares distributions over one vocabulary)."""
+    from linnet import nest
+    from linnet.cards import resolve
+    from linnet.data import load_tokenizer
+
+    card = resolve(config.distill.teacher)
+    theirs = load_tokenizer(card)
+    if theirs.raw.get_vocab(with_added_tokens=True) != tokenizer.raw.get_vocab(with_added_tokens=True):
+        raise ValueError(f"distill.teacher={config.distill.teacher}: its tokenizer is not the student's ("
+                         f"{theirs.vocab_size} and {tokenizer.vocab_size} tokens, other ids); distillation compares "
+                         "distributions token by token, so the teacher must use the student's tokenizer")
+    teacher = nest.load(card, device=student.device, dtype=config.model.dtype)
+    teacher.eval()
+    return teacher
+
+
+def _prompt(example) -> list[int]:
+    """The context before an example's first learned token."""
+    first = int(np.flatnonzero(example.learned)[0])
+    return example.tokens[:first].tolist()
+
+
+def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None) -> dict:
+    from linnet import nest
+    from linnet.packing import pack
+    from linnet.serve import Engine
+    from linnet.train import train
+    from linnet.train.distill import distill, on_policy_distill, row_divergence, teacher_completions
+    from linnet.train.evaluation import held_out_loss
+
+    prepared = sft.prepare(config)  # data errors before anything is written
+    t, d = config.training, config.distill
+    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if run.complete is not None:
+        return run.complete
+    student = runs.load_model(prepared.card, config)
+    teacher = load_teacher(config, student, prepared.tokenizer)
+    options = dict(divergence=d.divergence, beta=d.beta, temperature=d.temperature)
+    stop = list(prepared.card.eos_token_ids)
+    steps = prepared.steps
+    if d.mode == "sequence":  # the teacher's completions become the training examples
+        from linnet.packing import count_rows
+
+        prepared.train_examples = teacher_completions(Engine(teacher), [_prompt(e) for e in prepared.train_examples],
+                                                      max_new_tokens=d.max_new_tokens, stop=stop,
+                                                      seed=config.runtime.seed)
+        steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
+                                            / t.accumulation))
+    elif d.mode == "on_policy":
+        steps = t.steps or max(1, math.ceil(t.epochs * len(prepared.train_examples) / d.prompts_per_step))
+    optimizer, schedule = runs.optimizer_and_schedule(config, student, steps)
+    eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
+        if prepared.eval_examples else []
+
+    def evaluate(step):
+        import torch
+
+        with torch.no_grad():
+            learned = sum(float(np.asarray(r.weights).sum()) for r in eval_rows)
+            gap = sum(float(row_divergence(student, teacher, r, **options)) for r in eval_rows) / learned
+        return {"held_out_loss": held_out_loss(student, eval_rows), "held_out_divergence": gap}
+
+    common = dict(optimizer=optimizer, steps=steps, clip=config.optimizer.grad_clip, schedule=schedule,
+                  checkpoint_every=t.checkpoint_every, keep=t.keep)
+    with run.open() as out, runs.MetricsLog(run, "distill", steps, config, evaluate if eval_rows else None) as log:
+        files = dict(save_to=out / "final", checkpoint=out / "checkpoints", on_step=log)
+        if d.mode == "logit":
+            history = distill(student, teacher, sft.epochs_of_rows(prepared), accumulate=t.accumulation,
+                              **options, **common, **files)
+        elif d.mode == "sequence":
+            history = train(student, sft.epochs_of_rows(prepared), accumulate=t.accumulation, **common, **files)
+        else:
+            m = config.model
+            engine = Engine(nest.load(prepared.card, device=student.device, dtype=m.dtype, weights=m.weights,
+                                      quantize=m.quantize))
+            history = on_policy_distill(student, teacher, engine, [_prompt(e) for e in prepared.train_examples],
+                                        prompts_per_step=d.prompts_per_step, max_new_tokens=d.max_new_tokens,
+                                        sample_temperature=d.sample_temperature, stop=stop, tokens=t.context_length,
+                                        seed=config.runtime.seed, **options, **common, **files)
+    return runs.summarize(run, history, log, card=prepared.card.name, steps=steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, config = runs.parse_command(argv, "linnet distill", "Distillation from a frozen teacher, from a YAML "
+                                      "config.", DistillConfig, training=True)
+    return 0 if config is None else runs.execute(run, args, config)
