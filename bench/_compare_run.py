@@ -118,6 +118,29 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         extra["reference_seconds"] = clock.seconds()[0] - first_step[0]
         clock.start += extra["reference_seconds"]
         count_work(clock.metrics)
+    elif method in ("simpo", "orpo", "kto", "reward"):
+        n = spec["steps"] * spec["pairs_per_step"]
+        pairs = [Pair(p, c, r) for p, c, r in zip(data["prompt"][:n], data["chosen"][:n], data["rejected"][:n])]
+        common = dict(optimizer=optimizer, steps=spec["steps"], tokens=spec["tokens"], clip=1.0, on_step=on_step)
+        clock.begin()
+        if method == "kto":
+            from linnet.packing import Unpaired
+            from linnet.train.kto import kto
+
+            kto(model, unpaired(pairs, Unpaired), examples_per_step=2 * spec["pairs_per_step"], beta=0.1, **common)
+            extra["reference_seconds"] = clock.seconds()[0] - first_step[0]  # before step 1, as for DPO
+            clock.start += extra["reference_seconds"]
+        elif method == "reward":
+            from linnet.train.reward import add_score_head, reward
+
+            add_score_head(model)
+            optimizer.add_param_group({"params": [model.score.weight]})
+            reward(model, pairs, pairs_per_step=spec["pairs_per_step"], **common)
+        else:
+            from linnet.train.dpo import dpo
+
+            dpo(model, pairs, pairs_per_step=spec["pairs_per_step"], loss_type=method, **OBJECTIVE[method], **common)
+        clock.real = dpo_tokens(data, spec)
     elif method == "grpo":
         from linnet.serve import Engine
         from linnet.train.grpo import Prompt, grpo
@@ -140,6 +163,15 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         raise ValueError(method)
     extra["setup_seconds"] = clock.start - t_setup
     return extra
+
+
+# beta (and SimPO's gamma) of each objective, the same on both sides
+OBJECTIVE = {"simpo": dict(beta=2.0, simpo_gamma=0.5), "orpo": dict(beta=0.1)}
+
+
+def unpaired(pairs, make) -> list:
+    """KTO's examples from pairs: each chosen answer desirable, each rejected one not."""
+    return [make(p.prompt, answer, good) for p in pairs for answer, good in ((p.chosen, True), (p.rejected, False))]
 
 
 # ---------------------------------------------------------------------------------------
@@ -229,6 +261,56 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
             if [list(x) for x in got[key]] != want[:n]:
                 raise AssertionError(f"TRL's {key} differ from linnet's")
         clock.real = dpo_tokens(data, spec)
+    elif method in ("simpo", "orpo", "kto", "reward"):
+        n = spec["steps"] * spec["pairs_per_step"]
+        words = data["words"]
+
+        def text(ids):
+            return " ".join(words[t] for t in ids)
+
+        prompts = [text(p) + " " for p in data["prompt"][:n]]
+        chosen, rejected = [text(c) for c in data["chosen"][:n]], [text(r) for r in data["rejected"][:n]]
+        micro = spec.get("trl_micro") or spec["pairs_per_step"]
+        lengths = dict(max_length=spec["tokens"] * 2)
+        if method == "kto":
+            from trl import KTOConfig, KTOTrainer
+
+            ds = Dataset.from_dict({"prompt": [p for p in prompts for _ in (0, 1)],
+                                    "completion": [a for c, r in zip(chosen, rejected) for a in (c, r)],
+                                    "label": [True, False] * n})
+            common.update(gradient_accumulation_steps=2 * spec["pairs_per_step"] // micro)
+            args = KTOConfig(**common, per_device_train_batch_size=micro, beta=0.1, precompute_ref_log_probs=True,
+                             **lengths)
+            t_ref = time.perf_counter()
+            trainer = KTOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=ds,
+                                 callbacks=[Timer()])
+            extra["reference_seconds"] = time.perf_counter() - t_ref
+        elif method == "reward":
+            from trl import RewardConfig, RewardTrainer
+
+            ds = Dataset.from_dict({"chosen": [p + c for p, c in zip(prompts, chosen)],
+                                    "rejected": [p + r for p, r in zip(prompts, rejected)]})
+            common.update(gradient_accumulation_steps=spec["pairs_per_step"] // micro)
+            args = RewardConfig(**common, per_device_train_batch_size=micro, **lengths)
+            trainer = RewardTrainer(model=reward_model(spec, torch), args=args, processing_class=tokenizer,
+                                    train_dataset=ds, callbacks=[Timer()])
+        else:
+            ds = Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
+            common.update(gradient_accumulation_steps=spec["pairs_per_step"] // micro)
+            if method == "simpo":
+                from trl.experimental.cpo import CPOConfig as Config
+                from trl.experimental.cpo import CPOTrainer as Trainer
+
+                settings = dict(loss_type="simpo", cpo_alpha=0.0, **OBJECTIVE["simpo"])
+            else:
+                from trl.experimental.orpo import ORPOConfig as Config
+                from trl.experimental.orpo import ORPOTrainer as Trainer
+
+                settings = dict(OBJECTIVE["orpo"])
+            args = Config(**common, per_device_train_batch_size=micro, **settings, **lengths)
+            trainer = Trainer(model=model, args=args, processing_class=tokenizer, train_dataset=ds,
+                              callbacks=[Timer()])
+        clock.real = dpo_tokens(data, spec)
     elif method == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
@@ -262,6 +344,23 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
     if method == "grpo":
         clock.real = grpo_tokens(data, spec, lengths)
     return extra
+
+
+def reward_model(spec: dict, torch):
+    """TRL's side of the reward model: the same base and adapter, a sequence classifier
+    with one label whose head trains."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(spec["model_dir"], num_labels=1, dtype=torch.float32,
+                                                               attn_implementation="sdpa")
+    config = PeftConfig.from_pretrained(spec["adapter_dir"])
+    config.task_type = None  # the same adapter on a classifier (a plain PeftModel; its head is set to train below)
+    model = PeftModel.from_pretrained(model, spec["adapter_dir"], config=config, is_trainable=True)
+    for name, p in model.named_parameters():
+        if name.endswith("score.weight"):
+            p.requires_grad_(True)
+    return model
 
 
 def dpo_tokens(data, spec) -> list[int]:

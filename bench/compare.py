@@ -73,13 +73,17 @@ SIZES = {
     "tiny": dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, head_dim=32),
 }
 METHODS = ("sft-lora", "sft-full", "dpo", "grpo")
+# preference objectives beyond DPO, on DPO's pairs: run with --method (bench/objectives.md)
+OBJECTIVES = ("simpo", "orpo", "kto", "reward")
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
-LR = {"sft-lora": 1e-3, "sft-full": 3e-4, "dpo": 5e-4, "grpo": 1e-3}
-TARGETS = {"sft-lora": 2.0, "sft-full": 1.3, "dpo": 2.5, "grpo": 3.0}  # linnet/TRL real tokens/s
+LR = {"sft-lora": 1e-3, "sft-full": 3e-4, "dpo": 5e-4, "grpo": 1e-3, "simpo": 5e-4, "orpo": 5e-4, "kto": 5e-4,
+      "reward": 5e-4}
+TARGETS = {"sft-lora": 2.0, "sft-full": 1.3, "dpo": 2.5, "grpo": 3.0, "simpo": 2.5, "orpo": 2.5, "kto": 2.5,
+           "reward": 2.5}  # linnet/TRL real tokens/s
 TOKENS = 4096
 # linnet's DPO rows: a step's 8 pairs (prompts shared) fill ~3.2K positions; two rows of 2048
 # hold them in two forwards and keep the peak under TRL's one-pair forwards
-LINNET_TOKENS = {"dpo": 2048}
+LINNET_TOKENS = {"dpo": 2048, "simpo": 2048, "orpo": 2048, "kto": 2048, "reward": 2048}
 PAIRS_PER_STEP = 8
 GROUP, PROMPTS_PER_STEP, MAX_NEW = 8, 4, 64
 # Left out of the default matrix to keep it near 15 minutes on 2 shared cores; --all runs them
@@ -199,6 +203,11 @@ def grpo_data(vocab: int, steps: int, seed: int) -> dict:
     return dict(prompt=[[BOS] + draw(p - 1) for p in lognormal(rng, n, 60, 20, 200)], words=words(vocab))
 
 
+def data_kind(method: str) -> str:
+    """The workload a method trains on: the preference objectives all take DPO's pairs."""
+    return "dpo" if method in OBJECTIVES else method.split("-")[0]
+
+
 def build_workload(root: Path, sizes, methods, steps: int, seed: int) -> dict:
     out = {}
     makers = {"sft": sft_data, "dpo": dpo_data, "grpo": grpo_data}
@@ -206,7 +215,7 @@ def build_workload(root: Path, sizes, methods, steps: int, seed: int) -> dict:
         info = build_model(size, root)
         vocab = SIZES[size]["vocab"]
         info["data"] = {}
-        for kind in sorted({m.split("-")[0] for m in methods}):
+        for kind in sorted({data_kind(m) for m in methods}):
             path = root / f"{kind}-{size}.json"
             data = makers[kind](vocab, steps, seed)
             path.write_text(json.dumps(data))
@@ -291,7 +300,7 @@ def alike(method: str, ours: dict, theirs: dict) -> str:
     n = min(len(a), len(b))
     rel = np.abs(a[:n] - b[:n]) / np.maximum(np.abs(b[:n]), 1e-9)
     text = f"max loss diff {100 * rel.max():.2f}% (step {int(rel.argmax()) + 1})"
-    if method == "dpo":
+    if method in ("dpo", "simpo", "orpo"):
         acc_a = [m["rewards/accuracies"] for m in ours["metrics"]][-3:]
         acc_b = [m.get("rewards/accuracies", float("nan")) for m in theirs["metrics"]][-3:]
         text += f"; acc last 3 {np.mean(acc_a):.2f} vs {np.mean(acc_b):.2f}"
@@ -300,7 +309,7 @@ def alike(method: str, ours: dict, theirs: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--method", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--method", nargs="+", default=list(METHODS), choices=METHODS + OBJECTIVES)
     ap.add_argument("--size", nargs="+", default=["7m", "60m"], choices=list(SIZES))
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps a run (the first two are not timed)")
@@ -340,10 +349,12 @@ def main(argv=None) -> None:
             info = work[size]
             base = dict(method=method, size=size, dtype=DTYPES[dtype], steps=steps, lr=LR[method], seed=args.seed,
                         threads=args.threads, tokens=LINNET_TOKENS.get(method, TOKENS), model_dir=info["model_dir"],
-                        adapter_dir=info["adapter_dir"], data=info["data"][method.split("-")[0]],
+                        adapter_dir=info["adapter_dir"], data=info["data"][data_kind(method)],
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
                         prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW,
-                        trl_micro={"dpo": args.trl_dpo_micro, "grpo": args.trl_grpo_micro}.get(method))
+                        trl_micro={"dpo": args.trl_dpo_micro, "simpo": args.trl_dpo_micro, "orpo": args.trl_dpo_micro,
+                                   "reward": args.trl_dpo_micro, "kto": 2 * args.trl_dpo_micro,
+                                   "grpo": args.trl_grpo_micro}.get(method))
             order = ["linnet", "trl"] if n % 2 == 0 else ["trl", "linnet"]
             got = {"linnet": [], "trl": []}
             for rep in range(args.repeats):
