@@ -83,7 +83,8 @@ TARGETS = {"sft-lora": 2.0, "sft-full": 1.3, "dpo": 2.5, "grpo": 3.0, "simpo": 2
 TOKENS = 4096
 # linnet's DPO rows: a step's 8 pairs (prompts shared) fill ~3.2K positions; two rows of 2048
 # hold them in two forwards and keep the peak under TRL's one-pair forwards
-LINNET_TOKENS = {"dpo": 2048, "simpo": 2048, "orpo": 2048, "kto": 2048, "reward": 2048}
+# the reward model's pairs (no shared prompt) in rows of 1536: a pair's two sequences fit, the peak stays low
+LINNET_TOKENS = {"dpo": 2048, "simpo": 2048, "orpo": 2048, "kto": 2048, "reward": 1536}
 PAIRS_PER_STEP = 8
 GROUP, PROMPTS_PER_STEP, MAX_NEW = 8, 4, 64
 # Left out of the default matrix to keep it near 15 minutes on 2 shared cores; --all runs them
@@ -383,10 +384,17 @@ def main(argv=None) -> None:
     seconds = time.perf_counter() - t_all
     if args.json:
         Path(args.json).write_text(json.dumps(dict(rows=rows, raw=raw, peaks=peaks), indent=1))
-    write_report(report(rows, peaks, command(__file__, argv), steps, args, seconds), args.out, keep=MARK)
+    plot = chart_path(args.out)
+    write_report(report(rows, peaks, command(__file__, argv), steps, args, seconds, plot.name), args.out, keep=MARK)
     if args.out != "-":
-        chart(rows, Path(args.out).with_name("results.png"))
-        print(f"wrote {Path(args.out).with_name('results.png')}")
+        chart(rows, plot)
+        print(f"wrote {plot}")
+
+
+def chart_path(out: str) -> Path:
+    """The ratio chart beside the report: results.png for RESULTS.md, else the report's name."""
+    path = Path(out)
+    return path.with_name("results.png") if path.name == "RESULTS.md" else path.with_suffix(".png")
 
 
 # ---------------------------------------------------------------------------------------
@@ -418,7 +426,7 @@ def results_table(rows: list[dict]) -> list[str]:
 MARK = "<!-- everything below this line is kept when bench/compare.py rewrites the file -->"
 
 
-def report(rows, peaks, command, steps, args, seconds) -> str:
+def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
     import peft
     import transformers
     import trl
@@ -427,7 +435,7 @@ def report(rows, peaks, command, steps, args, seconds) -> str:
         "# linnet against TRL (+ PEFT) on CPU", "",
         "Produced by `bench/compare.py`; numbers are measured, not edited. Ratios are linnet/TRL: "
         "above 1 for tokens/s favours linnet, below 1 for memory favours linnet.", "",
-        "![linnet/TRL ratios](results.png)", "",
+        f"![linnet/TRL ratios]({plot})", "",
         f"- Command: `{command}` ({seconds / 60:.1f} min)",
         f"- Machine: {machine()}; transformers {transformers.__version__}, "
         f"trl {trl.__version__}, peft {peft.__version__}; {args.threads} thread{'s' if args.threads > 1 else ''} a "
