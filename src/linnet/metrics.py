@@ -18,14 +18,17 @@ class MetricsFile:
     """Appends rows to a metrics file, flushing each, and moves a progress bar over
     `steps` (none with progress=False)."""
 
-    def __init__(self, path: str | os.PathLike, label: str, steps: int, *, progress: bool = True):
+    def __init__(self, path: str | os.PathLike, label: str, steps: int, *, progress: bool = True, trackers=None):
         self.file = open(path, "a")
         self.bar = Progress(steps, label) if progress else None
+        self.trackers = trackers  # linnet.tracking.Trackers: each row goes to them too
 
     def write(self, row: dict[str, Any], **shown: float) -> None:
         """Append `row` (it has a "step"); the bar shows `shown`."""
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        if self.trackers is not None:
+            self.trackers.log(row)
         if self.bar is not None:
             self.bar.update(row["step"], **shown)
 
@@ -33,6 +36,8 @@ class MetricsFile:
         self.file.close()
         if self.bar is not None:
             self.bar.close()
+        if self.trackers is not None:
+            self.trackers.finish()
 
 
 def read_metrics(run: str | os.PathLike, *, missing_ok: bool = False) -> list[dict]:

@@ -67,7 +67,11 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
         return args, None
     if args.config is None and not args.set:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
-    return args, load(config_class, args.config, args.set)
+    config = load(config_class, args.config, args.set)
+    from linnet.tracking import check
+
+    check(config.runtime.report_to)  # a missing tracker package is refused before anything is written
+    return args, config
 
 
 def steps_factor(config, steps: int):
@@ -107,7 +111,7 @@ def split_per_step(name: str, per_step: int) -> int:
 
 # Fields that never change what a fine-tuning run learns: where it runs and what it keeps.
 # The data files' contents stand for their paths, so data may move between sessions.
-RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress",
+RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress", "runtime.report_to",
                         "training.checkpoint_every", "training.keep", "evaluation.every", "data.path",
                         "data.eval_path", "dpo.reference_cache", "training.activation_checkpointing",
                         "model.activation_memory_budget"})
@@ -284,6 +288,15 @@ def load_model(card, config):
     return model
 
 
+def _trackers(config, path: Path, label: str):
+    """The run's experiment trackers (runtime.report_to), None when there are none."""
+    from linnet.config import to_dict
+    from linnet.tracking import open_trackers
+
+    report_to = config.runtime.report_to
+    return open_trackers(report_to, path, name=f"{label}:{path.name}", config=to_dict(config)) if report_to else None
+
+
 class MetricsLog:
     """A run's `on_step`: appends one JSON line a step to the run's metrics.jsonl and
     moves the progress bar; `evaluate(step) -> dict` adds held-out metrics every
@@ -293,8 +306,8 @@ class MetricsLog:
     def __init__(self, run: RunDirectory, label: str, steps: int, config, evaluate=None):
         lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
         self.run = run
-        self.file = MetricsFile(run.path / "metrics.jsonl", label, steps, progress=config.runtime.progress) \
-            if lead else None
+        self.file = MetricsFile(run.path / "metrics.jsonl", label, steps, progress=config.runtime.progress,
+                                trackers=_trackers(config, run.path, label)) if lead else None
         self.steps, self.every, self.evaluate = steps, config.evaluation.every, evaluate
         self.latest: dict = {}
         self.started = self.seconds = 0.0

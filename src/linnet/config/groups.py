@@ -264,9 +264,15 @@ class RuntimeConfig:
     deterministic: bool = option(False, "torch.use_deterministic_algorithms (slower on CUDA)")
     threads: int | None = option(None, "torch CPU threads; null: torch's default")
     progress: bool = option(True, "show a progress bar")
+    report_to: list[str] = option([], "experiment trackers that also receive every metrics row and the config: "
+                                      "tensorboard, wandb, mlflow, trackio (each its own package)")
 
     def __post_init__(self):
         _positive(**{"runtime.threads": self.threads})
+        unknown = [name for name in self.report_to if name not in ("tensorboard", "wandb", "mlflow", "trackio")]
+        if unknown:
+            raise ValueError(f"config: runtime.report_to names {unknown[0]!r}; use any of tensorboard, wandb, mlflow, "
+                             "trackio (or [] for none)")
 
 
 @dataclass

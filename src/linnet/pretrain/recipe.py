@@ -65,7 +65,7 @@ def to_yaml(config: PretrainConfig) -> str:
 
 # Fields that never change the trained weights: where the run happens and what it keeps.
 RUN_FIELDS = frozenset({
-    "runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress",
+    "runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress", "runtime.report_to",
     "data.prefetch", "data.prepare_workers", "data.prepare_batch_documents",
     "training.checkpoint_policy", "training.checkpoint_epochs", "training.save_epoch_training_state",
     "evaluation.batch_size", "training.activation_checkpointing", "model.activation_memory_budget",

@@ -327,12 +327,16 @@ def _open_run_directory(out: Path, start: Start, progress: Progress, config: Pre
 def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Pretrain as `config` says (resuming when told, or when its output directory holds
     an incomplete run); returns the summary written to summary.json, on every process."""
+    from linnet.config import to_dict
     from linnet.pretrain.loader import Loader, Validation
     from linnet.torch.distributed import barrier, from_first, world
+    from linnet.tracking import check as check_trackers
+    from linnet.tracking import open_trackers
     from linnet.train.evaluation import held_out_loss
     from linnet.train.loop import resolve_device, start_runtime, take_step
 
     d, t, rt = config.data, config.training, config.runtime
+    check_trackers(rt.report_to)
     rank, processes = world()
     lead = rank == 0  # writes the run directory
     if config.decentralized is not None and processes > 1:
@@ -419,7 +423,10 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         if lead:
             print(f"pretrain: {budget.parameters:,} parameters, {budget.steps:,} updates in {budget.epochs} epochs, "
                   f"{budget.trained_targets:,} targets on {device} x {processes} (recipe {identity})", file=sys.stderr)
-            metrics = MetricsFile(out / "metrics.jsonl", "pretrain", budget.steps, progress=rt.progress)
+            trackers = open_trackers(rt.report_to, out, name=f"pretrain:{out.name}",
+                                     config=to_dict(config)) if rt.report_to else None
+            metrics = MetricsFile(out / "metrics.jsonl", "pretrain", budget.steps, progress=rt.progress,
+                                  trackers=trackers)
         B = t.micro_batch_size
         share = trainee.micro_batches  # this process's micro-batches of each update, after `before` sequences
         before, after = rank * share * B, (processes - 1 - rank) * share * B
