@@ -167,7 +167,7 @@ def test_chat_message_errors_name_the_record_and_field():
     with pytest.raises(ValueError, match=r"rec 7: messages\[1\] field 'content' is missing"):
         chat_example([{"role": "user", "content": "hi"}, {"role": "assistant"}], tok, where="rec 7")
     with pytest.raises(ValueError, match="ShareGPT"):
-        chat_example([{"from": "human", "value": "hi"}], tok)
+        chat_example([{"from": "human", "text": "hi"}], tok)  # half ShareGPT, half neither
     with pytest.raises(ValueError, match="no assistant turn"):
         chat_example(CHAT[:2], tok)
     with pytest.raises(ValueError, match="needs a chat template"):
@@ -442,3 +442,33 @@ def test_real_alpaca_records(gpt2_chatml, name, answer):
     examples = examples_from_records(records, gpt2_chatml, max_tokens=8192)
     for record, ex in zip(records, examples, strict=True):
         assert gpt2_chatml.decode(ex.tokens[ex.learned].tolist()) == record.data[answer] + "<|im_end|>"
+
+
+def test_sharegpt_and_openai_messages_learn_what_prompt_completion_records_learn(tmp_path):
+    """The same two-turn exchanges as prompt/completion records, OpenAI messages and
+    ShareGPT conversations (with a system turn in both chats): the same ids learned."""
+    tok = chatml()
+    pairs = [("Capital of France?", "Paris."), ("And Germany?", "Berlin, Germany.")]
+    files = {
+        "prompt_completion": [{"prompt": p, "completion": c} for p, c in pairs],
+        "openai": [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": c}]}
+                   for p, c in pairs],
+        "sharegpt": [{"conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": c}]}
+                     for p, c in pairs],
+    }
+    got = {}
+    for name, records in files.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        got[name] = load_examples(path, tokenizer=tok, max_tokens=256)
+    for a, b, c in zip(got["prompt_completion"], got["openai"], got["sharegpt"]):
+        assert a.tokens.tolist() == b.tokens.tolist() == c.tokens.tolist()
+        assert a.learned.tolist() == b.learned.tolist() == c.learned.tolist()
+    system = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Say hi"},
+                                 {"from": "gpt", "value": "Hello."}]}]
+    (tmp_path / "system.jsonl").write_text(json.dumps(system[0]) + "\n")
+    (example,) = load_examples(tmp_path / "system.jsonl", tokenizer=tok, max_tokens=256)
+    assert tok.decode(example.tokens[example.learned].tolist()) == "Hello.<|im_end|>"
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"conversations": [{"from": "narrator", "value": "x"}]}) + "\n")
+    with pytest.raises(ValueError, match="turn 0 is from 'narrator'"):
+        load_examples(tmp_path / "odd.jsonl", tokenizer=tok, max_tokens=256)

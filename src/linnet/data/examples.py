@@ -8,6 +8,8 @@ up to and including its last stop token (`<|eot_id|>`, `<|im_end|>`): the model 
 to answer and to stop, not what the template writes after the stop (ChatML's newline).
 Each prefix's ids must begin the whole conversation's ids, or the template is refused.
 
+Chats come as OpenAI's `messages` (role/content) or ShareGPT's `conversations` (from/value
+with human/gpt/system), recognised by field; either becomes the same role/content turns.
 Prompt/completion records go through the chat template as a user turn and an assistant
 turn when the tokenizer has one and `chat` is on; otherwise the prompt and completion
 texts are tokenized one after the other (add any separator to the data) and the
@@ -32,6 +34,12 @@ from linnet.packing import Example
 
 # The roles a chat may hold: the template renders them, and only assistant turns are learned.
 ROLES = ("system", "user", "assistant", "tool")
+
+# Chat fields recognised when the caller names none: OpenAI's messages (role/content) and
+# ShareGPT's conversations (from/value, human/gpt/system), either spelling in either field.
+CHAT_FIELDS = ("messages", "conversations")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
 
 # Field names tried, in order, when the caller names none (Alpaca and its relatives).
 PROMPT_FIELDS = ("prompt", "instruction")
@@ -152,8 +160,10 @@ def _layout(first: Record, messages, prompt, completion) -> Layout:
             raise ValueError("name either data.messages (chats) or data.prompt/data.completion, not both")
         return messages, [], None
     fields = first.data
-    if prompt is None and completion is None and "messages" in fields:
-        return "messages", [], None
+    if prompt is None and completion is None:
+        for name in CHAT_FIELDS:  # OpenAI's messages, ShareGPT's conversations
+            if name in fields:
+                return name, [], None
     if prompt is None:
         prompt = [f for f in PROMPT_FIELDS if f in fields][:1]
         if prompt == ["instruction"] and "input" in fields:
@@ -214,7 +224,8 @@ def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool) -> t
 def _chat(messages: Any, tokenizer: Tokenizer, where: str) -> tuple[list[str], Build]:
     """Render the whole conversation, and for each assistant turn the messages before it
     with the generation prompt and the messages through it; the learned span of the turn
-    lies between those two renderings' ids."""
+    lies between those two renderings' ids. ShareGPT turns are read as OpenAI's."""
+    messages = openai_messages(messages, where)
     _check_messages(messages, where)
     if tokenizer.render is None:
         raise ValueError(
@@ -263,6 +274,22 @@ def _chat(messages: Any, tokenizer: Tokenizer, where: str) -> tuple[list[str], B
     return texts, build
 
 
+def openai_messages(messages: Any, where: str) -> Any:
+    """ShareGPT's turns ({"from": "human" | "gpt" | "system", "value": ...}) as OpenAI's
+    ({"role", "content"}); anything else is returned as it is (and checked later)."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "from" in m and "value" in m
+                                                 and "role" not in m for m in messages):
+        return messages
+    out = []
+    for k, m in enumerate(messages):
+        role = SHAREGPT_ROLES.get(m["from"])
+        if role is None:
+            raise ValueError(f"{where}: turn {k} is from {m['from']!r}; ShareGPT turns come from "
+                             f"{', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": m["value"]})
+    return out
+
+
 def _check_messages(messages: Any, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: messages must be a non-empty list of {{'role', 'content'}} objects")
@@ -274,7 +301,7 @@ def _check_messages(messages: Any, where: str) -> None:
         for key in ("role", "content"):
             if not isinstance(m.get(key), str):
                 state = "is missing" if key not in m else f"is a {type(m[key]).__name__}, not text"
-                hint = " (ShareGPT's from/value: rename to role/content, human->user, gpt->assistant)"
+                hint = " (ShareGPT turns need 'from' and 'value' on every turn; OpenAI's 'role' and 'content')"
                 raise ValueError(
                     f"{where}: messages[{k}] field {key!r} {state}; each message needs a role and "
                     f"text content{hint if 'from' in m else ''}"
