@@ -12,6 +12,7 @@ a thin layer over library functions.
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
     linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)
+    linnet export RUN --out D  a merged Hugging Face directory with a model card, a PEFT adapter, GGUF
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run (--config F: a run's)
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
@@ -40,6 +41,7 @@ COMMANDS = {
     "prepare": "prepare",
     "pretrain": "pretrain",
     "generate": "generate",
+    "export": "export",
     "plan": "plan",
     "plot": "plot",
     "info": "info",

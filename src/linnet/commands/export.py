@@ -1,0 +1,64 @@
+"""`linnet export`: a trained model as a merged Hugging Face directory (with a model card), a
+PEFT adapter, and/or a GGUF file for llama.cpp; optionally pushed to the Hub.
+
+    linnet export runs/sft --out exports/sft --merge --dtype bf16
+    linnet export runs/sft --out exports/sft --merge --gguf q8_0
+    linnet export runs/sft --out exports/sft --merge --push me/my-model
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="linnet export", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="a run directory (its final/), a model directory or a PEFT adapter directory")
+    p.add_argument("--out", required=True, help="the export directory (new or empty)")
+    p.add_argument("--merge", action="store_true",
+                   help="fold LoRA/DoRA adapters into the base and write a whole model (otherwise an adapter "
+                        "run is exported as its PEFT adapter)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f32", help="weights of the exported model (default f32)")
+    p.add_argument("--gguf", choices=["f16", "q8_0"], help="also write model-KIND.gguf for llama.cpp (merges first)")
+    p.add_argument("--push", metavar="REPO", help="upload the export to this Hugging Face Hub repository")
+    return p
+
+
+def run(args) -> Path:
+    from linnet.export import export_directory, load_trained, write_gguf
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out}: exists and is not an empty directory; export into a new one")
+    model, about = load_trained(args.source)  # every input is read before anything is written
+    merge = args.merge or args.gguf is not None
+    export_directory(model, out, about=about, merge=merge, dtype=DTYPES[args.dtype])
+    if args.gguf:
+        write_gguf(model, out / f"model-{args.gguf}.gguf", kind=args.gguf,
+                   tokenizer=out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None)
+    if args.push:
+        push(out, args.push)
+    return out
+
+
+def push(folder: Path, repo: str) -> None:
+    """Upload `folder` to the Hub repository `repo` (created if missing)."""
+    try:
+        from huggingface_hub import HfApi
+
+        api = HfApi()
+        api.create_repo(repo, exist_ok=True)
+        api.upload_folder(repo_id=repo, folder_path=str(folder))
+    except Exception as e:  # offline, no token, no rights: one line, the export stays
+        raise ValueError(f"--push {repo}: the upload failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                         f"the export in {folder} is complete, push it later with huggingface-cli upload") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = run(args)
+    print(f"exported to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+    return 0
