@@ -97,3 +97,14 @@ def test_refusals_name_the_fix(ws, tmp_path, monkeypatch, capsys):  # noqa: F811
     assert "the upload failed" in capsys.readouterr().err
     assert (tmp_path / "pushed" / "model.safetensors").is_file()  # the export itself is complete
     assert cli.main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_linnet_eval_gives_the_held_out_loss_and_perplexity(ws, tmp_path):  # noqa: F811
+    import math
+
+    assert cli.main(["eval", str(ws / "run"), "--data", str(ws / "train.jsonl"), "--no-chat",
+                     "--json", str(tmp_path / "eval.json")]) == 0
+    found = json.loads((tmp_path / "eval.json").read_text())
+    assert found["records"] == 80 and found["perplexity"] == pytest.approx(math.exp(found["loss"]))
+    assert 0 < found["loss"] < 5
+    assert cli.main(["eval", str(ws / "run")]) == 2  # neither --data nor --lm-eval

@@ -23,3 +23,17 @@ def test_quickstart_stages_write_their_results(tmp_path):
     assert [m["step"] for m in grpo] == [31 + summary["dpo_steps_run"], 32 + summary["dpo_steps_run"]]
     assert (tmp_path / "model" / "tokenizer.json").is_file() and (tmp_path / "model" / "config.json").is_file()
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_linnet_eval_reproduces_the_quickstarts_held_out_accuracy(tmp_path, capsys):
+    """`linnet eval` on the quickstart's model and held-out file: pass@1 (greedy exact
+    match) equals the accuracy the quickstart reported after its last stage."""
+    from linnet import cli
+
+    torch.set_num_threads(1)
+    summary = quickstart.run(tmp_path, steps=60, dpo_steps=0, grpo_steps=0, tokens=256, evaluate_every=60)
+    assert cli.main(["eval", str(tmp_path / "model"), "--data", str(tmp_path / "held_out.jsonl"), "--no-chat",
+                     "--max-new-tokens", "4", "--show", "2", "--json", str(tmp_path / "eval.json")]) == 0
+    found = json.loads((tmp_path / "eval.json").read_text())
+    assert found["pass@1"] == list(summary["accuracy"].values())[-1] and found["records"] == 500
+    assert len(found["samples"]) == 2 and "->" in capsys.readouterr().out

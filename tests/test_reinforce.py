@@ -56,11 +56,12 @@ def test_grpo_run_with_a_qlora_policy_engine_and_reference(workspace, tmp_path):
 
 
 def test_builtin_rewards():
-    tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
+    tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)), eos_ids=(0,))
     prompt = SimpleNamespace(answer="Natalia sold 72 clips.\n#### 72")
     enc = lambda s: [ord(c) for s_ in [s] for c in s_]  # noqa: E731
     assert rewards.exact(tok)(prompt, enc("so #### 72")) == 1.0
     assert rewards.exact(tok)(prompt, enc("#### 71")) == 0.0
+    assert rewards.exact(tok)(prompt, enc("#### 72") + [0]) == 1.0  # the stop token is not part of the text
     assert rewards.numeric(tok)(prompt, enc("The answer is 72.0")) == 1.0
     assert rewards.numeric(tok)(prompt, enc("no number")) == 0.0
     assert rewards.resolve("format", tok, r"####\s*\d+")(prompt, enc("x #### 3")) == 1.0

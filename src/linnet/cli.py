@@ -13,6 +13,7 @@ a thin layer over library functions.
     linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)
     linnet export RUN --out D  a merged Hugging Face directory with a model card, a PEFT adapter, GGUF
+    linnet eval RUN --data F   held-out loss, perplexity, exact match / reward / pass@k, samples
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run (--config F: a run's)
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
@@ -42,6 +43,7 @@ COMMANDS = {
     "pretrain": "pretrain",
     "generate": "generate",
     "export": "export",
+    "eval": "eval",
     "plan": "plan",
     "plot": "plot",
     "info": "info",

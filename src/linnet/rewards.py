@@ -37,16 +37,21 @@ def last_number(text: str) -> float | None:
         return None
 
 
+def text_of(tokenizer, completion: list[int]) -> str:
+    """A completion's text without its stop tokens (which a tokenizer may spell out)."""
+    return tokenizer.decode([t for t in completion if t not in tokenizer.eos_ids])
+
+
 def exact(tokenizer) -> Callable:
     def exact_answer(prompt, completion: list[int]) -> float:
-        return float(final_answer(tokenizer.decode(completion)) == final_answer(str(prompt.answer)))
+        return float(final_answer(text_of(tokenizer, completion)) == final_answer(str(prompt.answer)))
 
     return exact_answer
 
 
 def numeric(tokenizer) -> Callable:
     def numeric_answer(prompt, completion: list[int]) -> float:
-        got, want = last_number(tokenizer.decode(completion)), last_number(str(prompt.answer))
+        got, want = last_number(text_of(tokenizer, completion)), last_number(str(prompt.answer))
         return float(got is not None and want is not None and abs(got - want) < 1e-6)
 
     return numeric_answer
@@ -59,7 +64,7 @@ def format_match(tokenizer, pattern: str) -> Callable:
         raise ValueError(f"grpo.format_pattern={pattern!r} is not a regular expression ({e})") from None
 
     def format_reward(prompt, completion: list[int]) -> float:
-        return float(compiled.search(tokenizer.decode(completion)) is not None)
+        return float(compiled.search(text_of(tokenizer, completion)) is not None)
 
     return format_reward
 

@@ -231,6 +231,8 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     model.save_weights(out / "model")
     save_tokenizer(out / "model" / "tokenizer.json")
     write_text(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
+    # the held-out problems, so `linnet eval OUT/model --data OUT/held_out.jsonl --no-chat` measures the same
+    write_text(out / "held_out.jsonl", "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in tests))
     title = f"{digits}-digit addition, held-out exact match: " + ", ".join(
         f"{k} {v:.0%}" for k, v in accuracies.items())
     try:
@@ -246,7 +248,7 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     if replaced is not None:
         replaced.drop()
     print(title + f" ({seconds:.0f} s)")
-    print(f"wrote {final}/model, metrics.jsonl, summary.json" + (", curves.png" if drew else
+    print(f"wrote {final}/model, metrics.jsonl, held_out.jsonl, summary.json" + (", curves.png" if drew else
           " (pip install matplotlib for curves.png)"))
     return summary
 

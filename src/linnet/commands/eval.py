@@ -1,0 +1,123 @@
+"""`linnet eval`: a model or run on a data file: held-out loss and perplexity, and the
+greedy (and sampled) completions of the Engine scored by a reward: exact match, reward,
+pass@1, pass@k; a table of sample generations; lm-evaluation-harness tasks on request.
+
+    linnet eval runs/sft --data held_out.jsonl                    # loss, perplexity
+    linnet eval runs/quickstart/model --data runs/quickstart/held_out.jsonl --no-chat --max-new-tokens 4
+    linnet eval runs/grpo --data test.jsonl --reward numeric --k 8 --samples 16
+    linnet eval runs/sft --lm-eval hellaswag,arc_easy             # needs lm_eval and the tasks' data
+
+Records with a completion (prompt/completion, Alpaca, OpenAI messages, ShareGPT) give the
+loss; records with an answer field (`--answer-field`) are completed and scored. lm-eval
+runs on the model merged into a temporary Hugging Face directory; offline it needs the
+tasks' datasets in the Hugging Face cache (HF_DATASETS_OFFLINE=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="linnet eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="a run directory, a model directory or a PEFT adapter directory")
+    p.add_argument("--data", help="records: .jsonl, .json, .parquet")
+    p.add_argument("--answer-field", default="answer", help="the reference answer's field (default answer)")
+    p.add_argument("--prompt-field", default="prompt", help="the prompt's field for completions (default prompt)")
+    p.add_argument("--reward", default="exact", help="exact, numeric, format, model:DIR or module:function")
+    p.add_argument("--format-pattern", help="the regular expression of the 'format' reward")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--k", type=int, default=0, help="also pass@k from sampled completions (k >= 2)")
+    p.add_argument("--samples", type=int, help="completions sampled a prompt for pass@k (default k)")
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampled completions")
+    p.add_argument("--show", type=int, default=5, help="sample generations printed (default 5)")
+    p.add_argument("--no-chat", dest="chat", action="store_false", help="tokenize prompts as raw text")
+    p.add_argument("--tokens", type=int, default=4096, help="positions of a packed row for the loss")
+    p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-evaluation-harness tasks")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    return p
+
+
+def evaluate_file(model, tokenizer, args) -> dict:
+    """Loss/perplexity of the records that have completions; scores of those with answers."""
+    from linnet.data import load_examples, prompts_from_records, read_records
+    from linnet.packing import pack
+    from linnet.rewards import resolve, text_of
+    from linnet.serve import Engine
+    from linnet.train.evaluation import held_out_loss
+    from linnet.train.grpo import evaluate
+
+    records = list(read_records(args.data))
+    if not records:
+        raise ValueError(f"{args.data}: no records")
+    results: dict = {"records": len(records)}
+    if args.answer_field in records[0].data:
+        prompts = prompts_from_records(records, tokenizer, prompt=args.prompt_field, answer=args.answer_field,
+                                       chat=args.chat)
+        bos = model.card.bos_token_id
+        if tokenizer.bos_id is None and bos is not None:  # the card's BOS, where the tokenizer adds none
+            prompts = [type(p)([bos, *p.ids], p.answer) if list(p.ids[:1]) != [bos] else p for p in prompts]
+        engine = Engine(model)
+        reward = resolve(args.reward, tokenizer, args.format_pattern)
+        stop = list(tokenizer.eos_ids)
+        found = evaluate(model, engine, prompts, reward, max_new_tokens=args.max_new_tokens, k=args.k,
+                         samples=args.samples, temperature=args.temperature, stop=stop)
+        results.update(found)
+        shown = engine.sample([list(p.ids) for p in prompts[:args.show]], max_new_tokens=args.max_new_tokens,
+                              temperature=0.0, stop=stop)
+        results["samples"] = [{"prompt": r.data[args.prompt_field], "completion": text_of(tokenizer, c.tokens),
+                               "answer": r.data[args.answer_field]} for r, c in zip(records, shown)]
+    else:
+        examples = load_examples(args.data, tokenizer=tokenizer, max_tokens=args.tokens, chat=args.chat)
+        loss = held_out_loss(model, pack(examples, args.tokens, pad_id=tokenizer.pad_id))
+        results.update(loss=loss, perplexity=math.exp(loss))
+    return results
+
+
+def lm_eval(model, tasks: str) -> dict:
+    """lm-evaluation-harness on the merged model, through its transformers backend."""
+    try:
+        import lm_eval as harness
+    except ImportError:
+        raise ValueError("--lm-eval needs lm-evaluation-harness: pip install lm-eval") from None
+    from linnet.export import export_directory
+
+    with tempfile.TemporaryDirectory(prefix="linnet-eval-") as tmp:
+        export_directory(model, tmp, about={"source": tmp, "base": tmp})
+        out = harness.simple_evaluate(model="hf", model_args=f"pretrained={tmp},dtype=float32",
+                                      tasks=tasks.split(","), device="cpu")
+    return {task: {k: v for k, v in values.items() if isinstance(v, (int, float))}
+            for task, values in out["results"].items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from linnet.data import load_tokenizer
+    from linnet.export import load_trained
+    from linnet.tables import print_table
+
+    args = parser().parse_args(argv)
+    if args.data is None and args.lm_eval is None:
+        raise ValueError("give --data FILE and/or --lm-eval TASKS")
+    if args.k and args.k < 2:
+        raise ValueError(f"--k {args.k}: pass@k needs k >= 2 (pass@1 is always reported)")
+    model, _ = load_trained(args.source)
+    model.eval()
+    tokenizer = load_tokenizer(model.card)
+    results: dict = {}
+    if args.data:
+        results = evaluate_file(model, tokenizer, args)
+    if args.lm_eval:
+        results["lm_eval"] = lm_eval(model, args.lm_eval)
+    print_table({k: v for k, v in results.items() if not isinstance(v, (list, dict))})
+    for sample in results.get("samples", []):
+        print(f"  {sample['prompt']!r} -> {sample['completion']!r} (answer {sample['answer']!r})", file=sys.stdout)
+    for task, values in results.get("lm_eval", {}).items():
+        print(f"  {task}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
