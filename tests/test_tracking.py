@@ -148,3 +148,34 @@ def test_a_python_trainers_on_step_logs_to_the_trackers(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("loss")] == [(s.step, s.loss)
                                                                                   for s in history.steps]
+
+
+def test_progress_bars_show_rate_and_eta_on_a_terminal_and_nothing_elsewhere(monkeypatch):
+    import io
+
+    from linnet.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    bar = Progress(10, "sft", stream=screen)
+    bar.update(5, loss=1.5)
+    bar.close()
+    assert "5/10" in screen.getvalue() and "it/s" in screen.getvalue() and "eta" in screen.getvalue()
+    log = io.StringIO()  # a file or pipe: silent
+    Progress(10, "sft", stream=log).update(10)
+    assert log.getvalue() == ""
+    monkeypatch.setenv("LINNET_QUIET", "1")  # linnet --quiet
+    quiet = Terminal()
+    Progress(10, "sft", stream=quiet).update(3)
+    assert quiet.getvalue() == ""
+
+
+def test_quiet_anywhere_on_the_command_line_turns_bars_off(monkeypatch):
+    import os
+
+    monkeypatch.setenv("LINNET_QUIET", "0")  # restored after the test
+    assert cli.main(["info", "debug", "--quiet"]) == 0
+    assert os.environ["LINNET_QUIET"] == "1"

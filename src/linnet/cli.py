@@ -18,6 +18,9 @@ a thin layer over library functions.
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
 
+`linnet --quiet COMMAND …` (or --quiet anywhere) turns progress bars off; they are off anyway
+when the output is not a terminal.
+
 Exit status: 0 done; 1 training stopped on a non-finite loss or gradient; 2 refused input
 (one line naming the file, the field and the fix; nothing was written); 130 interrupted
 (a training command says which checkpoint resumes).
@@ -56,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print("\nRun `linnet COMMAND --help` for a command's options.")
         return 0 if argv else 2
+    if "--quiet" in argv:  # anywhere on the line: no progress bars (summaries still print)
+        argv = [a for a in argv if a != "--quiet"]
+        os.environ["LINNET_QUIET"] = "1"
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"linnet: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

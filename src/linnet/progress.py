@@ -1,38 +1,41 @@
-"""A progress bar for long loops: a redrawn line on a terminal, a line every few
-percent in a log file (CI, nohup), and nothing the caller has to set up."""
+"""A progress bar for long loops: a redrawn line with the rate and the time left on a
+terminal; nothing when the output is not a terminal (logs, CI, pipes: the command's
+summary says how it went) or under `linnet --quiet` (LINNET_QUIET=1)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
 
+def quiet() -> bool:
+    """Whether bars are off for this process (`linnet --quiet …` sets LINNET_QUIET=1)."""
+    return os.environ.get("LINNET_QUIET", "") not in ("", "0")
+
+
 class Progress:
-    def __init__(self, total: int, label: str, *, stream=None, width: int = 24):
-        self.total, self.label, self.width = max(1, total), label, width
+    def __init__(self, total: int, label: str, *, stream=None, width: int = 24, unit: str = "it"):
+        self.total, self.label, self.width, self.unit = max(1, total), label, width, unit
         self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
+        self.shown = self.stream.isatty() and not quiet()
         self.start = time.perf_counter()
-        self.last_logged = -1
 
     def update(self, done: int, **values: float) -> None:
+        if not self.shown:
+            return
         frac = min(1.0, done / self.total)
         elapsed = time.perf_counter() - self.start
         eta = elapsed / frac - elapsed if frac > 0 else 0.0
+        rate = done / elapsed if elapsed > 0 else 0.0
         shown = " ".join(f"{k} {v:.4g}" for k, v in values.items())
-        if self.tty:
-            filled = int(frac * self.width)
-            bar = "#" * filled + "." * (self.width - filled)
-            self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {shown} eta {eta:.0f}s ")
-        else:
-            decile = int(frac * 10)
-            if decile == self.last_logged and done != self.total:
-                return
-            self.last_logged = decile
-            self.stream.write(f"{self.label} {done}/{self.total} {shown} ({elapsed:.0f}s)\n")
+        filled = int(frac * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {done:,}/{self.total:,} {shown} {rate:,.3g} {self.unit}/s "
+                          f"eta {eta:.0f}s ")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
+        if self.shown:
             self.stream.write("\n")
             self.stream.flush()

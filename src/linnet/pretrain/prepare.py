@@ -43,6 +43,7 @@ from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
 from linnet.pretrain.shards import Writers
 from linnet.pretrain.tokenize import TRAINED_EOS, Batches, resolve_tokenizer, tokenize_pool, tokenize_serial
+from linnet.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -266,10 +267,19 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
         dtype = token_dtype(vocab)
         writers = Writers(tmp, d, dtype)
         batches = _batches(d, lambda: writers.full)
+        bar = Progress(d.train_tokens or 0, "prepare", unit="tok") if d.train_tokens else None
+
+        def write(*batch) -> None:
+            writers.write(*batch)
+            if bar is not None:
+                bar.update(writers.splits["train"].tokens)
+
         if d.prepare_workers == 1:
-            tokenize_serial(batches, tok, eos, dtype, writers.write)
+            tokenize_serial(batches, tok, eos, dtype, write)
         else:
-            tokenize_pool(batches, d.prepare_workers, tmp / TOKENIZER, eos, dtype, writers.write)
+            tokenize_pool(batches, d.prepare_workers, tmp / TOKENIZER, eos, dtype, write)
+        if bar is not None:
+            bar.close()
         splits = writers.close()
         if splits["train"]["tokens"] < 2:
             raise ValueError(f"{', '.join(d.source) or d.dataset}: the training split holds "
