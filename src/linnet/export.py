@@ -12,8 +12,9 @@ and the final metrics of the run's summary.json.
 
 GGUF (with the `gguf` package): llama.cpp's tensor names, its Llama metadata, q and k rows
 permuted to llama.cpp's interleaved rotary layout (as its converter does), and the
-tokenizer as a byte-level BPE ("gpt2" model: tokens, types, merges) or, for a word-level
-tokenizer, its tokens alone. f16 stores every matrix in half precision; q8_0 quantizes the
+tokenizer as a byte-level BPE ("gpt2" model: tokens, types, merges; llama.cpp pre-tokenizes
+text with GPT-2's regex, not a Llama 3 or Qwen one) or, for a word-level tokenizer, its
+tokens (llama.cpp then runs from token ids; its text tokenizer would differ). f16 stores every matrix in half precision; q8_0 quantizes the
 2-D weights in blocks of 32 (norms stay f32).
 """
 
@@ -170,9 +171,12 @@ def _tokenizer_fields(writer, tokenizer_json: Path, card) -> None:
         merges = model.get("merges", [])
         writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     elif model["type"] == "WordLevel":
-        writer.add_tokenizer_model("gpt2")  # the tokens alone: no merges to apply
+        # the tokens alone: llama.cpp runs the model from token ids; it insists on a merge
+        # list, so one placeholder stands in (its own text tokenizer is not the original's)
+        writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
-        writer.add_token_merges([])
+        normal = [t for t, kind in zip(tokens, types) if kind == gguf.TokenType.NORMAL][:2]
+        writer.add_token_merges([" ".join(normal)])
     else:
         raise ValueError(f"{tokenizer_json}: a {model['type']} tokenizer; GGUF export writes byte-level BPE (and "
                          "word-level) vocabularies only")
