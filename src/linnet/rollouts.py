@@ -126,6 +126,7 @@ class Scored:
     advantages: np.ndarray  # [samples]
     keep: np.ndarray  # [samples] the samples that train
     seconds: float  # sampling time
+    score_seconds: float = 0.0  # the rewards' time
 
 
 def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
@@ -138,14 +139,16 @@ def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int,
     samples = engine.sample([list(p.ids) for p in prompts], n=group, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed)
     seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
     scores = score(functions, [(prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
                                for i, s in enumerate(samples)])
+    scoring = time.perf_counter() - t1
     per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
     rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
     uniform = rewards.std(axis=1) == 0
     advantages = group_advantages(rewards, scale=not dr_grpo, kind=advantage).reshape(-1)
     keep = np.repeat(~uniform, group) if drop_uniform else np.ones(len(samples), bool)
-    return Scored(samples, per_function, rewards, uniform, advantages, keep, seconds)
+    return Scored(samples, per_function, rewards, uniform, advantages, keep, seconds, scoring)
 
 
 def fill_groups(parts: list[tuple[list, Scored]], want: int) -> tuple[list, Scored]:
@@ -169,7 +172,8 @@ def fill_groups(parts: list[tuple[list, Scored]], want: int) -> tuple[list, Scor
     rewards = np.array(rows).reshape(n, group)
     return chunk, Scored(samples, {k: np.concatenate(v) if v else np.zeros(0) for k, v in per_function.items()},
                          rewards, np.zeros(n, bool), np.concatenate(advantages) if advantages else np.zeros(0),
-                         np.ones(n * group, bool), sum(s.seconds for _, s in parts))
+                         np.ones(n * group, bool), sum(s.seconds for _, s in parts),
+                         sum(s.score_seconds for _, s in parts))
 
 
 def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mismatch: float) -> dict[str, float]:
@@ -184,7 +188,7 @@ def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mi
         "uniform": float(scored.uniform.mean()), "completion_length": float(lengths.mean()),
         "stopped": float(np.mean([s.stopped for s in scored.samples])),
         "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / per_token,
-        "sample_seconds": scored.seconds,
+        "sample_seconds": scored.seconds, "score_seconds": scored.score_seconds,
         "sampled_tokens_per_second": float(lengths.sum()) / max(scored.seconds, 1e-9),
     }
 

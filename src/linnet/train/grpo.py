@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -179,7 +180,9 @@ def grpo(
     def prepare(step: int, chunk: list) -> Work:
         """Sample and score the step's groups, and pack the completions that train."""
         check_prompts(chunk, tokens, max_new_tokens)
+        t0 = time.perf_counter()
         engine.load_weights(policy)
+        copy_seconds = time.perf_counter() - t0
         def sampled(part: list, round_: int):
             return sample_and_score(engine, part, functions, group=group, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
@@ -226,6 +229,7 @@ def grpo(
 
         def metrics(sums: dict[str, float]) -> dict[str, float]:
             out = step_metrics(scored, tokens=n_tokens, **sums)
+            out["copy_seconds"] = copy_seconds  # the policy's weights into the engine
             if dynamic_sampling:
                 out.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
             return out
