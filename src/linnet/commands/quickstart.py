@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -147,8 +148,8 @@ def check(out: Path, *, steps: int, dpo_steps: int, grpo_steps: int, digits: int
 
 
 def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int = 20, grpo_steps: int = 30,
-        digits: int = 2, tokens: int = 1024, lr: float = 2e-3, seed: int = 0, evaluate_every: int = 50,
-        threads: int | None = None, overwrite: bool = False) -> dict:
+        digits: int = 2, tokens: int = 1024, lr: float = 2e-3, dpo_lr: float = 1e-5, grpo_lr: float = 1e-5,
+        seed: int = 0, evaluate_every: int = 50, threads: int | None = None, overwrite: bool = False) -> dict:
     """Run the three stages and return the summary (also written to summary.json). The
     results are written beside `out` and moved into place at the end: an interrupted
     quickstart leaves `out` as it was."""
@@ -159,6 +160,8 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     final = Path(out)
     check(final, steps=steps, dpo_steps=dpo_steps, grpo_steps=grpo_steps, digits=digits, tokens=tokens, lr=lr,
           threads=threads, overwrite=overwrite)
+    if not (dpo_lr > 0 and grpo_lr > 0 and math.isfinite(dpo_lr) and math.isfinite(grpo_lr)):
+        raise ValueError(f"--dpo-lr {dpo_lr} / --grpo-lr {grpo_lr}: learning rates must be positive and finite")
     remove_stale(final)
     out = final.parent / f".{final.name}.tmp-{os.getpid()}"
     out.mkdir(parents=True)
@@ -215,13 +218,13 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 600, dpo_steps: int
     if pairs:
         print(f"dpo: {len(pairs)} pairs from the model's own right and wrong answers")
         # small steps: the model is already good, and DPO can lower both answers' likelihood
-        optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(trained, lr=dpo_lr, weight_decay=0.0)
         stage("dpo", dpo_steps, lambda report: dpo(model, pairs, optimizer=optimizer, steps=dpo_steps,
                                                    pairs_per_step=32, beta=0.5, tokens=tokens, on_step=report))
 
     prompts = [Prompt([BOS] + encode(p), encode(a) + [EOS]) for p, a in practice]
     # small steps again: at lr 1e-4 the near-perfect model drifted (98% -> 95% held out)
-    optimizer = torch.optim.AdamW(trained, lr=1e-5, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trained, lr=grpo_lr, weight_decay=0.0)
     stage("grpo", grpo_steps, lambda report: grpo(
         model, engine, prompts, exact_answer, optimizer=optimizer, steps=grpo_steps, group=8,
         prompts_per_step=16, max_new_tokens=digits + 2, tokens=tokens, seed=seed, on_step=report,
@@ -262,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digits", type=int, default=2, help="digits of each addend (default: 2)")
     parser.add_argument("--tokens", type=int, default=1024, help="positions per packed row (default: 1024)")
     parser.add_argument("--lr", type=float, default=2e-3, help="SFT peak learning rate (default: 2e-3)")
+    parser.add_argument("--dpo-lr", type=float, default=1e-5, help="DPO learning rate (default: 1e-5)")
+    parser.add_argument("--grpo-lr", type=float, default=1e-5, help="GRPO learning rate (default: 1e-5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--overwrite", action="store_true", help="replace a quickstart run in --out")
@@ -269,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     try:
         run(out, steps=args.steps, dpo_steps=args.dpo_steps, grpo_steps=args.grpo_steps, digits=args.digits,
-            tokens=args.tokens, lr=args.lr, seed=args.seed, threads=args.threads, overwrite=args.overwrite)
+            tokens=args.tokens, lr=args.lr, dpo_lr=args.dpo_lr, grpo_lr=args.grpo_lr, seed=args.seed,
+            threads=args.threads, overwrite=args.overwrite)
     except KeyboardInterrupt:
         shutil.rmtree(out.parent / f".{out.name}.tmp-{os.getpid()}", ignore_errors=True)
         print(f"linnet quickstart: interrupted; {out} is as it was", file=sys.stderr)
