@@ -67,7 +67,8 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
 
     method, dtype = spec["method"], spec["dtype"]
     lora = method != "sft-full"
-    model = nest.load(spec["model_dir"], dtype=dtype, trainable=not lora)
+    device = spec.get("device", "cpu")
+    model = nest.load(spec["model_dir"], dtype=dtype, trainable=not lora, device=device)
     if lora:
         model.add_lora([f"model.layers.*.{p}.weight" for p in LORA_LAYERS], rank=16, alpha=32)
         bind_weights(model, spec["adapter_dir"], strict=False)
@@ -145,7 +146,7 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         from linnet.serve import Engine
         from linnet.train.grpo import Prompt, grpo
 
-        engine = Engine(nest.load(spec["model_dir"], dtype=dtype))
+        engine = Engine(nest.load(spec["model_dir"], dtype=dtype, device=device))
         target = spec["vocab"] // 2
 
         def lower_half(prompt, completion):
@@ -212,7 +213,7 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         gradient_accumulation_steps=1, bf16=dtype == "bfloat16", activation_checkpointing=False,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, seed=spec["seed"], use_cpu=True,
+        dataloader_num_workers=0, seed=spec["seed"], use_cpu=spec.get("device", "cpu") == "cpu",
     )
     t_setup = time.perf_counter()
     if method.startswith("sft"):
@@ -403,10 +404,14 @@ def main() -> None:
         data = json.load(f)
     baseline = rss()
     reset_peak()
+    cuda = spec.get("device", "cpu") == "cuda"
+    if cuda:  # on a GPU the peak that matters is the device's
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
     clock = Clock()
     extra = run(spec, data, clock)
     send_result(dict(spec=spec, seconds=clock.seconds(), cpu_seconds=clock.cpu_seconds(), losses=clock.losses,
-                     metrics=clock.metrics, real=clock.real, peak_bytes=peak_rss() - baseline, baseline_bytes=baseline,
+                     metrics=clock.metrics, real=clock.real, peak_bytes=(torch.cuda.max_memory_allocated() if cuda else peak_rss()) - baseline, baseline_bytes=baseline,
                      **extra))
 
 

@@ -71,6 +71,8 @@ SIZES = {
     "60m": dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=4, head_dim=64),
     # ~0.1M parameters, for --smoke only: that both sides run, not a measurement
     "tiny": dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, head_dim=32),
+    # ~1.1B parameters, Llama-shaped (Llama 3.2 1B's blocks, a 32K vocabulary): for a GPU (--device cuda)
+    "1b": dict(vocab=32000, hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, head_dim=64),
 }
 METHODS = ("sft-lora", "sft-full", "dpo", "grpo")
 # preference objectives beyond DPO, on DPO's pairs: run with --method (bench/objectives.md)
@@ -323,6 +325,8 @@ def main(argv=None) -> None:
                     help="TRL DPO pairs a forward (the rest of a step's pairs accumulate); 1 is TRL's fastest here")
     ap.add_argument("--trl-grpo-micro", type=int, default=GROUP,
                     help="TRL GRPO completions a forward (one generation a step, the rest accumulates)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where both sides train (cuda: peak memory is the device's, torch.cuda.max_memory_allocated)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads a process (default 1: on the shared 2-core machine a second thread spin-waits "
                          "whenever another job holds the other core)")
@@ -349,7 +353,8 @@ def main(argv=None) -> None:
         for n, (size, method, dtype) in enumerate(cases):
             info = work[size]
             base = dict(method=method, size=size, dtype=DTYPES[dtype], steps=steps, lr=LR[method], seed=args.seed,
-                        threads=args.threads, tokens=LINNET_TOKENS.get(method, TOKENS), model_dir=info["model_dir"],
+                        threads=args.threads, device=args.device, tokens=LINNET_TOKENS.get(method, TOKENS),
+                        model_dir=info["model_dir"],
                         adapter_dir=info["adapter_dir"], data=info["data"][data_kind(method)],
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
                         prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW,

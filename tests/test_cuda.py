@@ -1,0 +1,96 @@
+"""The CUDA-only paths (skipped without a GPU; bench/gpu_check.py runs them on one):
+varlen attention against the per-document path, the pinned-memory loader, bf16 training,
+compiled blocks against eager ones, packed decentralized training, and fully_shard over
+NCCL in one process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.train import train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CARD = nest.resolve("debug").replace(vocab=256, hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32)
+
+
+def _rows(n=12, tokens=256, seed=0):
+    g = np.random.default_rng(seed)
+    examples = [Example.prompted(g.integers(3, 256, size=int(g.integers(4, 30))).tolist(),
+                                 g.integers(3, 256, size=int(g.integers(4, 40))).tolist()) for _ in range(n)]
+    return list(pack(examples, tokens))
+
+
+def test_varlen_attention_equals_the_per_document_path():
+    rows = _rows()
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 3e-2)):
+        a = nest.load(CARD, device="cuda", dtype=dtype, weights="random", attention="documents")
+        b = nest.load(CARD, device="cuda", dtype=dtype, weights="random", attention="varlen")
+        for row in rows:
+            torch.testing.assert_close(b.log_probs_packed(row), a.log_probs_packed(row), atol=tol, rtol=tol)
+
+
+def test_the_pinned_loader_hands_the_cpu_loaders_batches_to_the_gpu(tmp_path):
+    from linnet.pretrain.loader import Rows
+
+    x = np.random.default_rng(0).integers(0, 256, size=(4, 65))
+    cpu, gpu = Rows(64).from_array(x), Rows(64, device="cuda").from_array(x)
+    assert gpu.tokens.device.type == "cuda" and torch.equal(gpu.tokens.cpu(), torch.as_tensor(cpu.tokens))
+    assert torch.equal(gpu.targets.cpu(), torch.as_tensor(cpu.targets))
+
+
+def test_bf16_training_learns_and_compiled_blocks_match_eager():
+    rows = _rows(24)
+    losses = {}
+    for compile_ in (False, "inductor"):
+        model = nest.load(CARD, device="cuda", dtype="bfloat16", weights="random", trainable=True, seed=0,
+                          compile=compile_)
+        history = train(model, rows * 3, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), steps=8)
+        losses[compile_] = [s.loss for s in history.steps]
+    assert losses[False][-1] < losses[False][0]
+    np.testing.assert_allclose(losses["inductor"], losses[False], rtol=2e-2)
+
+
+def test_packed_decentralized_workers_train_on_the_gpu():
+    from linnet.config import PretrainConfig, load
+    from linnet.pretrain.packed import PackedLlama, local_mean_losses
+    from linnet.pretrain.packed_optimizer import PackedAdamW
+
+    config = load(PretrainConfig, None, ["training.accumulation=1", "decentralized.num_models=4",
+                                         "decentralized.topology=one_peer_ring"])
+    model = PackedLlama(CARD, 4, seed=0).to("cuda")
+    optimizer = PackedAdamW(model, config)
+    x = torch.randint(0, CARD.vocab, (4, 2, 65), device="cuda")
+    first = None
+    for _ in range(5):
+        loss = local_mean_losses(model, x[..., :-1], x[..., 1:])
+        loss.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        first = float(loss.sum()) if first is None else first
+    assert float(loss.sum()) < first and model.consensus_distance() > 0
+
+
+def test_fully_shard_over_nccl_in_one_process():
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    from linnet.torch.sharding import fully_shard
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        model = nest.load(CARD, device="cuda", dtype="bfloat16", weights="random", trainable=True, seed=0)
+        fully_shard(model)
+        history = train(model, _rows(8) * 2, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), steps=4)
+        assert all(np.isfinite(s.loss) for s in history.steps)
+    finally:
+        dist.destroy_process_group()
