@@ -58,7 +58,8 @@ def test_fully_shard_example_under_torchrun(tmp_path):
                              str(EXAMPLES / "06_fully_shard.py"), "--steps", "3", "--out", str(tmp_path / "sharded")],
                             capture_output=True, text=True, timeout=300,
                             env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert result.returncode == 0, result.stderr[-2000:]
+    err = result.stderr
+    assert result.returncode == 0, err if len(err) < 4000 else err[:2000] + "\n…\n" + err[-2000:]  # both ends: the cause
     assert "loss" in result.stdout and result.stdout.count("weights in") == 1  # the first process reports
     from linnet import nest
     from linnet.commands import quickstart
