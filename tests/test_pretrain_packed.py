@@ -317,10 +317,10 @@ def test_damaged_or_incomplete_snapshots_and_another_scheme_are_refused_by_name(
     altered = copy("altered")  # a worker file replaced and the directory's checksums rewritten to match
     shutil.copy(ring / "checkpoints" / "step-00000008" / "node-000.pt", altered / "node-000.pt")
     sums = json.loads((altered / "checksums.json").read_text())
-    from linnet.pretrain.packed_run import _sha256
+    from linnet.files import sha256_file
 
     files = sums["files"] if "files" in sums else sums
-    files["node-000.pt"] = _sha256(altered / "node-000.pt")
+    files["node-000.pt"] = sha256_file(altered / "node-000.pt")
     (altered / "checksums.json").write_text(json.dumps(sums))
     with pytest.raises(ValueError, match=r"node-000.pt: its SHA-256 is not the one packed.pt records"):
         read_packed_state(altered)

@@ -44,16 +44,6 @@ def _numbers(row: dict[str, Any]) -> dict[str, float]:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 class _TensorBoard:
     def __init__(self, run: Path, name: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
@@ -88,12 +78,14 @@ class _MLflow:
     def __init__(self, run: Path, name: str, config: dict):
         import mlflow
 
+        from linnet.config.fields import flatten
+
         self.mlflow = mlflow
         if "MLFLOW_TRACKING_URI" not in os.environ:  # a file store beside the run (set the URI for a server)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
             mlflow.set_tracking_uri((run / "mlruns").resolve().as_uri())
         self.run = mlflow.start_run(run_name=name)
-        params = {k: str(v)[:500] for k, v in _flat(config).items()}
+        params = {k: str(v)[:500] for k, v in flatten(config).items()}
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
             mlflow.log_params(dict(list(params.items())[start:start + 100]))
 

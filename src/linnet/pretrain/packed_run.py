@@ -32,7 +32,6 @@ indices, counts, recipe, step, names and shapes) before anything is restored.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 
 from linnet import checkpoint_layout as layout
+from linnet.files import sha256_file
 from linnet.pretrain.consensus import AdaptiveConsensus
 from linnet.pretrain.packed import PackedLlama, local_mean_losses, to_decoder
 from linnet.pretrain.packed_optimizer import PackedAdamW
@@ -165,7 +165,7 @@ class PackedTrainee:
             for i in range(self.num_models):
                 path = tmp / worker_file(i)
                 torch.save(self.worker_state(i, shared), path)
-                refs.append({"index": i, "file": path.name, "sha256": _sha256(path)})
+                refs.append({"index": i, "file": path.name, "sha256": sha256_file(path)})
             write_state(tmp, step, schedule=schedule.state_dict(), extra=extra)
             torch.save({"format": FORMAT, "kind": ROOT_KIND, "version": ROOT_VERSION, **shared, **self.metadata(),
                         "updates": self.optimizer.updates, "param_groups": self._groups(), "workers": refs},
@@ -203,14 +203,6 @@ class PackedTrainee:
         self.optimizer.param_groups[0]["lr"] = root["param_groups"][0]["lr"]  # the rate of the next update
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def read_packed_state(path: str | Path, *, model: PackedLlama | None = None,
                       expect: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole packed snapshot at `path`, validated: every file against checksums.json,
@@ -240,7 +232,7 @@ def read_packed_state(path: str | Path, *, model: PackedLlama | None = None,
         if not file.is_file():
             raise ValueError(f"{file}: worker {ref['index']}'s file is missing; the snapshot cannot resume (copy the "
                              "root together with its node files)")
-        if _sha256(file) != ref["sha256"]:
+        if sha256_file(file) != ref["sha256"]:
             raise ValueError(f"{file}: its SHA-256 is not the one {ROOT} records; the worker file was altered or "
                              "belongs to another snapshot")
         worker = torch.load(file, weights_only=True)

@@ -24,6 +24,7 @@ distributions on them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -123,10 +124,7 @@ def distill(
     """Logit distillation on packed rows (`linnet.packing.pack` of Examples: their learned
     positions are distilled), `accumulate` rows a step. Each Step's metrics hold the mean
     divergence per learned token (`divergence`, the loss)."""
-    _check(divergence, beta, temperature)
-    check_teacher(student, teacher)
-    teacher.eval()
-    options = dict(divergence=divergence, beta=beta, temperature=temperature)
+    options = _prepare(student, teacher, divergence, beta, temperature)
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
@@ -141,11 +139,16 @@ def distill(
                keep=keep, on_step=on_step, what="distill: the rows")
 
 
-def _check(divergence: str, beta: float, temperature: float) -> None:
+def _prepare(student, teacher, divergence: str, beta: float, temperature: float) -> dict:
+    """Check the settings and the teacher, freeze the teacher's mode, and return the
+    divergence's options."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"distill: divergence={divergence!r}; use one of {', '.join(DIVERGENCES)}")
     if not 0 <= beta <= 1 or not temperature > 0:
         raise ValueError("distill: beta must be in [0, 1] and temperature > 0")
+    check_teacher(student, teacher)
+    teacher.eval()
+    return dict(divergence=divergence, beta=beta, temperature=temperature)
 
 
 def teacher_completions(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
@@ -186,13 +189,8 @@ def on_policy_distill(
     current weights) completes `prompts_per_step` prompts, and the student learns the
     teacher's distributions at every completion token (reverse KL by default, as on-policy
     distillation usually takes). A sequence of prompts repeats as epochs."""
-    import itertools
-
-    _check(divergence, beta, temperature)
-    check_teacher(student, teacher)
-    teacher.eval()
     trained_parameters(student)
-    options = dict(divergence=divergence, beta=beta, temperature=temperature)
+    options = _prepare(student, teacher, divergence, beta, temperature)
 
     def prepare(step: int, chunk: list) -> Work:
         engine.load_weights(student)
