@@ -79,6 +79,8 @@ RENAMED = [
     ("schedule.warmup=5", "warmup_steps"),
     ("schedule.floor=0.1", "min_lr_ratio"),
     ("schedule.decay=0.3", "decay_fraction"),
+    ("report_to=[wandb]", "runtime.report_to"),
+    ("grpo.reward=exact", "grpo.rewards"),
 ]
 
 

@@ -54,6 +54,9 @@ FORMER_FIELDS = {
     "optimizer.warmup_fraction": "use lr_schedule.warmup_steps",
     "optimizer.warmup_steps": "use lr_schedule.warmup_steps",
     "optimizer.min_lr_ratio": "use lr_schedule.min_lr_ratio",
+    # spellings other trainers (and linnet's issues) use for fields linnet keeps elsewhere
+    "report_to": "use runtime.report_to (a list: tensorboard, wandb, mlflow, trackio)",
+    "grpo.reward": "use grpo.rewards (a list; model:DIR for a reward model)",
 }
 
 
