@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -111,11 +112,12 @@ def test_sampling_follows_the_tempered_distribution():
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0]).repeat(20000, 1)
     g = torch.Generator().manual_seed(0)
-    tok, logp = _pick(logits, _Sampling(0.5, 0, 1.0, g, torch.tensor([])))
+    rows = torch.arange(len(logits))
+    tok, logp = _pick(logits, _Sampling(0.5, 0, 1.0, g, torch.tensor([])), rows, len(rows))
     freq = torch.bincount(tok, minlength=5).double() / len(tok)
     torch.testing.assert_close(freq, torch.softmax(logits[0].double() / 0.5, -1), atol=0.01, rtol=0)
     assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
-    tok, _ = _pick(logits, _Sampling(1.0, 2, 1.0, g, torch.tensor([])))
+    tok, _ = _pick(logits, _Sampling(1.0, 2, 1.0, g, torch.tensor([])), rows, len(rows))
     assert set(tok.tolist()) == {0, 1}
 
 
@@ -201,14 +203,14 @@ def test_seed_stream_and_warmup(saved):
     fresh = Engine(nest.load(saved("llama")))
     fresh.warmup([3, 6], n=2, max_new_tokens=8)
     assert fresh.stats.prefill_positions == 0
-    cache = fresh._cache.data_ptr()
+    cache = fresh._keys[0].data_ptr()
     assert [x.tokens for x in fresh.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)] == [x.tokens for x in a]
-    assert fresh._cache.data_ptr() == cache  # no reallocation within the warmed size
+    assert fresh._keys[0].data_ptr() == cache  # no reallocation within the warmed size
     preallocated = Engine(nest.load(saved("llama")), max_batch=4, max_seq=16)
-    cache = preallocated._cache.data_ptr()
+    cache = preallocated._keys[0].data_ptr()
     assert [x.tokens for x in preallocated.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)] == [
         x.tokens for x in a]
-    assert preallocated._cache.data_ptr() == cache
+    assert preallocated._keys[0].data_ptr() == cache
 
 
 def test_bad_input_is_named(saved):
@@ -258,3 +260,59 @@ def test_generate_cli_streams_the_greedy_completion(tmp_path, capsys, chat):
     shown = done.tokens[:-1] if done.stopped else done.tokens
     assert printed == tok.decode(shown) + "\n"
     assert len(shown) > 0 and math.isfinite(done.logprobs.sum().item())
+
+
+def _same_completions(a, b, atol=1e-5):
+    assert [(c.prompt, c.tokens, c.stopped) for c in a] == [(c.prompt, c.tokens, c.stopped) for c in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(x.logprobs, y.logprobs, atol=atol, rtol=0)
+
+
+def test_stop_checks_every_k_steps_cut_rows_at_their_stop_token(saved):
+    """On CUDA stops are read back every 8 steps: rows that stop in between run on, and
+    their extra tokens must not reach the completions."""
+    engine = Engine(nest.load(saved("qwen3")))
+    prompts = _prompts()
+    full = engine.sample(prompts, n=3, max_new_tokens=20, stop=(), seed=5)
+    stop = full[4].tokens[2]
+    every_step = engine.sample(prompts, n=3, max_new_tokens=20, stop=[stop], seed=5)
+    assert any(c.stopped for c in every_step) and not all(c.stopped for c in every_step)
+    engine.stop_every = 8
+    _same_completions(engine.sample(prompts, n=3, max_new_tokens=20, stop=[stop], seed=5), every_step, atol=0)
+
+
+def test_compiled_engine_equals_eager(saved):
+    """torch.compile'd prefill and decode passes: the same greedy tokens and sampled
+    tokens as the eager engine, log-probabilities within 1e-5; rows that stop shrink the
+    batch to a power of two (finished rows fill up)."""
+    directory = saved("llama")
+    eager = Engine(nest.load(directory))
+    compiled = Engine(nest.load(directory), compile=True)
+    assert compiled.compiled and not eager.compiled
+    prompts = _prompts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to eager warns: fail on it
+        compiled.warmup([len(p) for p in prompts], max_new_tokens=3)
+        full = eager.sample(prompts, n=2, max_new_tokens=12, temperature=0.0, stop=())
+        _same_completions(compiled.sample(prompts, n=2, max_new_tokens=12, temperature=0.0, stop=()), full)
+        stop = full[2].tokens[4]
+        _same_completions(compiled.sample(prompts, n=2, max_new_tokens=12, temperature=0.0, stop=[stop]),
+                          eager.sample(prompts, n=2, max_new_tokens=12, temperature=0.0, stop=[stop]))
+        _same_completions(compiled.sample(prompts, n=3, max_new_tokens=10, stop=[stop], seed=1),
+                          eager.sample(prompts, n=3, max_new_tokens=10, stop=[stop], seed=1))
+    assert compiled.compiled
+
+
+def test_compile_failure_falls_back_to_eager(saved):
+    directory = saved("llama")
+    engine = Engine(nest.load(directory), compile=True)
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler\nmore lines")
+
+    engine._decode_pass = engine._prefill_pass = broken
+    prompts = _prompts()
+    with pytest.warns(UserWarning, match="compiling its passes failed .RuntimeError: no C.. compiler.; sampling eagerly"):
+        done = engine.sample(prompts, max_new_tokens=6, temperature=0.0, stop=())
+    assert not engine.compiled
+    _same_completions(done, Engine(nest.load(directory)).sample(prompts, max_new_tokens=6, temperature=0.0, stop=()))

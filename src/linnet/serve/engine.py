@@ -25,6 +25,17 @@ The layers are the model's own modules (norms, projections, q/k norms, `rotate`,
 only the attention around the cache is written here, so the engine's numbers are the
 model's.
 
+Compiled passes (`Engine(model, compile=True)`, or a model loaded with `compile=`): the
+decode step and the prefill are each one `torch.compile`d function (on CUDA the decode
+step is captured as a CUDA graph, mode "reduce-overhead"). A pass size compiles the first
+time a call needs it (later sizes of a changing dimension compile once more, as dynamic
+shapes); `warmup(prompt_lengths)` compiles them before the first real call. The compiled
+prefill attends through one block-diagonal mask (one kernel, no per-prompt Python loop).
+If compiling fails (no C++ compiler, an unsupported op) the engine warns once and runs
+eagerly from then on. Stop tokens are checked on the host every `stop_every` steps (1 on
+CPU, 8 on CUDA: no host sync per token there); rows that stopped in between run on,
+and their extra tokens are dropped.
+
 Log-probabilities: each sampled token's log-probability under the model's unmodified
 distribution (softmax of the logits at temperature 1, before top-k/top-p), in float32:
 what `Decoder.log_probs_packed` gives for the same sequence. With temperature 1 and no
@@ -37,7 +48,9 @@ H query heads, K kv heads, d head dim, D hidden, V vocabulary, S cache slots, L 
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -84,9 +97,12 @@ class Engine:
     max_batch, max_seq: allocate the cache for this many rows and slots up front (both
         or neither); without them it is allocated at the first call's size. It grows
         (reallocates) only when a call needs more rows or slots than it has.
+    compile: compile the decode and prefill passes (see the module docstring); None
+        follows the model (`nest.load(..., compile=...)`).
     """
 
-    def __init__(self, model: Decoder, *, max_batch: int | None = None, max_seq: int | None = None):
+    def __init__(self, model: Decoder, *, max_batch: int | None = None, max_seq: int | None = None,
+                 compile: bool | None = None):
         if not isinstance(model, Decoder):
             raise TypeError(
                 f"Engine: expected a linnet Decoder (nest.load(card)), got {type(model).__name__}"
@@ -100,7 +116,19 @@ class Engine:
         self.model = model
         self.card = model.card
         self.stats = Stats()
-        self._cache: torch.Tensor | None = None  # [L, 2, B, K, S, d] in the model's dtype
+        # per layer: keys and values [B, K, S, d] in the model's dtype (one tensor a layer and
+        # kind: a compiled pass writing into views of one big tensor copies all of it)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self.compiled = bool(model.compiled if compile is None else compile)
+        if self.compiled and model.quantized:
+            raise ValueError("Engine: an NF4 (quantize='nf4') model samples eagerly; pass compile=False")
+        self._decode_pass, self._prefill_pass = _decode_pass, _prefill_pass
+        if self.compiled:
+            cuda = model.device.type == "cuda"
+            self._decode_pass = torch.compile(_decode_pass, mode="reduce-overhead" if cuda else None)
+            self._prefill_pass = torch.compile(_prefill_pass)
+        self.stop_every = 8 if model.device.type == "cuda" else 1
         if max_batch is not None:
             self._ensure_cache(max_batch, max_seq)
 
@@ -210,15 +238,14 @@ class Engine:
     def stream(self, prompt: Sequence[int], **options) -> Iterator[int]:
         """Yield one prompt's completion a token at a time, as it is sampled (the
         options of `sample`, n=1). A stop token is yielded too, as the last."""
-        run = self._generate([prompt], 1, **_defaults(options))
-        for _, tokens in run:
+        run = self._generate([prompt], 1, **_defaults(options), stop_every=1)
+        for tokens in run:
             yield int(tokens[0])
 
     def warmup(self, prompt_lengths: Sequence[int], *, n: int = 1, max_new_tokens: int = 2) -> None:
-        """Run one dummy prefill and `max_new_tokens - 1` decode steps with prompts of
-        these lengths, and allocate the cache for them. On CPU this only preallocates; it
-        exists for compiled or CUDA-graph paths, which build a pass size the first time
-        they see it (none is built here yet). Stats are left unchanged."""
+        """Allocate the cache for prompts of these lengths (n completions each) and, in a
+        compiled engine, compile the passes they need: one dummy prefill and
+        `max_new_tokens - 1` decode steps. Stats are left unchanged."""
         saved = Stats(**vars(self.stats))
         prompts = [[0] * int(t) for t in prompt_lengths]
         self.sample(prompts, n, max_new_tokens=max_new_tokens, temperature=0.0, stop=())
@@ -230,133 +257,131 @@ class Engine:
     # -- the loop -------------------------------------------------------------------
 
     @torch.inference_mode()
-    def _generate(self, prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator):
-        """Yields (original row indices (host tuple), sampled tokens [A]) each step;
-        returns the completions."""
+    def _generate(self, prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator,
+                  stop_every=None):
+        """Yields the sampled tokens [rows in the batch] each step; returns the completions."""
         prompts = self._check_prompts(prompts)
         sampling = self._check_sampling(n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator)
+        every = stop_every or self.stop_every
         dev = self.model.device
         lengths = [len(p) for p in prompts]
         B, N = len(prompts) * n, max_new_tokens
         S = max(lengths) + N - 1  # the last sampled token is never fed back
-        cache = self._ensure_cache(B, S)
+        self._ensure_cache(B, S)
         cos, sin = self._rope_table(S)
 
         out_tok = torch.zeros(B, N, dtype=torch.long, device=dev)
         out_lp = torch.zeros(B, N, dtype=torch.float32, device=dev)
-        length = [N] * B
-        stopped = [False] * B
+        length = torch.full((B,), N, device=dev)  # tokens a completion keeps (its stop token included)
+        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
 
-        logits = self._prefill(prompts, n, cache, cos, sin).repeat_interleave(n, dim=0)
-        rows = list(range(B))  # original index of each compact row
-        pos = [lengths[r // n] for r in rows]  # slot of each row's next token
+        logits = self._prefill(prompts, n, cos, sin).repeat_interleave(n, dim=0)
+        rows = torch.arange(B, device=dev)  # completion index of each row in the batch
+        start = [lengths[r // n] for r in range(B)]  # host: each row's first new slot
+        start_B = torch.tensor(start, device=dev)
+        finished = torch.zeros(B, dtype=torch.bool, device=dev)  # rows that sampled a stop token
         for step in range(N):
-            tok, lp = _pick(logits, sampling)
-            rows_dev = torch.tensor(rows, device=dev)
-            out_tok[rows_dev, step] = tok
-            out_lp[rows_dev, step] = lp
-            self.stats.sampled_tokens += len(rows)
-            yield tuple(rows), tok
-            hit = torch.isin(tok, sampling.stop).tolist() if len(sampling.stop) else [False] * len(rows)
-            for r, h in zip(rows, hit):
-                if h:
-                    length[r], stopped[r] = step + 1, True
-            alive = len(rows) - sum(hit)
-            if step == N - 1 or alive == 0:
+            tok, lp = _pick(logits, sampling, rows, B)
+            out_tok[rows, step] = tok
+            out_lp[rows, step] = lp
+            self.stats.sampled_tokens += len(start)
+            yield tok
+            if len(sampling.stop):
+                hit = torch.isin(tok, sampling.stop) & ~finished
+                length[rows] = torch.where(hit, step + 1, length[rows])
+                stopped[rows] |= hit
+                finished |= hit
+            if step == N - 1:
                 break
-            if alive < len(rows):
-                tok = self._compact(cache, hit, tok, rows, pos)
-            logits = self._decode(tok, pos, cache, cos, sin)
-            pos = [p + 1 for p in pos]
+            if len(sampling.stop) and (step + 1) % every == 0:  # the only host sync on stops
+                done = finished.tolist()
+                if all(done):
+                    break
+                order = self._compact(done, [s + step for s in start])
+                if order is not None:
+                    index = torch.tensor(order, device=dev)
+                    rows, tok, finished = rows[index], tok[index], finished[index]
+                    start = [start[i] for i in order]
+                    start_B = torch.tensor(start, device=dev)
+            logits = self._decode(tok, start_B + step, max(start) + step, cos, sin)
 
-        out_tok, out_lp = out_tok.cpu(), out_lp.cpu()
+        out_tok, out_lp, length, stopped = out_tok.cpu(), out_lp.cpu(), length.tolist(), stopped.tolist()
         return [
             Completion(r // n, out_tok[r, : length[r]].tolist(), out_lp[r, : length[r]].clone(), stopped[r])
             for r in range(B)
         ]
 
-    @staticmethod
-    def _compact(cache, hit: list[bool], tok, rows: list[int], pos: list[int]):
-        """Drop finished rows: each finished row among the first `alive` is filled by a
-        live row from past them (its cache slots copied), so only rows that move are
-        copied and the batch stays rows 0..alive-1. Updates rows and pos in place;
-        returns the live rows' tokens."""
-        alive = len(rows) - sum(hit)
-        holes = [i for i in range(alive) if hit[i]]
-        movers = [i for i in range(alive, len(rows)) if not hit[i]]
-        assert len(holes) == len(movers)
+    def _compact(self, done: list[bool], pos: list[int]) -> list[int] | None:
+        """Drop finished rows from the batch: each finished row among the first rows kept is
+        filled by a live row from past them (its cache slots below `pos`, the slot its next
+        token goes to, copied), so only rows that move are copied. A compiled engine keeps
+        a power of two of rows (finished ones fill up), so few batch sizes compile.
+        Returns the old index of each row kept, or None when nothing changes."""
+        alive = done.count(False)
+        keep = alive if not self.compiled else min(1 << (alive - 1).bit_length(), len(done))
+        if keep == len(done):
+            return None
+        spare = [i for i, d in enumerate(done) if d][: keep - alive]  # finished rows that stay
+        kept = sorted(spare + [i for i, d in enumerate(done) if not d])
+        holes = [i for i in range(keep) if i not in kept]
+        movers = [i for i in kept if i >= keep]
+        order = list(range(keep))
         if holes:
-            used = max(pos[i] for i in movers)  # slots filled so far in the moving rows
-            src = torch.tensor(movers, device=tok.device)
-            dst = torch.tensor(holes, device=tok.device)
-            cache[:, :, dst, :, :used] = cache[:, :, src, :, :used]
-            tok[dst] = tok[src]
+            used = max(pos[i] for i in movers)
+            src = torch.tensor(movers, device=self.model.device)
+            dst = torch.tensor(holes, device=self.model.device)
+            for t in self._keys + self._values:
+                t[dst, :, :used] = t[src, :, :used]
             for h, m in zip(holes, movers):
-                rows[h], pos[h] = rows[m], pos[m]
-        del rows[alive:], pos[alive:]
-        return tok[:alive]
+                order[h] = m
+        return order
 
-    def _prefill(self, prompts: list[list[int]], n: int, cache, cos_Sd, sin_Sd) -> torch.Tensor:
-        """Run the prompts as one packed row; write each prompt's keys/values into the
-        cache rows of its n completions; return the logits [len(prompts), V] (f32) of
-        each prompt's last position."""
+    def _prefill(self, prompts: list[list[int]], n: int, cos_Sd, sin_Sd) -> torch.Tensor:
+        """Run the prompts as one packed row, writing each prompt's keys/values into the
+        cache rows of its n completions; the logits [len(prompts), V] (f32) of each prompt's
+        last position."""
         m, dev = self.model, self.model.device
         lengths = [len(p) for p in prompts]
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-        P = bounds[-1]
         tokens_P = torch.tensor([t for p in prompts for t in p], device=dev)
         positions_P = torch.cat([torch.arange(t, device=dev) for t in lengths])
         prompt_P = torch.repeat_interleave(torch.arange(len(prompts), device=dev), torch.tensor(lengths, device=dev))
         # position p of prompt i goes to slot p of rows i * n + j, j < n
-        rows_nP = prompt_P[None] * n + torch.arange(n, device=dev)[:, None]
-        cos, sin = cos_Sd[positions_P][:, None], sin_Sd[positions_P][:, None]  # [P, 1, d]
-        attend = attention_paths.choose(m.attention, dev)
-
-        x = F.embedding(tokens_P, m.model.embed_tokens.weight).to(m.dtype)
-        for i, block in enumerate(m.model.layers):
-            attn = block.self_attn
-            q_PHd, k_PKd, v_PKd = _project(attn, block.input_layernorm(x), cos, sin)
-            for rows_P in rows_nP:  # the prompt's keys/values go to each of its n rows
-                cache[i, 0][rows_P, :, positions_P] = k_PKd
-                cache[i, 1][rows_P, :, positions_P] = v_PKd
-            out = attend(q_PHd.transpose(0, 1)[None], k_PKd.transpose(0, 1)[None], v_PKd.transpose(0, 1)[None], bounds)
-            x = _finish(block, x, out[0].transpose(0, 1).reshape(P, -1))
-        self.stats.prefill_positions += P
+        rows_nP = (prompt_P[None] * n + torch.arange(n, device=dev)[:, None]).flatten()
         last = torch.tensor(bounds[1:], device=dev) - 1
-        return self._logits(x[last])
+        if self.compiled:  # one mask: no per-prompt loop (and no bounds) in the graph
+            attend = attention_paths.block_causal_mask(bounds, dev)
+        else:
+            attend = functools.partial(attention_paths.choose(m.attention, dev), bounds=bounds)
+        logits = self._call("_prefill_pass", m, tokens_P, positions_P, rows_nP, last, self._keys, self._values,
+                            cos_Sd, sin_Sd, attend)
+        self.stats.prefill_positions += bounds[-1]
+        return logits
 
-    def _decode(self, tokens_B: torch.Tensor, pos: list[int], cache, cos_Sd, sin_Sd) -> torch.Tensor:
-        """One position per row: row b's token sits at slot pos[b]. Returns [B, V] f32.
-
-        The one-query attention is two batched matmuls and a softmax (SDPA's CPU kernel is
-        built for long queries: 1.17x a GRPO step), over a slot count rounded up to 64 so
-        that oneDNN sees few shapes; the slots past each row's position are masked."""
-        m, dev = self.model, self.model.device
-        B = len(pos)
-        S = min(-(-(max(pos) + 1) // 64) * 64, cache.shape[4])
-        pos_B = torch.tensor(pos, device=dev)
-        rows_B = torch.arange(B, device=dev)
-        cos, sin = cos_Sd[pos_B][:, None], sin_Sd[pos_B][:, None]  # [B, 1, d]
-        unseen = (torch.arange(S, device=dev)[None] > pos_B[:, None])[:, None, None]  # [B, 1, 1, S]
-        x = F.embedding(tokens_B, m.model.embed_tokens.weight).to(m.dtype)
-        for i, block in enumerate(m.model.layers):
-            attn = block.self_attn
-            H, K, d = attn.shape
-            q_BHd, k_BKd, v_BKd = _project(attn, block.input_layernorm(x), cos, sin)
-            k_cache, v_cache = cache[i, 0, :B, :, :S], cache[i, 1, :B, :, :S]  # views: writes land in the cache
-            k_cache[rows_B, :, pos_B] = k_BKd
-            v_cache[rows_B, :, pos_B] = v_BKd
-            scores = (q_BHd.view(B, K, H // K, d) @ k_cache.transpose(-1, -2)).float()  # [B, K, H/K, S]
-            scores = scores.mul_(d**-0.5).masked_fill_(unseen, -math.inf)
-            out = torch.softmax(scores, dim=-1).to(m.dtype) @ v_cache  # [B, K, H/K, d]
-            x = _finish(block, x, out.reshape(B, -1))
-        self.stats.decode_positions += B
+    def _decode(self, tokens_B: torch.Tensor, pos_B: torch.Tensor, top: int, cos_Sd, sin_Sd) -> torch.Tensor:
+        """One position a row: row b's token goes to slot pos_B[b] (`top` is the highest).
+        Returns [B, V] f32. Attends over the slots up to `top` rounded up to 64, so that
+        few shapes compile (and oneDNN sees few)."""
+        S = min(-(-(top + 1) // 64) * 64, self._keys[0].shape[2])
+        logits = self._call("_decode_pass", self.model, tokens_B, pos_B, self._keys, self._values, cos_Sd, sin_Sd, S)
+        self.stats.decode_positions += len(tokens_B)
         self.stats.decode_steps += 1
-        return self._logits(x)
+        return logits
 
-    def _logits(self, h_ND: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        return (m.model.norm(h_ND) @ m.head_weight.to(m.dtype).T).float()
+    def _call(self, name: str, *args) -> torch.Tensor:
+        """Run a pass; if compiling it fails, warn once and run eagerly from then on."""
+        if not self.compiled:
+            return getattr(self, name)(*args)
+        try:
+            if self.model.device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are read
+            return getattr(self, name)(*args)
+        except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the same code, eager
+            warnings.warn(f"Engine: compiling its passes failed ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''}); sampling eagerly", stacklevel=3)
+            self.compiled = False
+            self._decode_pass, self._prefill_pass = _decode_pass, _prefill_pass
+            return getattr(self, name)(*args)
 
     def _rope_table(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [S, d] as `Decoder._trunk` computes them (f32 angles, then the dtype)."""
@@ -365,20 +390,20 @@ class Engine:
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(m.dtype), angles.sin().to(m.dtype)
 
-    def _ensure_cache(self, rows: int, slots: int) -> torch.Tensor:
+    def _ensure_cache(self, rows: int, slots: int) -> None:
         c = self.card
-        have = self._cache
-        if have is not None and have.shape[2] >= rows and have.shape[4] >= slots:
-            return have
-        if have is not None:
-            rows, slots = max(rows, have.shape[2]), max(slots, have.shape[4])
-        self._cache = None  # free the old one before allocating the new
+        if self._keys:
+            have_rows, _, have_slots, _ = self._keys[0].shape
+            if have_rows >= rows and have_slots >= slots:
+                return
+            rows, slots = max(rows, have_rows), max(slots, have_slots)
+        self._keys, self._values = [], []  # free the old cache before allocating the new
         # zeros, not empty: masked slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaNs (0 * NaN = NaN)
-        self._cache = torch.zeros(
-            c.layers, 2, rows, c.kv_heads, slots, c.head_dim, dtype=self.model.dtype, device=self.model.device
-        )
-        return self._cache
+        shape = (rows, c.kv_heads, slots, c.head_dim)
+        for _ in range(c.layers):
+            self._keys.append(torch.zeros(shape, dtype=self.model.dtype, device=self.model.device))
+            self._values.append(torch.zeros(shape, dtype=self.model.dtype, device=self.model.device))
 
     # -- input checks ---------------------------------------------------------------
 
@@ -443,6 +468,58 @@ def _defaults(options: dict) -> dict:
     return {**allowed, **options}
 
 
+def _prefill_pass(model, tokens_P, positions_P, rows_nP, last, keys, values, cos_Sd, sin_Sd, attend):
+    """The prompts' pass: every layer's keys/values into cache rows `rows_nP` (the n
+    completions of each position's prompt, n-major) at their positions; the logits [prompts,
+    V] at `last`. attend: the attention function of the model's path (bounds bound), or a
+    [P, P] mask for one SDPA call (the compiled pass)."""
+    P = len(tokens_P)
+    n = len(rows_nP) // P
+    cos, sin = cos_Sd[positions_P][:, None], sin_Sd[positions_P][:, None]  # [P, 1, d]
+    slots = positions_P.repeat(n)
+    x = F.embedding(tokens_P, model.model.embed_tokens.weight).to(model.dtype)
+    for i, block in enumerate(model.model.layers):
+        q_PHd, k_PKd, v_PKd = _project(block.self_attn, block.input_layernorm(x), cos, sin)
+        keys[i][rows_nP, :, slots] = k_PKd.repeat(n, 1, 1)
+        values[i][rows_nP, :, slots] = v_PKd.repeat(n, 1, 1)
+        q, k, v = q_PHd.transpose(0, 1)[None], k_PKd.transpose(0, 1)[None], v_PKd.transpose(0, 1)[None]
+        if isinstance(attend, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = attend(q, k, v)
+        x = _finish(block, x, out[0].transpose(0, 1).reshape(P, -1))
+    return _logits(model, x[last])
+
+
+def _decode_pass(model, tokens_B, pos_B, keys, values, cos_Sd, sin_Sd, S: int):
+    """One decode step: row b's token at slot pos_B[b] of cache row b, attending to the
+    first S slots (those past its position masked). Returns [B, V] f32.
+
+    The one-query attention is two batched matmuls and a softmax (SDPA's CPU kernel is
+    built for long queries: 1.17x a GRPO step)."""
+    B = len(tokens_B)
+    rows_B = torch.arange(B, device=tokens_B.device)
+    cos, sin = cos_Sd[pos_B][:, None], sin_Sd[pos_B][:, None]  # [B, 1, d]
+    unseen = (torch.arange(S, device=tokens_B.device)[None] > pos_B[:, None])[:, None, None]  # [B, 1, 1, S]
+    x = F.embedding(tokens_B, model.model.embed_tokens.weight).to(model.dtype)
+    for i, block in enumerate(model.model.layers):
+        attn = block.self_attn
+        H, K, d = attn.shape
+        q_BHd, k_BKd, v_BKd = _project(attn, block.input_layernorm(x), cos, sin)
+        keys[i][rows_B, :, pos_B] = k_BKd
+        values[i][rows_B, :, pos_B] = v_BKd
+        k_cache, v_cache = keys[i][:B, :, :S], values[i][:B, :, :S]
+        scores = (q_BHd.view(B, K, H // K, d) @ k_cache.transpose(-1, -2)).float()  # [B, K, H/K, S]
+        scores = scores.mul_(d**-0.5).masked_fill_(unseen, -math.inf)
+        out = torch.softmax(scores, dim=-1).to(model.dtype) @ v_cache  # [B, K, H/K, d]
+        x = _finish(block, x, out.reshape(B, -1))
+    return _logits(model, x)
+
+
+def _logits(model, h_ND: torch.Tensor) -> torch.Tensor:
+    return (model.model.norm(h_ND) @ model.head_weight.to(model.dtype).T).float()
+
+
 def _project(attn, h_ND, cos_N1d, sin_N1d):
     """q [N, H, d], k and v [N, K, d] of one attention module, q and k rotated."""
     q, k, v = attn.project(h_ND)
@@ -455,8 +532,11 @@ def _finish(block, x_ND, attended_NE):
     return x_ND + block.mlp(block.post_attention_layernorm(x_ND))
 
 
-def _pick(logits_BV: torch.Tensor, s: _Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampled ids [B] and the model's (temperature 1, unfiltered) log-probabilities of them."""
+def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled ids [B] and the model's (temperature 1, unfiltered) log-probabilities of them.
+    rows_B: each row's completion index among `total`: one uniform is drawn for every
+    completion each step, stopped or not, so a completion's draws never depend on when
+    the others stop or leave the batch."""
     logp_BV = torch.log_softmax(logits_BV, dim=-1)
     if s.temperature == 0:
         tok = logits_BV.argmax(-1)
@@ -474,6 +554,6 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling) -> tuple[torch.Tensor, torch.Te
         # inverse CDF: one uniform a row, where multinomial draws one for every vocabulary
         # entry (1.08x a GRPO step); "right" never lands on a token of probability 0
         cdf = torch.softmax(z, dim=-1, dtype=torch.float64).cumsum_(-1)
-        u = torch.rand(len(cdf), 1, generator=s.generator, dtype=torch.float64, device=cdf.device)
+        u = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=cdf.device)[rows_B]
         tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
     return tok, logp_BV.gather(-1, tok[:, None])[:, 0]
