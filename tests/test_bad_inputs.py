@@ -227,6 +227,11 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("grpo-no-answer", lambda ws: GRPO(f"data.path={_copy(ws, 'prompts.jsonl', lambda p: _lines(p, {'prompt': '1+2='}))}")(ws),
      r"line 1: missing field 'answer'"),
     ("grpo-top-p", GRPO("grpo.top_p=2"), r"grpo.top_p in \(0, 1\]"),
+    ("grpo-vllm-cpu", GRPO("grpo.engine=vllm", "runtime.device=cpu"),
+     r"grpo.engine=vllm samples on a CUDA GPU, and this run computes on cpu.*set grpo.engine=builtin"),
+    ("grpo-vllm-engine", GRPO("grpo.engine=sglang"), r"grpo.engine: 'sglang' is not one of"),
+    ("grpo-vllm-memory", GRPO("grpo.vllm_gpu_memory_utilization=0.5"),
+     r"grpo.vllm_gpu_memory_utilization=0.5 is read with grpo.engine=vllm only"),
     # jax, inspect, generate, quickstart, plan, plot, info
     ("jax-pytorch-field", lambda ws: ["jax", *SFT("training.shard=fsdp")(ws)[1:]], r"training.shard='fsdp' is for the PyTorch backend"),
     ("inspect-bad-data", lambda ws: ["inspect", *SFT("data.path=/nonexistent.jsonl")(ws)[1:]], r"no such file"),

@@ -19,9 +19,13 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet import nest, rewards
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.serve import Engine
+    from linnet.serve.vllm import VLLMEngine, check_usable
     from linnet.train.grpo import evaluate, grpo
+    from linnet.train.loop import resolve_device
 
     d, g, t, m, rt = config.data, config.grpo, config.training, config.model, config.runtime
+    if g.engine == "vllm":  # where vLLM cannot run, refused before any data is read or file written
+        check_usable(resolve_device(rt.device))
     card = nest.resolve(m.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern) for spec in g.rewards}
@@ -44,7 +48,11 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         return run.complete
     policy = runs.load_model(card, config)
     base = dict(device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed, quantize=m.quantize)
-    engine = Engine(nest.load(card, **base))  # with quantize, it samples from the policy's own NF4 base
+    if g.engine == "vllm":
+        engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, max_len=t.context_length,
+                            gpu_memory_utilization=g.vllm_gpu_memory_utilization, seed=rt.seed)
+    else:
+        engine = Engine(nest.load(card, **base))  # with quantize, it samples from the policy's own NF4 base
     reference = nest.load(card, **base) if g.beta else None
     optimizer, schedule = runs.optimizer_and_schedule(config, policy, steps)
     names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])

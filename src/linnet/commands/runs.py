@@ -114,7 +114,7 @@ def split_per_step(name: str, per_step: int) -> int:
 RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress", "runtime.report_to",
                         "training.checkpoint_every", "training.keep", "evaluation.every", "data.path",
                         "data.eval_path", "dpo.reference_cache", "training.activation_checkpointing",
-                        "model.activation_memory_budget"})
+                        "model.activation_memory_budget", "grpo.vllm_gpu_memory_utilization"})
 
 
 def recipe(config) -> dict[str, Any]:

@@ -362,6 +362,12 @@ class GRPOSettings:
                                             "more lowers the estimate's variance); null: pass_k")
     pass_reward: float | None = option(None, "a held-out completion passes when its summed reward reaches this; "
                                              "null: one per reward (full marks from each built-in)")
+    engine: Literal["builtin", "vllm"] = option(
+        "builtin", "what samples the rollouts: builtin (linnet.serve.Engine, any device) or vllm (vLLM on the "
+                   "run's CUDA GPU beside the policy: the vllm extra)")
+    vllm_gpu_memory_utilization: float | None = option(
+        None, "engine vllm: the share of the GPU's memory vLLM takes for its copy of the weights and its KV cache, "
+              "the rest left to training; null: 0.3")
 
     def __post_init__(self):
         if self.group < 2 or self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
@@ -383,6 +389,12 @@ class GRPOSettings:
                 or (self.correction_cap is not None and not self.correction_cap > 0):
             raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
                              "(0, 1] and grpo.correction_cap > 0")
+        memory = self.vllm_gpu_memory_utilization
+        if memory is not None and self.engine != "vllm":
+            raise ValueError(f"config: grpo.vllm_gpu_memory_utilization={memory} is read with grpo.engine=vllm only; "
+                             "remove it, or set grpo.engine=vllm")
+        if memory is not None and not 0 < memory < 1:
+            raise ValueError(f"config: grpo.vllm_gpu_memory_utilization={memory}; use a share in (0, 1), e.g. 0.3")
 
 
 @dataclass

@@ -145,15 +145,8 @@ class Engine:
         shared rather than copied, with copies of its adapters beside it (unmerged: an NF4
         weight cannot take them), so it computes what the QLoRA policy computes."""
         own = {n: p for n, p in self.model.named_parameters() if not n.endswith(ADAPTER_SUFFIXES)}
-        adapted = {
-            f"{name}.weight": m
-            for name, m in policy.named_modules()
-            if isinstance(m, Linear) and m.lora_a is not None
-        }
         seen = set()
-        for name, p in policy.named_parameters():
-            if name.endswith(ADAPTER_SUFFIXES):
-                continue
+        for name, p, layer in policy_weights(policy):
             if name not in own:
                 raise ValueError(
                     f"Engine.load_weights: the policy has {name!r}, which the engine's model "
@@ -161,10 +154,9 @@ class Engine:
                 )
             seen.add(name)
             if is_quantized(own[name]):
-                self._share_quantized(name, p, adapted.get(name))
+                self._share_quantized(name, p, layer)
                 continue
-            layer = adapted.get(name)
-            src = full(dense(p).detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
+            src = merged(p, layer)
             dst = own[name]
             if src.shape != dst.shape:
                 raise ValueError(
@@ -260,7 +252,7 @@ class Engine:
     def _generate(self, prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator,
                   stop_every=None):
         """Yields the sampled tokens [rows in the batch] each step; returns the completions."""
-        prompts = self._check_prompts(prompts)
+        prompts = token_prompts(prompts, self.card.vocab)
         sampling = self._check_sampling(n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator)
         every = stop_every or self.stop_every
         dev = self.model.device
@@ -407,56 +399,15 @@ class Engine:
 
     # -- input checks ---------------------------------------------------------------
 
-    def _check_prompts(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence | np.ndarray | torch.Tensor):
-            raise TypeError(
-                f"Engine.sample: prompts must be a list of token id sequences, got {type(prompts).__name__}"
-            )
-        if len(prompts) == 0:
-            raise ValueError("Engine.sample: no prompts given")
-        out = []
-        for i, p in enumerate(prompts):
-            if isinstance(p, (int, np.integer)) or (isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim != 1):
-                raise TypeError(
-                    f"Engine.sample: prompt {i} is not a 1-D sequence of token ids; pass a list "
-                    "of prompts (wrap a single prompt in a list)"
-                )
-            ids = [int(t) for t in (p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p)]
-            if not ids:
-                raise ValueError(
-                    f"Engine.sample: prompt {i} is empty; every prompt needs at least one token "
-                    "(start it with the tokenizer's bos_id if it has nothing else)"
-                )
-            bad = [t for t in ids if not 0 <= t < self.card.vocab]
-            if bad:
-                raise ValueError(
-                    f"Engine.sample: prompt {i} has token id {bad[0]}, outside the vocabulary "
-                    f"[0, {self.card.vocab}); tokenize with this model's tokenizer"
-                )
-            out.append(ids)
-        return out
-
     def _check_sampling(self, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator) -> _Sampling:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"Engine.sample: n={n!r}; give at least 1 completion per prompt")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"Engine.sample: max_new_tokens={max_new_tokens!r}; it must be at least 1")
-        if not (temperature >= 0 and math.isfinite(temperature)):
-            raise ValueError(f"Engine.sample: temperature={temperature!r}; use 0 (greedy) or a positive number")
-        top_k = top_k or 0
-        if not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"Engine.sample: top_k={top_k!r}; use a positive int, or None for all tokens")
-        top_p = 1.0 if top_p is None else float(top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"Engine.sample: top_p={top_p!r}; it must be in (0, 1], or None for all tokens")
+        top_k, top_p = sampling_options(n, max_new_tokens, temperature, top_k, top_p, self.card.vocab)
         if seed is not None and generator is not None:
             raise ValueError("Engine.sample: give seed or generator, not both")
         dev = self.model.device
         if seed is not None:
             generator = torch.Generator(dev).manual_seed(int(seed))
         stop = self.card.eos_token_ids if stop is None else tuple(int(t) for t in stop)
-        return _Sampling(float(temperature), min(top_k, self.card.vocab), top_p, generator,
-                         torch.tensor(stop, dtype=torch.long, device=dev))
+        return _Sampling(float(temperature), top_k, top_p, generator, torch.tensor(stop, dtype=torch.long, device=dev))
 
 
 def _defaults(options: dict) -> dict:
@@ -466,6 +417,70 @@ def _defaults(options: dict) -> dict:
     if unknown:
         raise TypeError(f"Engine.stream: unexpected options {', '.join(sorted(unknown))}")
     return {**allowed, **options}
+
+
+def token_prompts(prompts, vocab: int, who: str = "Engine.sample") -> list[list[int]]:
+    """The prompts as lists of ints, each checked: a sequence, not empty, ids in the vocabulary."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence | np.ndarray | torch.Tensor):
+        raise TypeError(f"{who}: prompts must be a list of token id sequences, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError(f"{who}: no prompts given")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (int, np.integer)) or (isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim != 1):
+            raise TypeError(
+                f"{who}: prompt {i} is not a 1-D sequence of token ids; pass a list "
+                "of prompts (wrap a single prompt in a list)"
+            )
+        ids = [int(t) for t in (p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p)]
+        if not ids:
+            raise ValueError(
+                f"{who}: prompt {i} is empty; every prompt needs at least one token "
+                "(start it with the tokenizer's bos_id if it has nothing else)"
+            )
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"{who}: prompt {i} has token id {bad[0]}, outside the vocabulary "
+                f"[0, {vocab}); tokenize with this model's tokenizer"
+            )
+        out.append(ids)
+    return out
+
+
+def sampling_options(n, max_new_tokens, temperature, top_k, top_p, vocab: int,
+                     who: str = "Engine.sample") -> tuple[int, float]:
+    """Check `sample`'s options; returns top_k (0: all, at most the vocabulary) and top_p (1: all)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{who}: n={n!r}; give at least 1 completion per prompt")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{who}: max_new_tokens={max_new_tokens!r}; it must be at least 1")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"{who}: temperature={temperature!r}; use 0 (greedy) or a positive number")
+    top_k = top_k or 0
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{who}: top_k={top_k!r}; use a positive int, or None for all tokens")
+    top_p = 1.0 if top_p is None else float(top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{who}: top_p={top_p!r}; it must be in (0, 1], or None for all tokens")
+    return min(top_k, vocab), top_p
+
+
+def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, Linear | None]]:
+    """(name, parameter, its adapted layer or None) for each of a policy's weights, by
+    Hugging Face name, the adapters' own tensors left out: what an engine copies in."""
+    adapted = {f"{name}.weight": m for name, m in policy.named_modules()
+               if isinstance(m, Linear) and m.lora_a is not None}
+    for name, p in policy.named_parameters():
+        if not name.endswith(ADAPTER_SUFFIXES):
+            yield name, p, adapted.get(name)
+
+
+def merged(weight: torch.nn.Parameter, layer: Linear | None) -> torch.Tensor:
+    """The plain weight the policy computes with: an adapted layer's merged in float32
+    (`Linear.merged_weight`), an NF4 one dequantized, a sharded one gathered (every
+    process must call this together)."""
+    return full(dense(weight).detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
 
 
 def _prefill_pass(model, tokens_P, positions_P, rows_nP, last, keys, values, cos_Sd, sin_Sd, attend):
