@@ -27,6 +27,7 @@ so read the ratio rather than the absolute numbers.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -72,11 +73,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_case(name, engine, hf, prompts, n, new, sample, device, repeats):
+def run_case(name, engines, hf, prompts, n, new, sample, device, repeats):
+    """engines: side name -> Engine (linnet's eager engine, and its compiled one with --compile)."""
     ids, mask = left_padded(prompts, device)
     T = ids.shape[1]
 
-    def ours():
+    def ours(engine):
         done = engine.sample(prompts, n, max_new_tokens=new, temperature=1.0 if sample else 0.0, stop=(),
                              seed=0)
         sync(device)
@@ -90,20 +92,25 @@ def run_case(name, engine, hf, prompts, n, new, sample, device, repeats):
         sync(device)
         return out[:, T:].tolist()
 
-    a, b = ours(), theirs()  # warm up, and check agreement
-    tokens = sum(map(len, a))
-    assert tokens == sum(map(len, b)) == len(prompts) * n * new, (tokens, sum(map(len, b)))
+    sides = {side: functools.partial(ours, engine) for side, engine in engines.items()}
+    sides["transformers"] = theirs
+    got = {side: fn() for side, fn in sides.items()}  # warm up (compiles), and check agreement
+    b = got["transformers"]
+    tokens = sum(map(len, b))
+    assert all(sum(map(len, a)) == tokens == len(prompts) * n * new for a in got.values()), name
+    a = got["linnet"]
     same = "yes" if a == b else f"{sum(x == y for x, y in zip(a, b))}/{len(a)} rows"
-    times = {"linnet": [], "transformers": []}
+    if "compiled" in got and not sample:
+        assert got["compiled"] == a, f"{name}: the compiled engine chose other greedy tokens than the eager one"
+    times = {side: [] for side in sides}
     for _ in range(repeats):
-        for side, fn in (("linnet", ours), ("transformers", theirs)):
+        for side, fn in sides.items():
             start = time.perf_counter()
             fn()
             times[side].append(time.perf_counter() - start)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    rate = {side: tokens / statistics.median(v) for side, v in times.items()}
     return dict(case=name, rows=len(prompts) * n, prompt=f"{min(map(len, prompts))}-{max(map(len, prompts))}",
-                new=new, tokens=tokens, linnet=tokens / med["linnet"], transformers=tokens / med["transformers"],
-                same=same if not sample else "n/a (sampled)")
+                new=new, tokens=tokens, **rate, same=same if not sample else "n/a (sampled)")
 
 
 def main(argv=None) -> None:
@@ -116,6 +123,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared 2-core machine a second thread spin-waits)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the compiled engine (Engine(compile=True); its compile time is in the warm-up)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "generate.md"),
                     help="markdown file to write ('-': print only)")
     args = ap.parse_args(argv)
@@ -134,8 +143,10 @@ def main(argv=None) -> None:
         params = None
         for dtype in args.dtypes:
             td = getattr(torch, dtype)
-            engine = Engine(nest.load(directory, device=args.device, dtype=dtype))
-            params = sum(p.numel() for p in engine.model.parameters())
+            engines = {"linnet": Engine(nest.load(directory, device=args.device, dtype=dtype))}
+            if args.compile:
+                engines["compiled"] = Engine(nest.load(directory, device=args.device, dtype=dtype), compile=True)
+            params = sum(p.numel() for p in engines["linnet"].model.parameters())
             hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=td).to(args.device).eval()
             cases = [
                 ("greedy", prompts_of([32] * args.batch, vocab), 1, False),
@@ -144,13 +155,14 @@ def main(argv=None) -> None:
                 ("group", prompts_of([48, 20], vocab, 2), max(args.batch // 2, 1), True),
             ]
             for name, prompts, n, sample in cases:
-                r = run_case(name, engine, hf, prompts, n, new, sample, args.device, args.repeats)
+                r = run_case(name, engines, hf, prompts, n, new, sample, args.device, args.repeats)
                 r["dtype"] = dtype
                 rows.append(r)
+                compiled = f"  compiled {r['compiled']:8.1f} tok/s" if args.compile else ""
                 print(f"{dtype:9} {name:13} rows {r['rows']:3} prompt {r['prompt']:>6} new {new}: "
-                      f"linnet {r['linnet']:8.1f} tok/s  transformers {r['transformers']:8.1f} tok/s  "
+                      f"linnet {r['linnet']:8.1f} tok/s{compiled}  transformers {r['transformers']:8.1f} tok/s  "
                       f"ratio {r['linnet'] / r['transformers']:.2f}x  same tokens: {r['same']}", flush=True)
-            del engine, hf
+            del engines, hf
     seconds = time.perf_counter() - start
 
     lines = [
@@ -169,9 +181,12 @@ def main(argv=None) -> None:
         f"- Run time: {seconds:.0f} s",
         "",
         *table(["dtype", "case", "rows", "prompt tokens", "new tokens", "linnet tok/s", "transformers tok/s",
-                "linnet / transformers", "same tokens"],
+                "linnet / transformers", "same tokens"]
+               + (["compiled tok/s", "compiled / transformers"] if args.compile else []),
                [[r["dtype"], r["case"], r["rows"], r["prompt"], r["new"], f"{r['linnet']:.1f}", f"{r['transformers']:.1f}",
-                 f"{r['linnet'] / r['transformers']:.2f}x", r["same"]] for r in rows]),
+                 f"{r['linnet'] / r['transformers']:.2f}x", r["same"]]
+                + ([f"{r['compiled']:.1f}", f"{r['compiled'] / r['transformers']:.2f}x"] if args.compile else [])
+                for r in rows]),
         "",
         "Cases: `greedy` B equal-length prompts; `greedy/mixed` B prompts of different lengths (transformers "
         "left-pads); `group` prompts x n completions sampled at temperature 1 (linnet passes each prompt once; "

@@ -7,12 +7,12 @@ GPU (about 8 minutes), written to bench/GPU.md with the device and absolute numb
 Steps, each in its own process with its own time limit (a failure is recorded, the rest run):
   1. the CUDA-only tests (tests/test_cuda.py: varlen attention, the pinned-memory loader,
      bf16 and compile="inductor" training, packed decentralized workers, fully_shard over
-     NCCL in one process);
+     NCCL in one process, the compiled engine with CUDA graphs against the eager one);
   2. SFT-LoRA, DPO and GRPO against TRL on a ~1.1B Llama-shaped random model at 4096 tokens,
      bf16 (bench/compare.py --device cuda --size 1b): step time, tokens/s, peak GPU memory,
      ratios;
-  3. the Engine against transformers' `generate` (bench/generate.py --device cuda), batch 32
-     x 64 new tokens.
+  3. the Engine, eager and compiled, against transformers' `generate` (bench/generate.py
+     --device cuda --compile), batch 32 x 64 new tokens.
 --dry-run swaps in tiny models, CPU and one step or case each, and writes nowhere (unless
 --out is given): the test suite runs it to keep the script working between GPU sessions.
 """
@@ -37,17 +37,20 @@ def steps(dry: bool, scratch: Path) -> list[tuple[str, list[str], int, Path | No
             ("CUDA-only tests", [py, "-m", "pytest", "-q", str(ROOT / "tests" / "test_cuda.py")], 120, None),
             ("SFT-LoRA against TRL", [py, str(HERE / "compare.py"), "--smoke", "--device", "cpu"], 240, None),
             ("Engine against generate", [py, str(HERE / "generate.py"), "--quick", "--dtypes", "float32",
-                                         "--repeats", "1", "--new", "4", "--out", str(scratch / "generate.md")],
+                                         "--repeats", "1", "--new", "4", "--compile",
+                                         "--out", str(scratch / "generate.md")],
              120, scratch / "generate.md"),
         ]
     return [
-        ("CUDA-only tests", [py, "-m", "pytest", "-q", str(ROOT / "tests" / "test_cuda.py")], 120, None),
+        ("CUDA-only tests (and vLLM's, where it is installed)",
+         [py, "-m", "pytest", "-q", "-rs", str(ROOT / "tests" / "test_cuda.py"), str(ROOT / "tests" / "test_vllm.py")],
+         180, None),
         ("SFT-LoRA, DPO and GRPO against TRL (1.1B, 4096 tokens, bf16)",
          [py, str(HERE / "compare.py"), "--device", "cuda", "--size", "1b", "--dtype", "bf16", "--method", "sft-lora",
           "dpo", "grpo", "--steps", "4", "--out", str(HERE / "GPU_compare.md")], 300, HERE / "GPU_compare.md"),
         ("Engine against generate (batch 32 x 64 new tokens)",
          [py, str(HERE / "generate.py"), "--device", "cuda", "--batch", "32", "--new", "64", "--repeats", "2",
-          "--out", str(HERE / "GPU_generate.md")], 60, HERE / "GPU_generate.md"),
+          "--compile", "--out", str(HERE / "GPU_generate.md")], 150, HERE / "GPU_generate.md"),
     ]
 
 
