@@ -230,10 +230,12 @@ def grpo(
         def metrics(sums: dict[str, float]) -> dict[str, float]:
             out = step_metrics(scored, tokens=n_tokens, **sums)
             out["copy_seconds"] = copy_seconds  # the policy's weights into the engine
+            out["train_seconds"] = time.perf_counter() - packed  # forward, backward and update(s)
             if dynamic_sampling:
                 out.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
             return out
 
+        packed = time.perf_counter()
         return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch"), metrics,
                     idle=lambda: idle_passes(short, policy, judged), iterations=iterations)
 
