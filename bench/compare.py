@@ -293,12 +293,11 @@ def alike(method: str, ours: dict, theirs: dict) -> str:
     """How closely the two trained: loss at the same step (SFT, DPO), DPO accuracy, and
     GRPO mean reward over the first and last three steps."""
     if method == "grpo":
-        def reward(side, key):
-            values = [m.get(key) for m in side["metrics"]]
-            values = [v for v in values if v is not None]
+        def reward(side):
+            values = rewards(side)
             return f"{np.mean(values[:3]):.3f}->{np.mean(values[-3:]):.3f}" if values else "?"
 
-        return f"reward {reward(ours, 'reward')} vs {reward(theirs, 'reward')}"
+        return f"reward {reward(ours)} vs {reward(theirs)}"
     a, b = np.array(ours["losses"]), np.array(theirs["losses"])
     n = min(len(a), len(b))
     rel = np.abs(a[:n] - b[:n]) / np.maximum(np.abs(b[:n]), 1e-9)
@@ -472,7 +471,19 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
     for r in rows:
         pairs = " ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(r["linnet"]["losses"], r["trl"]["losses"]))
         lines.append(f"- {r['method']} {r['size']} {r['dtype']}: {pairs}")
+    grpo = [r for r in rows if r["method"] == "grpo"]
+    if grpo:
+        lines += ["", "GRPO reward curves, the mean reward of each step's completions (linnet / TRL; the samples "
+                  "differ, the task and the starting weights do not):", ""]
+        for r in grpo:
+            pairs = " ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(*(rewards(r[lib]) for lib in ("linnet", "trl"))))
+            lines.append(f"- {r['size']} {r['dtype']}: {pairs}")
     return "\n".join(lines)
+
+
+def rewards(side: dict) -> list[float]:
+    """Each step's mean reward, from the metrics both libraries log under `reward`."""
+    return [m["reward"] for m in side["metrics"] if m.get("reward") is not None]
 
 
 def chart(rows: list[dict], path: Path) -> None:
