@@ -452,3 +452,18 @@ def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
         assert split.steps[0].metrics["reward"] == history.steps[0].metrics["reward"]
         assert split.steps[0].loss == pytest.approx(history.steps[0].loss, rel=1e-4, abs=1e-6)
         assert split.steps[0].grad_norm == pytest.approx(history.steps[0].grad_norm, rel=1e-4)
+
+
+def test_numerics_set_jax_matmul_precision_on_accelerators_only(jx):
+    jax, model = jx
+    before = jax.config.jax_default_matmul_precision
+    for numerics in ("fast", "exact"):  # this CPU: nothing changes
+        nest.load("debug", backend="jax_source", weights="random", numerics=numerics)
+        assert jax.config.jax_default_matmul_precision == before
+    try:
+        model.set_numerics("exact", "gpu")
+        assert jax.config.jax_default_matmul_precision == "highest"
+        model.set_numerics("fast", "gpu")
+        assert jax.config.jax_default_matmul_precision == "default"
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)

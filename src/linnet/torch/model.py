@@ -429,6 +429,19 @@ def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:
     return dtype
 
 
+def set_numerics(numerics: str | None, device: torch.device) -> None:
+    """The matmul rounding `nest.load(numerics=)` asks for, as torch's process-wide flags:
+    on CUDA "fast" computes float32 matmuls in TF32 and lets bf16/fp16 matmuls sum partial
+    products in their own dtype; "exact" keeps both in float32. A CPU has one precision:
+    nothing changes there, nor for None."""
+    if numerics is None or device.type != "cuda":
+        return
+    fast = numerics == "fast"
+    torch.set_float32_matmul_precision("high" if fast else "highest")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = fast
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fast
+
+
 def _check_quantize(quantize, *, trainable, tensor_parallel, compile) -> None:
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize={quantize!r}: the one supported form is 'nf4' (QLoRA's 4-bit NormalFloat)")
@@ -483,7 +496,7 @@ _KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selectiv
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
           activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
-          quantize: str | None = None) -> Decoder:
+          quantize: str | None = None, numerics: str | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
     from linnet.torch.weights import bind_weights
@@ -493,6 +506,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
+    set_numerics(numerics, device)
     with torch.device("meta"):
         model = Decoder(card, dtype=dtype, attention=attention)
         model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
