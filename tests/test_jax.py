@@ -270,6 +270,7 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     import optax
     from jax.sharding import Mesh
 
+    from linnet.jax.train import _make_step
     from linnet.jax.train import train as jax_train
 
     if len(jax.devices()) < 2:
@@ -295,6 +296,9 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
         np.testing.assert_allclose(np.asarray(resumed[name]), np.asarray(value), atol=2e-5, err_msg=name)
     for name, value in whole.items():
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), atol=2e-5, err_msg=name)
+    adam = optax.adam(1e-3)  # a scalar step count in its state, placed over the mesh as the step returns it:
+    jax_train(jax_model, rows, optimizer=adam, steps=2, accumulate=2, mesh=mesh)  # one compile for every step
+    assert _make_step(jax_model.card, jax_model.dtype, 0.0, adam, 1.0, False)._cache_size() == 1
 
 
 def test_dpo_steps_equal_pytorch(jx, tmp_path):
