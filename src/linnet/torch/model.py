@@ -371,6 +371,18 @@ class Decoder(nn.Module):
 
     # -- parameters ------------------------------------------------------------------
 
+    def untie_head(self) -> None:
+        """Give a tied model its own output head, a copy of the embedding that trains apart
+        from it from now on (tensor_parallel does, as the specification says); the card
+        says untied, so saved weights load back as such."""
+        if not self.card.tied_embeddings:
+            return
+        embedding = self.model.embed_tokens.weight
+        with torch.device("meta"):
+            self.lm_head = Linear(self.card.hidden, self.card.vocab, bias=False)
+        self.lm_head.weight = nn.Parameter(embedding.detach().clone(), requires_grad=embedding.requires_grad)
+        self.card = self.card.replace(tied_embeddings=False)
+
     def set_trainable(self, spec: bool | str | Sequence[str]) -> list[str]:
         """Choose the trainable parameters: True, False, or glob patterns over paths.
         Trainable ones become float32 master weights; frozen ones are stored in the

@@ -108,7 +108,7 @@ def tensor_parallel(model, mesh):
         heads, kv_heads, d = block.self_attn.shape
         block.self_attn.shape = (heads // size, kv_heads // size, d)  # this process's heads
     if c.tied_embeddings:
-        _untie_head(model)
+        model.untie_head()
     if c.vocab % size == 0:  # the head by vocabulary rows (losses: split_*)
         from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -117,18 +117,6 @@ def tensor_parallel(model, mesh):
                                                   requires_grad=weight.requires_grad)
     model.copies = _copies_group(mesh)
     return model
-
-
-def _untie_head(model) -> None:
-    """Give a tied decoder its own output head, a copy of the embedding from which it
-    trains apart; the card says untied from now on."""
-    from linnet.torch.model import Linear
-
-    embedding = model.model.embed_tokens.weight
-    with torch.device("meta"):
-        model.lm_head = Linear(model.card.hidden, model.card.vocab, bias=False)
-    model.lm_head.weight = torch.nn.Parameter(embedding.detach().clone(), requires_grad=embedding.requires_grad)
-    model.card = model.card.replace(tied_embeddings=False)
 
 
 def _copies_group(mesh):
