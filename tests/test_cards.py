@@ -125,3 +125,26 @@ def test_seed_spelling_is_accepted():
     assert model.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="entry='logits'"):
         nest.load("debug", weights="random", entry="logits")
+
+
+def test_numerics_fast_and_exact_set_cuda_matmuls_and_leave_a_cpu_alone():
+    """nest.load(numerics=) takes the seed's two values. On a CPU nothing changes; for a
+    CUDA model each sets torch's process-wide matmul flags its way; another value is
+    refused by name."""
+    from linnet.torch.model import set_numerics
+
+    flags = torch.backends.cuda.matmul
+    before = torch.get_float32_matmul_precision(), flags.allow_bf16_reduced_precision_reduction
+    for numerics in ("fast", "exact"):
+        assert nest.load("debug", weights="random", numerics=numerics).device.type == "cpu"
+        assert (torch.get_float32_matmul_precision(), flags.allow_bf16_reduced_precision_reduction) == before
+    try:
+        set_numerics("fast", torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "high" and flags.allow_bf16_reduced_precision_reduction
+        set_numerics("exact", torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "highest" and not flags.allow_bf16_reduced_precision_reduction
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        flags.allow_bf16_reduced_precision_reduction = before[1]
+    with pytest.raises(ValueError, match="numerics='faster': use 'fast'"):
+        nest.load("debug", weights="random", numerics="faster")

@@ -41,6 +41,19 @@ def test_compiled_blocks_match_eager():
         torch.testing.assert_close(compiled.log_probs_packed(row)[real], eager.log_probs_packed(row)[real])
 
 
+def test_compile_true_and_inductor_are_one_mode(monkeypatch):
+    """The seed's two spellings compile every block with inductor alike (the compile
+    itself runs in tests/test_seed_examples.py); another string names another backend."""
+    from linnet.torch.model import Block
+
+    seen = []
+    monkeypatch.setattr(Block, "compile", lambda self, **options: seen.append(options))
+    for spelling, backend in ((True, "inductor"), ("inductor", "inductor"), ("aot_eager", "aot_eager")):
+        seen.clear()
+        model = nest.load("debug", weights="random", compile=spelling)
+        assert model.compiled and seen == [{"backend": backend}] * model.card.layers
+
+
 @pytest.mark.slow
 def test_inductor_blocks_train_like_eager():
     eager = nest.load("debug", weights="random", seed=2, trainable=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +15,16 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def _run(name, *args):
+def _env(**extra) -> dict:
+    """A bare environment (one thread), keeping PYTHONPATH: a checkout run with
+    PYTHONPATH=src tests its own code, not an installed copy."""
+    kept = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
+    return {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", **kept, **extra}
+
+
+def _run(name, *args, **env):
     result = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
-                            timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                            timeout=300, env=_env(**env))
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
@@ -56,8 +66,7 @@ def test_fully_shard_example_under_torchrun(tmp_path):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", str(port),
                              str(EXAMPLES / "06_fully_shard.py"), "--steps", "3", "--out", str(tmp_path / "sharded")],
-                            capture_output=True, text=True, timeout=300,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                            capture_output=True, text=True, timeout=300, env=_env())
     err = result.stderr
     assert result.returncode == 0, err if len(err) < 4000 else err[:2000] + "\n…\n" + err[-2000:]  # both ends: the cause
     assert "loss" in result.stdout and result.stdout.count("weights in") == 1  # the first process reports
@@ -65,4 +74,20 @@ def test_fully_shard_example_under_torchrun(tmp_path):
     from linnet.commands import quickstart
 
     model = nest.load(str(tmp_path / "sharded"))
+    assert model.card.layers == quickstart.CARD.layers and model.model.embed_tokens.weight.abs().sum() > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")
+def test_fully_shard_jax_example_on_host_devices(tmp_path):
+    """The JAX FSDP example over two CPU host devices, layers kept (--no-remat; its default
+    recomputation runs in tests/test_seed_examples.py): the loss falls, and the gathered
+    weights load back as a whole PyTorch model."""
+    out = _run("07_fully_shard_jax.py", "--steps", "4", "--no-remat", "--out", str(tmp_path / "jax"),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first and "on 2 cpu devices" in out and "remat False" in out
+    from linnet import nest
+    from linnet.commands import quickstart
+
+    model = nest.load(str(tmp_path / "jax"))
     assert model.card.layers == quickstart.CARD.layers and model.model.embed_tokens.weight.abs().sum() > 0

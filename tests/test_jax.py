@@ -270,6 +270,7 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     import optax
     from jax.sharding import Mesh
 
+    from linnet.jax.train import _make_step
     from linnet.jax.train import train as jax_train
 
     if len(jax.devices()) < 2:
@@ -295,6 +296,9 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
         np.testing.assert_allclose(np.asarray(resumed[name]), np.asarray(value), atol=2e-5, err_msg=name)
     for name, value in whole.items():
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), atol=2e-5, err_msg=name)
+    adam = optax.adam(1e-3)  # a scalar step count in its state, placed over the mesh as the step returns it:
+    jax_train(jax_model, rows, optimizer=adam, steps=2, accumulate=2, mesh=mesh)  # one compile for every step
+    assert _make_step(jax_model.card, jax_model.dtype, 0.0, adam, 1.0, False)._cache_size() == 1
 
 
 def test_dpo_steps_equal_pytorch(jx, tmp_path):
@@ -331,14 +335,16 @@ def test_dpo_steps_equal_pytorch(jx, tmp_path):
         assert split.losses == pytest.approx(jhistory.losses, rel=1e-5)
 
 
-def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
-    """`linnet jax` on an sft config: the run directory, metrics with held-out loss, the
-    final weights; again over every device with --fully-shard --remat, the same losses;
-    a PyTorch-only field is refused by name."""
+def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
+    """`linnet jax` on an sft config, layers kept (--no-remat): the run directory, metrics
+    with held-out loss, the final weights; again over every device with --fully-shard and
+    layers recomputed (the default), the same losses; a PyTorch-only field and
+    contradicting remat settings are refused by name."""
     import json
 
     from linnet.cli import main
     from linnet.commands import quickstart
+    from linnet.jax import train as jax_train
 
     nest.load(quickstart.CARD, weights="random", seed=0).save_weights(tmp_path / "model")
     quickstart.save_tokenizer(tmp_path / "model" / "tokenizer.json")
@@ -349,8 +355,16 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
               "training.context_length=128", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
               "lr_schedule.warmup_steps=1", "training.steps=3", "training.accumulation=4", "evaluation.every=2"]
     sets = lambda *extra: [a for o in common + list(extra) for a in ("--set", o)]
-    assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'one'}")]) == 0
-    assert main(["jax", "--fully-shard", "--remat", *sets(f"runtime.output_dir={tmp_path / 'all'}", "training.accumulation=1")]) == 0
+    remats, train = [], jax_train.train
+
+    def recording(*args, remat, **options):
+        remats.append(remat)
+        return train(*args, remat=remat, **options)
+
+    monkeypatch.setattr(jax_train, "train", recording)
+    assert main(["jax", "--no-remat", *sets(f"runtime.output_dir={tmp_path / 'one'}")]) == 0
+    assert main(["jax", "--fully-shard", *sets(f"runtime.output_dir={tmp_path / 'all'}", "training.accumulation=1")]) == 0
+    assert remats == [False, True]
     one, every = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                   for d in ("one", "all"))
     assert [m["step"] for m in one] == [1, 2, 3] and one[-1]["loss"] < one[0]["loss"]
@@ -359,7 +373,10 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path):
     if len(jx[0].devices()) == 4:  # four devices a micro-step, one row each: the rows of accumulate=4
         assert [m["loss"] for m in every] == pytest.approx([m["loss"] for m in one], rel=1e-4)
     assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'no'}", "training.shard=fsdp")]) == 2
-    assert not (tmp_path / "no").exists()
+    assert main(["jax", "--no-remat", *sets(f"runtime.output_dir={tmp_path / 'no'}",
+                                            "training.activation_checkpointing=true")]) == 2
+    assert main(["jax", "--remat", "--no-remat", *sets(f"runtime.output_dir={tmp_path / 'no'}")]) == 2
+    assert not (tmp_path / "no").exists() and remats == [False, True]
 
 
 def test_engine_greedy_equals_pytorch_and_log_probs_are_the_models(jx, tmp_path):
@@ -452,3 +469,18 @@ def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
         assert split.steps[0].metrics["reward"] == history.steps[0].metrics["reward"]
         assert split.steps[0].loss == pytest.approx(history.steps[0].loss, rel=1e-4, abs=1e-6)
         assert split.steps[0].grad_norm == pytest.approx(history.steps[0].grad_norm, rel=1e-4)
+
+
+def test_numerics_set_jax_matmul_precision_on_accelerators_only(jx):
+    jax, model = jx
+    before = jax.config.jax_default_matmul_precision
+    for numerics in ("fast", "exact"):  # this CPU: nothing changes
+        nest.load("debug", backend="jax_source", weights="random", numerics=numerics)
+        assert jax.config.jax_default_matmul_precision == before
+    try:
+        model.set_numerics("exact", "gpu")
+        assert jax.config.jax_default_matmul_precision == "highest"
+        model.set_numerics("fast", "gpu")
+        assert jax.config.jax_default_matmul_precision == "default"
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from linnet import nest
 from linnet.packing import Example, pack
@@ -58,17 +59,34 @@ def test_merge_equals_unmerged(tmp_path):
     assert (unmerged - model(TOKENS)).abs().max() < 1e-5
 
 
-def test_saved_adapters_bind_into_a_fresh_model(tmp_path):
+@pytest.mark.parametrize("names,key", [("linnet", "model.layers.0.self_attn.q_proj.lora_a"),
+                                       ("hf", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")])
+def test_saved_adapters_bind_into_a_fresh_model(tmp_path, names, key):
+    """The seed's save_weights(path, names=, include=[...]): the adapters alone, under
+    our paths or PEFT's names, bind back into a model given the same adapters."""
     model = _model(tmp_path)
     model.add_lora(PATTERNS, rank=4)
     _perturb_adapters(model)
-    model.save_weights(tmp_path / "adapters.safetensors", include=["*.lora_a", "*.lora_b"])
+    model.save_weights(tmp_path / "adapters.safetensors", names=names, include=["*.lora_a", "*.lora_b"])
+    with safe_open(tmp_path / "adapters.safetensors", "pt") as f:
+        assert key in f.keys() and len(f.keys()) == 2 * 14
     other = _model(tmp_path)
     other.add_lora(PATTERNS, rank=4)
     loaded = bind_weights(other, tmp_path / "adapters.safetensors", strict=False)
     assert len(loaded) == 2 * 14
     with torch.no_grad():
         assert torch.equal(other(TOKENS), model(TOKENS))
+
+
+def test_save_weights_exclude_and_bad_names(tmp_path):
+    model = _model(tmp_path)
+    model.save_weights(tmp_path / "w.safetensors", exclude=["model.layers.*"])
+    with safe_open(tmp_path / "w.safetensors", "pt") as f:
+        assert sorted(f.keys()) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    with pytest.raises(ValueError, match="names='peft'; use 'hf'"):
+        model.save_weights(tmp_path / "x.safetensors", names="peft")
+    with pytest.raises(ValueError, match="exclude pattern '\\*.lora_a' matches no parameter"):
+        model.save_weights(tmp_path / "x.safetensors", exclude=["*.lora_a"])
 
 
 @pytest.mark.parametrize("family,dora", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True)])

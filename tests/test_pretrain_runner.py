@@ -131,7 +131,8 @@ def test_resume_from_the_middle_of_a_shard_group_equals_the_straight_run(workspa
     assert _same_weights(plain / "final.safetensors", straight / "final.safetensors")
     assert sorted(p.name for p in plain.iterdir()) == ["best.json", "checkpoints", "config.yaml", "final.safetensors",
                                                        "metrics.jsonl", "run.json", "summary.json"]
-    assert json.loads((plain / "best.json").read_text())["weights"] is None  # its best epoch's weights were not kept
+    best = json.loads((plain / "best.json").read_text())  # epoch 3, whose weights were not kept
+    assert best["epoch"] == 3 and best["weights"] is None
 
 
 def test_an_interrupted_run_resumes_itself_from_its_latest_snapshot(workspace, straight, tmp_path, monkeypatch):
@@ -203,6 +204,11 @@ def test_policy_none_keeps_no_weights_and_explicit_keeps_the_listed_epochs(works
                 "training.total_targets=2048"))
     assert sorted(p.name for p in explicit.glob("*.safetensors")) == [
         "epoch-001.safetensors", "epoch-003.safetensors", "final.safetensors"]
+    best = json.loads((explicit / "best.json").read_text())  # the last epoch, not in the list: the final weights
+    assert best["epoch"] == 4 and best["weights"] == "final.safetensors"
+    metrics = _metrics(explicit)
+    held = {r["epoch"]: r["held_out_loss"] for r in metrics if "held_out_loss" in r}
+    assert held[4] == min(held.values()) and held[2] > held[4]  # epoch 2's weights are kept nowhere
     assert [p.name for p in (explicit / "checkpoints").iterdir()] == ["step-00000016"]  # final state only
 
 

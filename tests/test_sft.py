@@ -157,7 +157,9 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
     optimizer split, or everything split) takes the steps one process takes with twice
     the accumulation: the same losses, held-out losses and final weights, written once.
-    With training.split=2 the two processes split one model and take the same rows."""
+    With training.split=2 the two processes split one model and take the same rows; its
+    head, tied to the embedding, then trains apart from it, as the head of an untied copy
+    does in one process."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
@@ -168,6 +170,11 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     mode = ["training.split=2", "training.accumulation=2"] if shard == "split" else \
         [f"training.shard={shard}", "training.accumulation=1"]
     assert in_processes(_sft_process, common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]) == [0, 0]
+    if shard == "split":
+        whole = nest.load(workspace / "model")
+        whole.untie_head()
+        whole.save_weights(tmp_path / "untied")
+        common[0] = f"model.card={tmp_path / 'untied'}"
     run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}", "training.accumulation=2"]))
     two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("two", "one"))

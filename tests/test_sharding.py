@@ -194,12 +194,22 @@ def test_sharded_grpo_runs_when_a_process_has_nothing_to_train(tmp_path):
     assert not np.allclose(saved, _model(False, "float32").lm_head.weight.detach().numpy(), atol=1e-4)
 
 
-def _split_head_log_probs_equal_whole(model, place: int) -> None:
+def _whole(tied: bool):
+    """The whole model a split one trains like: a tied card's split model has its own head,
+    a copy of the embedding (the same random draws for every other parameter)."""
+    model = _model(False, "float32")
+    if tied:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    return model
+
+
+def _split_head_log_probs_equal_whole(model, place: int, tied: bool) -> None:
     """The head split by vocabulary: log-probabilities, and this process's rows of the
     head's gradient, equal the whole model's."""
     from linnet.torch.sharding import local
 
-    whole, row = _model(False, "float32"), _rows()[0]
+    whole, row = _whole(tied), _rows()[0]
     head = local(model.lm_head.weight)
     assert head.shape[0] * 2 == CARD.vocab
     for m in (model, whole):
@@ -212,37 +222,42 @@ def _split_head_log_probs_equal_whole(model, place: int) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _split_run(rank, copies, out):
+def _split_run(rank, copies, out, tied):
     from torch.distributed.device_mesh import init_device_mesh
 
     split = 4 // copies if copies > 1 else 2
     mesh = init_device_mesh("cpu", (copies, split), mesh_dim_names=("copies", "split"))
-    model = nest.load(CARD, weights="random", seed=0, trainable=True, tensor_parallel=mesh["split"])
+    model = nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=0, trainable=True,
+                      tensor_parallel=mesh["split"])
     copy = mesh.get_local_rank("copies")
     heads = model.model.layers[0].self_attn.shape[0]
-    _split_head_log_probs_equal_whole(model, mesh.get_local_rank("split"))
+    _split_head_log_probs_equal_whole(model, mesh.get_local_rank("split"), tied)
     steps = _run(model, _rows()[copy::copies], 2 // copies, save_to=out / "final", checkpoint=out / "ckpt",
                  checkpoint_every=2)
     return steps, heads
 
 
-@pytest.mark.parametrize("copies", [1, 2])
-def test_split_processes_train_like_one(tmp_path, copies):
+@pytest.mark.parametrize("copies,tied", [(1, False), (2, False), (1, True)])
+def test_split_processes_train_like_one(tmp_path, copies, tied):
     """tensor_parallel: two processes splitting every block (one copy), or two copies of a
     two-way split (four processes), take the steps and write the weights of one process
     training the whole model on every copy's batches; the parts' checkpoint resumes into a
-    whole model in one process."""
+    whole model in one process. A head tied to the embedding trains apart from it once
+    split, as an untied model's head starting from the embedding does."""
     out = tmp_path / "split"
-    results = in_processes(_split_run, copies, out, processes=2 * copies)
+    results = in_processes(_split_run, copies, out, tied, processes=2 * copies)
     assert all(heads == CARD.heads // 2 for _, heads in results)
     assert all(steps == results[0][0] for steps, _ in results)
-    reference = _run(_model(False, "float32"), _rows(), 2, save_to=tmp_path / "one")
+    reference = _run(_whole(tied), _rows(), 2, save_to=tmp_path / "one")
     for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(results[0][0], reference, strict=True):
         assert learned == ref_learned
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
     two, one = (load_file(str(d / "model.safetensors")) for d in (out / "final", tmp_path / "one"))
+    assert two.keys() == one.keys()
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=3e-4, rtol=0, msg=key)
+    assert not torch.allclose(two["lm_head.weight"], two["model.embed_tokens.weight"], atol=1e-3)
+    assert nest.resolve(out / "final").tied_embeddings is False
     (tmp_path / "whole").mkdir()
     shutil.copytree(out / "ckpt" / "step-00000002", tmp_path / "whole" / "step-00000002")
     resumed = _run(_model(False, "float32"), _rows(), 2, checkpoint=tmp_path / "whole")

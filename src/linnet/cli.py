@@ -7,7 +7,7 @@ a thin layer over library functions.
     linnet grpo --config F     GRPO with the KV-cache engine and built-in, model or custom rewards
     linnet reward --config F   a reward model (scalar head, Bradley-Terry) from preference pairs
     linnet distill --config F  a student from a frozen teacher: logit, sequence-level or on-policy
-    linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --remat)
+    linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --no-remat)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
     linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume

@@ -30,6 +30,8 @@ from linnet.cards import (
 __all__ = ["FAMILIES", "REGISTRY", "Card", "Location", "RopeScaling", "card_from_config", "card_from_directory",
            "load", "local_directory", "resolve", "weights_directory"]
 
+NUMERICS = (None, "exact", "fast")  # see load(numerics=)
+
 
 def load(
     card: str | os.PathLike | Card,
@@ -46,6 +48,7 @@ def load(
     activation_checkpointing: bool | str = False,
     activation_memory_budget: float | None = None,
     quantize: str | None = None,
+    numerics: str | None = None,
     **seed_spelling: Any,
 ):
     """Build the card's decoder for `backend`.
@@ -57,8 +60,10 @@ def load(
     avx512_bf16; linnet.hardware), else float32. Trainable parameters are kept in float32
     and cast on use; frozen ones are stored in `dtype`.
     trainable: True, False, or glob patterns over parameter paths.
-    compile: True or "inductor" compiles each block with torch.compile; another string
-    names a torch.compile backend.
+    compile: True or "inductor" (one mode here) compiles each block with torch.compile's
+    inductor backend; another string names another torch.compile backend. The seed's
+    whole-model True has no counterpart: attention over a row's documents runs eagerly,
+    so one graph for the whole model would break at every block anyway.
     tensor_parallel: a one-dimension DeviceMesh (mesh["split"]) whose processes split every
     block's weights (linnet.torch.sharding.tensor_parallel); full fine-tuning with `train`.
     activation_checkpointing: True (or "full") keeps each block's input alone in training
@@ -69,12 +74,21 @@ def load(
     quantize="nf4": QLoRA's frozen base, every block's linear weight in 4-bit NormalFloat
     with double quantization (bitsandbytes; the `qlora` extra), computed in `dtype`; train
     adapters over it with add_lora (linnet.torch.quantize).
+    numerics: how freely an accelerator may round matmuls, a process-wide setting made when
+    the model lands on one. "fast": float32 matmuls in TF32 and bf16/fp16 matmuls summing
+    their partial products in their own dtype (torch on CUDA; JAX's default matmul
+    precision on GPUs and TPUs): quicker, and the weights stay f32 either way. "exact":
+    full float32 matmuls and f32 sums, for runs compared to the last digits. A CPU
+    computes one way, so neither changes anything there; None leaves the settings alone.
     backend="jax" (or the seed's "jax_source") gives a linnet.jax.JaxModel (needs the
-    `jax` extra); it takes weights, dtype and seed.
+    `jax` extra); it takes weights, dtype, seed and numerics.
     """
     card = resolve(card)
     if backend not in ("torch", "jax", "jax_source"):
         raise ValueError(f"unknown backend {backend!r}; use 'torch' or 'jax'")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics={numerics!r}: use 'fast' (TF32 and reduced-precision sums on accelerators), "
+                         "'exact' (full float32 matmuls) or None (leave the process's settings alone)")
     if "cast_dtype" in seed_spelling:
         seed_spelling.pop("cast_dtype")  # trainable weights are always f32, cast on use
     entry = seed_spelling.pop("entry", None)  # every model has every packed entry
@@ -103,7 +117,7 @@ def load(
             if e.name not in ("jax", "jaxlib", "optax"):
                 raise
             raise ModuleNotFoundError(f"backend={backend!r} needs {e.name}: pip install 'linnet[jax]'") from e
-        return load_model(card, weights=weights, dtype=dtype, seed=seed)
+        return load_model(card, weights=weights, dtype=dtype, seed=seed, numerics=numerics)
     from linnet.torch.model import build
 
     return build(
@@ -119,4 +133,5 @@ def load(
         activation_checkpointing=activation_checkpointing,
         activation_memory_budget=activation_memory_budget,
         quantize=quantize,
+        numerics=numerics,
     )

@@ -3,7 +3,12 @@ reports) trained by the JAX backend.
 
     linnet jax --config run.yaml                   # one device
     linnet jax --config run.yaml --fully-shard     # every local device, parameters split
-    linnet jax --config run.yaml --remat           # layers recomputed in backward
+    linnet jax --config run.yaml --no-remat        # layers kept for backward: faster, more memory
+
+Each layer is recomputed in backward by default (a jax.checkpoint per layer, as the
+specification's JAX runs do): a step keeps each layer's input alone, for about a third
+more compute. `--no-remat` keeps every layer's values instead; `--remat` is accepted and
+changes nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ def optax_adamw(config: SFTConfig, steps: int):
 
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None, fully_shard: bool = False,
-        remat: bool = False) -> dict:
-    """Fine-tune as `config` says with the JAX backend; returns the summary."""
+        remat: bool = True) -> dict:
+    """Fine-tune as `config` says with the JAX backend; returns the summary. remat=False
+    keeps each layer's values for backward rather than recomputing them."""
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
     for name, value, default in (("runtime.device", rt.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
@@ -46,8 +52,10 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
                              "or 4-bit base, and shards with --fully-shard")
     if t.activation_checkpointing == "selective":
         raise ValueError("config: training.activation_checkpointing='selective' is the PyTorch backend's; `linnet "
-                         "jax` recomputes whole layers: use true")
-    remat = remat or bool(t.activation_checkpointing)  # JAX recomputes whole layers (jax.checkpoint)
+                         "jax` recomputes whole layers (its default): drop the field")
+    if t.activation_checkpointing and not remat:
+        raise ValueError("config: training.activation_checkpointing=true asks `linnet jax` to recompute layers and "
+                         "--no-remat asks it not to: drop one")
     prepared = prepare(config)
     run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
@@ -84,5 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                                  training=True, flags=[
                                      ("--fully-shard", "data-parallel over every local device, parameters, "
                                                        "gradients and optimizer state split across them"),
-                                     ("--remat", "recompute each layer in backward instead of keeping its values")])
-    return 0 if config is None else runs.execute(run, args, config, fully_shard=args.fully_shard, remat=args.remat)
+                                     ("--no-remat", "keep each layer's values for backward rather than computing "
+                                                    "the layer again (the default): faster, more memory"),
+                                     ("--remat", "recompute each layer in backward: the default, kept as a spelling")])
+    if config is not None and args.remat and args.no_remat:
+        raise ValueError("--remat and --no-remat contradict each other; give one (recomputing is the default)")
+    return 0 if config is None else runs.execute(run, args, config, fully_shard=args.fully_shard,
+                                                 remat=not args.no_remat)

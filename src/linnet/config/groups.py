@@ -182,7 +182,8 @@ class TrainingConfig:
     keep: int = option(2, "checkpoints kept", only=FINE_TUNING)
     activation_checkpointing: Literal[False, True, "full", "selective"] = option(
         False, "keep each block's input alone and compute the block again in backward (true or full); selective "
-               "also keeps attention's outputs; false keeps every activation. Same gradients, less memory")
+               "also keeps attention's outputs; false keeps every activation. Same gradients, less memory. `linnet "
+               "jax` recomputes whole layers whatever this says, unless --no-remat")
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)

@@ -188,6 +188,9 @@ def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):
         trained = {k: jax.device_put(v, _part(v, mesh)) for k, v in trained.items()}
         frozen = {k: jax.device_put(v, _part(v, mesh)) for k, v in frozen.items()}
     opt_state = optimizer.init(trained)
+    if mesh is not None:  # its scalars too (a step count): placed as the step returns them, or step 2 compiles again
+        opt_state = jax.tree.map(lambda x: jax.device_put(x, _part(x, mesh)) if isinstance(x, jax.Array) else x,
+                                 opt_state)
     start = 0
     if checkpoint is not None:
         start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)

@@ -217,13 +217,25 @@ class JaxModel:
         save_weights(self.params if params is None else params, path, self.card)
 
 
-def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, seed: int = 0) -> JaxModel:
+def set_numerics(numerics: str | None, platform: str) -> None:
+    """The matmul rounding `nest.load(numerics=)` asks for, as JAX's process-wide default
+    precision: on a GPU or TPU "fast" takes XLA's default (TF32 or bf16 passes for float32
+    matmuls), "exact" full float32. A CPU has one precision: nothing changes there, nor
+    for None."""
+    if numerics is not None and platform != "cpu":
+        jax.config.update("jax_default_matmul_precision", "default" if numerics == "fast" else "highest")
+
+
+def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, seed: int = 0,
+               numerics: str | None = None) -> JaxModel:
     """The card's decoder in JAX. weights: a directory or .safetensors file; None takes the
     card's own; "random" draws N(0, 0.02) matrices (zero biases, unit norms) from `seed`.
-    Parameters are kept in float32; `dtype` (default float32) is the compute dtype."""
+    Parameters are kept in float32; `dtype` (default float32) is the compute dtype.
+    numerics: see `linnet.nest.load`."""
     from linnet.cards import resolve, weights_directory
 
     card = resolve(card)
+    set_numerics(numerics, jax.default_backend())
     shapes = parameter_shapes(card)
     if isinstance(weights, str) and weights == "random":
         rng = np.random.default_rng(seed)

@@ -20,7 +20,8 @@ A run directory holds:
     config.yaml   the resolved config (pass it back with --config to resume)
     run.json      recipe identity and fields, budget, cache, environment
     metrics.jsonl one row per update; `held_out_loss` on each epoch's last row
-    best.json     the best epoch by validation loss (its weights if they were kept)
+    best.json     the best epoch by validation loss and the file holding its weights
+                  (its epoch file, or final.safetensors for the last epoch), if kept
     epoch-NNN.safetensors   weights of selected epochs (interval/explicit policies)
     final.safetensors       final weights (every policy but none)
     checkpoints/step-NNNNNNNN/  resumable training state (linnet.train.checkpoint format,
@@ -471,9 +472,9 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                                                              validation.subset_batches(config.evaluation.batch_size),
                                                              share=rank, shares=processes)
                         if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
-                            kept = t.checkpoint_policy != "none" and epoch in selected
                             progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
-                                             "weights": f"epoch-{epoch:03d}.safetensors" if kept else None}
+                                             "weights": _weights_of(epoch, t.checkpoint_policy, selected,
+                                                                    budget.epochs)}
                             if lead:
                                 write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
                     if metrics is not None:
@@ -517,6 +518,15 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         if aside is not None:
             aside.restore()
         raise
+
+
+def _weights_of(epoch: int, policy: str, selected, epochs: int) -> str | None:
+    """The file of the run directory that will hold `epoch`'s weights, if any: its own
+    epoch file, or the final weights for the last epoch (written at the end, by every
+    policy but none)."""
+    if epoch in selected:
+        return f"epoch-{epoch:03d}.safetensors"
+    return "final.safetensors" if epoch == epochs and policy != "none" else None
 
 
 def _summary(config, out: Path, budget: Budget, card, progress: Progress, identity: str, session_steps: int,

@@ -98,7 +98,7 @@ class Engine:
         or neither); without them it is allocated at the first call's size. It grows
         (reallocates) only when a call needs more rows or slots than it has.
     compile: compile the decode and prefill passes (see the module docstring); None
-        follows the model (`nest.load(..., compile=...)`).
+        follows the model (`nest.load(..., compile=...)`, with its backend).
     """
 
     def __init__(self, model: Decoder, *, max_batch: int | None = None, max_seq: int | None = None,
@@ -124,10 +124,11 @@ class Engine:
         if self.compiled and model.quantized:
             raise ValueError("Engine: an NF4 (quantize='nf4') model samples eagerly; pass compile=False")
         self._decode_pass, self._prefill_pass = _decode_pass, _prefill_pass
-        if self.compiled:
-            cuda = model.device.type == "cuda"
-            self._decode_pass = torch.compile(_decode_pass, mode="reduce-overhead" if cuda else None)
-            self._prefill_pass = torch.compile(_prefill_pass)
+        if self.compiled:  # with the model's backend (inductor unless it names another)
+            backend = model.compiled if isinstance(model.compiled, str) and compile is None else "inductor"
+            graphs = {"mode": "reduce-overhead"} if backend == "inductor" and model.device.type == "cuda" else {}
+            self._decode_pass = torch.compile(_decode_pass, backend=backend, **graphs)
+            self._prefill_pass = torch.compile(_prefill_pass, backend=backend)
         self.stop_every = 8 if model.device.type == "cuda" else 1
         if max_batch is not None:
             self._ensure_cache(max_batch, max_seq)

@@ -232,7 +232,7 @@ class Decoder(nn.Module):
         self.attention = attention
         self.lora: dict | None = None  # the add_lora settings, while adapters are in place
         self.copies = None  # with tensor_parallel: the group of the same part in other copies
-        self.compiled = False  # compiled blocks want one row length: keep the padding
+        self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
         self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
         self.model = Body(card)
         if not card.tied_embeddings:
@@ -371,6 +371,18 @@ class Decoder(nn.Module):
 
     # -- parameters ------------------------------------------------------------------
 
+    def untie_head(self) -> None:
+        """Give a tied model its own output head, a copy of the embedding that trains apart
+        from it from now on (tensor_parallel does, as the specification says); the card
+        says untied, so saved weights load back as such."""
+        if not self.card.tied_embeddings:
+            return
+        embedding = self.model.embed_tokens.weight
+        with torch.device("meta"):
+            self.lm_head = Linear(self.card.hidden, self.card.vocab, bias=False)
+        self.lm_head.weight = nn.Parameter(embedding.detach().clone(), requires_grad=embedding.requires_grad)
+        self.card = self.card.replace(tied_embeddings=False)
+
     def set_trainable(self, spec: bool | str | Sequence[str]) -> list[str]:
         """Choose the trainable parameters: True, False, or glob patterns over paths.
         Trainable ones become float32 master weights; frozen ones are stored in the
@@ -404,12 +416,15 @@ class Decoder(nn.Module):
 
         merge_lora(self)
 
-    def save_weights(self, path, *, dtype=None, include: Sequence[str] | None = None) -> None:
-        """Write safetensors under the checkpoint names; a directory also gets the
-        config.json (and tokenizer files) transformers needs to load it back."""
+    def save_weights(self, path, *, dtype=None, names: str = "hf", include: Sequence[str] | None = None,
+                     exclude: Sequence[str] | None = None) -> None:
+        """Write safetensors (all or the `include`/`exclude` globs' pick) under the names
+        transformers and PEFT read, or names="linnet" under the model's own paths; a
+        directory also gets the config.json (and tokenizer files) transformers needs to
+        load it back. See linnet.torch.weights.save_weights."""
         from linnet.torch.weights import save_weights
 
-        save_weights(self, path, dtype=dtype, include=include)
+        save_weights(self, path, dtype=dtype, names=names, include=include, exclude=exclude)
 
 
 def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:
@@ -427,6 +442,19 @@ def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:
                       f"here, about {hardware.EMULATED_BF16_SLOWDOWN}x slower than float32 on an SFT-LoRA step. "
                       "Use dtype 'auto' (float32 here) or float32", stacklevel=4)
     return dtype
+
+
+def set_numerics(numerics: str | None, device: torch.device) -> None:
+    """The matmul rounding `nest.load(numerics=)` asks for, as torch's process-wide flags:
+    on CUDA "fast" computes float32 matmuls in TF32 and lets bf16/fp16 matmuls sum partial
+    products in their own dtype; "exact" keeps both in float32. A CPU has one precision:
+    nothing changes there, nor for None."""
+    if numerics is None or device.type != "cuda":
+        return
+    fast = numerics == "fast"
+    torch.set_float32_matmul_precision("high" if fast else "highest")
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = fast
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fast
 
 
 def _check_quantize(quantize, *, trainable, tensor_parallel, compile) -> None:
@@ -483,7 +511,7 @@ _KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selectiv
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
           activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
-          quantize: str | None = None) -> Decoder:
+          quantize: str | None = None, numerics: str | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
     from linnet.torch.weights import bind_weights
@@ -493,6 +521,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
+    set_numerics(numerics, device)
     with torch.device("meta"):
         model = Decoder(card, dtype=dtype, attention=attention)
         model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
@@ -522,5 +551,5 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         backend = "inductor" if compile is True else compile
         for block in model.model.layers:
             block.compile(backend=backend)
-        model.compiled = True
+        model.compiled = backend
     return model

@@ -81,12 +81,14 @@ def tensor_parallel(model, mesh):
     DeviceMesh, e.g. mesh["split"] of a ("copies", "split") mesh): q, k, v, gate and up by
     output rows, o and down by input columns (PyTorch's ColwiseParallel / RowwiseParallel),
     so each process holds 1/size of every block's weights and computes its share of the
-    heads and of the MLP. A separate output head (untied, its vocabulary divisible) is split
-    by vocabulary rows, its losses combining each row's maximum, sum and target logit
-    across the processes (linnet.torch.losses.split_cross_entropy), never the logits. The
-    embedding and norms stay whole, and so does a head tied to the embedding. The processes of a split
-    take the same batches; `model.copies` is then the group of processes holding the same
-    part in other copies, across which `train` sums gradients and counts."""
+    heads and of the MLP. A head tied to the embedding is untied first: it starts as a copy
+    of the embedding and trains apart from it (the model's card becomes untied, so saved
+    weights load back as such). The head, its vocabulary divisible, is split by vocabulary
+    rows, its losses combining each row's maximum, sum and target logit across the
+    processes (linnet.torch.losses.split_cross_entropy), never the logits. The embedding
+    and norms stay whole. The processes of a split take the same batches; `model.copies`
+    is then the group of processes holding the same part in other copies, across which
+    `train` sums gradients and counts."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     size = mesh.size()
@@ -105,7 +107,9 @@ def tensor_parallel(model, mesh):
         parallelize_module(block, mesh, plan)
         heads, kv_heads, d = block.self_attn.shape
         block.self_attn.shape = (heads // size, kv_heads // size, d)  # this process's heads
-    if not c.tied_embeddings and c.vocab % size == 0:  # the head by vocabulary rows (losses: split_*)
+    if c.tied_embeddings:
+        model.untie_head()
+    if c.vocab % size == 0:  # the head by vocabulary rows (losses: split_*)
         from torch.distributed.tensor import Shard, distribute_tensor
 
         weight = model.lm_head.weight

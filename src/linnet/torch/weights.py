@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from linnet.adapter_files import PEFT_PREFIX, from_peft_name
+from linnet.adapter_files import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
 from linnet.files import atomic_path, safetensors_file, write_text
 from linnet.paths import select
 from linnet.torch.distributed import world
@@ -110,27 +110,37 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
     return loaded
 
 
-def save_weights(model, path: str | os.PathLike, *, dtype=None, include: Sequence[str] | None = None) -> None:
-    """Write the parameters (those matching `include` globs, default all) as safetensors
-    in `dtype` (default: the model's compute dtype). A path ending in .safetensors is
-    one file; otherwise a directory gets model.safetensors and, for a whole model, the
-    config.json and tokenizer files transformers needs to load it. Under torchrun every
-    process calls it (a sharded model's parts are gathered) and the first writes."""
+def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf",
+                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> None:
+    """Write the parameters as safetensors in `dtype` (default: the model's compute
+    dtype). include / exclude: glob patterns over the model's paths picking what to write
+    (default everything), e.g. include=["*.lora_a", "*.lora_b"] for the adapters alone.
+    names: "hf" writes each tensor under the name transformers and PEFT read (the
+    checkpoint names; adapters as PEFT's `base_model.model.<layer>.lora_A.weight`), "linnet"
+    under the model's own paths (`<layer>.lora_a`); bind_weights reads either. A path
+    ending in .safetensors is one file; otherwise a directory gets model.safetensors and,
+    for a whole model, the config.json and tokenizer files transformers needs to load it.
+    Under torchrun every process calls it (a sharded model's parts are gathered) and the
+    first writes."""
+    if names not in ("hf", "linnet"):
+        raise ValueError(f"save_weights: names={names!r}; use 'hf' (transformers' and PEFT's names) or 'linnet' "
+                         "(the model's parameter paths)")
     dtype = model.dtype if dtype is None else as_dtype(dtype)
-    names = [n for n, _ in model.named_parameters()]
-    chosen = select(names, True if include is None else include, what="include")
-    tensors = {
-        n: full(dense(p).detach()).to("cpu", dtype).contiguous()
-        for n, p in model.named_parameters()
-        if n in chosen
-    }
+    paths = [n for n, _ in model.named_parameters()]
+    chosen = select(paths, True if include is None else include, what="include")
+    chosen -= select(paths, exclude, what="exclude")
+    def stored(name: str) -> str:
+        return to_peft_name(name) if names == "hf" and name.endswith(ADAPTER_SUFFIXES) else name
+
+    tensors = {stored(n): full(dense(p).detach()).to("cpu", dtype).contiguous()
+               for n, p in model.named_parameters() if n in chosen}
     if world()[0] != 0:
         return
     path = Path(path)
     target = path if path.suffix == ".safetensors" else path / "model.safetensors"
     with atomic_path(target) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
-    if target is path or include is not None:
+    if target is path or include is not None or exclude is not None:
         return
     config = model.card.hf_config()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
