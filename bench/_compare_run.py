@@ -146,7 +146,10 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         from linnet.serve import Engine
         from linnet.train.grpo import Prompt, grpo
 
-        engine = Engine(nest.load(spec["model_dir"], dtype=dtype, device=device))
+        engine = Engine(nest.load(spec["model_dir"], dtype=dtype, device=device), compile=spec.get("compile_engine"))
+        if spec.get("compile_engine"):  # compile the passes before the clock starts, as a run's warmup would
+            lengths = [len(p) for p in data["prompt"]]
+            engine.warmup([min(lengths), max(lengths)], n=spec["group"], max_new_tokens=spec["max_new_tokens"])
         target = spec["vocab"] // 2
 
         def lower_half(prompt, completion):

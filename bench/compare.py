@@ -329,6 +329,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads a process (default 1: on the shared 2-core machine a second thread spin-waits "
                          "whenever another job holds the other core)")
+    ap.add_argument("--compile-engine", action="store_true",
+                    help="GRPO: linnet samples with a compiled engine (Engine(compile=True), warmed up before the "
+                         "clock starts); TRL's generate stays as it is")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown to write ('-': print only)")
     ap.add_argument("--json", default=None, help="also write every raw result here")
@@ -356,7 +359,7 @@ def main(argv=None) -> None:
                         model_dir=info["model_dir"],
                         adapter_dir=info["adapter_dir"], data=info["data"][data_kind(method)],
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
-                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW,
+                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW, compile_engine=args.compile_engine,
                         trl_micro={"dpo": args.trl_dpo_micro, "simpo": args.trl_dpo_micro, "orpo": args.trl_dpo_micro,
                                    "reward": args.trl_dpo_micro, "kto": 2 * args.trl_dpo_micro,
                                    "grpo": args.trl_grpo_micro}.get(method))
@@ -449,7 +452,9 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
         f"- Steps: {steps} a run; step time = median after the first two; {args.repeats} round(s) a case, "
         "libraries alternating. TRL micro-batches: DPO "
         f"{args.trl_dpo_micro} pair(s) a forward, GRPO {args.trl_grpo_micro} completions a forward, the rest of "
-        "each step accumulated.",
+        "each step accumulated. linnet's GRPO engine: "
+        + ("compiled (`--compile-engine`: Engine(compile=True), warmed up before the clock starts; TRL's "
+           "`generate` not compiled)." if args.compile_engine else "eager (the default)."),
         "- Matmul peak (torch.mm 2048², best of 5): " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()),
         "",
     ]
