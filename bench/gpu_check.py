@@ -37,8 +37,7 @@ def steps(dry: bool, scratch: Path) -> list[tuple[str, list[str], int, Path | No
             ("CUDA-only tests", [py, "-m", "pytest", "-q", str(ROOT / "tests" / "test_cuda.py")], 120, None),
             ("SFT-LoRA against TRL", [py, str(HERE / "compare.py"), "--smoke", "--device", "cpu"], 240, None),
             ("Engine against generate", [py, str(HERE / "generate.py"), "--quick", "--dtypes", "float32",
-                                         "--repeats", "1", "--new", "4", "--compile",
-                                         "--out", str(scratch / "generate.md")],
+                                         "--repeats", "1", "--new", "4", "--out", str(scratch / "generate.md")],
              120, scratch / "generate.md"),
         ]
     return [
