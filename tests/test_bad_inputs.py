@@ -213,6 +213,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"line 1: the 'rejected' answer is empty"),
     ("dpo-pairs-per-step", DPO("dpo.pairs_per_step=1000"), r"dpo.pairs_per_step=1000 is more than the 57 training examples"),
     ("dpo-beta", DPO("dpo.beta=0"), r"dpo.beta must be > 0"),
+    ("dpo-rpo-orpo", DPO("dpo.loss_type=orpo", "dpo.rpo_alpha=1"), r"dpo.rpo_alpha=1.0; use a finite weight >= 0, "
+     r"and 0 with dpo.loss_type orpo"),
     ("dpo-accumulation", DPO("training.accumulation=2"), r"accumulation is not read by `linnet dpo`"),
     ("dpo-two-prompts", DPO("data.prompt=[a, b]"), r"`linnet dpo` reads one prompt field"),
     ("dpo-row-short", DPO("training.context_length=16"), r"needs .* positions .* raise training.context_length"),
