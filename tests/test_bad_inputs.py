@@ -245,6 +245,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"--device=cuda: no CUDA device"),
     ("quickstart-digits", lambda ws: ["quickstart", "--digits", "0", "--out", str(ws / "qs")], r"--digits 0: use 2 to 6"),
     ("quickstart-steps", lambda ws: ["quickstart", "--steps", "-1", "--out", str(ws / "qs")], r"--steps must be >= 1"),
+    ("quickstart-demos", lambda ws: ["quickstart", "--demos", "6000", "--out", str(ws / "qs")],
+     r"--demos 6000, --practice 4000: .* 2-digit addition has 10,000 problems, 500 of them held out"),
     ("quickstart-out-used", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "other")],
      r"other: exists and is not empty; pass --overwrite"),
     ("quickstart-out-other", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "other"), "--overwrite"],
