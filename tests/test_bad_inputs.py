@@ -213,6 +213,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"line 1: the 'rejected' answer is empty"),
     ("dpo-pairs-per-step", DPO("dpo.pairs_per_step=1000"), r"dpo.pairs_per_step=1000 is more than the 57 training examples"),
     ("dpo-beta", DPO("dpo.beta=0"), r"dpo.beta must be > 0"),
+    ("dpo-rpo-orpo", DPO("dpo.loss_type=orpo", "dpo.rpo_alpha=1"), r"dpo.rpo_alpha=1.0; use a finite weight >= 0, "
+     r"and 0 with dpo.loss_type orpo"),
     ("dpo-accumulation", DPO("training.accumulation=2"), r"accumulation is not read by `linnet dpo`"),
     ("dpo-two-prompts", DPO("data.prompt=[a, b]"), r"`linnet dpo` reads one prompt field"),
     ("dpo-row-short", DPO("training.context_length=16"), r"needs .* positions .* raise training.context_length"),
@@ -243,6 +245,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"--device=cuda: no CUDA device"),
     ("quickstart-digits", lambda ws: ["quickstart", "--digits", "0", "--out", str(ws / "qs")], r"--digits 0: use 2 to 6"),
     ("quickstart-steps", lambda ws: ["quickstart", "--steps", "-1", "--out", str(ws / "qs")], r"--steps must be >= 1"),
+    ("quickstart-demos", lambda ws: ["quickstart", "--demos", "6000", "--out", str(ws / "qs")],
+     r"--demos 6000, --practice 4000: .* 2-digit addition has 10,000 problems, 500 of them held out"),
     ("quickstart-out-used", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "other")],
      r"other: exists and is not empty; pass --overwrite"),
     ("quickstart-out-other", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "other"), "--overwrite"],

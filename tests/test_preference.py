@@ -53,6 +53,15 @@ def test_dpo_run_writes_metrics_and_an_adapter(workspace, tmp_path):
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").is_file()
 
 
+def test_dpo_rpo_alpha_reaches_the_loss(workspace, tmp_path):
+    """dpo.rpo_alpha adds alpha x the chosen answers' NLL a token (3 digits and the stop
+    token each) to the first step's loss, where DPO's own term is log 2 (LoRA starts at
+    the reference)."""
+    run(_config(workspace, tmp_path / "rpo", "dpo.rpo_alpha=0.5", "training.steps=1"))
+    first = json.loads((tmp_path / "rpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["loss"] == pytest.approx(np.log(2) + 0.5 * -first["logps/chosen"] / 4, rel=1e-5)
+
+
 def test_dpo_config_errors(workspace, tmp_path):
     with pytest.raises(ValueError, match="accumulation is not read by `linnet dpo`"):
         _config(workspace, tmp_path, "training.accumulation=2")

@@ -196,3 +196,20 @@ def test_orpo_adds_the_chosen_nll_over_the_steps_tokens():
     history = dpo(model, pairs, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), steps=1, pairs_per_step=4,
                   beta=0.5, loss_type="orpo", tokens=128)
     assert history.steps[0].loss == pytest.approx(want, rel=1e-5)
+
+
+def test_rpo_alpha_adds_the_chosen_nll_to_dpo():
+    """rpo_alpha: DPO's loss plus alpha x the chosen answers' NLL, a mean over the step's
+    chosen tokens (TRL: loss_type=["sigmoid", "sft"], loss_weights=[1, alpha]). At the first
+    step the policy is its own reference, so DPO's term is log 2 a pair."""
+    model = nest.load(CARD, weights="random", trainable=True, seed=0)
+    pairs = _pairs(4)
+    logp = torch.as_tensor(dpo_module.reference_log_probs(model, pairs, tokens=128)).view(-1, 2)
+    want = math.log(2) + 0.3 * float(-logp[:, 0].sum() / sum(len(p.chosen) for p in pairs))
+    history = dpo(model, pairs, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), steps=1, pairs_per_step=4,
+                  beta=0.5, rpo_alpha=0.3, tokens=128)
+    assert history.steps[0].loss == pytest.approx(want, rel=1e-5)
+    for alpha, loss_type in ((-1.0, "sigmoid"), (float("nan"), "sigmoid"), (1.0, "orpo")):
+        with pytest.raises(ValueError, match=f"rpo_alpha={alpha}"):
+            dpo(model, pairs, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), steps=1, pairs_per_step=4,
+                loss_type=loss_type, rpo_alpha=alpha, tokens=128)

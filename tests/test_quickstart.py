@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 
 from linnet.commands import quickstart
@@ -11,7 +12,8 @@ from linnet.commands import quickstart
 
 def test_quickstart_stages_write_their_results(tmp_path):
     torch.set_num_threads(1)
-    summary = quickstart.run(tmp_path, steps=30, dpo_steps=2, grpo_steps=2, tokens=256, evaluate_every=15)
+    summary = quickstart.run(tmp_path, steps=30, dpo_steps=2, grpo_steps=2, practice=500, tokens=256,
+                               evaluate_every=15)
     assert list(summary["accuracy"])[0] == "start" and "grpo" in summary["accuracy"]
     assert all(0.0 <= v <= 1.0 for v in summary["accuracy"].values())
     metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -37,3 +39,11 @@ def test_linnet_eval_reproduces_the_quickstarts_held_out_accuracy(tmp_path, caps
     found = json.loads((tmp_path / "eval.json").read_text())
     assert found["pass@1"] == list(summary["accuracy"].values())[-1] and found["records"] == 500
     assert len(found["samples"]) == 2 and "->" in capsys.readouterr().out
+
+
+def test_distinct_problems_never_repeat_and_add_up():
+    """The held-out, demonstration and practice sets are one distinct draw cut in three,
+    so no stage trains on a held-out problem."""
+    drawn = quickstart.problems(np.random.default_rng(0), 10_000, 2, distinct=True)
+    assert len({p for p, _ in drawn}) == 10_000
+    assert all(int(p[:2]) + int(p[3:5]) == int(a) and len(a) == 3 for p, a in drawn)

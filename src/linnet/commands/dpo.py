@@ -122,8 +122,8 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
             history = kto(model, pairs, examples_per_step=per_process, **kto_weights, **common, **files)
         else:
             history = dpo(model, pairs, pairs_per_step=per_process, label_smoothing=s.label_smoothing,
-                          loss_type=s.loss_type, simpo_gamma=s.simpo_gamma, reference_cache=s.reference_cache,
-                          **common, **files)
+                          loss_type=s.loss_type, simpo_gamma=s.simpo_gamma, rpo_alpha=s.rpo_alpha,
+                          reference_cache=s.reference_cache, **common, **files)
     return runs.summarize(run, history, log, card=card.name, steps=steps)
 
 

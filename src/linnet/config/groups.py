@@ -285,6 +285,8 @@ class DPOSettings:
         "sigmoid", "sigmoid (DPO), robust (label-noise-robust DPO), hinge, ipo, the reference-free simpo and orpo "
                    "(no reference computed), kto (unpaired records: prompt, completion, label)")
     simpo_gamma: float = option(0.5, "simpo: the target reward margin gamma (beta x the margin in log-probability)")
+    rpo_alpha: float = option(0.0, "weight of the chosen answers' NLL (a mean over their tokens) added to the pair "
+                                   "loss (RPO); not with orpo, which adds it at weight 1, or kto")
     desirable_weight: float = option(1.0, "kto: weight of the desirable answers' losses")
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable answers' losses")
     pairs_per_step: int = option(32, "pairs per optimizer step")
@@ -293,6 +295,9 @@ class DPOSettings:
     def __post_init__(self):
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
+        if not 0 <= self.rpo_alpha < float("inf") or (self.rpo_alpha and self.loss_type in ("orpo", "kto")):
+            raise ValueError(f"config: dpo.rpo_alpha={self.rpo_alpha}; use a finite weight >= 0, and 0 with "
+                             "dpo.loss_type orpo (which adds the chosen answers' NLL itself) or kto")
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
             raise ValueError("config: dpo.desirable_weight and dpo.undesirable_weight must be >= 0")
         if self.loss_type in ("simpo", "orpo", "kto") and self.reference_cache is not None:

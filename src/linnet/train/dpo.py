@@ -1,6 +1,7 @@
 """Direct preference optimization (DPO, Rafailov et al. 2023, arXiv:2305.18290) and its
 relatives over the same pairs (`loss_type`: sigmoid, robust, hinge, ipo, and the
-reference-free simpo and orpo; linnet.train.preference_loss has the formulas).
+reference-free simpo and orpo; linnet.train.preference_loss has the formulas), with an
+optional NLL term on the chosen answers (`rpo_alpha`).
 
     history = dpo(model, [Pair(prompt, chosen, rejected), ...], optimizer=opt, steps=100,
                   pairs_per_step=32, beta=0.1, loss_type="sigmoid")
@@ -109,6 +110,7 @@ def dpo(
     label_smoothing: float = 0.0,
     loss_type: str = "sigmoid",
     simpo_gamma: float = 0.5,
+    rpo_alpha: float = 0.0,
     reference=None,
     reference_cache: str | os.PathLike | None = None,
     tokens: int = 4096,
@@ -129,17 +131,24 @@ def dpo(
     reference_cache: a directory where reference log-probabilities are kept across runs
     (needs a sequence of pairs). loss_type: see linnet.train.preference_loss; simpo and
     orpo use no reference at all (none is loaded or computed; passing one is refused), and
-    orpo adds the chosen answers' NLL averaged over the step's chosen tokens. Each Step's
+    orpo adds the chosen answers' NLL averaged over the step's chosen tokens. rpo_alpha adds
+    that NLL, times alpha, to the other losses (RPO, Pang et al. 2024, arXiv:2404.19733; TRL's
+    loss_type ["sigmoid", "sft"]): DPO alone can lower both answers' likelihood, the chosen
+    one too, and on its own samples that cost the quickstart accuracy. Each Step's
     metrics hold TRL's rewards/chosen, rewards/rejected, rewards/margins (means over the
     step's pairs), rewards/accuracies (share ranked right), logps/chosen, logps/rejected
     (mean summed log-probabilities), and pairs.
     """
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    if not (0 <= rpo_alpha < float("inf")) or (rpo_alpha and loss_type == "orpo"):
+        raise ValueError(f"dpo: rpo_alpha={rpo_alpha}; use a finite weight >= 0, and 0 with orpo (which adds the "
+                         "chosen answers' NLL itself)")
     if loss_type not in LOSS_TYPES or loss_type == "kto":
         raise ValueError(f"dpo: loss_type={loss_type!r}; use one of {', '.join(t for t in LOSS_TYPES if t != 'kto')} "
                          "(KTO trains on unpaired answers: linnet.train.kto)")
     free = loss_type in REFERENCE_FREE
+    nll = 1.0 if loss_type == "orpo" else rpo_alpha
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
     if getattr(model, "copies", None) is not None:
@@ -184,8 +193,8 @@ def dpo(
                 chosen_tokens=None if lengths is None else lengths[:, 0],
                 rejected_tokens=None if lengths is None else lengths[:, 1])
             total = losses.sum()
-            if loss_type == "orpo":  # the chosen answers' NLL, a mean over the step's chosen tokens
-                total = total - logp[:, 0].sum() * (count / chosen_total)
+            if nll:  # the chosen answers' NLL, a mean over the step's chosen tokens
+                total = total - nll * logp[:, 0].sum() * (count / chosen_total)
             margins = good - bad
             return total, {"correct": float((margins > 0).sum()), "margin": float(margins.sum()),
                            "chosen": float(good.sum()), "rejected": float(bad.sum()),
