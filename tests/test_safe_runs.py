@@ -152,3 +152,20 @@ def test_plot_reads_a_metrics_file_with_a_torn_last_line(ws, tmp_path):
     rows = (ws / "run" / "metrics.jsonl").read_text()
     (out / "metrics.jsonl").write_text(rows + '{"step": 5, "lo')
     assert cli.main(["plot", str(out)]) == 0
+
+
+def test_a_run_saved_before_a_field_existed_resumes_at_its_old_value(ws, tmp_path, monkeypatch, capsys):
+    """A field added later (dpo.rpo_alpha, grpo.engine) is absent from older runs' run.json:
+    they resume when it holds the value they trained with, and are refused otherwise."""
+    from linnet.commands import runs
+
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    record = json.loads((out / "run.json").read_text())
+    lr = record["recipe"].pop("optimizer.lr")  # as if optimizer.lr had been added after this run
+    (out / "run.json").write_text(json.dumps(record))
+    monkeypatch.setattr(runs, "ADDED_FIELDS", {"optimizer.lr": lr})
+    assert _sft(ws, out, "--resume") == 0
+    monkeypatch.setattr(runs, "ADDED_FIELDS", {"optimizer.lr": lr * 2})
+    assert _sft(ws, out, "--resume") == 2
+    assert "optimizer.lr" in capsys.readouterr().err

@@ -117,6 +117,11 @@ RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads
                         "model.activation_memory_budget", "grpo.vllm_gpu_memory_utilization"})
 
 
+# Fields added after runs were saved without them, with the value those runs trained with:
+# a run saved before a field existed resumes when the field still has that value.
+ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin"}
+
+
 def recipe(config) -> dict[str, Any]:
     """The flat fields that decide what a run learns, with its data files' fingerprints."""
     fields = {k: v for k, v in flatten(to_dict(config)).items() if k not in RUN_FIELDS}
@@ -185,7 +190,8 @@ class RunDirectory:
             raise ValueError(f"{run_file}: a `linnet {saved.get('command', 'pretrain')}` run, not a "
                              f"`linnet {command}` one; resume it with its own command, or choose another "
                              "runtime.output_dir")
-        changed = differences(saved["recipe"], self.recipe, ("run", "now"))
+        older = {k: v for k, v in ADDED_FIELDS.items() if k in self.recipe}
+        changed = differences({**older, **saved["recipe"]}, self.recipe, ("run", "now"))
         if changed:
             raise ValueError(f"{run_file}: the run learned from another config or data; differing: "
                              f"{'; '.join(changed)}. Resume with the run's own config ({path / 'config.json'}) and "
