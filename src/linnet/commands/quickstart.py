@@ -70,10 +70,25 @@ def problems(rng: np.random.Generator, n: int, digits: int, *, distinct: bool = 
     return [(f"{x:0{digits}d}+{y:0{digits}d}=", f"{x + y:0{digits + 1}d}") for x, y in zip(a, b)]
 
 
+def example(prompt: str, answer: str) -> Example:
+    """A problem as a prompted example: the answer and the stop token are learned."""
+    return Example.prompted([BOS] + encode(prompt), encode(answer) + [EOS])
+
+
+def training_examples(seed: int, digits: int, held_out: set[str]):
+    """An endless stream of fresh problems as prompted examples, none of them in
+    `held_out` (the examples/ scripts train on it)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        for prompt, answer in problems(rng, 1024, digits):
+            if prompt not in held_out:
+                yield example(prompt, answer)
+
+
 def demonstrations(problems_: list[tuple[str, str]], seed: int):
     """The SFT demonstrations as prompted examples, epoch after epoch, each in a new order."""
     rng = np.random.default_rng(seed)
-    examples = [Example.prompted([BOS] + encode(p), encode(a) + [EOS]) for p, a in problems_]
+    examples = [example(p, a) for p, a in problems_]
     while True:
         for i in rng.permutation(len(examples)):
             yield examples[i]
