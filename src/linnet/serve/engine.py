@@ -316,7 +316,8 @@ class Engine:
             return None
         spare = [i for i, d in enumerate(done) if d][: keep - alive]  # finished rows that stay
         kept = sorted(spare + [i for i, d in enumerate(done) if not d])
-        holes = [i for i in range(keep) if i not in kept]
+        kept_set = set(kept)
+        holes = [i for i in range(keep) if i not in kept_set]
         movers = [i for i in kept if i >= keep]
         order = list(range(keep))
         if holes:
