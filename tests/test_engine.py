@@ -130,6 +130,7 @@ def test_group_prefix_is_computed_once(saved):
     done = engine.sample(prompts, n=5, max_new_tokens=3, stop=(), seed=0)
     assert calls == [4 + 9, 10, 10]  # one prefill of both prompts; then 10 rows a step
     assert engine.stats.prefill_positions == 13 and engine.stats.decode_positions == 20
+    assert engine._prompt_keys[0].shape[0] == 2  # each prompt's keys kept once, not once a completion
     greedy = engine.sample(prompts, n=3, max_new_tokens=6, temperature=0.0, stop=())
     alone = engine.sample(prompts, n=1, max_new_tokens=6, temperature=0.0, stop=())
     assert [c.tokens for c in greedy] == [a.tokens for a in alone for _ in range(3)]

@@ -9,21 +9,19 @@ One `sample` call:
 
 1. Prefill: the distinct prompts go through the model once, packed end to end in one row
    (positions restart at 0 for each; attention never crosses prompts, through the model's
-   own attention path, as in training). Each layer's keys and values are written straight
-   into the cache rows of every completion of that prompt: a group of n completions
-   shares one prefill.
-2. Decode: one position per active row and step. A row's cache slots are its positions
-   (prompts are right-aligned at slot 0), so the row writes its new key/value at slot
-   `prompt length + step` and attends to the slots up to it; slots past it (the other
-   rows' longer prompts) are masked.
+   own attention path, as in training). Each layer's keys and values go to the prompt
+   cache, one row a prompt: a group of n completions shares one prefill and one copy.
+2. Decode: one position per active row and step, all rows at the same step. A row writes
+   its new key/value at slot `step` of its own row in the generated tokens' cache and
+   attends to its prompt's slots and its own generated ones, in one softmax. The prompt
+   part runs a prompt at a time with all its completions as queries, so a group's prompt
+   keys and values are read once a step, not once a completion (cascade attention).
 3. Stop: a row that samples a stop token (kept as its last token) or reaches
    `max_new_tokens` stops growing. Finished rows are dropped from the batch and the
-   cache is compacted, so later steps cost only what is still running; the loop ends
-   when no row is left.
+   caches are compacted (a prompt leaves with its last completion), so later steps cost
+   only what is still running; the loop ends when no row is left.
 
-The layers are the model's own modules (norms, projections, q/k norms, `rotate`, MLP):
-only the attention around the cache is written here, so the engine's numbers are the
-model's.
+The passes themselves are in `linnet.serve.passes`.
 
 Compiled passes (`Engine(model, compile=True)`, or a model loaded with `compile=`): the
 decode step and the prefill are each one `torch.compile`d function (on CUDA the decode
@@ -42,8 +40,7 @@ what `Decoder.log_probs_packed` gives for the same sequence. With temperature 1 
 top-k/top-p that is the distribution actually sampled from; with other settings it is
 still the model's (which GRPO's importance correction needs), not the sampling one.
 
-Shapes: B rows (completions) in the batch, P positions of the packed prefill row,
-H query heads, K kv heads, d head dim, D hidden, V vocabulary, S cache slots, L layers.
+Shapes: B rows (completions) in the batch, V vocabulary.
 """
 
 from __future__ import annotations
@@ -56,12 +53,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from linnet.adapter_files import ADAPTER_SUFFIXES
 from linnet.rollouts import Completion
+from linnet.serve.passes import Batch, decode_pass, prefill_pass
 from linnet.torch import attention as attention_paths
-from linnet.torch.model import Decoder, Linear, rotate
+from linnet.torch.model import Decoder, Linear
 from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import full
 
@@ -94,9 +91,10 @@ class Engine:
         compute dtype you want to sample in (bf16 on GPU). The engine takes it over: sets
         it to eval, turns its gradients off and merges any adapters into its weights.
         Don't pass the policy you train: load a second copy and `load_weights(policy)`.
-    max_batch, max_seq: allocate the cache for this many rows and slots up front (both
-        or neither); without them it is allocated at the first call's size. It grows
-        (reallocates) only when a call needs more rows or slots than it has.
+    max_batch, max_seq: allocate the caches up front (both or neither) for this many
+        prompts and completions, each up to this many tokens; without them they are
+        allocated at the first call's size. A cache grows (reallocates) only when a call
+        needs more rows or slots than it has.
     compile: compile the decode and prefill passes (see the module docstring); None
         follows the model (`nest.load(..., compile=...)`, with its backend).
     """
@@ -116,22 +114,26 @@ class Engine:
         self.model = model
         self.card = model.card
         self.stats = Stats()
-        # per layer: keys and values [B, K, S, d] in the model's dtype (one tensor a layer and
-        # kind: a compiled pass writing into views of one big tensor copies all of it)
+        # per layer, in the model's dtype (one tensor a layer and kind: a compiled pass writing
+        # into views of one big tensor copies all of it): the prompts' keys and values
+        # [prompts, K, S, d], each prompt once however many completions it has, and the
+        # generated tokens' [B, K, N, d]
+        self._prompt_keys: list[torch.Tensor] = []
+        self._prompt_values: list[torch.Tensor] = []
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self.compiled = bool(model.compiled if compile is None else compile)
         if self.compiled and model.quantized:
             raise ValueError("Engine: an NF4 (quantize='nf4') model samples eagerly; pass compile=False")
-        self._decode_pass, self._prefill_pass = _decode_pass, _prefill_pass
+        self._decode_pass, self._prefill_pass = decode_pass, prefill_pass
         if self.compiled:  # with the model's backend (inductor unless it names another)
             backend = model.compiled if isinstance(model.compiled, str) and compile is None else "inductor"
             graphs = {"mode": "reduce-overhead"} if backend == "inductor" and model.device.type == "cuda" else {}
-            self._decode_pass = torch.compile(_decode_pass, backend=backend, **graphs)
-            self._prefill_pass = torch.compile(_prefill_pass, backend=backend)
+            self._decode_pass = torch.compile(decode_pass, backend=backend, **graphs)
+            self._prefill_pass = torch.compile(prefill_pass, backend=backend)
         self.stop_every = 8 if model.device.type == "cuda" else 1
         if max_batch is not None:
-            self._ensure_cache(max_batch, max_seq)
+            self._ensure_cache(max_batch, max_seq, max_batch, max_seq)
 
     # -- weights --------------------------------------------------------------------
 
@@ -259,25 +261,25 @@ class Engine:
         dev = self.model.device
         lengths = [len(p) for p in prompts]
         B, N = len(prompts) * n, max_new_tokens
-        S = max(lengths) + N - 1  # the last sampled token is never fed back
-        self._ensure_cache(B, S)
-        cos, sin = self._rope_table(S)
+        Sp = self._round(max(lengths))
+        self._ensure_cache(len(prompts), Sp, B, max(N - 1, 1))  # the last sampled token is never fed back
+        cos, sin = self._rope_table(max(lengths) + N - 1)
 
         out_tok = torch.zeros(B, N, dtype=torch.long, device=dev)
         out_lp = torch.zeros(B, N, dtype=torch.float32, device=dev)
         length = torch.full((B,), N, device=dev)  # tokens a completion keeps (its stop token included)
         stopped = torch.zeros(B, dtype=torch.bool, device=dev)
 
-        logits = self._prefill(prompts, n, cos, sin).repeat_interleave(n, dim=0)
+        logits = self._prefill(prompts, cos, sin).repeat_interleave(n, dim=0)
         rows = torch.arange(B, device=dev)  # completion index of each row in the batch
-        start = [lengths[r // n] for r in range(B)]  # host: each row's first new slot
-        start_B = torch.tensor(start, device=dev)
+        group = [r // n for r in range(B)]  # host: each row's prompt-cache row
+        batch = Batch(group, lengths, Sp, dev)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)  # rows that sampled a stop token
         for step in range(N):
             tok, lp = _pick(logits, sampling, rows, B)
             out_tok[rows, step] = tok
             out_lp[rows, step] = lp
-            self.stats.sampled_tokens += len(start)
+            self.stats.sampled_tokens += len(group)
             yield tok
             if len(sampling.stop):
                 hit = torch.isin(tok, sampling.stop) & ~finished
@@ -290,13 +292,20 @@ class Engine:
                 done = finished.tolist()
                 if all(done):
                     break
-                order = self._compact(done, [s + step for s in start])
+                order = self._compact(self._keys + self._values, done, step)
                 if order is not None:
                     index = torch.tensor(order, device=dev)
                     rows, tok, finished = rows[index], tok[index], finished[index]
-                    start = [start[i] for i in order]
-                    start_B = torch.tensor(start, device=dev)
-            logits = self._decode(tok, start_B + step, max(start) + step, cos, sin)
+                    group = [group[i] for i in order]
+                    kept = set(group)
+                    moved = self._compact(self._prompt_keys + self._prompt_values,
+                                          [g not in kept for g in range(batch.groups)], Sp)
+                    if moved is not None:
+                        new = {old: i for i, old in enumerate(moved)}
+                        group = [new[g] for g in group]
+                        lengths = [lengths[old] for old in moved]
+                    batch = Batch(group, lengths, Sp, dev)
+            logits = self._decode(tok, batch, step, cos, sin)
 
         out_tok, out_lp, length, stopped = out_tok.cpu(), out_lp.cpu(), length.tolist(), stopped.tolist()
         return [
@@ -304,11 +313,11 @@ class Engine:
             for r in range(B)
         ]
 
-    def _compact(self, done: list[bool], pos: list[int]) -> list[int] | None:
-        """Drop finished rows from the batch: each finished row among the first rows kept is
-        filled by a live row from past them (its cache slots below `pos`, the slot its next
-        token goes to, copied), so only rows that move are copied. A compiled engine keeps
-        a power of two of rows (finished ones fill up), so few batch sizes compile.
+    def _compact(self, cache: list[torch.Tensor], done: list[bool], used: int) -> list[int] | None:
+        """Drop finished rows from a cache (the generated tokens' rows, or the prompts'):
+        each finished row among the first rows kept is filled by a live row from past them
+        (its first `used` slots copied), so only rows that move are copied. A compiled
+        engine keeps a power of two of rows (finished ones fill up), so few sizes compile.
         Returns the old index of each row kept, or None when nothing changes."""
         alive = done.count(False)
         keep = alive if not self.compiled else min(1 << (alive - 1).bit_length(), len(done))
@@ -320,47 +329,51 @@ class Engine:
         holes = [i for i in range(keep) if i not in kept_set]
         movers = [i for i in kept if i >= keep]
         order = list(range(keep))
-        if holes:
-            used = max(pos[i] for i in movers)
+        if holes and used:
             src = torch.tensor(movers, device=self.model.device)
             dst = torch.tensor(holes, device=self.model.device)
-            for t in self._keys + self._values:
+            for t in cache:
                 t[dst, :, :used] = t[src, :, :used]
-            for h, m in zip(holes, movers):
-                order[h] = m
+        for h, m in zip(holes, movers):
+            order[h] = m
         return order
 
-    def _prefill(self, prompts: list[list[int]], n: int, cos_Sd, sin_Sd) -> torch.Tensor:
-        """Run the prompts as one packed row, writing each prompt's keys/values into the
-        cache rows of its n completions; the logits [len(prompts), V] (f32) of each prompt's
-        last position."""
+    def _prefill(self, prompts: list[list[int]], cos_Sd, sin_Sd) -> torch.Tensor:
+        """Run the prompts as one packed row, writing prompt i's keys/values into row i of
+        the prompt cache; the logits [len(prompts), V] (f32) of each prompt's last position."""
         m, dev = self.model, self.model.device
         lengths = [len(p) for p in prompts]
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         tokens_P = torch.tensor([t for p in prompts for t in p], device=dev)
         positions_P = torch.cat([torch.arange(t, device=dev) for t in lengths])
         prompt_P = torch.repeat_interleave(torch.arange(len(prompts), device=dev), torch.tensor(lengths, device=dev))
-        # position p of prompt i goes to slot p of rows i * n + j, j < n
-        rows_nP = (prompt_P[None] * n + torch.arange(n, device=dev)[:, None]).flatten()
         last = torch.tensor(bounds[1:], device=dev) - 1
         if self.compiled:  # one mask: no per-prompt loop (and no bounds) in the graph
             attend = attention_paths.block_causal_mask(bounds, dev)
         else:
             attend = functools.partial(attention_paths.choose(m.attention, dev), bounds=bounds)
-        logits = self._call("_prefill_pass", m, tokens_P, positions_P, rows_nP, last, self._keys, self._values,
-                            cos_Sd, sin_Sd, attend)
+        logits = self._call("_prefill_pass", m, tokens_P, positions_P, prompt_P, last, self._prompt_keys,
+                            self._prompt_values, cos_Sd, sin_Sd, attend)
         self.stats.prefill_positions += bounds[-1]
         return logits
 
-    def _decode(self, tokens_B: torch.Tensor, pos_B: torch.Tensor, top: int, cos_Sd, sin_Sd) -> torch.Tensor:
-        """One position a row: row b's token goes to slot pos_B[b] (`top` is the highest).
-        Returns [B, V] f32. Attends over the slots up to `top` rounded up to 64, so that
-        few shapes compile (and oneDNN sees few)."""
-        S = min(-(-(top + 1) // 64) * 64, self._keys[0].shape[2])
-        logits = self._call("_decode_pass", self.model, tokens_B, pos_B, self._keys, self._values, cos_Sd, sin_Sd, S)
+    def _decode(self, tokens_B: torch.Tensor, batch: Batch, step: int, cos_Sd, sin_Sd) -> torch.Tensor:
+        """One position a row: each row's token goes to slot `step` of its row in the
+        generated tokens' cache. Returns [B, V] f32. Attends over the generated slots up to
+        `step` rounded up (`_round`), so that few shapes compile (and oneDNN sees few)."""
+        new = min(self._round(step + 1), self._keys[0].shape[2])
+        step_1 = torch.full((1,), step, device=tokens_B.device)
+        logits = self._call("_decode_pass", self.model, tokens_B, step_1, batch.prompt_len, batch.grid, batch.place,
+                            batch.unseen, self._keys, self._values, self._prompt_keys, self._prompt_values,
+                            cos_Sd, sin_Sd, batch.groups, batch.n, new)
         self.stats.decode_positions += len(tokens_B)
         self.stats.decode_steps += 1
         return logits
+
+    def _round(self, slots: int) -> int:
+        """Slots attended, rounded up: to 64 in a compiled engine (few shapes compile), to 8 eagerly."""
+        unit = 64 if self.compiled else 8
+        return -(-slots // unit) * unit
 
     def _call(self, name: str, *args) -> torch.Tensor:
         """Run a pass; if compiling it fails, warn once and run eagerly from then on."""
@@ -374,7 +387,7 @@ class Engine:
             warnings.warn(f"Engine: compiling its passes failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); sampling eagerly", stacklevel=3)
             self.compiled = False
-            self._decode_pass, self._prefill_pass = _decode_pass, _prefill_pass
+            self._decode_pass, self._prefill_pass = decode_pass, prefill_pass
             return getattr(self, name)(*args)
 
     def _rope_table(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,20 +397,28 @@ class Engine:
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(m.dtype), angles.sin().to(m.dtype)
 
-    def _ensure_cache(self, rows: int, slots: int) -> None:
+    def _ensure_cache(self, groups: int, prompt_slots: int, rows: int, new_slots: int) -> None:
+        """Room for `groups` prompts of `prompt_slots` tokens and `rows` completions of
+        `new_slots` fed-back tokens; a cache grows (is reallocated) only when too small."""
+        self._prompt_keys, self._prompt_values = self._room(self._prompt_keys, self._prompt_values, groups,
+                                                            prompt_slots)
+        self._keys, self._values = self._room(self._keys, self._values, rows, new_slots)
+
+    def _room(self, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int, slots: int):
         c = self.card
-        if self._keys:
-            have_rows, _, have_slots, _ = self._keys[0].shape
+        if keys:
+            have_rows, _, have_slots, _ = keys[0].shape
             if have_rows >= rows and have_slots >= slots:
-                return
+                return keys, values
             rows, slots = max(rows, have_rows), max(slots, have_slots)
-        self._keys, self._values = [], []  # free the old cache before allocating the new
+            keys.clear()  # free the old cache before allocating the new
+            values.clear()
         # zeros, not empty: masked slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaNs (0 * NaN = NaN)
         shape = (rows, c.kv_heads, slots, c.head_dim)
-        for _ in range(c.layers):
-            self._keys.append(torch.zeros(shape, dtype=self.model.dtype, device=self.model.device))
-            self._values.append(torch.zeros(shape, dtype=self.model.dtype, device=self.model.device))
+        new = [[torch.zeros(shape, dtype=self.model.dtype, device=self.model.device) for _ in range(c.layers)]
+               for _ in range(2)]
+        return new[0], new[1]
 
     # -- input checks ---------------------------------------------------------------
 
@@ -485,70 +506,6 @@ def merged(weight: torch.nn.Parameter, layer: Linear | None) -> torch.Tensor:
     return full(dense(weight).detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
 
 
-def _prefill_pass(model, tokens_P, positions_P, rows_nP, last, keys, values, cos_Sd, sin_Sd, attend):
-    """The prompts' pass: every layer's keys/values into cache rows `rows_nP` (the n
-    completions of each position's prompt, n-major) at their positions; the logits [prompts,
-    V] at `last`. attend: the attention function of the model's path (bounds bound), or a
-    [P, P] mask for one SDPA call (the compiled pass)."""
-    P = len(tokens_P)
-    n = len(rows_nP) // P
-    cos, sin = cos_Sd[positions_P][:, None], sin_Sd[positions_P][:, None]  # [P, 1, d]
-    slots = positions_P.repeat(n)
-    x = F.embedding(tokens_P, model.model.embed_tokens.weight).to(model.dtype)
-    for i, block in enumerate(model.model.layers):
-        q_PHd, k_PKd, v_PKd = _project(block.self_attn, block.input_layernorm(x), cos, sin)
-        keys[i][rows_nP, :, slots] = k_PKd.repeat(n, 1, 1)
-        values[i][rows_nP, :, slots] = v_PKd.repeat(n, 1, 1)
-        q, k, v = q_PHd.transpose(0, 1)[None], k_PKd.transpose(0, 1)[None], v_PKd.transpose(0, 1)[None]
-        if isinstance(attend, torch.Tensor):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, enable_gqa=q.shape[1] != k.shape[1])
-        else:
-            out = attend(q, k, v)
-        x = _finish(block, x, out[0].transpose(0, 1).reshape(P, -1))
-    return _logits(model, x[last])
-
-
-def _decode_pass(model, tokens_B, pos_B, keys, values, cos_Sd, sin_Sd, S: int):
-    """One decode step: row b's token at slot pos_B[b] of cache row b, attending to the
-    first S slots (those past its position masked). Returns [B, V] f32.
-
-    The one-query attention is two batched matmuls and a softmax (SDPA's CPU kernel is
-    built for long queries: 1.17x a GRPO step)."""
-    B = len(tokens_B)
-    rows_B = torch.arange(B, device=tokens_B.device)
-    cos, sin = cos_Sd[pos_B][:, None], sin_Sd[pos_B][:, None]  # [B, 1, d]
-    unseen = (torch.arange(S, device=tokens_B.device)[None] > pos_B[:, None])[:, None, None]  # [B, 1, 1, S]
-    x = F.embedding(tokens_B, model.model.embed_tokens.weight).to(model.dtype)
-    for i, block in enumerate(model.model.layers):
-        attn = block.self_attn
-        H, K, d = attn.shape
-        q_BHd, k_BKd, v_BKd = _project(attn, block.input_layernorm(x), cos, sin)
-        keys[i][rows_B, :, pos_B] = k_BKd
-        values[i][rows_B, :, pos_B] = v_BKd
-        k_cache, v_cache = keys[i][:B, :, :S], values[i][:B, :, :S]
-        scores = (q_BHd.view(B, K, H // K, d) @ k_cache.transpose(-1, -2)).float()  # [B, K, H/K, S]
-        scores = scores.mul_(d**-0.5).masked_fill_(unseen, -math.inf)
-        out = torch.softmax(scores, dim=-1).to(model.dtype) @ v_cache  # [B, K, H/K, d]
-        x = _finish(block, x, out.reshape(B, -1))
-    return _logits(model, x)
-
-
-def _logits(model, h_ND: torch.Tensor) -> torch.Tensor:
-    return (model.model.norm(h_ND) @ model.head_weight.to(model.dtype).T).float()
-
-
-def _project(attn, h_ND, cos_N1d, sin_N1d):
-    """q [N, H, d], k and v [N, K, d] of one attention module, q and k rotated."""
-    q, k, v = attn.project(h_ND)
-    return rotate(q, cos_N1d, sin_N1d), rotate(k, cos_N1d, sin_N1d), v
-
-
-def _finish(block, x_ND, attended_NE):
-    """The rest of `Block.forward` once attention is done: output projection, residual, MLP."""
-    x_ND = x_ND + block.self_attn.o_proj(attended_NE)
-    return x_ND + block.mlp(block.post_attention_layernorm(x_ND))
-
-
 def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled ids [B] and the model's (temperature 1, unfiltered) log-probabilities of them.
     rows_B: each row's completion index among `total`: one uniform is drawn for every
@@ -558,7 +515,7 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
     if s.temperature == 0:
         tok = logits_BV.argmax(-1)
     else:
-        z = logits_BV / s.temperature
+        z = logits_BV / s.temperature if s.temperature != 1 else logits_BV
         if s.top_k:
             kth = torch.topk(z, s.top_k, dim=-1).values[:, -1:]
             z = z.masked_fill(z < kth, -math.inf)
@@ -569,8 +526,10 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
             sorted_z = sorted_z.masked_fill(before >= s.top_p, -math.inf)  # the first always stays
             z = torch.full_like(z, -math.inf).scatter(-1, order, sorted_z)
         # inverse CDF: one uniform a row, where multinomial draws one for every vocabulary
-        # entry (1.08x a GRPO step); "right" never lands on a token of probability 0
-        cdf = torch.softmax(z, dim=-1, dtype=torch.float64).cumsum_(-1)
+        # entry (1.08x a GRPO step); "right" never lands on a token of probability 0. The
+        # sum runs in float64, so that no small probability is lost next to a large total.
+        probs = logp_BV.exp() if z is logits_BV else torch.softmax(z, dim=-1)
+        cdf = probs.cumsum(-1, dtype=torch.float64)
         u = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=cdf.device)[rows_B]
         tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
     return tok, logp_BV.gather(-1, tok[:, None])[:, 0]
