@@ -146,7 +146,9 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         from linnet.serve import Engine
         from linnet.train.grpo import Prompt, grpo
 
-        engine = Engine(nest.load(spec["model_dir"], dtype=dtype, device=device), compile=spec.get("compile_engine"))
+        engine_dtype = spec.get("engine_dtype") or dtype
+        engine = Engine(nest.load(spec["model_dir"], dtype=engine_dtype, device=device),
+                        compile=spec.get("compile_engine"))
         if spec.get("compile_engine"):  # compile the passes before the clock starts, as a run's warmup would
             lengths = [len(p) for p in data["prompt"]]
             engine.warmup([min(lengths), max(lengths)], n=spec["group"], max_new_tokens=spec["max_new_tokens"])
@@ -161,7 +163,7 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         grpo(model, engine, prompts, lower_half, optimizer=optimizer, steps=spec["steps"], group=spec["group"],
              prompts_per_step=spec["prompts_per_step"], max_new_tokens=spec["max_new_tokens"], temperature=1.0,
              stop=(spec["eos"],), tokens=spec["tokens"], max_grad_norm=1.0, seed=spec["seed"], verbose=False,
-             on_step=on_step)
+             correction_cap=2.0 if engine_dtype != dtype else None, on_step=on_step)
         count_work(clock.metrics)
     else:
         raise ValueError(method)

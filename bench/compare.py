@@ -337,6 +337,10 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-engine", action="store_true",
                     help="GRPO: linnet samples with a compiled engine (Engine(compile=True), warmed up before the "
                          "clock starts); TRL's generate stays as it is")
+    ap.add_argument("--engine-dtype", choices=["bf16"], default=None,
+                    help="GRPO: linnet samples in bfloat16 from the float32 policy, with correction_cap=2 "
+                         "(truncated importance weights for the engines' difference), as its CLI does where the "
+                         "CPU computes bf16 natively; TRL samples with the policy itself, in float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown to write ('-': print only)")
     ap.add_argument("--json", default=None, help="also write every raw result here")
@@ -365,6 +369,7 @@ def main(argv=None) -> None:
                         adapter_dir=info["adapter_dir"], data=info["data"][data_kind(method)],
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
                         prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW, compile_engine=args.compile_engine,
+                        engine_dtype=DTYPES[args.engine_dtype] if args.engine_dtype else None,
                         trl_micro={"dpo": args.trl_dpo_micro, "simpo": args.trl_dpo_micro, "orpo": args.trl_dpo_micro,
                                    "reward": args.trl_dpo_micro, "kto": 2 * args.trl_dpo_micro,
                                    "grpo": args.trl_grpo_micro}.get(method))
@@ -459,7 +464,9 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
         f"{args.trl_dpo_micro} pair(s) a forward, GRPO {args.trl_grpo_micro} completions a forward, the rest of "
         "each step accumulated. linnet's GRPO engine: "
         + ("compiled (`--compile-engine`: Engine(compile=True), warmed up before the clock starts; TRL's "
-           "`generate` not compiled)." if args.compile_engine else "eager (the default)."),
+           "`generate` not compiled)" if args.compile_engine else "eager (the default)")
+        + ("; in bfloat16 (`--engine-dtype bf16`) for the float32 policy, with correction_cap=2; TRL samples in "
+           "float32 with the policy." if args.engine_dtype else ", in the policy's dtype."),
         "- Matmul peak (torch.mm 2048², best of 5): " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()),
         "",
     ]

@@ -234,6 +234,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("grpo-vllm-engine", GRPO("grpo.engine=sglang"), r"grpo.engine: 'sglang' is not one of"),
     ("grpo-vllm-memory", GRPO("grpo.vllm_gpu_memory_utilization=0.5"),
      r"grpo.vllm_gpu_memory_utilization=0.5 is read with grpo.engine=vllm only"),
+    ("grpo-engine-dtype-vllm", GRPO("grpo.engine=vllm", "grpo.engine_dtype=bfloat16"),
+     r"grpo.engine_dtype=bfloat16 is read with grpo.engine=builtin only"),
+    ("grpo-engine-dtype", GRPO("grpo.engine_dtype=float16"), r"grpo.engine_dtype: 'float16' is not one of"),
     # jax, inspect, generate, quickstart, plan, plot, info
     ("jax-pytorch-field", lambda ws: ["jax", *SFT("training.shard=fsdp")(ws)[1:]], r"training.shard='fsdp' is for the PyTorch backend"),
     ("inspect-bad-data", lambda ws: ["inspect", *SFT("data.path=/nonexistent.jsonl")(ws)[1:]], r"no such file"),

@@ -45,6 +45,22 @@ def test_grpo_run_writes_metrics(workspace, tmp_path, capsys):
     assert all(0 <= metrics[-1][key] <= 1 for key in held_out[1:]) and set(held_out) <= set(summary)
 
 
+def test_grpo_engine_samples_in_its_own_dtype(workspace, tmp_path):
+    """grpo.engine_dtype=bfloat16 under a float32 policy: the engine's log-probabilities
+    part from the policy's (the mismatch metric), which correction_cap weighs; float32
+    engines agree with the policy."""
+    mismatch = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        run(load(GRPOConfig, None, _overrides(workspace, out, "model.dtype=float32", f"grpo.engine_dtype={dtype}",
+                                              "grpo.correction_cap=2", "grpo.pass_k=0", "grpo.pass_samples=null",
+                                              "evaluation.every=3")))
+        metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert len(metrics) == 3 and all(np.isfinite(m["loss"]) for m in metrics)
+        mismatch[dtype] = max(m["mismatch"] for m in metrics)
+    assert mismatch["float32"] < 1e-5 and mismatch["bfloat16"] > 3e-4
+
+
 def test_grpo_run_with_a_qlora_policy_engine_and_reference(workspace, tmp_path):
     pytest.importorskip("bitsandbytes", reason="model.quantize=nf4 needs bitsandbytes (the qlora extra)")
     summary = run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "run", "model.quantize=nf4",

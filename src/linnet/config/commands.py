@@ -141,6 +141,13 @@ class GRPOConfig(FineTuningConfig):
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/grpo")
     grpo: GRPOSettings = group(GRPOSettings, "sampling, rewards and the objective")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.grpo.engine_dtype is not None and self.model.quantize:
+            raise ValueError(f"config: grpo.engine_dtype={self.grpo.engine_dtype} with model.quantize="
+                             f"{self.model.quantize}: the engine samples from the policy's own 4-bit base, in its "
+                             "dtype; remove grpo.engine_dtype")
+
 
 @dataclass
 class PretrainConfig:

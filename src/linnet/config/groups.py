@@ -371,6 +371,9 @@ class GRPOSettings:
     engine: Literal["builtin", "vllm"] = option(
         "builtin", "what samples the rollouts: builtin (linnet.serve.Engine, any device) or vllm (vLLM on the "
                    "run's CUDA GPU beside the policy: the vllm extra)")
+    engine_dtype: Literal["float32", "bfloat16"] | None = option(
+        None, "engine builtin: the dtype it samples in; null: the model's. bfloat16 samples a float32 policy 2-3x "
+              "faster where bf16 is native (CUDA, amx_bf16/avx512_bf16 CPUs); pair it with correction_cap (e.g. 2)")
     vllm_gpu_memory_utilization: float | None = option(
         None, "engine vllm: the share of the GPU's memory vLLM takes for its copy of the weights and its KV cache, "
               "the rest left to training; null: 0.3")
@@ -395,6 +398,9 @@ class GRPOSettings:
                 or (self.correction_cap is not None and not self.correction_cap > 0):
             raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
                              "(0, 1] and grpo.correction_cap > 0")
+        if self.engine_dtype is not None and self.engine != "builtin":
+            raise ValueError(f"config: grpo.engine_dtype={self.engine_dtype} is read with grpo.engine=builtin only "
+                             "(vLLM samples in the policy's dtype); remove it")
         memory = self.vllm_gpu_memory_utilization
         if memory is not None and self.engine != "vllm":
             raise ValueError(f"config: grpo.vllm_gpu_memory_utilization={memory} is read with grpo.engine=vllm only; "

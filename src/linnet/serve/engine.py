@@ -529,7 +529,7 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
         # entry (1.08x a GRPO step); "right" never lands on a token of probability 0. The
         # sum runs in float64, so that no small probability is lost next to a large total.
         probs = logp_BV.exp() if z is logits_BV else torch.softmax(z, dim=-1)
-        cdf = probs.cumsum(-1, dtype=torch.float64)
+        cdf = probs.double().cumsum_(-1)  # cumsum(dtype=float64) on float32 input ran 10x slower
         u = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=cdf.device)[rows_B]
         tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
     return tok, logp_BV.gather(-1, tok[:, None])[:, 0]
