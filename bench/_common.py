@@ -169,6 +169,10 @@ def table(head: list[str], rows: list[list], align: str = "") -> list[str]:
     return ["| " + " | ".join(head) + " |", rule, *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
 
 
+# notes written by hand under a generated report start at this line, and outlive a rerun
+KEEP = "<!-- everything below this line is kept when the script rewrites the file -->"
+
+
 def write_report(text: str, out: str, keep: str | None = None) -> None:
     """Print the report, and write it to `out` unless that is '-'. With `keep` (a marker line)
     the report ends with the marker, followed by what followed it in the file being replaced

@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import GiB, command, machine, matmul_peak, run_child, table, write_report
+from _common import KEEP, GiB, command, machine, matmul_peak, run_child, table, write_report
 
 HERE = Path(__file__).resolve().parent
 PAD, BOS, EOS = 0, 1, 2
@@ -402,7 +402,7 @@ def main(argv=None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(rows=rows, raw=raw, peaks=peaks), indent=1))
     plot = chart_path(args.out)
-    write_report(report(rows, peaks, command(__file__, argv), steps, args, seconds, plot.name), args.out, keep=MARK)
+    write_report(report(rows, peaks, command(__file__, argv), steps, args, seconds, plot.name), args.out, keep=KEEP)
     if args.out != "-":
         chart(rows, plot)
         print(f"wrote {plot}")
@@ -440,7 +440,6 @@ def results_table(rows: list[dict]) -> list[str]:
     return table(head, cells)
 
 
-MARK = "<!-- everything below this line is kept when bench/compare.py rewrites the file -->"
 
 
 def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:

@@ -34,7 +34,7 @@ import tempfile
 import time
 
 import torch
-from _common import command, machine, table, write_report
+from _common import KEEP, command, machine, table, write_report
 
 
 def build(directory: str, quick: bool) -> dict:
@@ -73,8 +73,10 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_case(name, engines, hf, prompts, n, new, sample, device, repeats):
-    """engines: side name -> Engine (linnet's eager engine, and its compiled one with --compile)."""
+def run_case(name, engines, hf, prompts, n, new, sample, device, repeats, exact=True):
+    """engines: side name -> Engine (linnet's eager engine, and its compiled one with --compile).
+    exact: float32, where the compiled engine must choose the eager one's greedy tokens (in
+    bfloat16 its fused kernels round otherwise, and a near-tie can part)."""
     ids, mask = left_padded(prompts, device)
     T = ids.shape[1]
 
@@ -100,7 +102,7 @@ def run_case(name, engines, hf, prompts, n, new, sample, device, repeats):
     assert all(sum(map(len, a)) == tokens == len(prompts) * n * new for a in got.values()), name
     a = got["linnet"]
     same = "yes" if a == b else f"{sum(x == y for x, y in zip(a, b))}/{len(a)} rows"
-    if "compiled" in got and not sample:
+    if "compiled" in got and not sample and exact:
         assert got["compiled"] == a, f"{name}: the compiled engine chose other greedy tokens than the eager one"
     times = {side: [] for side in sides}
     for _ in range(repeats):
@@ -155,7 +157,7 @@ def main(argv=None) -> None:
                 ("group", prompts_of([48, 20], vocab, 2), max(args.batch // 2, 1), True),
             ]
             for name, prompts, n, sample in cases:
-                r = run_case(name, engines, hf, prompts, n, new, sample, args.device, args.repeats)
+                r = run_case(name, engines, hf, prompts, n, new, sample, args.device, args.repeats, dtype == "float32")
                 r["dtype"] = dtype
                 rows.append(r)
                 compiled = f"  compiled {r['compiled']:8.1f} tok/s" if args.compile else ""
@@ -197,7 +199,7 @@ def main(argv=None) -> None:
         "greedy path can part at a near-tie and the rest of that row differs.",
         "",
     ]
-    write_report("\n".join(lines), args.out)
+    write_report("\n".join(lines), args.out, keep=KEEP)
 
 
 if __name__ == "__main__":
