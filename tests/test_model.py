@@ -162,6 +162,42 @@ def test_shared_prompts_give_the_same_log_probs_and_gradients(attention):
         torch.testing.assert_close(g_shared, g_alone, rtol=1e-4, atol=1e-6)
 
 
+def test_head_runs_on_learned_positions_only(monkeypatch):
+    """A prompted row: the head sees only the positions with a weight, and the loss, the
+    learned log-probabilities and the gradients equal those of the head over every position."""
+    from linnet.packing import pack_prompted
+    from linnet.torch.model import Decoder
+
+    g = np.random.default_rng(5)
+    groups = [(g.integers(3, 97, size=n).tolist(), [g.integers(3, 97, size=m).tolist() for m in (3, 4)])
+              for n in (12, 20, 9)]
+    (row,) = pack_prompted(groups, tokens=96, share=True)
+    learned = np.flatnonzero(row.weights > 0)
+    model = nest.load(nest.resolve("debug").replace(vocab=97), weights="random", trainable=True, seed=2)
+    import linnet.torch.model as decoder_module
+
+    head_rows = []
+    for name in ("linear_cross_entropy", "linear_token_log_probs"):
+        real = getattr(decoder_module, name)
+        monkeypatch.setattr(decoder_module, name, lambda h, *a, real=real, **k: head_rows.append(len(h)) or real(h, *a, **k))
+    results = []
+    for selected in (True, False):
+        if not selected:
+            monkeypatch.setattr(Decoder, "_learned", lambda self, batch, n: None)
+        model.zero_grad()
+        loss, count = model.loss_packed(row)
+        logp = model.log_probs_packed(row)
+        (loss + (logp[learned] * torch.linspace(0.5, 1.5, len(learned))).sum()).backward()
+        grad = model.model.layers[0].mlp.up_proj.weight.grad.clone()
+        results.append((loss.detach(), count, logp.detach()[learned], grad))
+    assert len(learned) < 0.9 * row.real and head_rows == [len(learned)] * 2 + [row.real] * 2
+    (loss_a, n_a, lp_a, g_a), (loss_b, n_b, lp_b, g_b) = results
+    assert n_a == n_b == len(learned)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lp_a, lp_b, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=1e-7)
+
+
 def test_trainable_patterns_and_master_dtype():
     model = nest.load("debug", weights="random", dtype="bfloat16", trainable=["model.layers.*.mlp.*"])
     for name, p in model.named_parameters():
