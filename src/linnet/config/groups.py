@@ -372,7 +372,7 @@ class GRPOSettings:
         "builtin", "what samples the rollouts: builtin (linnet.serve.Engine, any device) or vllm (vLLM on the "
                    "run's CUDA GPU beside the policy: the vllm extra)")
     engine_dtype: Literal["float32", "bfloat16"] | None = option(
-        None, "engine builtin: the dtype it samples in; null: the model's. bfloat16 samples a float32 policy 2-3x "
+        None, "engine builtin: the dtype it samples in; null: the model's. bfloat16 samples a float32 policy up to 2x "
               "faster where bf16 is native (CUDA, amx_bf16/avx512_bf16 CPUs); pair it with correction_cap (e.g. 2)")
     vllm_gpu_memory_utilization: float | None = option(
         None, "engine vllm: the share of the GPU's memory vLLM takes for its copy of the weights and its KV cache, "
