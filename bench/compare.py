@@ -231,6 +231,7 @@ def build_workload(root: Path, sizes, methods, steps: int, seed: int) -> dict:
             if kind == "sft":
                 info["sft_bins"] = [[len(data["prompt"][i]) + len(data["completion"][i]) for i in b]
                                     for b in data["bins"][:steps]]
+                info["sft_learned"] = [sum(len(data["completion"][i]) for i in b) for b in data["bins"][:steps]]
         out[size] = info
     return out
 
@@ -239,22 +240,24 @@ def build_workload(root: Path, sizes, methods, steps: int, seed: int) -> dict:
 # FLOPs
 
 
-def sft_step_flops(size: str, doc_lengths: list[int], lora: bool, rank: int = 16) -> float:
-    """Useful FLOPs of one SFT step on a row holding documents of these lengths: matmuls
-    (2 per multiply-add) of every linear projection and the head; attention within each
-    document, causal half only; backward = 2x forward for what trains, plus the input
-    gradients a frozen weight still passes on (LoRA: 2x forward less the weight gradients)."""
+def sft_step_flops(size: str, doc_lengths: list[int], learned: int, lora: bool, rank: int = 16) -> float:
+    """Useful FLOPs of one SFT step on a row holding documents of these lengths, `learned`
+    of its positions with a target: matmuls (2 per multiply-add) of every linear projection
+    at every position and of the head where a target is learned (a prompt's logits are
+    used by nothing); attention within each document, causal half only; backward = 2x
+    forward for what trains, plus the input gradients a frozen weight still passes on
+    (LoRA: 2x forward less the weight gradients)."""
     s = SIZES[size]
     D, F, L, H, K, d, V = (s[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab"))
     shapes = [(H * d, D), (K * d, D), (K * d, D), (D, H * d), (F, D), (F, D), (D, F)]
     tokens = sum(doc_lengths)
-    linear = L * sum(o * i for o, i in shapes) + V * D
+    linear = L * sum(o * i for o, i in shapes) * tokens + V * D * learned
     attention_fwd = L * sum(2 * 2 * H * d * n * (n + 1) / 2 for n in doc_lengths)
     if not lora:
-        return 6 * linear * tokens + 3 * attention_fwd
+        return 6 * linear + 3 * attention_fwd
     adapters = L * sum(rank * (o + i) for o, i in shapes)
     # frozen weights: forward + input gradient; adapters: forward + both gradients
-    return 4 * linear * tokens + 6 * adapters * tokens + 3 * attention_fwd
+    return 4 * linear + 6 * adapters * tokens + 3 * attention_fwd
 
 
 # ---------------------------------------------------------------------------------------
@@ -390,7 +393,8 @@ def main(argv=None) -> None:
                        speed_cpu=ours["cpu_tokens_per_s"] / theirs["cpu_tokens_per_s"],
                        alike=alike(method, ours, theirs), params=info["params"])
             if method.startswith("sft"):
-                flops = [sft_step_flops(size, b, method == "sft-lora") for b in info["sft_bins"]]
+                flops = [sft_step_flops(size, b, n, method == "sft-lora")
+                         for b, n in zip(info["sft_bins"], info["sft_learned"])]
                 per_token = sum(flops) / sum(sum(b) for b in info["sft_bins"])
                 row["mfu"] = {lib: per_token * row[lib]["tokens_per_s"] / peaks[dtype] for lib in ("linnet", "trl")}
                 row["gflops"] = {lib: per_token * row[lib]["tokens_per_s"] / 1e9 for lib in ("linnet", "trl")}
@@ -472,7 +476,7 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
     lines += results_table(rows)
     mfu = [r for r in rows if "mfu" in r]
     if mfu:
-        lines += ["", "SFT step: useful FLOP/s (linear layers and the head, attention within documents, causal half; "
+        lines += ["", "SFT step: useful FLOP/s (linear layers, the head where a target is learned, attention within documents, causal half; "
                   "LoRA counts no frozen-weight gradients) and MFU against the matmul peak of the dtype:", ""]
         lines += table(["method", "size", "dtype", "linnet GFLOP/s", "linnet MFU", "TRL GFLOP/s", "TRL MFU"],
                        [[r["method"], r["size"], r["dtype"], f"{r['gflops']['linnet']:.0f}",
