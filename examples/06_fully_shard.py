@@ -46,4 +46,5 @@ history = train(
 if rank == 0:
     print(f"loss {history.losses[0]:.3f} -> {history.losses[-1]:.3f}; weights in {args.out}")
 if joined:
+    torch.distributed.barrier()  # the first process may still be writing: leave the group together
     torch.distributed.destroy_process_group()
