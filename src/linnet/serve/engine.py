@@ -416,9 +416,11 @@ class Engine:
         # zeros, not empty: masked slots are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaNs (0 * NaN = NaN)
         shape = (rows, c.kv_heads, slots, c.head_dim)
-        new = [[torch.zeros(shape, dtype=self.model.dtype, device=self.model.device) for _ in range(c.layers)]
-               for _ in range(2)]
-        return new[0], new[1]
+
+        def layers():
+            return [torch.zeros(shape, dtype=self.model.dtype, device=self.model.device) for _ in range(c.layers)]
+
+        return layers(), layers()
 
     # -- input checks ---------------------------------------------------------------
 
@@ -515,7 +517,8 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
     if s.temperature == 0:
         tok = logits_BV.argmax(-1)
     else:
-        z = logits_BV / s.temperature if s.temperature != 1 else logits_BV
+        as_is = s.temperature == 1 and not s.top_k and s.top_p >= 1.0  # the model's own distribution
+        z = logits_BV if s.temperature == 1 else logits_BV / s.temperature
         if s.top_k:
             kth = torch.topk(z, s.top_k, dim=-1).values[:, -1:]
             z = z.masked_fill(z < kth, -math.inf)
@@ -528,7 +531,7 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
         # inverse CDF: one uniform a row, where multinomial draws one for every vocabulary
         # entry (1.08x a GRPO step); "right" never lands on a token of probability 0. The
         # sum runs in float64, so that no small probability is lost next to a large total.
-        probs = logp_BV.exp() if z is logits_BV else torch.softmax(z, dim=-1)
+        probs = logp_BV.exp() if as_is else torch.softmax(z, dim=-1)
         cdf = probs.double().cumsum_(-1)  # cumsum(dtype=float64) on float32 input ran 10x slower
         u = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=cdf.device)[rows_B]
         tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]

@@ -13,7 +13,6 @@ V vocabulary, S prompt slots, L layers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,6 @@ import torch.nn.functional as F
 from linnet.torch.model import rotate
 
 
-@dataclass
 class Batch:
     """Which prompt each row of the batch attends to, as the decode pass reads it. The
     prompt cache is read one prompt at a time with all its rows as queries (a group's
