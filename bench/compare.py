@@ -90,7 +90,7 @@ def target(method: str, size: str) -> float:
 TOKENS = 4096
 # linnet's DPO rows: a step's 8 pairs (prompts shared) fill ~3.2K positions; two rows of 2048
 # hold them in two forwards and keep the peak under TRL's one-pair forwards
-# the reward model's pairs (no shared prompt) in rows of 1536: a pair's two sequences fit, the peak stays low
+# the reward model's pairs (prompts shared) in rows of 1536: the peak stays at TRL's
 LINNET_TOKENS = {"dpo": 2048, "simpo": 2048, "orpo": 2048, "kto": 2048, "reward": 1536}
 PAIRS_PER_STEP = 8
 GROUP, PROMPTS_PER_STEP, MAX_NEW = 8, 4, 64

@@ -163,8 +163,9 @@ def test_shared_prompts_give_the_same_log_probs_and_gradients(attention):
 
 
 def test_head_runs_on_learned_positions_only(monkeypatch):
-    """A prompted row: the head sees only the positions with a weight, and the loss, the
-    learned log-probabilities and the gradients equal those of the head over every position."""
+    """A prompted row: the head and the last block's MLP see only the positions with a
+    weight, and the loss, the learned log-probabilities, the gradients and the hidden
+    states there (with activation checkpointing too) equal those over every position."""
     from linnet.packing import pack_prompted
     from linnet.torch.model import Decoder
 
@@ -176,7 +177,8 @@ def test_head_runs_on_learned_positions_only(monkeypatch):
     model = nest.load(nest.resolve("debug").replace(vocab=97), weights="random", trainable=True, seed=2)
     import linnet.torch.model as decoder_module
 
-    head_rows = []
+    head_rows, mlp_rows = [], []
+    model.model.layers[-1].mlp.register_forward_hook(lambda m, args, out: mlp_rows.append(len(args[0])))
     for name in ("linear_cross_entropy", "linear_token_log_probs"):
         real = getattr(decoder_module, name)
         monkeypatch.setattr(decoder_module, name, lambda h, *a, real=real, **k: head_rows.append(len(h)) or real(h, *a, **k))
@@ -191,11 +193,17 @@ def test_head_runs_on_learned_positions_only(monkeypatch):
         grad = model.model.layers[0].mlp.up_proj.weight.grad.clone()
         results.append((loss.detach(), count, logp.detach()[learned], grad))
     assert len(learned) < 0.9 * row.real and head_rows == [len(learned)] * 2 + [row.real] * 2
+    assert mlp_rows == head_rows
     (loss_a, n_a, lp_a, g_a), (loss_b, n_b, lp_b, g_b) = results
     assert n_a == n_b == len(learned)
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lp_a, lp_b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=1e-7)
+    for mode in (False, True):  # recomputation runs with gradients on
+        model.checkpoint_activations(mode)
+        at = model.hidden_packed(row, at=learned)
+        at.sum().backward()
+        torch.testing.assert_close(at.detach(), model.hidden_packed(row)[learned].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_trainable_patterns_and_master_dtype():

@@ -68,6 +68,32 @@ def test_the_saved_model_scores_alike_in_transformers(trained):
     np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-5)
 
 
+def test_answers_sharing_a_prompt_score_as_whole_sequences(trained):
+    """Consecutive answers to one prompt are packed after it once (the last block computing
+    only the positions read); each scores as its prompt + answer alone does in
+    transformers, an answer made only of pad tokens (read at its prompt's last token)
+    included, and the same as whole prompt + answer documents."""
+    transformers = pytest.importorskip("transformers")
+    from linnet.packing import pack_prompted
+    from linnet.train.reward import _runs, rows, scores
+
+    model, _, _, _, out = trained
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype=torch.float32).eval()
+    pad = model.card.pad_token_id
+    groups = [(p.prompt, a) for p in _pairs(3, seed=9) for a in (p.chosen, p.rejected, [pad, pad])]
+    groups += [([5, 7, pad], [9, 4]), ([5, 7, pad], [pad])]  # read at 7: in the shared prompt's document
+    shared = score_answers(model, groups, tokens=128)
+    with torch.no_grad():
+        alone = list(pack_prompted(((p, (a,)) for p, a in groups), 128, share=False))
+        assert all(row.prefix is None for row in alone)
+        whole = torch.cat([scores(model, row) for row in alone]).numpy()
+        theirs = [float(hf(torch.tensor([list(p) + list(a)])).logits[0, 0]) for p, a in groups]
+    np.testing.assert_allclose(shared, whole, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(theirs, shared, rtol=1e-4, atol=1e-5)
+    packed = list(rows(model, _runs(groups, 128), 128))
+    assert [r.examples for r in packed] == [11] and (np.asarray(packed[0].prefix) >= 0).sum() == 11  # 4 prompts, once each
+
+
 def test_a_trained_reward_model_is_a_batched_grpo_reward(trained):
     model, _, _, _, out = trained
     scorer = RewardScorer(out, tokens=128)

@@ -168,13 +168,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend):
+    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend, keep=None):
         P = x_PD.shape[0]
         q, k, v = self.project(x_PD)
         q_1HPd = rotate(q.transpose(0, 1), cos_Pd, sin_Pd)[None]
         k_1KPd = rotate(k.transpose(0, 1), cos_Pd, sin_Pd)[None]
-        out = attend(q_1HPd, k_1KPd, v.transpose(0, 1)[None], bounds)
-        return self.o_proj(out[0].transpose(0, 1).reshape(P, -1))
+        out = attend(q_1HPd, k_1KPd, v.transpose(0, 1)[None], bounds)[0].transpose(0, 1).reshape(P, -1)
+        return self.o_proj(out if keep is None else out[keep])
 
 
 class MLP(nn.Module):
@@ -196,8 +196,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(card.hidden, card.norm_eps)
         self.mlp = MLP(card)
 
-    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend):
-        x_PD = x_PD + self.self_attn(self.input_layernorm(x_PD), cos_Pd, sin_Pd, bounds, attend)
+    def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend, keep=None):
+        """keep: the positions whose outputs are wanted (the last block's); every position
+        still gives its keys and values, the rest of the block runs on `keep` alone."""
+        out = self.self_attn(self.input_layernorm(x_PD), cos_Pd, sin_Pd, bounds, attend, keep)
+        x_PD = (x_PD if keep is None else x_PD[keep]) + out
         return x_PD + self.mlp(self.post_attention_layernorm(x_PD))
 
 
@@ -260,8 +263,11 @@ class Decoder(nn.Module):
 
     # -- the trunk ------------------------------------------------------------------
 
-    def _trunk(self, tokens_P, positions_P, bounds: list[int], prefix: list[int] | None = None):
-        """Final-normed hidden states [P, D] of one packed row (`prefix`: shared prompts)."""
+    def _trunk(self, tokens_P, positions_P, bounds: list[int], prefix: list[int] | None = None, keep=None):
+        """Final-normed hidden states [P, D] of one packed row (`prefix`: shared prompts),
+        or [len(keep), D] at the positions `keep` only: the last block's output projection,
+        MLP and norm then run on those alone (a reward model reads one position a
+        sequence; DPO and GRPO rows skip their prompts)."""
         attend = attention_paths.choose(self.attention, self.device)
         if prefix is not None:
             attend = functools.partial(attend, prefix=prefix)
@@ -270,12 +276,17 @@ class Decoder(nn.Module):
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
         recompute = self.checkpointing is not None and torch.is_grad_enabled()
-        for block in self.model.layers:
+        last = len(self.model.layers) - 1
+        for i, block in enumerate(self.model.layers):
+            # compiled blocks want one row length: they run whole, the positions taken after
+            subset = keep if i == last and not self.compiled else None
             if recompute:  # keep the block's input, compute the rest again in backward
-                x = checkpoint(block, x, cos, sin, bounds, attend, use_reentrant=False,
+                x = checkpoint(block, x, cos, sin, bounds, attend, subset, use_reentrant=False,
                                context_fn=_KEEP[self.checkpointing])
             else:
-                x = block(x, cos, sin, bounds, attend)
+                x = block(x, cos, sin, bounds, attend, subset)
+        if keep is not None and self.compiled:
+            x = x[keep]
         return self.model.norm(x)
 
     def _fields(self, batch):
@@ -312,19 +323,23 @@ class Decoder(nn.Module):
 
     # -- entries ------------------------------------------------------------------
 
-    def hidden_packed(self, batch) -> torch.Tensor:
-        """[P, D] final hidden states of a packed row (after the last norm)."""
+    def hidden_packed(self, batch, at=None) -> torch.Tensor:
+        """[P, D] final hidden states of a packed row (after the last norm); with `at`
+        (positions, e.g. each answer's last token) [len(at), D] at those alone, the last
+        block computing only what they need."""
         tokens, positions, layout, _, _ = self._fields(batch)
+        if at is not None:
+            return self._trunk(tokens, positions, *layout, keep=torch.as_tensor(at, device=self.device))
         return self._padded(self._trunk(tokens, positions, *layout), batch)
 
     def loss_packed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of weighted token cross-entropies, sum of weights), both float32: the
         caller divides once by the count over everything it accumulates."""
         tokens, positions, layout, targets, weights = self._fields(batch)
-        h = self._trunk(tokens, positions, *layout)
-        keep = self._learned(batch, len(h))
+        keep = self._learned(batch, len(tokens))
+        h = self._trunk(tokens, positions, *layout, keep=keep)
         if keep is not None:  # a zero weight adds nothing to the loss or the gradients
-            h, targets, weights = h[keep], targets[keep], weights[keep]
+            targets, weights = targets[keep], weights[keep]
         split = self._split_head()
         if split is not None:
             return split_cross_entropy(h, *split[:1], targets, weights, **split[1]), weights.float().sum()
@@ -335,22 +350,24 @@ class Decoder(nn.Module):
         """[P] float32 log-probability of each position's target where its weight is not 0;
         elsewhere (prompts, the last token of each document, padding) 0 or meaningless."""
         tokens, positions, layout, targets, _ = self._fields(batch)
-        h = self._trunk(tokens, positions, *layout)
-        keep = self._learned(batch, len(h))
-        h_kept, targets_kept = (h, targets) if keep is None else (h[keep], targets[keep])
+        keep = self._learned(batch, len(tokens))
+        h = self._trunk(tokens, positions, *layout, keep=keep)
+        if keep is not None:
+            targets = targets[keep]
         split = self._split_head()
         if split is not None:
-            logp = split_token_log_probs(h_kept, *split[:1], targets_kept, **split[1])
+            logp = split_token_log_probs(h, *split[:1], targets, **split[1])
         else:
-            logp = linear_token_log_probs(h_kept, self.head_weight, targets_kept)
+            logp = linear_token_log_probs(h, self.head_weight, targets)
         if keep is not None:
-            logp = logp.new_zeros(len(h)).index_put((keep,), logp)
+            logp = logp.new_zeros(len(tokens)).index_put((keep,), logp)
         return self._padded(logp, batch)
 
     def _learned(self, batch, n: int) -> torch.Tensor | None:
         """The positions among the first n whose weight is not 0, where they are under 90%
-        of them (a prompted row: DPO, GRPO, SFT on completions); else None. The head runs
-        on these alone: at small sizes it is a third or more of a position's FLOPs."""
+        of them (a prompted row: DPO, GRPO, SFT on completions); else None. The head and
+        the last block's MLP run on these alone: at small sizes the head is a third or
+        more of a position's FLOPs."""
         weights = batch.weights
         if isinstance(weights, torch.Tensor):
             if weights.device.type != "cpu":

@@ -94,11 +94,13 @@ def check_teacher(student, teacher) -> None:
 
 
 def row_divergence(student, teacher, row, **options) -> torch.Tensor:
-    """Summed divergence over a packed row's learned positions."""
-    h_s = student.hidden_packed(row)
+    """Summed divergence over a packed row's learned positions (both models' heads and
+    last MLPs run on those alone)."""
+    at = np.flatnonzero(np.asarray(row.weights))
+    h_s = student.hidden_packed(row, at=at)
     with torch.no_grad():
-        h_t = teacher.hidden_packed(row)
-    weights = torch.as_tensor(np.asarray(row.weights), device=h_s.device)
+        h_t = teacher.hidden_packed(row, at=at)
+    weights = torch.as_tensor(np.asarray(row.weights)[at], device=h_s.device)
     return linear_divergence(h_s, student.head_weight, h_t, teacher.head_weight, weights, **options)
 
 

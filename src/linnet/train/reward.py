@@ -9,8 +9,9 @@ Bradley-Terry loss, -log sigmoid(r(chosen) - r(rejected)) (Ouyang et al. 2022).
 An answer's reward is the head applied to the final hidden state at the last token of the
 prompt and answer read as one sequence that is not the pad token: what transformers'
 *ForSequenceClassification computes (where the pad token is also the end of a sequence,
-the token before it). Each prompt + answer is its
-own document of a packed row.
+the token before it). A pair's prompt is packed once, both answers attending to it (where
+the attention path takes shared prompts), and the last block runs its MLP only at the
+positions read.
 """
 
 from __future__ import annotations
@@ -45,29 +46,39 @@ def add_score_head(model, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def rows(groups: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]], tokens: int):
-    """Packed rows with each prompt + answer a document of its own (no shared prompts)."""
-    return pack_prompted(groups, tokens, share=False)
+def rows(model, groups: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]], tokens: int):
+    """Packed rows of (prompt, answers) groups, each prompt once with its answers attending
+    to it where the model's attention path allows, else whole prompt + answer each."""
+    return pack_prompted(groups, tokens, share=model.shares_prompts)
 
 
 def _last_positions(row, pad_id: int | None) -> np.ndarray:
     """Each answer document's last position that does not hold the pad token (the rule
-    transformers' sequence classifiers use), its last position if all do."""
+    transformers' sequence classifiers use; for an answer all pad, its shared prompt's),
+    the document's last position if every token is pad."""
     bounds, tokens = np.asarray(row.bounds), np.asarray(row.tokens)
+    prefix = None if row.prefix is None else np.asarray(row.prefix)
     learned = np.add.reduceat(np.asarray(row.weights), bounds[:-1]) > 0
+
+    def last_kept(doc: int) -> int | None:
+        start, end = bounds[doc], bounds[doc + 1]
+        kept = np.flatnonzero(tokens[start:end] != pad_id) if pad_id is not None else [end - start - 1]
+        return start + kept[-1] if len(kept) else None
+
     out = []
-    for start, end in zip(bounds[:-1][learned], bounds[1:][learned]):
-        kept = np.flatnonzero(tokens[start:end] != pad_id) if pad_id is not None else []
-        out.append(start + (kept[-1] if len(kept) else end - start - 1))
+    for doc in np.flatnonzero(learned):
+        found = last_kept(doc)
+        if found is None and prefix is not None and prefix[doc] >= 0:
+            found = last_kept(prefix[doc])
+        out.append(bounds[doc + 1] - 1 if found is None else found)
     return np.asarray(out, dtype=np.int64)
 
 
 def scores(model, row) -> torch.Tensor:
     """[answers] float32 reward of each answer of a row (in order), from the final hidden
     state at its document's last non-pad token."""
-    h = model.hidden_packed(row)
-    last = torch.as_tensor(_last_positions(row, model.card.pad_token_id), device=h.device)
-    return model.score(h[last]).float()[:, 0]
+    h = model.hidden_packed(row, at=_last_positions(row, model.card.pad_token_id))
+    return model.score(h).float()[:, 0]
 
 
 def reward(
@@ -99,7 +110,7 @@ def reward(
     def prepare(step: int, chunk: list) -> Work:
         batch = [p for _, p in chunk]
         (count,) = sum_across([float(len(batch))])
-        packed = list(rows(((p.prompt, (p.chosen, p.rejected)) for p in batch), tokens))
+        packed = list(rows(model, ((p.prompt, (p.chosen, p.rejected)) for p in batch), tokens))
 
         def loss(_, row):
             r = scores(model, row).view(-1, 2)
@@ -122,12 +133,28 @@ def reward(
 
 @torch.no_grad()
 def score_answers(model, groups: Sequence[tuple[Sequence[int], Sequence[int]]], *, tokens: int = 4096) -> np.ndarray:
-    """[len(groups)] rewards of (prompt, answer) token lists, packed rows at a time."""
+    """[len(groups)] rewards of (prompt, answer) token lists, packed rows at a time
+    (consecutive answers to one prompt share it, as many as fit a row)."""
     was_training = model.training
     model.eval()
-    out = [scores(model, row).double().cpu() for row in rows(((p, (a,)) for p, a in groups), tokens)]
+    out = [scores(model, row).double().cpu() for row in rows(model, _runs(groups, tokens), tokens)]
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros(0)
+
+
+def _runs(groups: Sequence[tuple[Sequence[int], Sequence[int]]], tokens: int):
+    """(prompt, answers) for each run of consecutive answers to the same prompt, cut
+    where prompt + answers would no longer fit a row laid out whole."""
+    prompt, answers, size = None, [], 0
+    for p, a in groups:
+        if answers and (list(p) != prompt or size + len(p) + len(a) > tokens):
+            yield prompt, answers
+            answers, size = [], 0
+        prompt = list(p)
+        answers.append(a)
+        size += len(p) + len(a)
+    if answers:
+        yield prompt, answers
 
 
 def held_out_accuracy(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> dict[str, float]:
