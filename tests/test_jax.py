@@ -139,10 +139,14 @@ def test_training_steps_equal_pytorch(jx, tmp_path):
     assert jhistory.losses == pytest.approx(history.losses, rel=1e-5)
     assert [s.grad_norm for s in jhistory.steps] == pytest.approx([s.grad_norm for s in history.steps], rel=1e-4)
     back = nest.load(str(tmp_path / "jax"), weights=str(tmp_path / "jax"))
+    from linnet.jax import load_source
+
+    source = load_source(str(tmp_path / "jax"), weights=str(tmp_path / "jax")).params  # read back in JAX
     for name, p in torch_model.named_parameters():
         np.testing.assert_allclose(np.asarray(params[name]), p.detach().numpy(), atol=1e-5, err_msg=name)
         np.testing.assert_allclose(dict(back.named_parameters())[name].detach().numpy(), p.detach().numpy(),
                                    atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(np.asarray(source[name]), p.detach().numpy(), atol=1e-5, err_msg=name)
 
 
 def test_trainable_patterns_and_refusals(jx, tmp_path):
@@ -420,6 +424,41 @@ def test_engine_takes_a_policy_with_adapters_merged(jx, tmp_path):
     direct.params = merged
     assert adapted[0].tokens == direct.sample([[5, 6, 7]], max_new_tokens=8, temperature=0.0)[0].tokens
     assert adapted[0].tokens != plain[0].tokens or not np.allclose(adapted[0].logprobs, plain[0].logprobs)
+
+
+def test_an_engine_split_over_a_mesh_takes_a_split_policy_in_place(jx, tmp_path):
+    """model.shard(mesh) splits the engine's model as training splits the policy; weights
+    copied in from a split policy (adapters merged) stay split the engine's way, and it
+    samples what a whole engine samples."""
+    jax, _ = jx
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count was set too late)")
+    from jax.sharding import Mesh
+
+    from linnet.jax.engine import Engine
+    from linnet.jax.model import part
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    _, policy = _lora_pair(jx, tmp_path)
+    split_policy = {k: jax.device_put(v, part(v, mesh)) for k, v in policy.params.items()}
+
+    def engine():
+        return nest.load(policy.card, backend="jax", weights=str(tmp_path / "w.safetensors"))
+
+    split, whole = Engine(engine().shard(mesh)), Engine(engine())
+    placed = {k: v.sharding for k, v in split.params.items()}
+    assert len(placed["model.layers.0.mlp.up_proj.weight"].device_set) == 2
+    split.load_weights(policy, split_policy)
+    whole.load_weights(policy)
+    assert {k: v.sharding for k, v in split.params.items()} == placed
+    prompts = [[5, 6, 7], [8, 9]]
+    a, b = (e.sample(prompts, max_new_tokens=8, temperature=0.0) for e in (split, whole))
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    other = nest.load(policy.card.replace(layers=1), backend="jax", weights="random")
+    with pytest.raises(ValueError, match="card differs"):
+        split.load_weights(other)
 
 
 def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):

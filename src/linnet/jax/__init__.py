@@ -4,4 +4,6 @@
 
 from linnet.jax.model import JaxModel, load_model, save_weights
 
-__all__ = ["JaxModel", "load_model", "save_weights"]
+load_source = load_model  # the specification's name: it reads what save_weights writes
+
+__all__ = ["JaxModel", "load_model", "load_source", "save_weights"]

@@ -5,6 +5,7 @@ PyTorch one:
     done = engine.sample([ids_a, ids_b], n=8, max_new_tokens=128, temperature=1.0, seed=0)
     done[0].tokens, done[0].logprobs, done[0].stopped       # completion 0 of prompt 0
     engine.load_weights(policy, params)                     # a policy's parameters, adapters merged
+    Engine(model.shard(mesh))                               # over a mesh: split as the policy is
 
 Every completion is a cache row holding its prompt right-padded to the longest one. One
 compiled prefill fills every row's cache and gives each row's first token; then one
@@ -121,11 +122,11 @@ class Engine:
         self.params = merge_lora(model)
 
     def load_weights(self, policy: JaxModel, params: Params | None = None) -> None:
-        """Take `params` (default the policy's own), adapters merged in (W + scale * B @ A)."""
-        if policy.card != self.model.card:
-            raise ValueError("Engine.load_weights: the policy's card differs from the engine's; load the engine "
-                             "from the same card")
-        self.params = merge_lora(policy, params)
+        """Take `params` (default the policy's own), adapters merged in (W + scale * B @ A),
+        placed as the engine's model's are (`JaxModel.copy_weights`; split over a mesh after
+        `model.shard(mesh)`, so that no copy goes through one device)."""
+        self.model.copy_weights(policy, params)
+        self.params = self.model.params
 
     def sample(self, prompts: Sequence[Sequence[int]], n: int = 1, *, max_new_tokens: int = 256,
                temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,

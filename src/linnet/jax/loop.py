@@ -25,7 +25,7 @@ from linnet import checkpoint_layout as layout
 from linnet.adapter_files import ADAPTERS, MAGNITUDES
 from linnet.history import History, Step, due, step_items
 from linnet.jax.lora import Params, save_peft
-from linnet.jax.model import JaxModel, save_weights
+from linnet.jax.model import JaxModel, part, save_weights
 from linnet.paths import select
 
 
@@ -77,18 +77,6 @@ def place_rows(rows: dict[str, np.ndarray], mesh) -> dict:
     missing = -len(rows["weights"]) % devices
     rows = {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
     return jax.device_put(rows, NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])))
-
-
-def _part(x, mesh):
-    """A NamedSharding splitting `x` along its largest axis the mesh's device count
-    divides (FSDP); whole on every device when none does."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    axis = mesh.axis_names[0]
-    for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
-        if x.shape[d] % mesh.shape[axis] == 0:
-            return NamedSharding(mesh, PartitionSpec(*[axis if i == d else None for i in range(x.ndim)]))
-    return NamedSharding(mesh, PartitionSpec())
 
 
 def learning_rate(opt_state) -> float:
@@ -185,11 +173,11 @@ def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):
     frozen = {k: v for k, v in model.params.items() if k not in chosen}
     trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
     if mesh is not None:
-        trained = {k: jax.device_put(v, _part(v, mesh)) for k, v in trained.items()}
-        frozen = {k: jax.device_put(v, _part(v, mesh)) for k, v in frozen.items()}
+        trained = {k: jax.device_put(v, part(v, mesh)) for k, v in trained.items()}
+        frozen = {k: jax.device_put(v, part(v, mesh)) for k, v in frozen.items()}
     opt_state = optimizer.init(trained)
     if mesh is not None:  # its scalars too (a step count): placed as the step returns them, or step 2 compiles again
-        opt_state = jax.tree.map(lambda x: jax.device_put(x, _part(x, mesh)) if isinstance(x, jax.Array) else x,
+        opt_state = jax.tree.map(lambda x: jax.device_put(x, part(x, mesh)) if isinstance(x, jax.Array) else x,
                                  opt_state)
     start = 0
     if checkpoint is not None:

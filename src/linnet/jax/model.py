@@ -216,6 +216,38 @@ class JaxModel:
         that gets model.safetensors and config.json)."""
         save_weights(self.params if params is None else params, path, self.card)
 
+    def shard(self, mesh) -> JaxModel:
+        """Split the parameters over `mesh` as training splits a policy's (`part`): an
+        Engine over this model then computes split over those devices (GSPMD), and
+        `copy_weights` places what it takes the same way. Returns the model."""
+        self.params = {k: jax.device_put(v, part(v, mesh)) for k, v in self.params.items()}
+        return self
+
+    def copy_weights(self, source: JaxModel, params: Params | None = None) -> None:
+        """Take `source`'s parameters (default its own; a training step's, split or not),
+        adapters merged in (W + scale * B @ A), each placed where this model's is: split
+        after `shard`, else whole on its device. An engine's model takes its policy's so."""
+        from linnet.jax.lora import merge_lora
+
+        if source.card != self.card:
+            raise ValueError("copy_weights: the source's card differs from this model's; load both from one card")
+        merged = merge_lora(source, params)
+        self.params = {k: jax.device_put(v, self.params[k].sharding) if k in self.params else v
+                       for k, v in merged.items()}
+        self.lora = None
+
+
+def part(x, mesh):
+    """A NamedSharding splitting `x` along its largest axis the mesh's device count
+    divides (FSDP); whole on every device when none does."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axis = mesh.axis_names[0]
+    for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+        if x.shape[d] % mesh.shape[axis] == 0:
+            return NamedSharding(mesh, PartitionSpec(*[axis if i == d else None for i in range(x.ndim)]))
+    return NamedSharding(mesh, PartitionSpec())
+
 
 def set_numerics(numerics: str | None, platform: str) -> None:
     """The matmul rounding `nest.load(numerics=)` asks for, as JAX's process-wide default
