@@ -383,10 +383,12 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
     assert not (tmp_path / "no").exists() and remats == [False, True]
 
 
-def test_engine_greedy_equals_pytorch_and_log_probs_are_the_models(jx, tmp_path):
+def test_engine_greedy_equals_pytorch_and_log_probs_are_the_models(jx, tmp_path, monkeypatch):
     """Greedy completions of prompts of mixed lengths equal the PyTorch engine's, tokens
     and log-probabilities, a stop token ending some; sampled completions repeat with the
-    seed, and their log-probabilities are what the model gives the whole sequence."""
+    seed, and their log-probabilities are what the model gives the whole sequence (each
+    prompt prefilled once for its n completions)."""
+    import linnet.jax.engine as jax_engine
     from linnet.jax.engine import Engine as JaxEngine
     from linnet.packing import pack
     from linnet.serve import Engine
@@ -400,7 +402,12 @@ def test_engine_greedy_equals_pytorch_and_log_probs_are_the_models(jx, tmp_path)
     assert [c.stopped for c in got] == [c.stopped for c in want] == [True, True, False]
     for a, b in zip(got, want):
         np.testing.assert_allclose(a.logprobs, b.logprobs.numpy(), atol=2e-5)
+    prefilled = []
+    real_prefill = jax_engine._prefill
+    monkeypatch.setattr(jax_engine, "_prefill", lambda params, card, tokens, *a: prefilled.append(tokens.shape[0])
+                        or real_prefill(params, card, tokens, *a))
     sampled = engine.sample(prompts, n=3, max_new_tokens=6, temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    assert prefilled == [len(prompts)]
     again = engine.sample(prompts, n=3, max_new_tokens=6, temperature=1.0, top_k=20, top_p=0.9, seed=3)
     assert [c.tokens for c in sampled] == [c.tokens for c in again] and len(sampled) == 9
     assert len({tuple(c.tokens) for c in sampled}) > 3  # the samples differ

@@ -8,7 +8,8 @@ PyTorch one:
     Engine(model.shard(mesh))                               # over a mesh: split as the policy is
 
 Every completion is a cache row holding its prompt right-padded to the longest one. One
-compiled prefill fills every row's cache and gives each row's first token; then one
+compiled prefill runs each prompt once and copies its cache rows and last logits to its n
+completions (a GRPO group's prompt passes the model once, not n times); then one
 compiled decode step a token writes each row's new key and value at its own next slot
 and attends to the slots up to it (slots past a row's prompt hold padding until the row
 overwrites them, and are masked until then). Rows that sampled a stop token keep running
@@ -65,9 +66,10 @@ def _logits(params: Params, card, h):
     return (h @ head_weight(params, card).astype(h.dtype).T).astype(jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 4, 5))
-def _prefill(params: Params, card, tokens, lengths, slots: int, dtype):
-    """Logits [B, V] after each row's prompt, and the cache [L, B, S, K, d] (keys, values)."""
+@functools.partial(jax.jit, static_argnums=(1, 4, 5, 6))
+def _prefill(params: Params, card, tokens, lengths, slots: int, dtype, n: int):
+    """Each prompt's logits after it [P, V] and its cache [L, P, S, K, d] (keys, values),
+    each repeated for its n completions: [P * n, ...], prompt-major."""
     B, T = tokens.shape
     shape = (card.layers, B, slots, card.kv_heads, card.head_dim)
     cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -76,7 +78,7 @@ def _prefill(params: Params, card, tokens, lengths, slots: int, dtype):
     x = params["model.embed_tokens.weight"][tokens].astype(dtype)
     h, cache = _layers(params, card, x, positions, cache, lambda old, new: old.at[:, :T].set(new), mask, dtype)
     last = h[jnp.arange(B), lengths - 1]
-    return _logits(params, card, last), cache
+    return jnp.repeat(_logits(params, card, last), n, axis=0), tuple(jnp.repeat(c, n, axis=1) for c in cache)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 5), donate_argnums=(4,))
@@ -144,12 +146,13 @@ class Engine:
         if slots > card.max_positions:
             raise ValueError(f"Engine.sample: a prompt of {T} tokens and {max_new_tokens} new ones pass the card's "
                              f"{card.max_positions} positions")
-        tokens = np.zeros((len(lengths), T), np.int32)
-        for r, p in enumerate(np.repeat(np.arange(len(prompts)), n)):
-            tokens[r, : lengths[r]] = prompts[p]
+        tokens = np.zeros((len(prompts), T), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
         key = jax.random.key(seed)
         options = (float(temperature), int(top_k or 0), float(1.0 if top_p is None else top_p))
-        logits, cache = _prefill(self.params, card, jnp.asarray(tokens), jnp.asarray(lengths), slots, self.model.dtype)
+        logits, cache = _prefill(self.params, card, jnp.asarray(tokens), jnp.asarray(lengths[::n]), slots,
+                                 self.model.dtype, n)
         out = [[] for _ in lengths]
         logps = [[] for _ in lengths]
         running = np.ones(len(lengths), bool)
