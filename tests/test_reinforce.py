@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -85,6 +87,46 @@ def test_builtin_rewards():
         rewards.resolve("fuzzy", tok)
     with pytest.raises(ValueError, match="format_pattern"):
         rewards.resolve("format", tok)
+
+
+def test_concurrent_rewards_score_completions_at_once():
+    """Concurrent(reward, 2) runs two completions at the same time (each call waits at a
+    barrier for a second one: one at a time, the barrier would break), gives the values in
+    the items' order, and names the completion whose reward fails."""
+    met = threading.Barrier(2, timeout=30)
+
+    def paired(prompt, completion):
+        met.wait()
+        return float(sum(completion))
+
+    items = [(None, [i]) for i in range(6)]
+    assert rewards.Concurrent(paired, 2).batch(items) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert rewards.Concurrent(lambda p, c: 1.0 / c[0], 3)(None, [4]) == 0.25
+    with pytest.raises(ValueError, match="completion 2 of the batch: ZeroDivisionError"):
+        rewards.Concurrent(lambda p, c: 1.0 / (c[0] - 2), 3).batch(items)
+    with pytest.raises(ValueError, match="workers=0"):
+        rewards.Concurrent(paired, 0)
+
+
+def thread_named_reward(prompt, completion):
+    """A module:function reward for the next test (imported by name, so a module of its own
+    to the run): notes in a file which thread scored it."""
+    with open(os.environ["LINNET_TEST_CALLERS"], "a") as f:
+        f.write(threading.current_thread().name + "\n")
+    return float(len(completion) % 2)
+
+
+def test_grpo_reward_workers_score_module_rewards_in_threads(workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("LINNET_TEST_CALLERS", str(tmp_path / "callers.txt"))
+    run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "run", "grpo.reward_workers=2", "grpo.pass_k=0",
+                                          "grpo.pass_samples=null", "training.steps=1",
+                                          "grpo.rewards=[tests.test_reinforce:thread_named_reward, exact]")))
+    callers = (tmp_path / "callers.txt").read_text().split()
+    assert len(callers) >= 16 and all(name.startswith("ThreadPoolExecutor") for name in callers)
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert "reward_thread_named_reward" in metrics[0]
+    with pytest.raises(ValueError, match="grpo.reward_workers=0"):
+        load(GRPOConfig, None, ["data.path=x.jsonl", "grpo.reward_workers=0"])
 
 
 def test_grpo_config_errors(capsys):

@@ -9,13 +9,17 @@ returns `reward(prompt, completion_ids) -> float` with `prompt.answer` the refer
 
 A final answer is the text after the last "####" (GSM8K's convention), else after the
 last "answer:"/"answer is", else the whole completion, stripped.
+
+`Concurrent(reward, workers)` scores a slow per-completion reward (one that runs a
+subprocess or asks a service) several completions at a time (`grpo.reward_workers`).
 """
 
 from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 
@@ -67,6 +71,32 @@ def format_match(tokenizer, pattern: str) -> Callable:
         return float(compiled.search(text_of(tokenizer, completion)) is not None)
 
     return format_reward
+
+
+class Concurrent:
+    """`reward(prompt, completion_ids)` scored `workers` completions at a time in threads,
+    through the `batch(items)` GRPO calls (values in the items' order). Threads overlap
+    rewards that wait (a subprocess running tests, a request to a service); pure-Python
+    arithmetic holds the interpreter's lock and gains nothing."""
+
+    def __init__(self, reward: Callable, workers: int):
+        if workers < 1:
+            raise ValueError(f"Concurrent: workers={workers}; use 1 or more")
+        self.reward, self.workers = reward, workers
+        self.__name__ = getattr(reward, "__name__", "reward")
+
+    def __call__(self, prompt, completion: list[int]) -> float:
+        return self.reward(prompt, completion)
+
+    def batch(self, items: Sequence[tuple[object, list[int]]]) -> list[float]:
+        def one(i: int) -> float:
+            try:
+                return self.reward(*items[i])
+            except Exception as e:
+                raise ValueError(f"completion {i} of the batch: {type(e).__name__}: {e}") from e
+
+        with ThreadPoolExecutor(min(self.workers, max(len(items), 1))) as pool:
+            return list(pool.map(one, range(len(items))))
 
 
 def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:

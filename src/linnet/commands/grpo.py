@@ -29,6 +29,9 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     card = nest.resolve(m.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern) for spec in g.rewards}
+    if g.reward_workers > 1:  # reward models score in packed batches already
+        functions = {name: f if hasattr(f, "batch") else rewards.Concurrent(f, g.reward_workers)
+                     for name, f in functions.items()}
     fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat)
     prompts = prompts_from_records(read_records(d.path), tokenizer, **fields)
     if d.eval_path:

@@ -119,7 +119,7 @@ RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads
 
 # Fields added after runs were saved without them, with the value those runs trained with:
 # a run saved before a field existed resumes when the field still has that value.
-ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin", "grpo.engine_dtype": None}
+ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin", "grpo.engine_dtype": None, "grpo.reward_workers": 1}
 
 
 def recipe(config) -> dict[str, Any]:

@@ -342,6 +342,9 @@ class GRPOSettings:
     rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
                                            "reward`), or module:function; summed")
     format_pattern: str | None = option(None, "regular expression for the 'format' reward")
+    reward_workers: int = option(1, "score each module:function reward this many completions at a time, in "
+                                    "threads: for rewards that wait on a subprocess or a service (reward models "
+                                    "batch already)")
     group: int = option(8, "completions sampled per prompt")
     prompts_per_step: int = option(8, "prompts per sampling step")
     max_new_tokens: int = option(256, "longest completion")
@@ -383,6 +386,9 @@ class GRPOSettings:
             raise ValueError("config: grpo.group >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
         if not self.rewards:
             raise ValueError("config: grpo.rewards lists no reward")
+        if self.reward_workers < 1:
+            raise ValueError(f"config: grpo.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
+                             "or more")
         if self.dynamic_sampling < 0 or (self.dr_grpo and self.sequence_mean):
             raise ValueError("config: grpo.dynamic_sampling must be >= 0, and grpo.dr_grpo and grpo.sequence_mean "
                              "exclude each other (a constant normaliser against each completion's length)")
