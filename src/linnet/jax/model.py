@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.cards import Card
-from linnet.jax.lora import Params, add_lora, linear
+from linnet.jax.lora import Params, add_lora, linear, merge_lora
 from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
 from linnet.packing import segments
 from linnet.paths import parameter_shapes
@@ -227,8 +227,6 @@ class JaxModel:
         """Take `source`'s parameters (default its own; a training step's, split or not),
         adapters merged in (W + scale * B @ A), each placed where this model's is: split
         after `shard`, else whole on its device. An engine's model takes its policy's so."""
-        from linnet.jax.lora import merge_lora
-
         if source.card != self.card:
             raise ValueError("copy_weights: the source's card differs from this model's; load both from one card")
         merged = merge_lora(source, params)
