@@ -20,5 +20,6 @@ def __getattr__(name: str):
 
 # Names the specification gives that do not exist yet, with what to use meanwhile.
 NOT_BUILT = {
-    "pipeline": "pipeline stages are not supported yet",
+    "pipeline": "pipeline stages are not supported yet; for a model one process cannot hold, use "
+                "linnet.torch.fully_shard (FSDP2) or nest.load(..., tensor_parallel=mesh) (docs/parallel.md)",
 }
