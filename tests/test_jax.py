@@ -487,9 +487,10 @@ def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
     def sevens(prompt, completion):
         return sum(t == 7 for t in completion) / len(completion)
 
-    def run(steps, **kw):
+    def run(steps, split_engine=None, **kw):
         policy = load_model(card, weights="random", seed=1)
-        engine = Engine(load_model(card, weights="random", seed=1))
+        engine_model = load_model(card, weights="random", seed=1)
+        engine = Engine(engine_model if split_engine is None else engine_model.shard(split_engine))
         options = dict(group=8, prompts_per_step=4, max_new_tokens=6, tokens=64) | kw
         return grpo(policy, engine, prompts, sevens, optimizer=optax.adamw(2e-2), steps=steps, **options)[1]
 
@@ -508,13 +509,16 @@ def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
     kl = run(2, beta=0.1, iterations=2, reference=load_model(card, weights="random", seed=1).params)
     assert kl.steps[0].metrics["kl"] > 0 and all(np.isfinite(s.metrics["kl"]) for s in kl.steps)
     jax, _ = jx
-    if len(jax.devices()) >= 2:  # the same first step with the rows split over two devices
+    if len(jax.devices()) >= 2:  # the same first steps with the rows, then the engine too, split over two devices
         from jax.sharding import Mesh
 
-        split = run(1, mesh=Mesh(np.array(jax.devices()[:2]), ("data",)), remat=True)
-        assert split.steps[0].metrics["reward"] == history.steps[0].metrics["reward"]
-        assert split.steps[0].loss == pytest.approx(history.steps[0].loss, rel=1e-4, abs=1e-6)
-        assert split.steps[0].grad_norm == pytest.approx(history.steps[0].grad_norm, rel=1e-4)
+        mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+        for split in (run(1, mesh=mesh, remat=True), run(2, mesh=mesh, split_engine=mesh)):
+            assert split.steps[0].metrics["reward"] == history.steps[0].metrics["reward"]
+            assert split.steps[0].loss == pytest.approx(history.steps[0].loss, rel=1e-4, abs=1e-6)
+            assert split.steps[0].grad_norm == pytest.approx(history.steps[0].grad_norm, rel=1e-4)
+        # step 2 samples with the split policy's updated weights, copied part to part
+        assert split.steps[1].metrics["mismatch"] < 1e-4
 
 
 def test_numerics_set_jax_matmul_precision_on_accelerators_only(jx):
