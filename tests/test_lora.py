@@ -118,6 +118,41 @@ def test_peft_export_loads_in_peft_with_equal_logits(tmp_path, family, dora):
             assert (third(TOKENS) - model(TOKENS)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("dora", [False, True])
+def test_adapter_dropout_in_training_equals_peft(tmp_path, dora):
+    """In training mode with adapter dropout (the same masks: one draw a layer, in the same
+    order, from the same seed), LoRA's and DoRA's outputs and gradients equal PEFT's (DoRA:
+    the base output of the input as it is, the magnitude's rescaling on the dropped input)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model = _model(tmp_path)
+    model.add_lora(PATTERNS, rank=4, alpha=16, dora=dora, dropout=0.3)
+    _perturb_adapters(model)
+    save_peft(model, tmp_path / "peft")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "peft", is_trainable=True).train()
+    model.train()
+    tokens = TOKENS[:1]
+    torch.manual_seed(7)
+    ours_out = model(tokens)
+    torch.manual_seed(7)
+    theirs_out = theirs(tokens).logits
+    torch.manual_seed(8)
+    other_mask = model(tokens)
+    assert (ours_out - theirs_out).abs().max() < 1e-4
+    assert (other_mask - ours_out).abs().max() > 1e-3  # the dropout is live: another seed, other outputs
+    ours_out.square().mean().backward()
+    theirs_out.square().mean().backward()
+    ours = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    for name, p in theirs.named_parameters():
+        if not p.requires_grad:
+            continue
+        key = (name.replace("base_model.model.", "").replace(".lora_A.default.weight", ".lora_a")
+               .replace(".lora_B.default.weight", ".lora_b")
+               .replace(".lora_magnitude_vector.default.weight", ".lora_magnitude"))
+        torch.testing.assert_close(ours[key].view_as(p.grad), p.grad, rtol=1e-3, atol=1e-6, msg=key)
+
+
 def test_dora_starts_unchanged_trains_its_magnitudes_and_merges(tmp_path):
     model = _model(tmp_path)
     with torch.no_grad():

@@ -45,8 +45,6 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         raise ValueError("add_lora: adapters on a split model (tensor_parallel) are not supported yet")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
-    if dora and dropout:
-        raise ValueError("add_lora: DoRA with adapter dropout is not supported yet; set dropout=0")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
     chosen = adapted_layers(list(linears), patterns)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank

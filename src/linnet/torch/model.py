@@ -48,10 +48,11 @@ from linnet.torch.weights import as_dtype
 
 class Linear(nn.Linear):
     """y = x @ W.T (+ b), the weight cast to the input's dtype; with a low-rank adapter
-    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale; with DoRA's magnitude m,
-    y = m / ||W + scale * B @ A||_row * (x @ W.T + (x @ A.T) @ B.T * scale) + b, the norm
-    held constant in backward as the DoRA paper suggests. An nn.Linear, so PyTorch's
-    tensor-parallel styles split it."""
+    (linnet.torch.lora) y += (dropout(x) @ A.T) @ B.T * scale; with DoRA's magnitude m and
+    r = m / ||W + scale * B @ A||_row, y = r * (x @ W.T + (x @ A.T) @ B.T * scale) + b, the
+    norm held constant in backward as the DoRA paper suggests; with adapter dropout in
+    training, as PEFT computes it, y = x @ W.T + (r - 1) * (z @ W.T) + r * (z @ A.T) @ B.T
+    * scale + b for z = dropout(x). An nn.Linear, so PyTorch's tensor-parallel styles split it."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool):
         nn.Module.__init__(self)  # nn.Linear's own init would allocate and initialise the weight
@@ -87,9 +88,14 @@ class Linear(nn.Linear):
     def _dora(self, x):
         with torch.no_grad():
             norm = torch.linalg.vector_norm(self.adapted_weight(), dim=1)
-        y = self._base(x)
-        y = y + F.linear(F.linear(x, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.lora_scale
-        y = y * (self.lora_magnitude / norm).to(x.dtype)
+        scale = (self.lora_magnitude / norm).to(x.dtype)
+        dropped = bool(self.lora_dropout) and self.training
+        z = F.dropout(x, self.lora_dropout) if dropped else x
+        low_rank = F.linear(F.linear(z, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.lora_scale
+        if dropped:  # PEFT's form: the base output of x as it is, DoRA's rescaling on the dropped input
+            y = self._base(x) + (scale - 1) * self._base(z) + scale * low_rank
+        else:
+            y = (self._base(x) + low_rank) * scale
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def adapted_weight(self, whole=lambda t: t) -> torch.Tensor:
