@@ -95,7 +95,8 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["lr_schedule.name=linear"], "schedule.name"),
         (["data.path=''"], "data.path is required"),
         (["data.path="], "data.path: expected str"),
-        (["training.split=2"], "training.split=2 splits whole models"),  # LoRA is on by default
+        (["training.split=2", "lora.dropout=0.1"], "training.split=2 splits every block itself"),
+        (["training.split=2", "training.shard=fsdp", "lora.enabled=false"], "training.split=2 splits every block"),
         (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
         (["training.shard=ddp"], "training.shard"),
     ],
@@ -150,6 +151,29 @@ def _sft_process(rank, overrides, *flags):
     from linnet.commands.sft import main as sft_cli
 
     return sft_cli([a for o in overrides for a in ("--set", o)] + list(flags))
+
+
+def test_two_processes_splitting_a_model_train_its_adapters_like_one(workspace, tmp_path):
+    """`linnet sft` with LoRA and training.split=2: the two processes split every block and
+    its adapters, and take the steps and write the adapters of one process with the same
+    rows."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import in_processes
+
+    common = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", "data.chat=false",
+              "training.context_length=256", "data.eval_share=0.1", "optimizer.lr=3e-3", "lora.rank=4",
+              "lr_schedule.warmup_steps=1", "evaluation.every=3", "training.steps=3", "training.accumulation=2"]
+    assert in_processes(_sft_process, common + [f"runtime.output_dir={tmp_path / 'two'}", "training.split=2"]) == [0, 0]
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}"]))
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    assert [m["loss"] for m in two] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in two] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
+    assert x.keys() == y.keys() and x
+    for key in y:
+        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
 
 
 @pytest.mark.parametrize("shard", ["none", "zero", "fsdp", "split"])

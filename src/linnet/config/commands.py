@@ -104,9 +104,10 @@ class SFTConfig(FineTuningConfig):
     def __post_init__(self):
         super().__post_init__()
         t = self.training
-        if t.split > 1 and (self.lora.enabled or t.shard != "none"):
-            raise ValueError(f"config: training.split={t.split} splits whole models for full fine-tuning: use it "
-                             "with lora.enabled=false and training.shard=none")
+        lora = self.lora
+        if t.split > 1 and (t.shard != "none" or (lora.enabled and (lora.dora or lora.dropout))):
+            raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
+                             "training.shard=none, and with plain adapters if any (lora.dora=false, lora.dropout=0)")
 
 
 @dataclass

@@ -135,6 +135,9 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        if isinstance(p.grad, DTensor) and any(place.is_partial() for place in p.grad.placements):
+            # a whole (replicated) adapter of a split layer: each process of the split holds a partial sum
+            p.grad = p.grad.redistribute(placements=p.placements)
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
@@ -148,18 +151,20 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
 
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """The global gradient norm (float32), after scaling gradients down to `max_norm`
-    when it is exceeded; None only measures. Sharded gradients (fully_shard) add their
-    parts' squares across processes; whole ones count once."""
+    when it is exceeded; None only measures. Sharded gradients (fully_shard, a split
+    layer's) add their parts' squares across processes; whole ones, replicated ones
+    included, count once."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    parts = [g.to_local() for g in grads if isinstance(g, DTensor)]
-    whole = [g for g in grads if not isinstance(g, DTensor)]
+    split = [isinstance(g, DTensor) and any(place.is_shard() for place in g.placements) for g in grads]
+    parts = [g.to_local() for g, s in zip(grads, split) if s]
+    whole = [g.to_local() if isinstance(g, DTensor) else g for g, s in zip(grads, split) if not s]  # replicated: once
     squares = _squares(whole, grads[0].device)
     if parts:
-        split = _squares(parts, squares.device)
-        dist.all_reduce(split, group=next(g for g in grads if isinstance(g, DTensor)).device_mesh.get_group())
-        squares = squares + split
+        summed = _squares(parts, squares.device)
+        dist.all_reduce(summed, group=next(g for g, s in zip(grads, split) if s).device_mesh.get_group())
+        squares = squares + summed
     norm = squares.sqrt()
     if max_norm is not None:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

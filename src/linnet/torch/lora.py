@@ -24,8 +24,9 @@ from torch import nn
 
 from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, write_peft
 from linnet.paths import adapted_layers
+from linnet.torch.distributed import world
 from linnet.torch.quantize import dense, is_quantized
-from linnet.torch.sharding import is_sharded
+from linnet.torch.sharding import full, is_sharded
 
 
 def _linears(model) -> dict[str, nn.Linear]:
@@ -41,8 +42,10 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     the adapted layer paths."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
-    if getattr(model, "copies", None) is not None:
-        raise ValueError("add_lora: adapters on a split model (tensor_parallel) are not supported yet")
+    split = getattr(model, "copies", None) is not None
+    if split and (dora or dropout):
+        raise ValueError("add_lora: a split model (tensor_parallel) takes plain adapters; DoRA and adapter dropout "
+                         "on it are not supported yet")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
@@ -55,8 +58,10 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         d_out, d_in = layer.out_features, layer.in_features  # an NF4 weight's own shape is its packed bytes'
         a = torch.empty(rank, d_in, device=layer.weight.device)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default for A
-        layer.lora_a = torch.nn.Parameter(a)
-        layer.lora_b = torch.nn.Parameter(torch.zeros(d_out, rank, device=layer.weight.device))
+        b = torch.zeros(d_out, rank, device=layer.weight.device)
+        if split:
+            a, b = _split_like(layer.weight, a, b)
+        layer.lora_a, layer.lora_b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         layer.lora_scale, layer.lora_dropout = scale, dropout
         if dora:
             with torch.no_grad():
@@ -64,6 +69,19 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
+
+
+def _split_like(weight, a, b):
+    """A and B placed to match a split weight: beside one split by output rows
+    (ColwiseParallel) B is split the same way and A whole; beside one split by input
+    columns (RowwiseParallel) A is split by its columns and B whole, so x @ A.T is a partial
+    sum that joins the layer's own before the one all-reduce. A is drawn whole and sent
+    from the first process of the split, so every process holds the same draw."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    by_rows = weight.placements[0] == Shard(0)
+    return (distribute_tensor(a, weight.device_mesh, [Replicate() if by_rows else Shard(1)]),
+            distribute_tensor(b, weight.device_mesh, [Shard(0) if by_rows else Replicate()]))
 
 
 def merge_lora(model) -> None:
@@ -89,9 +107,12 @@ def merge_lora(model) -> None:
 
 
 def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = None) -> None:
-    """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors."""
+    """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors.
+    A split model's (tensor_parallel) adapters are gathered first: every process calls
+    this, the first writes."""
     if not getattr(model, "lora", None):
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
-    adapters = {n: p.detach().to("cpu", torch.float32).numpy() for n, p in model.named_parameters()
+    adapters = {n: full(p).detach().to("cpu", torch.float32).numpy() for n, p in model.named_parameters()
                 if n.endswith(ADAPTER_SUFFIXES)}
-    write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)
+    if world()[0] == 0:
+        write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from linnet.history import History, Step, due, step_items
-from linnet.torch.distributed import clip_gradients, reduce_gradients, sum_across, world
+from linnet.torch.distributed import clip_gradients, reduce_gradients, sum_across
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -94,11 +94,11 @@ def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def save_trained(model, path: str | os.PathLike) -> None:
     """The run's result: the adapters alone (PEFT format) after add_lora, else the
-    whole model's weights (gathered from every process when sharded). The first
-    process writes."""
+    whole model's weights (gathered from every process when sharded or split). The
+    first process writes."""
     if not getattr(model, "lora", None):
         model.save_weights(path)
-    elif world()[0] == 0:
+    else:
         from linnet.torch.lora import save_peft
 
         save_peft(model, path)
