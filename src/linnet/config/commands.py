@@ -105,9 +105,9 @@ class SFTConfig(FineTuningConfig):
         super().__post_init__()
         t = self.training
         lora = self.lora
-        if t.split > 1 and (t.shard != "none" or (lora.enabled and (lora.dora or lora.dropout))):
+        if t.split > 1 and (t.shard != "none" or (lora.enabled and lora.dropout)):
             raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
-                             "training.shard=none, and with plain adapters if any (lora.dora=false, lora.dropout=0)")
+                             "training.shard=none, and adapters without dropout if any (lora.dropout=0)")
 
 
 @dataclass

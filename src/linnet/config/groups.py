@@ -187,7 +187,7 @@ class TrainingConfig:
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)
-    split: int = option(1, "under torchrun (sft: full fine-tuning or plain LoRA): processes that split every block between them "
+    split: int = option(1, "under torchrun (sft: full fine-tuning, LoRA or DoRA): processes that split every block between them "
                            "(tensor parallel) and take the same rows; the processes form copies of such splits",
                         only=("sft",))
 

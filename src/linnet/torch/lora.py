@@ -43,9 +43,8 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     split = getattr(model, "copies", None) is not None
-    if split and (dora or dropout):
-        raise ValueError("add_lora: a split model (tensor_parallel) takes plain adapters; DoRA and adapter dropout "
-                         "on it are not supported yet")
+    if split and dropout:
+        raise ValueError("add_lora: adapter dropout on a split model (tensor_parallel) is not supported yet")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
@@ -65,7 +64,10 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer.lora_scale, layer.lora_dropout = scale, dropout
         if dora:
             with torch.no_grad():
-                layer.lora_magnitude = torch.nn.Parameter(torch.linalg.vector_norm(dense(layer.weight).float(), dim=1))
+                norms = torch.linalg.vector_norm(dense(layer.weight).float(), dim=1)
+                if split and norms.placements[0].is_partial():  # rows split by columns: each holds part of the sum
+                    norms = _whole(norms)
+                layer.lora_magnitude = torch.nn.Parameter(norms)
     model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
@@ -82,6 +84,13 @@ def _split_like(weight, a, b):
     by_rows = weight.placements[0] == Shard(0)
     return (distribute_tensor(a, weight.device_mesh, [Replicate() if by_rows else Shard(1)]),
             distribute_tensor(b, weight.device_mesh, [Shard(0) if by_rows else Replicate()]))
+
+
+def _whole(t):
+    """A split computation's partial result, summed and held whole on every process."""
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(placements=[Replicate()])
 
 
 def merge_lora(model) -> None:
