@@ -444,8 +444,6 @@ def results_table(rows: list[dict]) -> list[str]:
     return table(head, cells)
 
 
-
-
 def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
     import peft
     import transformers

@@ -187,8 +187,9 @@ class TrainingConfig:
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)
-    split: int = option(1, "under torchrun (sft: full fine-tuning, LoRA or DoRA): processes that split every block between them "
-                           "(tensor parallel) and take the same rows; the processes form copies of such splits",
+    split: int = option(1, "under torchrun (sft: full fine-tuning, LoRA or DoRA): processes that split every "
+                           "block between them (tensor parallel) and take the same rows; the processes form copies "
+                           "of such splits",
                         only=("sft",))
 
     def __post_init__(self):

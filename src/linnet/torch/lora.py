@@ -65,8 +65,8 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         if dora:
             with torch.no_grad():
                 norms = torch.linalg.vector_norm(dense(layer.weight).float(), dim=1)
-                if split and norms.placements[0].is_partial():  # rows split by columns: each holds part of the sum
-                    norms = _whole(norms)
+                if split:  # one per output row, placed as B's rows are (a column-split weight's sums joined)
+                    norms = norms.redistribute(placements=layer.lora_b.placements)
                 layer.lora_magnitude = torch.nn.Parameter(norms)
     model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
@@ -84,13 +84,6 @@ def _split_like(weight, a, b):
     by_rows = weight.placements[0] == Shard(0)
     return (distribute_tensor(a, weight.device_mesh, [Replicate() if by_rows else Shard(1)]),
             distribute_tensor(b, weight.device_mesh, [Shard(0) if by_rows else Replicate()]))
-
-
-def _whole(t):
-    """A split computation's partial result, summed and held whole on every process."""
-    from torch.distributed.tensor import Replicate
-
-    return t.redistribute(placements=[Replicate()])
 
 
 def merge_lora(model) -> None:
