@@ -121,6 +121,23 @@ def test_sampling_follows_the_tempered_distribution():
     assert set(tok.tolist()) == {0, 1}
 
 
+def test_inverse_cdf_lands_in_proportion_across_blocks():
+    """The two-level draw (block sums, then the block's own sums): evenly spread uniforms
+    land on each token in proportion to its probability, across blocks and in a padded
+    last block, never on a zero, at the extremes of u included."""
+    from linnet.serve.engine import _inverse_cdf
+
+    probs = torch.zeros(300)  # blocks of 128: two whole, a padded third; the middle one mostly zeros
+    probs[[0, 5, 127, 128, 250, 299]] = torch.tensor([0.1, 0.2, 0.05, 0.3, 0.15, 0.2])
+    n = 20000
+    u = torch.cat([(torch.arange(n, dtype=torch.float64) + 0.5) / n, torch.tensor([0.0, 1 - 2**-53])])[:, None]
+    tok = _inverse_cdf(probs.expand(len(u), -1), u)
+    assert set(tok.tolist()) == {0, 5, 127, 128, 250, 299}
+    assert tok[-2] == 0 and tok[-1] == 299
+    freq = torch.bincount(tok[:n], minlength=300).double() / n
+    torch.testing.assert_close(freq, probs.double(), atol=2 / n, rtol=0)
+
+
 def test_group_prefix_is_computed_once(saved):
     model = nest.load(saved("llama"))
     engine = Engine(model)
@@ -168,8 +185,11 @@ def test_load_weights_merges_adapters_in_place(saved):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     engine = Engine(nest.load(directory))
     pointers = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
+    projections = [n for n, p in engine.model.named_parameters() if n.endswith("proj.weight")]
     engine.load_weights(policy)
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
+    # float32 projections stay stored transposed (x @ W.T reads a contiguous [in, out])
+    assert projections and all(engine.model.get_parameter(n).t().is_contiguous() for n in projections)
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # policy untouched
     assert policy.lora is not None
     prompts = _prompts((6, 3))

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from linnet.adapter_files import ADAPTER_SUFFIXES
 from linnet.rollouts import Completion
@@ -111,6 +112,8 @@ class Engine:
             model.merge_lora()  # an NF4 base keeps its adapters beside it (see load_weights)
         model.eval()
         model.requires_grad_(False)
+        if model.device.type == "cpu" and model.dtype == torch.float32:
+            _store_transposed(model)
         self.model = model
         self.card = model.card
         self.stats = Stats()
@@ -528,11 +531,39 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
             before = probs.cumsum(-1) - probs  # mass of the more likely tokens
             sorted_z = sorted_z.masked_fill(before >= s.top_p, -math.inf)  # the first always stays
             z = torch.full_like(z, -math.inf).scatter(-1, order, sorted_z)
-        # inverse CDF: one uniform a row, where multinomial draws one for every vocabulary
-        # entry (1.08x a GRPO step); "right" never lands on a token of probability 0. The
-        # sum runs in float64, so that no small probability is lost next to a large total.
-        probs = logp_BV.exp() if as_is else torch.softmax(z, dim=-1)
-        cdf = probs.double().cumsum_(-1)  # cumsum(dtype=float64) on float32 input ran 10x slower
-        u = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=cdf.device)[rows_B]
-        tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=cdf.shape[1] - 1)[:, 0]
+        # one uniform a row, where multinomial draws one for every vocabulary entry (1.08x a GRPO step)
+        u_B1 = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=logits_BV.device)[rows_B]
+        tok = _inverse_cdf(logp_BV.exp() if as_is else torch.softmax(z, dim=-1), u_B1)
     return tok, logp_BV.gather(-1, tok[:, None])[:, 0]
+
+
+def _inverse_cdf(probs_BV: torch.Tensor, u_B1: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The token where each row's cumulative probability first passes u * total, in two
+    levels: the sums of blocks of `block` tokens choose a block, then that block's own
+    cumulative sum the token in it (no float64 copy of the whole [B, V]: 1.04x sampling
+    at 7M). The sums run in float64, so that no small probability is lost next to a large
+    total; "right" and the last-nonzero clamp never land on a token of probability 0."""
+    B, V = probs_BV.shape
+    if V % block:
+        probs_BV = F.pad(probs_BV, (0, block - V % block))
+    blocks_BNk = probs_BV.view(B, -1, block)
+    cdf_BN = blocks_BNk.sum(-1).double().cumsum_(-1)
+    target_B1 = u_B1 * cdf_BN[:, -1:]
+    j_B1 = torch.searchsorted(cdf_BN, target_B1, right=True).clamp_(max=cdf_BN.shape[1] - 1)
+    before_B1 = torch.where(j_B1 > 0, cdf_BN.gather(-1, (j_B1 - 1).clamp(min=0)), 0.0)
+    inside_Bk = blocks_BNk.gather(1, j_B1[:, :, None].expand(B, 1, block))[:, 0].double()
+    k_B1 = torch.searchsorted(inside_Bk.cumsum(-1), target_B1 - before_B1, right=True)
+    last_B1 = torch.where(inside_Bk > 0, torch.arange(block, device=u_B1.device), -1).amax(-1, keepdim=True)
+    return (j_B1 * block + torch.minimum(k_B1, last_B1))[:, 0]
+
+
+def _store_transposed(model: Decoder) -> None:
+    """Lay each dense projection's weight (an untied head's too; a tied one is the
+    embedding, read by rows) out transposed in memory, still [out, in] to every reader:
+    `x @ W.T` then multiplies by a contiguous [in, out] matrix, 8% faster sampling at 7M
+    on CPU in float32 (32 rows a step), with the same numbers. Not in bfloat16, where
+    this layout ran 6x slower on a CPU without avx512_bf16."""
+    for layer in model.modules():
+        w = layer.weight if isinstance(layer, Linear) else None
+        if w is not None and type(w.data) is torch.Tensor and not is_quantized(w):
+            w.data = w.data.t().contiguous().t()
