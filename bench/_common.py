@@ -19,12 +19,17 @@ GiB = 1 << 30
 
 
 def machine() -> str:
-    """The CPU model (marked when it has AVX-512 / AMX-BF16), CPU count, memory, OS, C
-    library, Python and torch."""
+    """The CPU model (marked with its widest vector unit and bf16 support: these machines
+    differ, and bf16 is emulated without them), CPU count, memory, OS, C library, Python
+    and torch."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
         model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = [name for flag, name in (("avx512f", "AVX-512"), ("amx_bf16", "AMX-BF16")) if flag in out.split()]
+        have = set(out.split())
+        flags = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"),
+                                         ("amx_bf16", "AMX-BF16")) if flag in have]
+        if not flags and "avx2" in have:
+            flags = ["AVX2 only: bf16 emulated"]
     except (OSError, StopIteration):
         model, flags = platform.processor() or platform.machine(), []
     with open("/proc/meminfo") as f:

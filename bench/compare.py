@@ -287,7 +287,7 @@ def summarise(results: list[dict]) -> dict:
         cpu_rates += [n / t for n, t in zip(real, r["cpu_seconds"][2:])]
         peaks.append(r["peak_bytes"])
     first = results[0]
-    out = dict(step=statistics.median(secs), tokens_per_s=statistics.median(rates),
+    out = dict(step=statistics.median(secs), timed=sum(secs), tokens_per_s=statistics.median(rates),
                cpu_tokens_per_s=statistics.median(cpu_rates),
                peak=statistics.median(peaks), losses=first["losses"], metrics=first["metrics"],
                real=first["real"], seconds=first["seconds"], wall=statistics.median(r["wall_seconds"] for r in results))
@@ -390,6 +390,7 @@ def main(argv=None) -> None:
             ours, theirs = summarise(got["linnet"]), summarise(got["trl"])
             row = dict(size=size, method=method, dtype=dtype, linnet=ours, trl=theirs,
                        speed=ours["tokens_per_s"] / theirs["tokens_per_s"], memory=ours["peak"] / theirs["peak"],
+                       step_rate=theirs["timed"] / ours["timed"],
                        speed_cpu=ours["cpu_tokens_per_s"] / theirs["cpu_tokens_per_s"],
                        alike=alike(method, ours, theirs), params=info["params"])
             if method.startswith("sft"):
@@ -428,7 +429,7 @@ def fmt_mem(b: float) -> str:
 
 def results_table(rows: list[dict]) -> list[str]:
     head = ["method", "size", "dtype", "linnet step", "TRL step", "linnet tok/s", "TRL tok/s", "**tok/s ratio** (target)",
-            "ratio by CPU time", "linnet peak", "TRL peak", "**memory ratio**", "linnet loss first→last",
+            "step-rate ratio", "ratio by CPU time", "linnet peak", "TRL peak", "**memory ratio**", "linnet loss first→last",
             "TRL loss first→last", "trained alike"]
     cells = []
     for r in rows:
@@ -437,7 +438,8 @@ def results_table(rows: list[dict]) -> list[str]:
         mem = "" if r["memory"] <= 1.0 else " (higher)"
         cells.append([r["method"], r["size"], r["dtype"], f"{a['step']:.2f} s", f"{b['step']:.2f} s",
                       f"{a['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
-                      f"**{r['speed']:.2f}x** ({target(r['method'], r['size'])}x, {met})", f"{r['speed_cpu']:.2f}x",
+                      f"**{r['speed']:.2f}x** ({target(r['method'], r['size'])}x, {met})", f"{r['step_rate']:.2f}x",
+                      f"{r['speed_cpu']:.2f}x",
                       fmt_mem(a["peak"]), fmt_mem(b["peak"]), f"**{r['memory']:.2f}x**{mem}",
                       f"{a['losses'][0]:.4f}→{a['losses'][-1]:.4f}", f"{b['losses'][0]:.4f}→{b['losses'][-1]:.4f}",
                       r["alike"]])
@@ -460,8 +462,9 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
         "process. **Shared machine**: "
         "other jobs ran at the same time, so absolute numbers drift (±25%); the ratios of runs made one after "
         "the other in one invocation are the result.",
-        f"- Steps: {steps} a run; step time = median after the first two; {args.repeats} round(s) a case, "
-        "libraries alternating. TRL micro-batches: DPO "
+        f"- Steps: {steps} a run; step time = median after the first two; tok/s ratio = median of each side's "
+        "real tokens/s over those steps; step-rate ratio = TRL's total time over them / linnet's (both sides run "
+        f"the same steps); {args.repeats} round(s) a case, libraries alternating. TRL micro-batches: DPO "
         f"{args.trl_dpo_micro} pair(s) a forward, GRPO {args.trl_grpo_micro} completions a forward, the rest of "
         "each step accumulated. linnet's GRPO engine: "
         + ("compiled (`--compile-engine`: Engine(compile=True), warmed up before the clock starts; TRL's "
