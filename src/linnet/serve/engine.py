@@ -547,10 +547,10 @@ def _inverse_cdf(probs_BV: torch.Tensor, u_B1: torch.Tensor, block: int = 128) -
     if V % block:
         probs_BV = F.pad(probs_BV, (0, block - V % block))
     blocks_BNk = probs_BV.view(B, -1, block)
-    cdf_BN = blocks_BNk.sum(-1).double().cumsum_(-1)
-    target_B1 = u_B1 * cdf_BN[:, -1:]
-    j_B1 = torch.searchsorted(cdf_BN, target_B1, right=True).clamp_(max=cdf_BN.shape[1] - 1)
-    before_B1 = torch.where(j_B1 > 0, cdf_BN.gather(-1, (j_B1 - 1).clamp(min=0)), 0.0)
+    ends_BN = blocks_BNk.sum(-1).double().cumsum_(-1)  # the mass up to each block's end
+    target_B1 = u_B1 * ends_BN[:, -1:]
+    j_B1 = torch.searchsorted(ends_BN, target_B1, right=True).clamp_(max=ends_BN.shape[1] - 1)
+    before_B1 = F.pad(ends_BN, (1, 0)).gather(-1, j_B1)  # the mass before block j
     inside_Bk = blocks_BNk.gather(1, j_B1[:, :, None].expand(B, 1, block))[:, 0].double()
     k_B1 = torch.searchsorted(inside_Bk.cumsum(-1), target_B1 - before_B1, right=True)
     last_B1 = torch.where(inside_Bk > 0, torch.arange(block, device=u_B1.device), -1).amax(-1, keepdim=True)
