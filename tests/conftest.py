@@ -83,7 +83,9 @@ def word_tokenizer(path, extra: int = 0):
 
 def pytest_collection_modifyitems(config, items):
     """JAX tests run last: JAX starts threads, and the process tests fork afterwards
-    would risk a deadlock (the JAX test modules import jax inside their tests only)."""
+    would risk a deadlock (the JAX test modules import jax inside their tests only).
+    pytest-xdist hands each worker its tests in this order, so they come last in every
+    worker too (and `in_processes` refuses to fork after JAX)."""
     items.sort(key=lambda item: item.get_closest_marker("jax") is not None)
 
 
