@@ -182,6 +182,7 @@ def test_load_weights_merges_adapters_in_place(saved):
             if name.endswith("lora_b"):
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
         policy.model.norm.weight.mul_(1.3)
+        policy.model.embed_tokens.weight.add_(torch.randn(policy.model.embed_tokens.weight.shape) * 0.05)  # tied head
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     engine = Engine(nest.load(directory))
     pointers = {n: p.data_ptr() for n, p in engine.model.named_parameters()}
@@ -190,6 +191,8 @@ def test_load_weights_merges_adapters_in_place(saved):
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
     # float32 projections stay stored transposed (x @ W.T reads a contiguous [in, out])
     assert projections and all(engine.model.get_parameter(n).t().is_contiguous() for n in projections)
+    # and the head packed for oneDNN is packed again from the new weights (the log-probs below)
+    assert (engine._head is not None) == torch.backends.mkldnn.is_available()
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # policy untouched
     assert policy.lora is not None
     prompts = _prompts((6, 3))
