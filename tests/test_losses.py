@@ -64,6 +64,40 @@ def test_frozen_head_token_log_probs_matches_plain(rows):
     )
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_float32_blocks_on_a_cpu_run_the_head_through_onednn(monkeypatch):
+    """From PACK_MIN_ROWS rows a float32 head is packed for oneDNN once a call; values
+    and gradients stay those of the plain product (float64 reference)."""
+    calls = []
+    product = losses.onednn_logits
+    monkeypatch.setattr(losses, "onednn_logits", lambda h, p: calls.append(len(h)) or product(h, p))
+    N = losses.PACK_MIN_ROWS + 44
+    h64, w64, t, wt = _case(N=N, D=16, V=130, seed=4)
+    h, w = (x.detach().float().requires_grad_() for x in (h64, w64))
+    block = _rows_bytes(128, 130)
+    check = dict(rtol=1e-5, atol=1e-5)
+
+    loss = losses.linear_cross_entropy(h, w, t, wt.float(), block_bytes=block)
+    plain = losses.cross_entropy(h64 @ w64.T, t, wt)
+    torch.testing.assert_close(loss.double(), plain, **check)
+    for ours, ref in zip(torch.autograd.grad(loss, (h, w)), torch.autograd.grad(plain, (h64, w64))):
+        torch.testing.assert_close(ours.double(), ref, **check)
+    assert calls == [128, 128, N - 256]
+
+    g = torch.randn(N, dtype=torch.float64)
+    ref = losses.token_log_probs(h64 @ w64.T, t)
+    for head in (w, w.detach()):  # trained (recomputed in backward) and frozen
+        calls.clear()
+        logp = losses.linear_token_log_probs(h, head, t, block_bytes=block)
+        torch.testing.assert_close(logp.double(), ref, **check)
+        torch.testing.assert_close(torch.autograd.grad(logp, h, g.float())[0].double(),
+                                   torch.autograd.grad(ref, h64, g, retain_graph=True)[0], **check)
+        assert len(calls) == (6 if head.requires_grad else 3)  # the trained head's backward recomputes
+    calls.clear()
+    losses.linear_token_log_probs(h[: losses.PACK_MIN_ROWS - 1], w, t[: losses.PACK_MIN_ROWS - 1])
+    assert calls == []  # too few rows for the packing to pay
+
+
 def test_block_size_follows_the_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert losses.rows_per_block(8192, cpu) == 512  # 16 MiB of f32 logits

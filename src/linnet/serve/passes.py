@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from linnet.torch.losses import onednn_logits, onednn_pack
 from linnet.torch.model import rotate
 
 
@@ -125,20 +126,17 @@ def _from_grid(t_GKnX: torch.Tensor, place_B, G: int, n: int) -> torch.Tensor:
 def _logits(model, h_ND: torch.Tensor, head=None) -> torch.Tensor:
     h_ND = model.model.norm(h_ND)
     if head is not None:
-        return torch.ops.mkldnn._linear_pointwise(h_ND, head, None, "none", [], "").float()
+        return onednn_logits(h_ND, head)
     return (h_ND @ model.head_weight.to(model.dtype).T).float()
 
 
 def pack_head(model):
-    """The head weight in oneDNN's blocked layout, for a float32 model on the CPU (None
-    where oneDNN is missing or the model is another kind). A decode step's [32, D] x
-    [D, V] product is the largest of the step; oneDNN runs it packed at about 1.5x the
-    plain one's speed (AVX2 EPYC, V = 8192), 1.17x sampling at 7M. The packed copy costs
-    the head's memory again and must be redone after the weights change (8 ms at 7M)."""
-    w = model.head_weight
-    if model.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 32)  # 32: rows a step, typically
+    """The head weight packed for oneDNN (`onednn_pack`) for a float32 model on the CPU,
+    else None. A decode step's [32, D] x [D, V] product is the largest of the step;
+    oneDNN runs it packed at about 1.5x the plain one's speed (AVX2 EPYC, V = 8192),
+    1.17x sampling at 7M. The packed copy costs the head's memory again and must be
+    redone after the weights change (8 ms at 7M)."""
+    return onednn_pack(model.head_weight, 32)  # 32: rows a decode step, typically
 
 
 def _project(attn, h_ND, cos_N1d, sin_N1d):
