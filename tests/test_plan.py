@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from linnet import plan
+from linnet import plan, step_memory
 from linnet.commands import plan as plan_command
 from linnet.plan import (
     ACCELERATORS,
@@ -157,6 +157,12 @@ def test_chunked_loss_holds_one_block_of_logits():
     cpu = Batch(seq=4096, chunked_loss=True, device="cpu")  # 16 MiB blocks, but at least 512 rows
     assert plan.loss_rows(128256, cpu) == 512 and plan.loss_rows(32000, cpu) == 512
     assert plan.loss_rows(2000, cpu) == 2**24 // (4 * 2000)
+    # in f32 on a CPU the loss also packs the head for oneDNN: one more copy of it
+    f32 = Method("lora", dtype="f32")
+    on_cpu, on_gpu = (activation_bytes(plan.cards.resolve(L8B), f32, Batch(seq=4096, chunked_loss=True, device=d)) for d in ("cpu", "gpu"))
+    rows = {"cpu": 512, "gpu": 2**30 // (4 * 128256)}
+    extra = {d: 4 * 128256 * rows[d] + 4 * 4096 * (4096 + rows[d]) for d in rows}
+    assert on_cpu.loss - on_gpu.loss == extra["cpu"] - extra["gpu"] + 4 * 128256 * 4096
 
 
 def test_loss_blocks_are_the_torch_losses_blocks():
@@ -164,6 +170,7 @@ def test_loss_blocks_are_the_torch_losses_blocks():
 
     assert plan.LOSS_BLOCK_BYTES == losses.BLOCK_BYTES
     assert (plan.CPU_LOSS_BLOCK_BYTES, plan.CPU_LOSS_MIN_ROWS) == (losses.CPU_BLOCK_BYTES, losses.CPU_MIN_ROWS)
+    assert step_memory.CPU_PACK_MIN_ROWS == losses.PACK_MIN_ROWS
     for vocab, device in [(32000, "cpu"), (128256, "cuda"), (2000, "cpu"), (151936, "cuda")]:
         assert plan.loss_rows(vocab, Batch(seq=10**6, device="cpu" if device == "cpu" else "gpu")) == \
             losses.rows_per_block(vocab, __import__("torch").device(device))

@@ -46,6 +46,8 @@ NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 LOSS_BLOCK_BYTES = 2**30
 CPU_LOSS_BLOCK_BYTES = 2**24
 CPU_LOSS_MIN_ROWS = 512
+# From this many rows a float32 loss on a CPU packs the head for oneDNN: a copy of it.
+CPU_PACK_MIN_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -320,7 +322,8 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activati
     first block's input needs no gradient: its first norm keeps only its output.
     loss: logits_bytes; with the chunked loss also the hidden states' gradient (c·d a
     token) and a [rows, d] product; in bf16 the logits block cast to bf16 and, when the
-    head trains, its bf16 copy and the slices its f32 gradient is accumulated through.
+    head trains, its bf16 copy and the slices its f32 gradient is accumulated through;
+    in f32 on a CPU the head's copy packed for oneDNN (4·V·d).
     recompute: with checkpointing, the block computed again (less what selective kept),
     with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight.
     backward: the gradients in flight inside a block's backward, two [s·b, F] tensors in
@@ -338,6 +341,8 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activati
     if batch.chunked_loss:
         rows = loss_rows(card.vocab, batch)
         loss += c * d * (tokens + rows) + (2 * rows * card.vocab if c == 2 else 0)
+        if batch.device == "cpu" and c == 4 and tokens >= CPU_PACK_MIN_ROWS:
+            loss += 4 * card.vocab * d  # the head packed for oneDNN
         if not method.adapters and c == 2:
             loss += (2 * card.vocab * d if method.master_bytes else 0) + min(card.vocab, 2**26 // (4 * d)) * d * 6
     largest = max(o * i for o, i in card.linear_shapes().values())
