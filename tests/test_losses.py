@@ -66,16 +66,18 @@ def test_frozen_head_token_log_probs_matches_plain(rows):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 def test_float32_blocks_on_a_cpu_run_the_head_through_onednn(monkeypatch):
-    """From PACK_MIN_ROWS rows a float32 head is packed for oneDNN once a call; values
-    and gradients stay those of the plain product (float64 reference)."""
+    """From PACK_MIN_ROWS rows a float32 head of PACK_MIN_ELEMENTS or more is packed for
+    oneDNN once a call; values and gradients stay those of the plain product (float64)."""
     calls = []
     product = losses.onednn_logits
     monkeypatch.setattr(losses, "onednn_logits", lambda h, p: calls.append(len(h)) or product(h, p))
-    N = losses.PACK_MIN_ROWS + 44
-    h64, w64, t, wt = _case(N=N, D=16, V=130, seed=4)
+    N, V, D = losses.PACK_MIN_ROWS + 44, 4096, 256  # a head of PACK_MIN_ELEMENTS
+    h64, w64, t, wt = _case(N=N, D=D, V=V, seed=4)
+    with torch.no_grad():  # logits of order one
+        h64.mul_(0.25), w64.mul_(0.25)
     h, w = (x.detach().float().requires_grad_() for x in (h64, w64))
-    block = _rows_bytes(128, 130)
-    check = dict(rtol=1e-5, atol=1e-5)
+    block = _rows_bytes(128, V)
+    check = dict(rtol=1e-4, atol=1e-5)
 
     loss = losses.linear_cross_entropy(h, w, t, wt.float(), block_bytes=block)
     plain = losses.cross_entropy(h64 @ w64.T, t, wt)
@@ -96,6 +98,8 @@ def test_float32_blocks_on_a_cpu_run_the_head_through_onednn(monkeypatch):
     calls.clear()
     losses.linear_token_log_probs(h[: losses.PACK_MIN_ROWS - 1], w, t[: losses.PACK_MIN_ROWS - 1])
     assert calls == []  # too few rows for the packing to pay
+    losses.linear_token_log_probs(h, w[:1000], t % 1000)
+    assert calls == []  # nor a head that fits in cache
 
 
 def test_block_size_follows_the_device():
