@@ -64,6 +64,11 @@ def _blocks(N: int, rows: int):
         yield slice(s, min(s + rows, N))
 
 
+# Rows from which packing the head for oneDNN pays: a float32 [512, 256] x [256, 8192] block
+# ran at 56-58 GFLOP/s packed against 32-36 plain (one thread, AMD EPYC with AVX2), and
+# packing costs about as much as a 50-row product. The [rows, V] x [V, D] products of the
+# gradients gained nothing and stay plain.
+PACK_MIN_ROWS = 256
 # Heads smaller than this (elements) stay plain: while the weight fits in a core's cache
 # oneDNN ran no faster (V <= 2048 at D = 128 or 256), and packing costs 0.3 ms however small.
 PACK_MIN_ELEMENTS = 1 << 20
@@ -82,13 +87,6 @@ def onednn_pack(w_VD: torch.Tensor, rows: int):
 def onednn_logits(h_ND: torch.Tensor, packed) -> torch.Tensor:
     """h @ w.T through oneDNN, w packed by `onednn_pack`."""
     return torch.ops.mkldnn._linear_pointwise(h_ND, packed, None, "none", [], "")
-
-
-# Rows from which packing the head for oneDNN pays: a float32 [512, 256] x [256, 8192] block
-# ran at 56-58 GFLOP/s packed against 32-36 plain (one thread, AMD EPYC with AVX2), and
-# packing costs about as much as a 50-row product. The [rows, V] x [V, D] products of the
-# gradients gained nothing and stay plain.
-PACK_MIN_ROWS = 256
 
 
 def _block_logits(h_ND, w_VD, rows: int):
