@@ -170,7 +170,8 @@ def test_loss_blocks_are_the_torch_losses_blocks():
 
     assert plan.LOSS_BLOCK_BYTES == losses.BLOCK_BYTES
     assert (plan.CPU_LOSS_BLOCK_BYTES, plan.CPU_LOSS_MIN_ROWS) == (losses.CPU_BLOCK_BYTES, losses.CPU_MIN_ROWS)
-    assert step_memory.CPU_PACK_MIN_ROWS == losses.PACK_MIN_ROWS and losses.PACK_MIN_ELEMENTS == 2**20
+    assert (step_memory.CPU_PACK_MIN_ROWS, step_memory.CPU_PACK_MIN_ELEMENTS) == \
+        (losses.PACK_MIN_ROWS, losses.PACK_MIN_ELEMENTS)
     for vocab, device in [(32000, "cpu"), (128256, "cuda"), (2000, "cpu"), (151936, "cuda")]:
         assert plan.loss_rows(vocab, Batch(seq=10**6, device="cpu" if device == "cpu" else "gpu")) == \
             losses.rows_per_block(vocab, __import__("torch").device(device))

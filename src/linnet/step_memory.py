@@ -46,9 +46,10 @@ NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 LOSS_BLOCK_BYTES = 2**30
 CPU_LOSS_BLOCK_BYTES = 2**24
 CPU_LOSS_MIN_ROWS = 512
-# From this many rows a float32 loss on a CPU packs a head of 2^20 weights or more for
-# oneDNN: a copy of it (linnet.torch.losses.PACK_MIN_ROWS, PACK_MIN_ELEMENTS).
+# From this many rows a float32 loss on a CPU packs a head of this many weights or more
+# for oneDNN: a copy of it (linnet.torch.losses.PACK_MIN_ROWS, PACK_MIN_ELEMENTS).
 CPU_PACK_MIN_ROWS = 256
+CPU_PACK_MIN_ELEMENTS = 2**20
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activati
     if batch.chunked_loss:
         rows = loss_rows(card.vocab, batch)
         loss += c * d * (tokens + rows) + (2 * rows * card.vocab if c == 2 else 0)
-        if batch.device == "cpu" and c == 4 and tokens >= CPU_PACK_MIN_ROWS and card.vocab * d >= 2**20:
+        if batch.device == "cpu" and c == 4 and tokens >= CPU_PACK_MIN_ROWS and card.vocab * d >= CPU_PACK_MIN_ELEMENTS:
             loss += 4 * card.vocab * d  # the head packed for oneDNN
         if not method.adapters and c == 2:
             loss += (2 * card.vocab * d if method.master_bytes else 0) + min(card.vocab, 2**26 // (4 * d)) * d * 6
