@@ -122,6 +122,25 @@ def test_sampling_follows_the_tempered_distribution():
     assert set(tok.tolist()) == {0, 1}
 
 
+def test_every_draw_reports_the_log_softmax_of_its_token():
+    """Greedy, tempered, top-k, top-p and the model's own distribution (where one exp pass
+    serves the draw and the log-probability) all report log_softmax's value of the token
+    drawn; greedy takes the first of tied maxima."""
+    from linnet.serve.engine import _pick, _Sampling
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 4
+    logits[0, [7, 200]] = 50.0  # a tie: the first wins
+    logits[1, -1] = 60.0
+    rows = torch.arange(len(logits))
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9)):
+        g = torch.Generator().manual_seed(1)
+        tok, logp = _pick(logits, _Sampling(temperature, top_k, top_p, g, torch.tensor([])), rows, len(rows))
+        want = torch.log_softmax(logits.double(), -1).gather(-1, tok[:, None])[:, 0]
+        torch.testing.assert_close(logp.double(), want, atol=1e-5, rtol=0)
+        if temperature == 0:
+            assert tok.tolist() == logits.argmax(-1).tolist() and tok[:2].tolist() == [7, 299]
+
+
 def test_inverse_cdf_lands_in_proportion_across_blocks():
     """The two-level draw (block sums, then the block's own sums): evenly spread uniforms
     land on each token in proportion to its probability, across blocks and in a padded
@@ -132,9 +151,10 @@ def test_inverse_cdf_lands_in_proportion_across_blocks():
     probs[[0, 5, 127, 128, 250, 299]] = torch.tensor([0.1, 0.2, 0.05, 0.3, 0.15, 0.2])
     n = 20000
     u = torch.cat([(torch.arange(n, dtype=torch.float64) + 0.5) / n, torch.tensor([0.0, 1 - 2**-53])])[:, None]
-    tok = _inverse_cdf(probs.expand(len(u), -1), u)
+    tok, total = _inverse_cdf(probs.expand(len(u), -1), u)
     assert set(tok.tolist()) == {0, 5, 127, 128, 250, 299}
     assert tok[-2] == 0 and tok[-1] == 299
+    torch.testing.assert_close(total[:, 0], torch.full((len(u),), 1.0, dtype=torch.float64))
     freq = torch.bincount(tok[:n], minlength=300).double() / n
     torch.testing.assert_close(freq, probs.double(), atol=2 / n, rtol=0)
 

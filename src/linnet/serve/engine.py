@@ -519,29 +519,39 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
     rows_B: each row's completion index among `total`: one uniform is drawn for every
     completion each step, stopped or not, so a completion's draws never depend on when
     the others stop or leave the batch."""
-    logp_BV = torch.log_softmax(logits_BV, dim=-1)
     if s.temperature == 0:
         tok = logits_BV.argmax(-1)
-    else:
-        as_is = s.temperature == 1 and not s.top_k and s.top_p >= 1.0  # the model's own distribution
-        z = logits_BV if s.temperature == 1 else logits_BV / s.temperature
-        if s.top_k:
-            kth = torch.topk(z, s.top_k, dim=-1).values[:, -1:]
-            z = z.masked_fill(z < kth, -math.inf)
-        if s.top_p < 1.0:
-            sorted_z, order = torch.sort(z, dim=-1, descending=True)
-            probs = torch.softmax(sorted_z, dim=-1)
-            before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-            sorted_z = sorted_z.masked_fill(before >= s.top_p, -math.inf)  # the first always stays
-            z = torch.full_like(z, -math.inf).scatter(-1, order, sorted_z)
-        # one uniform a row, where multinomial draws one for every vocabulary entry (1.08x a GRPO step)
-        u_B1 = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=logits_BV.device)[rows_B]
-        tok = _inverse_cdf(logp_BV.exp() if as_is else torch.softmax(z, dim=-1), u_B1)
-    return tok, logp_BV.gather(-1, tok[:, None])[:, 0]
+        return tok, _log_probs(logits_BV, tok)
+    # one uniform a row, where multinomial draws one for every vocabulary entry (1.08x a GRPO step)
+    u_B1 = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=logits_BV.device)[rows_B]
+    if s.temperature == 1 and not s.top_k and s.top_p >= 1.0:
+        # the model's own distribution: one pass of exp serves the draw (which needs no
+        # normalising) and the log-probability (logit - max - log of the mass), where
+        # log_softmax and then its exp took two
+        top_B1 = logits_BV.amax(-1, keepdim=True)
+        tok, mass_B1 = _inverse_cdf(torch.exp(logits_BV - top_B1), u_B1)
+        return tok, logits_BV.gather(-1, tok[:, None])[:, 0] - (top_B1 + mass_B1.log().float())[:, 0]
+    z = logits_BV if s.temperature == 1 else logits_BV / s.temperature
+    if s.top_k:
+        kth = torch.topk(z, s.top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if s.top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        sorted_z = sorted_z.masked_fill(before >= s.top_p, -math.inf)  # the first always stays
+        z = torch.full_like(z, -math.inf).scatter(-1, order, sorted_z)
+    tok, _ = _inverse_cdf(torch.softmax(z, dim=-1), u_B1)
+    return tok, _log_probs(logits_BV, tok)
 
 
-def _inverse_cdf(probs_BV: torch.Tensor, u_B1: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """The token where each row's cumulative probability first passes u * total, in two
+def _log_probs(logits_BV: torch.Tensor, tok_B: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits_BV, dim=-1).gather(-1, tok_B[:, None])[:, 0]
+
+
+def _inverse_cdf(probs_BV: torch.Tensor, u_B1: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token where each row's cumulative probability first passes u * total, and the
+    total [B, 1] (float64; the probabilities need not be normalised), in two
     levels: the sums of blocks of `block` tokens choose a block, then that block's own
     cumulative sum the token in it (no float64 copy of the whole [B, V]: 1.04x sampling
     at 7M). The sums run in float64, so that no small probability is lost next to a large
@@ -557,7 +567,7 @@ def _inverse_cdf(probs_BV: torch.Tensor, u_B1: torch.Tensor, block: int = 128) -
     inside_Bk = blocks_BNk.gather(1, j_B1[:, :, None].expand(B, 1, block))[:, 0].double()
     k_B1 = torch.searchsorted(inside_Bk.cumsum(-1), target_B1 - before_B1, right=True)
     last_B1 = torch.where(inside_Bk > 0, torch.arange(block, device=u_B1.device), -1).amax(-1, keepdim=True)
-    return (j_B1 * block + torch.minimum(k_B1, last_B1))[:, 0]
+    return (j_B1 * block + torch.minimum(k_B1, last_B1))[:, 0], ends_BN[:, -1:]
 
 
 def _store_transposed(model: Decoder) -> None:
