@@ -73,10 +73,11 @@ class Linear(nn.Linear):
             return y
         z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
         za = F.linear(z, self.lora_a.to(x.dtype))
-        # scale and sum folded into one addmm: no [P, out] multiply and add (1.10x on SFT-LoRA)
-        out = torch.addmm(y.reshape(-1, y.shape[-1]), za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T,
-                          alpha=self.lora_scale)
-        return out.view(y.shape)
+        # scale and sum folded into one addmm (no [P, out] multiply and add: 1.10x on SFT-LoRA),
+        # in place on the base output, which no backward reads: no copy of it into a new tensor
+        # (a [P, out] tensor less at the peak; the time is the same)
+        y.view(-1, y.shape[-1]).addmm_(za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T, alpha=self.lora_scale)
+        return y
 
     def _base(self, x, bias=None):
         """x @ W.T (+ b) with the frozen or trained weight (an NF4 one through bitsandbytes)."""
