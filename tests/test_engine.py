@@ -108,7 +108,8 @@ def test_top_p_keeps_only_the_nucleus(saved):
 
 
 def test_sampling_follows_the_tempered_distribution():
-    """The inverse-CDF draw: frequencies match softmax(z / T) and filtered tokens never appear."""
+    """The inverse-CDF draw: frequencies match softmax(z / T), at T = 1 too (drawn from the
+    unnormalised exp(z - max)), and filtered tokens never appear."""
     from linnet.serve.engine import _pick, _Sampling
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0]).repeat(20000, 1)
@@ -120,6 +121,9 @@ def test_sampling_follows_the_tempered_distribution():
     assert torch.allclose(logp, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0])
     tok, _ = _pick(logits, _Sampling(1.0, 2, 1.0, g, torch.tensor([])), rows, len(rows))
     assert set(tok.tolist()) == {0, 1}
+    tok, _ = _pick(logits, _Sampling(1.0, 0, 1.0, g, torch.tensor([])), rows, len(rows))  # unnormalised weights
+    freq = torch.bincount(tok, minlength=5).double() / len(tok)
+    torch.testing.assert_close(freq, torch.softmax(logits[0].double(), -1), atol=0.01, rtol=0)
 
 
 def test_every_draw_reports_the_log_softmax_of_its_token():
