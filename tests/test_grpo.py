@@ -177,13 +177,66 @@ def test_sequence_mean_weighs_each_completion_alike():
     samples = [Sample(0, [5, 6, 7, 2], torch.zeros(4), True), Sample(0, [7, 2], torch.zeros(2), True)]
     out = _rollout(samples, np.array([1.0, -1.0]), np.ones(2, bool), [Prompt([3, 4])], 64, True, True)
     weights = torch.cat(out.token_weight)
-    assert weights.tolist() == [0.25] * 4 + [0.5] * 2 and out.sequences == 2
+    assert weights.tolist() == [0.25] * 4 + [0.5] * 2
 
 
 def uniform_half(prompt, completion):
     """Prompts starting with an even token always score 1 (uniform groups); the others
     score the share of 7s."""
     return 1.0 if prompt.ids[0] % 2 == 0 else sevens(prompt, completion)
+
+
+def test_to_train_leaves_out_zero_advantages_only_without_kl():
+    from linnet.rollouts import Scored, to_train
+
+    def scored(advantages, keep):
+        n = len(advantages)
+        return Scored([None] * n, {}, np.zeros((1, n)), np.zeros(1, bool), np.array(advantages, float),
+                      np.array(keep), 0.0)
+
+    assert to_train(scored([0.5, 0.0, -0.5, 0.0], [True] * 4), 0.0).tolist() == [True, False, True, False]
+    assert to_train(scored([0.5, 0.0, -0.5, 0.0], [True] * 4), 0.1).tolist() == [True] * 4  # the KL term trains
+    assert to_train(scored([0.0, 0.5, 0.5], [True, True, False]), 0.0).tolist() == [False, True, False]
+    # nothing to learn: the first kept completion still passes, so the step is a zero-gradient step
+    assert to_train(scored([0.0, 0.0, 0.0], [False, True, True]), 0.0).tolist() == [False, True, False]
+    assert to_train(scored([0.0, 0.0], [False, False]), 0.0).tolist() == [False, False]
+
+
+@pytest.mark.parametrize("reward", ["uniform_half", "constant"])
+def test_skipping_zero_advantage_completions_changes_nothing_but_the_work(reward, monkeypatch):
+    """A run that passes every completion through the policy (to_train = keep) ends with
+    the same weights and losses as the default, which skips the zero-advantage ones (the
+    uniform groups of two of the three steps here; every group with a constant reward,
+    where AdamW's weight decay still applies as in a zero-gradient step)."""
+    import linnet.train.grpo as G
+
+    scorer = uniform_half if reward == "uniform_half" else (lambda prompt, completion: 1.0)
+
+    def run():
+        torch.manual_seed(0)
+        policy = nest.load(CARD, weights="random", seed=1, trainable=True)
+        engine = Engine(nest.load(CARD, weights="random", seed=1))
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=2e-2, weight_decay=0.1)
+        history = grpo(policy, engine, _prompts(), scorer, optimizer=opt, steps=3, group=8, prompts_per_step=4,
+                       max_new_tokens=6, tokens=64, verbose=False)
+        return history, [p.detach().clone() for p in trained]
+
+    start = [p.detach().clone() for p in nest.load(CARD, weights="random", seed=1, trainable=True).parameters()
+             if p.requires_grad]
+    skipping, after = run()
+    monkeypatch.setattr(G, "to_train", lambda scored, beta: scored.keep.copy())
+    every, after_all = run()
+    assert sum(s.metrics["skipped"] for s in skipping.steps) >= 0.5 + (reward == "constant")
+    assert all(s.metrics["skipped"] == 0 for s in every.steps)
+    assert [s.learned for s in skipping.steps] == [s.learned for s in every.steps]  # the normaliser's count
+    assert [s.real for s in skipping.steps] < [s.real for s in every.steps]  # fewer positions computed
+    for s, e in zip(skipping.steps, every.steps):
+        assert s.loss == pytest.approx(e.loss, abs=1e-6) and s.grad_norm == pytest.approx(e.grad_norm, rel=1e-4,
+                                                                                            abs=1e-7)
+    for a, b, p0 in zip(after, after_all, start):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(a, p0)  # the steps updated (decay, with a constant reward)
 
 
 def test_dynamic_sampling_fills_the_step_with_informative_groups_and_resumes_alike(tmp_path):

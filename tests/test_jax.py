@@ -468,6 +468,41 @@ def test_an_engine_split_over_a_mesh_takes_a_split_policy_in_place(jx, tmp_path)
         split.load_weights(other)
 
 
+def test_grpo_skipping_zero_advantages_changes_nothing_but_the_work(jx, monkeypatch):
+    """As in PyTorch (tests/test_grpo.py): passing every completion through the policy
+    ends with the same parameters and losses as skipping those whose advantage is 0."""
+    import optax
+
+    import linnet.jax.grpo as G
+    from linnet.jax.engine import Engine
+    from linnet.jax.model import load_model
+    from linnet.train.grpo import Prompt
+
+    card = nest.resolve("debug").replace(vocab=16, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
+                                         eos_token_ids=(2,))
+    prompts = [Prompt(ids) for ids in ([4, 5], [3, 9], [6], [7, 7, 3])]
+
+    def half_uniform(prompt, completion):  # even first token: always 1, so a uniform group
+        return 1.0 if prompt.ids[0] % 2 == 0 else sum(t == 7 for t in completion) / len(completion)
+
+    def run():
+        policy = load_model(card, weights="random", seed=1)
+        engine = Engine(load_model(card, weights="random", seed=1))
+        return G.grpo(policy, engine, prompts, half_uniform, optimizer=optax.adamw(2e-2, weight_decay=0.1),
+                      steps=2, group=8, prompts_per_step=4, max_new_tokens=6, tokens=64)
+
+    params, skipping = run()
+    monkeypatch.setattr(G, "to_train", lambda scored, beta: scored.keep.copy())
+    params_all, every = run()
+    assert all(s.metrics["skipped"] == 0.5 for s in skipping.steps)
+    assert all(s.metrics["skipped"] == 0 for s in every.steps)
+    for s, e in zip(skipping.steps, every.steps):
+        assert s.learned == e.learned and s.real < e.real
+        assert s.loss == pytest.approx(e.loss, abs=1e-6) and s.grad_norm == pytest.approx(e.grad_norm, rel=1e-4)
+    for name in params:  # Adam divides by each gradient's own size: rounding of the other packing shows ~1e-6
+        np.testing.assert_allclose(np.asarray(params[name]), np.asarray(params_all[name]), rtol=1e-4, atol=1e-5)
+
+
 def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
     """GRPO on the 'sevens' task (the share of 7s in a completion): the mean reward rises,
     the first iteration is unclipped, and the engine's log-probabilities equal the

@@ -176,9 +176,27 @@ def fill_groups(parts: list[tuple[list, Scored]], want: int) -> tuple[list, Scor
                          sum(s.score_seconds for _, s in parts))
 
 
-def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mismatch: float) -> dict[str, float]:
-    """What a GRPO step reports: rewards, uniform groups, lengths, stops, and the clip,
-    KL and engine mismatch per trained token."""
+def to_train(scored: Scored, beta: float) -> np.ndarray:
+    """[samples] the completions a training step passes through the model: the kept ones,
+    less those whose advantage is exactly 0 when there is no KL term (beta = 0). Their
+    clipped surrogate and its gradient are 0 whatever the ratio, so leaving them out
+    changes the time, not the update; they still count in the step's normaliser. Groups
+    whose rewards are all equal are the common case (all right or all wrong). When no
+    completion would pass, the first kept one does: the step then updates as a
+    zero-gradient step does (the optimizer's moments still move), as without skipping."""
+    mask = scored.keep.copy()
+    if beta == 0:
+        mask &= scored.advantages != 0
+        if not mask.any() and scored.keep.any():
+            mask[np.flatnonzero(scored.keep)[0]] = True
+    return mask
+
+
+def step_metrics(scored: Scored, trained: np.ndarray, *, tokens: float, checked: float, clipped: float, kl: float,
+                 mismatch: float) -> dict[str, float]:
+    """What a GRPO step reports: rewards, uniform groups, lengths, stops, the share of
+    completions that skipped training (`to_train`), and the clip and KL per trained
+    token and the engine mismatch per `checked` token (those that passed the model)."""
     lengths = np.array([len(s.tokens) for s in scored.samples])
     per_token = max(tokens, 1.0)
     return {
@@ -187,7 +205,8 @@ def step_metrics(scored: Scored, *, tokens: float, clipped: float, kl: float, mi
            if len(scored.per_function) > 1},
         "uniform": float(scored.uniform.mean()), "completion_length": float(lengths.mean()),
         "stopped": float(np.mean([s.stopped for s in scored.samples])),
-        "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / per_token,
+        "skipped": float((scored.keep & ~trained).mean()),
+        "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / max(checked, 1.0),
         "sample_seconds": scored.seconds, "score_seconds": scored.score_seconds,
         "sampled_tokens_per_second": float(lengths.sum()) / max(scored.seconds, 1e-9),
     }

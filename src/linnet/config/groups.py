@@ -355,7 +355,8 @@ class GRPOSettings:
     iterations: int = option(1, "optimizer steps per sampling step (reusing the samples)")
     clip_low: float = option(0.2, "ratio clip below: 1 - clip_low")
     clip_high: float = option(0.2, "ratio clip above: 1 + clip_high")
-    drop_uniform: bool = option(False, "leave out groups whose rewards are all equal")
+    drop_uniform: bool = option(False, "leave groups whose rewards are all equal out of the loss's average "
+                                        "(with beta 0 they skip training anyway)")
     beta: float = option(0.0, "k3 KL weight against a frozen copy of the starting model")
     correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped")
     dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")

@@ -9,8 +9,9 @@ Each step: the engine takes the policy's current parameters (adapters merged) an
 `group` completions of each prompt; rewards give each completion its advantage (its
 reward less its group's mean, over the group's std unless dr_grpo); the completions are
 packed with each prompt once (`Packed.prefix`) and the policy takes `iterations` clipped
-policy-gradient steps on them, one compiled step each. The objective's terms are those of
-`linnet.train.grpo_loss`, in JAX.
+policy-gradient steps on them, one compiled step each (completions whose advantage is 0
+skip it when beta = 0, counted in the normaliser all the same: `rollouts.to_train`). The
+objective's terms are those of `linnet.train.grpo_loss`, in JAX.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ from linnet.rollouts import (
     reward_functions,
     sample_and_score,
     step_metrics,
+    to_train,
 )
 
 
-def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int, sequence_level: bool):
-    """The kept samples packed into rows [R, P] (each prompt once), with per-position
-    advantage, engine log-probability, token weight (1, or 1/length for sequence-level)
-    and completion index; None when nothing is kept."""
-    kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
+def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, tokens: int, sequence_level: bool):
+    """The samples that train (`rollouts.to_train`) packed into rows [R, P] (each prompt
+    once), with per-position advantage, engine log-probability, token weight (1, or
+    1/length for sequence-level) and completion index; None when none trains."""
+    kept = [(i, s) for i, s in enumerate(samples) if trained[i]]
     if not kept:
         return None
     rows = list(pack_prompted(prompt_groups([s for _, s in kept], prompts, tokens, True), tokens))
@@ -63,8 +65,7 @@ def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens:
             extra["token_weight"][r, where] = 1.0 / len(s.tokens) if sequence_level else 1.0
             extra["sequence"][r, where] = i
             at += len(s.tokens)
-    stacked = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]} | extra
-    return stacked, len(kept), sum(len(s.tokens) for _, s in kept), sum(row.real for row in rows)
+    return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]} | extra, sum(row.real for row in rows)
 
 
 @functools.lru_cache(maxsize=8)
@@ -140,25 +141,30 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
                                   seed=seed * 1_000_003 + number, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
-        rollout = _rollout(scored.samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens,
+        trained = to_train(scored, beta)
+        rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
                            sequence_level)
-        loss = norm = clipped = kl = mismatch = 0.0
-        n_tokens = real = 0
+        counted = [s for s, k in zip(scored.samples, scored.keep) if k]  # the normaliser's, skipped ones too
+        sequences, n_tokens = len(counted), sum(len(s.tokens) for s in counted)
+        loss = norm = clipped = kl = mismatch = checked = 0.0
+        real = 0
         if rollout is not None:
-            host, sequences, n_tokens, real = rollout
+            host, real = rollout
             normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
             rows = place_rows(host, mesh)
             old = forward(state.params, card, rows, dtype, lora_scale)
             ref = forward(reference, card, rows, dtype, 0.0) if beta else jnp.zeros_like(old)
             learned = np.asarray(rows["weights"]) > 0
             mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
+            checked = float(learned.sum())
             compiled = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta,
                                   correction_cap, sequence_level, len(scored.samples), remat)
             for _ in range(iterations):
                 state.trained, state.opt_state, norm, (loss_sum, clipped, kl) = compiled(
                     state.trained, state.frozen, state.opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))
             loss = float(loss_sum) / max(normaliser, 1.0)
-        metrics = step_metrics(scored, tokens=n_tokens, clipped=float(clipped), kl=float(kl), mismatch=mismatch)
+        metrics = step_metrics(scored, trained, tokens=n_tokens, checked=checked, clipped=float(clipped),
+                               kl=float(kl), mismatch=mismatch)
         return Update(loss, norm, n_tokens, real, metrics)
 
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)

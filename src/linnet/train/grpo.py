@@ -11,7 +11,10 @@ with `reward(prompt, completion_ids)`; turn rewards into group-relative advantag
 pack each prompt once, its completions attending to it, into rows of `tokens` positions
 (the micro-batches: group size never decides them); recompute the policy's
 log-probabilities row by row, and take `iterations` optimizer steps on the clipped
-surrogate, averaged over every completion token of the step.
+surrogate, averaged over every completion token of the step. Completions whose advantage
+is 0 (a group all right or all wrong) skip the forward and backward when beta = 0: their
+loss and gradient are exactly 0, and their tokens still count in the average
+(`rollouts.to_train`).
 
 `evaluate(policy, engine, held_out, reward, k=8)` scores held-out prompts through the
 engine (greedy reward and pass@1, and pass@k from sampled completions), for an `on_step`
@@ -43,6 +46,7 @@ from linnet.rollouts import (
     sample_and_score,
     score,
     step_metrics,
+    to_train,
 )
 from linnet.tables import print_table
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
@@ -61,18 +65,16 @@ class _Rollout:
     engine_logp: list[torch.Tensor]
     token_weight: list[torch.Tensor]  # 1, or 1/len for per-sequence (sequence_mean, GSPO) averaging
     sequence: list[torch.Tensor]  # per row: completion index of each token (GSPO)
-    sequences: int
-    tokens: int
     real: int
 
 
-def _rollout(samples, advantages: np.ndarray, keep: np.ndarray, prompts, tokens: int,
+def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, tokens: int,
              per_sequence: bool, share: bool) -> _Rollout | None:
-    kept = [(i, s) for i, s in enumerate(samples) if keep[i]]
+    kept = [(i, s) for i, s in enumerate(samples) if trained[i]]
     if not kept:
         return None
     rows = list(pack_prompted(prompt_groups([s for _, s in kept], prompts, tokens, share), tokens, share=share))
-    out = _Rollout(rows, [], [], [], [], len(kept), sum(len(s.tokens) for _, s in kept), sum(r.real for r in rows))
+    out = _Rollout(rows, [], [], [], [], sum(r.real for r in rows))
     it = iter(kept)
     for row in rows:
         adv, elp, w, seq = [], [], [], []
@@ -137,8 +139,8 @@ def grpo(
 
     reward: f(prompt, completion_ids) -> number, or a dict name -> f (summed, each
         reported). iterations: optimizer steps per sampling step, reusing the samples with
-        the ratio clipped to [1 - clip[0], 1 + clip[1]]. drop_uniform: leave out groups
-        whose rewards are all equal. beta: weight of the k3 KL to `reference` (a frozen
+        the ratio clipped to [1 - clip[0], 1 + clip[1]]. drop_uniform: leave groups whose
+        rewards are all equal out of the average too. beta: weight of the k3 KL to `reference` (a frozen
         model). correction_cap: weigh each token by min(p_policy / p_engine, cap)
         (needs temperature 1, no top-k/top-p). dr_grpo: no std division, token sums over
         completions * max_new_tokens. sequence_level: GSPO sequence ratios. advantage:
@@ -199,9 +201,11 @@ def grpo(
                 rounds += 1
             chunk, scored = fill_groups(parts, len(chunk))
         per_sequence = sequence_level or sequence_mean
-        rollout = _rollout(scored.samples, scored.advantages, scored.keep, [p for _, p in chunk], tokens,
+        trained = to_train(scored, beta)
+        rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
                            per_sequence, share)
-        mine = [0.0, 0.0, 0.0] if rollout is None else [rollout.sequences, rollout.tokens, rollout.real]
+        counted = [s for s, k in zip(scored.samples, scored.keep) if k]  # the normaliser's, skipped ones too
+        mine = [len(counted), sum(len(s.tokens) for s in counted), 0.0 if rollout is None else rollout.real]
         sequences, n_tokens, _ = sum_across(mine)
         normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
         rows = [] if rollout is None else rollout.rows
@@ -225,10 +229,11 @@ def grpo(
             total, s = grpo_loss(logp, old[r], rollout.advantage[r].to(dev), clip=clip, ref_T=ref, beta=beta,
                                  correction_T=weight, seq_T=rollout.sequence[r].to(dev) if sequence_level else None,
                                  sequences=len(scored.samples))
-            return total, {"clipped": s["clipped"], "kl": s.get("kl", 0.0), "mismatch": mismatch[r]}
+            return total, {"clipped": s["clipped"], "kl": s.get("kl", 0.0), "mismatch": mismatch[r],
+                           "checked": float(len(logp))}
 
         def metrics(sums: dict[str, float]) -> dict[str, float]:
-            out = step_metrics(scored, tokens=n_tokens, **sums)
+            out = step_metrics(scored, trained, tokens=n_tokens, **sums)
             out["copy_seconds"] = copy_seconds  # the policy's weights into the engine
             out["train_seconds"] = time.perf_counter() - packed  # forward, backward and update(s)
             if dynamic_sampling:
@@ -236,8 +241,8 @@ def grpo(
             return out
 
         packed = time.perf_counter()
-        return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch"), metrics,
-                    idle=lambda: idle_passes(short, policy, judged), iterations=iterations)
+        return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch", "checked"),
+                    metrics, idle=lambda: idle_passes(short, policy, judged), iterations=iterations)
 
     return fit(policy, stream, prepare, per_step=prompts_per_step, optimizer=optimizer, steps=steps,
                clip=max_grad_norm, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
