@@ -192,6 +192,12 @@ def to_train(scored: Scored, beta: float) -> np.ndarray:
     return mask
 
 
+def counted(scored: Scored) -> tuple[int, int]:
+    """(completions, tokens) a step's loss averages over: the kept ones, skipped or not."""
+    kept = [s for s, k in zip(scored.samples, scored.keep) if k]
+    return len(kept), sum(len(s.tokens) for s in kept)
+
+
 def step_metrics(scored: Scored, trained: np.ndarray, *, tokens: float, checked: float, clipped: float, kl: float,
                  mismatch: float) -> dict[str, float]:
     """What a GRPO step reports: rewards, uniform groups, lengths, stops, the share of

@@ -34,6 +34,7 @@ from linnet.rollouts import (
     Prompt,
     Reward,
     check_prompts,
+    counted,
     prompt_groups,
     reward_functions,
     sample_and_score,
@@ -144,8 +145,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         trained = to_train(scored, beta)
         rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
                            sequence_level)
-        counted = [s for s, k in zip(scored.samples, scored.keep) if k]  # the normaliser's, skipped ones too
-        sequences, n_tokens = len(counted), sum(len(s.tokens) for s in counted)
+        sequences, n_tokens = counted(scored)
         loss = norm = clipped = kl = mismatch = checked = 0.0
         real = 0
         if rollout is not None:

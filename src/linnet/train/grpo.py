@@ -39,6 +39,7 @@ from linnet.rollouts import (
     Prompt,
     Reward,
     check_prompts,
+    counted,
     fill_groups,
     pass_at_k,
     prompt_groups,
@@ -204,8 +205,7 @@ def grpo(
         trained = to_train(scored, beta)
         rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
                            per_sequence, share)
-        counted = [s for s, k in zip(scored.samples, scored.keep) if k]  # the normaliser's, skipped ones too
-        mine = [len(counted), sum(len(s.tokens) for s in counted), 0.0 if rollout is None else rollout.real]
+        mine = [*counted(scored), 0.0 if rollout is None else rollout.real]
         sequences, n_tokens, _ = sum_across(mine)
         normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
         rows = [] if rollout is None else rollout.rows
