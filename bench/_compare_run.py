@@ -155,6 +155,8 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         target = spec["vocab"] // 2
 
         def lower_half(prompt, completion):
+            if spec.get("uniform_groups") and all_right(prompt.ids):
+                return 1.0
             return sum(1 for t in completion if 3 <= t < target) / max(len(completion), 1)
 
         n = spec["steps"] * spec["prompts_per_step"]
@@ -326,9 +328,13 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
 
         lengths: list[int] = []  # completion tokens of each step (for the real-token count)
 
-        def lower_half(completions, completion_ids, **kw):
+        ids_of = {w: i for i, w in enumerate(words)}
+
+        def lower_half(completions, completion_ids, prompts, **kw):
             lengths.append(sum(len(ids) for ids in completion_ids))
-            return [sum(1 for t in ids if 3 <= t < target) / max(len(ids), 1) for ids in completion_ids]
+            return [1.0 if spec.get("uniform_groups") and all_right([ids_of[w] for w in prompt.split()])
+                    else sum(1 for t in ids if 3 <= t < target) / max(len(ids), 1)
+                    for prompt, ids in zip(prompts, completion_ids)]
 
         ds = Dataset.from_dict({"prompt": [" ".join(words[t] for t in p) for p in data["prompt"][:n]]})
         group = spec["group"]
@@ -367,6 +373,12 @@ def reward_model(spec: dict, torch):
         if name.endswith("score.weight"):
             p.requires_grad_(True)
     return model
+
+
+def all_right(prompt_ids) -> bool:
+    """--uniform-groups: the prompts whose ids sum to an even number (about half) score 1 for
+    every completion, as a right-or-wrong reward does on a problem the model always solves."""
+    return sum(prompt_ids) % 2 == 0
 
 
 def dpo_tokens(data, spec) -> list[int]:

@@ -344,6 +344,10 @@ def main(argv=None) -> None:
                     help="GRPO: linnet samples in bfloat16 from the float32 policy, with correction_cap=2 "
                          "(truncated importance weights for the engines' difference), as its CLI does where the "
                          "CPU computes bf16 natively; TRL samples with the policy itself, in float32")
+    ap.add_argument("--uniform-groups", action="store_true",
+                    help="GRPO: about half the prompts (ids summing to an even number) score 1 for every "
+                         "completion, so their groups have nothing to learn, as with a right-or-wrong reward; "
+                         "the others keep the graded reward. Both sides score alike")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "RESULTS.md"), help="markdown to write ('-': print only)")
     ap.add_argument("--json", default=None, help="also write every raw result here")
@@ -373,6 +377,7 @@ def main(argv=None) -> None:
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
                         prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW, compile_engine=args.compile_engine,
                         engine_dtype=DTYPES[args.engine_dtype] if args.engine_dtype else None,
+                        uniform_groups=args.uniform_groups,
                         trl_micro={"dpo": args.trl_dpo_micro, "simpo": args.trl_dpo_micro, "orpo": args.trl_dpo_micro,
                                    "reward": args.trl_dpo_micro, "kto": 2 * args.trl_dpo_micro,
                                    "grpo": args.trl_grpo_micro}.get(method))
@@ -470,7 +475,9 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
         + ("compiled (`--compile-engine`: Engine(compile=True), warmed up before the clock starts; TRL's "
            "`generate` not compiled)" if args.compile_engine else "eager (the default)")
         + ("; in bfloat16 (`--engine-dtype bf16`) for the float32 policy, with correction_cap=2; TRL samples in "
-           "float32 with the policy." if args.engine_dtype else ", in the policy's dtype."),
+           "float32 with the policy." if args.engine_dtype else ", in the policy's dtype.")
+        + (" GRPO reward: `--uniform-groups`, about half the prompts score 1 for every completion (uniform "
+           "groups, nothing to learn), the rest the graded reward." if args.uniform_groups else ""),
         "- Matmul peak (torch.mm 2048², best of 5): " + ", ".join(f"{d} {v / 1e9:.0f} GFLOP/s" for d, v in peaks.items()),
         "",
     ]
