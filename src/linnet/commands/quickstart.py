@@ -257,7 +257,8 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
 
     prompts = [Prompt([BOS] + encode(p), encode(a) + [EOS]) for p, a in practice_set]
     optimizer = torch.optim.AdamW(trained, lr=grpo_lr, weight_decay=0.0)
-    # drop_uniform: groups all right or all wrong have no advantage to learn from, only cost
+    # drop_uniform: groups all right or all wrong (no advantage; they skip training anyway) leave the
+    # average too, so a step's update keeps its size when most groups are uniform
     stage("grpo", grpo_steps, lambda report: grpo(
         model, engine, prompts, exact_answer, optimizer=optimizer, steps=grpo_steps, group=8,
         prompts_per_step=32, max_new_tokens=digits + 2, drop_uniform=True, tokens=tokens, seed=seed,
