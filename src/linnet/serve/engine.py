@@ -520,8 +520,10 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
     completion each step, stopped or not, so a completion's draws never depend on when
     the others stop or leave the batch."""
     if s.temperature == 0:
-        tok = logits_BV.argmax(-1)
-        return tok, _log_probs(logits_BV, tok)
+        # the first of tied maxima, as argmax; its log-probability is -log sum exp(logits - max)
+        # (one pass fewer than argmax and log_softmax: docs/engine.md, "Sampling")
+        top_B1, tok_B1 = logits_BV.max(-1, keepdim=True)
+        return tok_B1[:, 0], -(logits_BV - top_B1).exp_().sum(-1).log()
     # one uniform a row, where multinomial draws one for every vocabulary entry (1.08x a GRPO step)
     u_B1 = torch.rand(total, 1, generator=s.generator, dtype=torch.float64, device=logits_BV.device)[rows_B]
     if s.temperature == 1 and not s.top_k and s.top_p >= 1.0:
