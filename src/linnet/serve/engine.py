@@ -59,6 +59,7 @@ from linnet.adapter_files import ADAPTER_SUFFIXES
 from linnet.rollouts import Completion
 from linnet.serve.passes import Batch, decode_pass, pack_head, prefill_pass
 from linnet.torch import attention as attention_paths
+from linnet.torch.losses import token_log_probs
 from linnet.torch.model import Decoder, Linear
 from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import full
@@ -544,11 +545,7 @@ def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: in
         sorted_z = sorted_z.masked_fill(before >= s.top_p, -math.inf)  # the first always stays
         z = torch.full_like(z, -math.inf).scatter(-1, order, sorted_z)
     tok, _ = _inverse_cdf(torch.softmax(z, dim=-1), u_B1)
-    return tok, _log_probs(logits_BV, tok)
-
-
-def _log_probs(logits_BV: torch.Tensor, tok_B: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits_BV, dim=-1).gather(-1, tok_B[:, None])[:, 0]
+    return tok, token_log_probs(logits_BV, tok)
 
 
 def _inverse_cdf(probs_BV: torch.Tensor, u_B1: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
