@@ -71,3 +71,41 @@ def test_zero_redundancy_optimizer_trains_and_resumes_like_one_process(tmp_path)
     assert [round(n, 5) for _, n in straight] == [round(s.grad_norm, 5) for s in whole.steps]
     assert [loss for loss, _ in straight] == pytest.approx(whole.losses, rel=1e-6)
     assert [x for step in resumed for x in step] == pytest.approx([x for step in straight[2:] for x in step], rel=1e-6)
+
+
+def _eight_bit_run(rank, checkpoint, steps):
+    from linnet.train.optimizer import adamw
+
+    model = nest.load(CARD_8BIT, weights="random", seed=0, trainable=True)
+    optimizer = adamw(model, lr=1e-2, weight_decay=0.1, kind="adamw8bit", shard="zero")
+    history = train(model, _batches(8)[rank::2], optimizer=optimizer, steps=steps, clip=0.5,
+                    checkpoint=checkpoint, checkpoint_every=2)
+    eight_bit = sum(s["state1"].dtype == torch.uint8 for s in optimizer.optim.state.values())
+    return [(s.loss, s.grad_norm) for s in history.steps], eight_bit
+
+
+# matrices of at least 4096 values: bitsandbytes keeps smaller tensors' moments in float32
+CARD_8BIT = CARD.replace(vocab=128, hidden=64, intermediate=128, head_dim=16)
+
+
+def test_eight_bit_states_split_by_zero_train_and_resume_like_one_process(tmp_path):
+    """8-bit AdamW states split across two processes (each parameter's whole on one, so
+    its quantization blocks are one process's): the steps of 8-bit AdamW whole in one
+    process, and a run stopped at step 2 resumes to the same steps 3 and 4 (the 8-bit
+    states nested in the checkpoint reach each process's optimizer taken apart)."""
+    pytest.importorskip("bitsandbytes", reason="8-bit AdamW needs bitsandbytes (the qlora extra)")
+    from linnet.train.optimizer import adamw
+
+    model = nest.load(CARD_8BIT, weights="random", seed=0, trainable=True)
+    optimizer = adamw(model, lr=1e-2, weight_decay=0.1, kind="adamw8bit")
+    whole = train(model, _batches(8), optimizer=optimizer, steps=4, accumulate=2, clip=0.5)
+    whole_8bit = sum(s["state1"].dtype == torch.uint8 for s in optimizer.state.values())
+    straight = in_processes(_eight_bit_run, tmp_path / "straight", 4)
+    in_processes(_eight_bit_run, tmp_path / "resumed", 2)
+    resumed = in_processes(_eight_bit_run, tmp_path / "resumed", 4)
+    assert whole_8bit > 0 and sum(n for _, n in straight) == whole_8bit  # the states split, none twice
+    steps = straight[0][0]
+    assert [n for _, n in steps] == pytest.approx([s.grad_norm for s in whole.steps], rel=1e-5)
+    assert [loss for loss, _ in steps] == pytest.approx(whole.losses, rel=1e-6)
+    assert [x for step in resumed[0][0] for x in step] == pytest.approx([x for step in steps[2:] for x in step],
+                                                                      rel=1e-6)

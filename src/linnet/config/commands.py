@@ -87,10 +87,10 @@ class FineTuningConfig:
                              + ("model.compile=true" if self.model.compile else f"training.shard={self.training.shard}")
                              + " is not supported yet; quantized runs are eager, one whole model a process")
         split = getattr(self.training, "split", 1)
-        if self.optimizer.name != "adamw" and (self.training.shard != "none" or split > 1):
+        if self.optimizer.name != "adamw" and (self.training.shard == "fsdp" or split > 1):
             where = f"training.split={split}" if split > 1 else f"training.shard={self.training.shard}"
             raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; use "
-                             "optimizer.name=adamw for a split model or optimizer")
+                             "training.shard=zero to split 8-bit states, or optimizer.name=adamw")
         if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
             raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
                              "field")

@@ -109,6 +109,11 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
                 p.copy_(tensors[name])
         if optimizer is not None:
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            if hasattr(optimizer, "consolidate_state_dict"):
+                # ZeroRedundancyOptimizer hands each process's states to its local optimizer
+                # as saved, past that optimizer's own load_state_dict; bitsandbytes' 8-bit AdamW
+                # saves its quantization states nested and takes them apart only there
+                optimizer.optim.load_state_dict(optimizer.optim.state_dict())
     if schedule is not None and state["schedule"] is not None:
         schedule.load_state_dict(state["schedule"])
     set_rng_state(state["rng"])

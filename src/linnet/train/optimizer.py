@@ -18,8 +18,9 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
 
     kind="adamw8bit" keeps both moments in 8 bits, blockwise quantized (bitsandbytes'
     AdamW8bit, Dettmers et al. 2022): 2 bytes a parameter instead of 8 (tensors under 4096
-    values keep float32 moments). "paged_adamw8bit" also lets CUDA page them out to CPU memory
-    under pressure (PagedAdamW8bit; CUDA only)."""
+    values keep float32 moments); shard="zero" splits those too, each parameter's states
+    whole on one process, so the blocks quantize as in one process. "paged_adamw8bit" also
+    lets CUDA page them out to CPU memory under pressure (PagedAdamW8bit; CUDA only)."""
     if kind not in KINDS:
         raise ValueError(f"adamw: kind={kind!r}; use one of {', '.join(KINDS)}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -27,28 +28,30 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     options = dict(lr=lr, betas=tuple(betas), eps=eps)
+    cls = torch.optim.AdamW
     if kind != "adamw":
-        return _eight_bit(groups, options, paged=kind == "paged_adamw8bit", shard=shard,
-                          device=named[0][1].device if named else torch.device("cpu"))
+        cls = _eight_bit(paged=kind == "paged_adamw8bit", shard=shard,
+                         device=named[0][1].device if named else torch.device("cpu"))
     if shard == "zero" and world()[1] > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls,
                                             weight_decay=groups[0]["weight_decay"], **options)
         for extra in groups[1:]:
             optimizer.add_param_group(extra)
         return optimizer
-    return torch.optim.AdamW(groups, **options)
+    return cls(groups, **options)
 
 
-def _eight_bit(groups, options, *, paged: bool, shard: str, device: torch.device) -> torch.optim.Optimizer:
+def _eight_bit(*, paged: bool, shard: str, device: torch.device) -> type[torch.optim.Optimizer]:
+    """bitsandbytes' 8-bit AdamW class for these options, or a clear refusal."""
     from linnet.torch.quantize import bitsandbytes
 
-    if shard != "none" and world()[1] > 1:
-        raise ValueError(f"adamw: 8-bit states with shard={shard!r} are not supported yet; keep float32 states to "
-                         "split them, or train unsharded")
+    if shard not in ("none", "zero") and world()[1] > 1:
+        raise ValueError(f"adamw: 8-bit states with shard={shard!r} are not supported yet; use shard='zero' to "
+                         "split them, or float32 states")
     if paged and device.type != "cuda":
         raise ValueError(f"adamw: paged 8-bit states page CUDA memory out to the host; the model is on {device.type}: "
                          "use the 8-bit states unpaged")
     optim = bitsandbytes().optim
-    return (optim.PagedAdamW8bit if paged else optim.AdamW8bit)(groups, **options)
+    return optim.PagedAdamW8bit if paged else optim.AdamW8bit
