@@ -265,28 +265,30 @@ def test_split_processes_train_like_one(tmp_path, copies, tied):
     assert [x[0] for x in resumed] == pytest.approx([x[0] for x in reference[2:]], rel=1e-5)
 
 
-def _split_lora_run(rank, out, dora):
+def _split_lora_run(rank, out, dora, dropout):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
     model = nest.load(CARD, weights="random", seed=0, tensor_parallel=mesh)
-    torch.manual_seed(0)  # A is drawn whole (the first process's draw goes to both)
-    model.add_lora("*_proj.weight", rank=4, dora=dora)
+    torch.manual_seed(0)  # A is drawn whole (the first process's draw goes to both); so are dropout's masks
+    model.add_lora("*_proj.weight", rank=4, dora=dora, dropout=dropout)
     a = model.model.layers[0].mlp.down_proj.lora_a
     assert local(a).shape[1] * 2 == a.shape[1]  # beside a weight split by columns, A is split too
     return _run(model, _rows(), 2, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
 
 
-@pytest.mark.parametrize("dora", [False, True])
-def test_split_processes_train_adapters_like_one(tmp_path, dora):
+@pytest.mark.parametrize("dora, dropout", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
+def test_split_processes_train_adapters_like_one(tmp_path, dora, dropout):
     """LoRA and DoRA on a split model: two processes splitting every block take the steps
     (losses, gradient norms after clipping) of one process training the adapters of the
-    whole model, and write the same PEFT adapters (DoRA's magnitudes included)."""
-    results = in_processes(_split_lora_run, tmp_path / "split", dora)
+    whole model, and write the same PEFT adapters (DoRA's magnitudes included). With
+    adapter dropout the split draws the masks one process draws, each process keeping its
+    part of an input split by columns."""
+    results = in_processes(_split_lora_run, tmp_path / "split", dora, dropout)
     assert results[0] == results[1]
     whole = nest.load(CARD, weights="random", seed=0)
     torch.manual_seed(0)
-    whole.add_lora("*_proj.weight", rank=4, dora=dora)
+    whole.add_lora("*_proj.weight", rank=4, dora=dora, dropout=dropout)
     reference = _run(whole, _rows(), 2, save_to=tmp_path / "one")
     for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(results[0], reference, strict=True):
         assert learned == ref_learned
@@ -304,8 +306,6 @@ def _split_refusals(rank):
     with pytest.raises(ValueError, match="kv_heads=1, which 2 processes cannot split"):
         nest.load(CARD.replace(kv_heads=1), weights="random", trainable=True, tensor_parallel=mesh)
     model = nest.load(CARD, weights="random", trainable=True, tensor_parallel=mesh)
-    with pytest.raises(ValueError, match="adapter dropout on a split model"):
-        model.add_lora("*_proj.weight", dropout=0.1)
     with pytest.raises(ValueError, match="dpo does not train split models"):
         dpo(model, [Pair([5], [6], [7])], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
     return True

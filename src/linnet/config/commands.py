@@ -104,10 +104,9 @@ class SFTConfig(FineTuningConfig):
     def __post_init__(self):
         super().__post_init__()
         t = self.training
-        lora = self.lora
-        if t.split > 1 and (t.shard != "none" or (lora.enabled and lora.dropout)):
+        if t.split > 1 and t.shard != "none":
             raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
-                             "training.shard=none, and adapters without dropout if any (lora.dropout=0)")
+                             "training.shard=none")
 
 
 @dataclass

@@ -43,8 +43,6 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     split = getattr(model, "copies", None) is not None
-    if split and dropout:
-        raise ValueError("add_lora: adapter dropout on a split model (tensor_parallel) is not supported yet")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}

@@ -42,7 +42,7 @@ from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.quantize import QUANTIZE, dense, is_quantized, linear_4bit, nf4
-from linnet.torch.sharding import full
+from linnet.torch.sharding import dropout, full
 from linnet.torch.weights import as_dtype
 
 
@@ -71,7 +71,7 @@ class Linear(nn.Linear):
         y = self._base(x, None if self.bias is None else self.bias.to(x.dtype))
         if self.lora_a is None:
             return y
-        z = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout else x
+        z = dropout(x, self.lora_dropout) if self.lora_dropout and self.training else x
         za = F.linear(z, self.lora_a.to(x.dtype))
         # scale and sum folded into one addmm (no [P, out] multiply and add: 1.10x on SFT-LoRA),
         # in place on the base output, which no backward reads: no copy of it into a new tensor
@@ -91,7 +91,7 @@ class Linear(nn.Linear):
             norm = torch.linalg.vector_norm(self.adapted_weight(), dim=1)
         scale = (self.lora_magnitude / norm).to(x.dtype)
         dropped = bool(self.lora_dropout) and self.training
-        z = F.dropout(x, self.lora_dropout) if dropped else x
+        z = dropout(x, self.lora_dropout) if dropped else x
         low_rank = F.linear(F.linear(z, self.lora_a.to(x.dtype)), self.lora_b.to(x.dtype)) * self.lora_scale
         if dropped:  # PEFT's form: the base output of x as it is, DoRA's rescaling on the dropped input
             y = self._base(x) + (scale - 1) * self._base(z) + scale * low_rank

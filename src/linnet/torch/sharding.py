@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from linnet.adapter_files import ADAPTER_SUFFIXES
@@ -74,6 +75,21 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This process's part of a sharded tensor, or the tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """F.dropout(x, p) in training, also for a split model's DTensor input: there the mask
+    is drawn at the whole tensor's shape, as F.dropout draws it, and each process keeps its
+    part. The processes of a split share their RNG state and run the same rows, so they
+    draw the same mask: equal where x is replicated, one whole mask where x is split, and
+    the draws of a run on one process (DTensor's own random ops coordinate only on CUDA)."""
+    if not isinstance(x, DTensor):
+        return F.dropout(x, p)
+    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    for axis, placement in enumerate(x.placements):
+        if placement.is_shard():
+            keep = keep.chunk(x.device_mesh.size(axis), dim=placement.dim)[x.device_mesh.get_local_rank(axis)]
+    return DTensor.from_local(x.to_local() * keep, x.device_mesh, x.placements, run_check=False)
 
 
 def tensor_parallel(model, mesh):
