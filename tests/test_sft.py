@@ -95,7 +95,6 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["lr_schedule.name=linear"], "schedule.name"),
         (["data.path=''"], "data.path is required"),
         (["data.path="], "data.path: expected str"),
-        (["training.split=2", "lora.dropout=0.1"], "training.split=2 splits every block itself"),
         (["training.split=2", "training.shard=fsdp", "lora.enabled=false"], "training.split=2 splits every block"),
         (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
         (["training.shard=ddp"], "training.shard"),
