@@ -1,8 +1,14 @@
 """The GPU check: everything linnet does only on CUDA, and its speed there, in one run on one
-GPU (about 8 minutes), written to bench/GPU.md with the device and absolute numbers.
+GPU (under 9 minutes), written to bench/GPU.md with the device and absolute numbers.
 
     python bench/gpu_check.py                  # on a CUDA machine: bench/GPU.md (+ GPU_compare.md, GPU_generate.md)
+    python bench/gpu_check.py --out DIR/GPU.md # the three reports in DIR instead
     python bench/gpu_check.py --dry-run        # on a CPU: the same plumbing on tiny models, print only
+
+On a machine with no package registry whose Python has torch, transformers and peft but not
+TRL, `bench/gpu_wheels.sh` (run where pip works) saves what TRL adds to .whl/; its header
+gives the command that installs them there and runs this check. The report is rewritten
+after every step, so a run stopped at a time limit keeps the steps it finished.
 
 Steps, each in its own process with its own time limit (a failure is recorded, the rest run):
   1. the CUDA-only tests (tests/test_cuda.py: varlen attention, the pinned-memory loader,
@@ -29,8 +35,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def steps(dry: bool, scratch: Path) -> list[tuple[str, list[str], int, Path | None]]:
-    """(name, command, time limit in seconds, report the command writes)."""
+def steps(dry: bool, scratch: Path, reports: Path) -> list[tuple[str, list[str], int, Path | None]]:
+    """(name, command, time limit in seconds, report the command writes). The limits add up to
+    9 minutes, so the check fits in a 10-minute command with the machine's warm-up."""
     py = sys.executable
     if dry:
         return [
@@ -43,13 +50,13 @@ def steps(dry: bool, scratch: Path) -> list[tuple[str, list[str], int, Path | No
     return [
         ("CUDA-only tests (and vLLM's, where it is installed)",
          [py, "-m", "pytest", "-q", "-rs", str(ROOT / "tests" / "test_cuda.py"), str(ROOT / "tests" / "test_vllm.py")],
-         180, None),
+         150, None),
         ("SFT-LoRA, DPO and GRPO against TRL (1.1B, 4096 tokens, bf16)",
          [py, str(HERE / "compare.py"), "--device", "cuda", "--size", "1b", "--dtype", "bf16", "--method", "sft-lora",
-          "dpo", "grpo", "--steps", "4", "--out", str(HERE / "GPU_compare.md")], 300, HERE / "GPU_compare.md"),
+          "dpo", "grpo", "--steps", "4", "--out", str(reports / "GPU_compare.md")], 270, reports / "GPU_compare.md"),
         ("Engine against generate (batch 32 x 64 new tokens)",
          [py, str(HERE / "generate.py"), "--device", "cuda", "--batch", "32", "--new", "64", "--repeats", "2",
-          "--compile", "--out", str(HERE / "GPU_generate.md")], 150, HERE / "GPU_generate.md"),
+          "--compile", "--out", str(reports / "GPU_generate.md")], 120, reports / "GPU_generate.md"),
     ]
 
 
@@ -66,7 +73,8 @@ def device_line(dry: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, print only: checks the plumbing")
-    ap.add_argument("--out", help="the report (default bench/GPU.md; with --dry-run, none)")
+    ap.add_argument("--out", help="the report (default bench/GPU.md; with --dry-run, none); the steps' own "
+                                  "reports go beside it")
     args = ap.parse_args(argv)
     import tempfile
 
@@ -79,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
              f"- Device: {device_line(args.dry_run)}", ""]
     failed = 0
     with tempfile.TemporaryDirectory(prefix="linnet-gpu-check-") as tmp:
-        for name, command, limit, report in steps(args.dry_run, Path(tmp)):
+        for name, command, limit, report in steps(args.dry_run, Path(tmp), HERE if out is None else out.parent):
             t0 = time.perf_counter()
             try:
                 done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit)
@@ -94,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             if report is not None and report.is_file():
                 lines += [report.read_text().split("<!--")[0].strip(), ""]
             lines += ["```", "\n".join(text.strip().splitlines()[-15:]), "```", ""]
+            if out is not None:
+                out.write_text("\n".join(lines) + "\n")
     if out is not None:
-        out.write_text("\n".join(lines) + "\n")
         print(f"wrote {out}")
     return 1 if failed else 0
 
