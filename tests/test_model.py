@@ -269,3 +269,25 @@ def test_documents_attention_runs_low_precision_in_f32_on_cpu():
     assert low.dtype == torch.bfloat16
     assert torch.equal(low, attention.documents(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
                                                 bounds).bfloat16())
+
+
+def test_varlen_is_called_as_each_torch_version_spells_causal_attention(monkeypatch):
+    """varlen_attn's keywords moved between torch versions (2.10: is_causal; 2.11: window_size;
+    2.13: enable_gqa before fewer key/value heads are taken): the call takes what this torch
+    has, and "auto" on CUDA falls back to the per-document path where torch has no varlen."""
+    from linnet.torch import attention
+
+    def v210(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None): ...
+    def v211(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)): ...
+    def v213(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False): ...
+
+    assert attention.varlen_causal(v210, gqa=True) == {"is_causal": True}
+    assert attention.varlen_causal(v211, gqa=True) == {"window_size": (-1, 0)}
+    assert attention.varlen_causal(v213, gqa=True) == {"window_size": (-1, 0), "enable_gqa": True}
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(attention, "has_varlen", lambda: True)
+    assert attention.choose("auto", cuda) is attention.varlen
+    monkeypatch.setattr(attention, "has_varlen", lambda: False)
+    assert attention.choose("auto", cuda) is attention.documents
+    with pytest.raises(ValueError, match="attention='varlen' needs torch 2.10 or later"):
+        attention.choose("varlen", cuda)

@@ -20,6 +20,8 @@ beat every dense variant in all 24 cases, a row filled by one document included)
 from __future__ import annotations
 
 import functools
+import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -130,11 +132,26 @@ def varlen(q, k, v, bounds: list[int], prefix: list[int] | None = None):
                          "(linnet.torch.attention.shares_prompts says which paths do)")
     cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
     longest = max(e - s for s, e in zip(bounds[:-1], bounds[1:]))
-    out = varlen_attn(
-        q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu,
-        longest, longest, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
-    )
+    out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, longest, longest,
+                      **varlen_causal(varlen_attn, gqa=q.shape[1] != k.shape[1]))
     return out.transpose(0, 1)[None]
+
+
+def varlen_causal(varlen_attn, gqa: bool) -> dict:
+    """varlen_attn's keywords for causal attention in this torch: `window_size=(-1, 0)`
+    where it has it (2.11 on), else `is_causal`; `enable_gqa` where it asks for it before
+    taking fewer key/value heads (the flash kernels take them either way)."""
+    params = inspect.signature(varlen_attn).parameters
+    options = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = gqa
+    return options
+
+
+@functools.cache
+def has_varlen() -> bool:
+    """Whether this torch has `torch.nn.attention.varlen` (2.10 on)."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def shares_prompts(path: str, device: torch.device) -> bool:
@@ -146,12 +163,12 @@ def choose(path: str, device: torch.device):
     """The attention function for `path`; "auto" takes the fastest measured one that
     supports training on `device` (bench/attention.py)."""
     if path == "auto":
-        if device.type == "cuda":
-            path = "varlen"
-        else:
-            path = "documents"
+        path = "varlen" if device.type == "cuda" and has_varlen() else "documents"
     if path == "varlen" and device.type != "cuda":
         raise ValueError("attention='varlen' needs CUDA; use 'documents' or 'dense' on CPU")
+    if path == "varlen" and not has_varlen():
+        raise ValueError(f"attention='varlen' needs torch 2.10 or later (torch.nn.attention.varlen); this is torch "
+                         f"{torch.__version__}: use 'documents'")
     try:
         return {"documents": documents, "dense": dense, "flex": flex, "varlen": varlen}[path]
     except KeyError:
