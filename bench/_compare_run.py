@@ -14,6 +14,7 @@ high-water mark at the end less VmRSS right after the imports, where the mark is
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 import time
@@ -177,6 +178,13 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
 OBJECTIVE = {"simpo": dict(beta=2.0, simpo_gamma=0.5), "orpo": dict(beta=0.1)}
 
 
+def no_checkpointing(transformers) -> dict:
+    """TrainingArguments' switch for activation checkpointing, off: `activation_checkpointing`
+    in recent transformers, `gradient_checkpointing` before (5.17, on the GPU machines)."""
+    params = inspect.signature(transformers.TrainingArguments).parameters
+    return {next(n for n in ("activation_checkpointing", "gradient_checkpointing") if n in params): False}
+
+
 def unpaired(pairs, make) -> list:
     """KTO's examples from pairs: each chosen answer desirable, each rejected one not."""
     return [make(p.prompt, answer, good) for p in pairs for answer, good in ((p.chosen, True), (p.rejected, False))]
@@ -218,7 +226,7 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
     common = dict(
         output_dir=spec["scratch"], max_steps=spec["steps"], learning_rate=spec["lr"],
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        gradient_accumulation_steps=1, bf16=dtype == "bfloat16", activation_checkpointing=False,
+        gradient_accumulation_steps=1, bf16=dtype == "bfloat16", **no_checkpointing(transformers),
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, seed=spec["seed"], use_cpu=spec.get("device", "cpu") == "cpu",
     )
