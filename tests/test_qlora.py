@@ -237,7 +237,10 @@ def test_a_qlora_sft_run_with_8_bit_adamw_learns_and_resumes_exactly(workspace, 
     (["lora.enabled=false"], "model.quantize=nf4 freezes the base in 4 bits"),
     (["model.quantize=int4"], "model.quantize='int4'; use nf4"),
     (["training.shard=fsdp"], "model.quantize=nf4 with training.shard=fsdp is not supported yet"),
-    (["model.quantize=null", "training.shard=fsdp"], "optimizer.name=adamw8bit with training.shard=fsdp"),
+    (["model.quantize=null", "training.shard=fsdp"], "optimizer.name=adamw8bit with training.shard=fsdp is not "
+                                                     "supported yet; use training.shard=zero"),
+    (["model.quantize=null", "training.split=2"], "optimizer.name=adamw8bit with training.split=2 is not supported "
+                                                  "yet; use optimizer.name=adamw"),
     (["optimizer.name=adamw", "model.compile=true"], "model.quantize=nf4 with model.compile=true"),
     (["model.dtype=half"], "model.dtype='half'"),
 ])

@@ -88,9 +88,10 @@ class FineTuningConfig:
                              + " is not supported yet; quantized runs are eager, one whole model a process")
         split = getattr(self.training, "split", 1)
         if self.optimizer.name != "adamw" and (self.training.shard == "fsdp" or split > 1):
-            where = f"training.split={split}" if split > 1 else f"training.shard={self.training.shard}"
-            raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; use "
-                             "training.shard=zero to split 8-bit states, or optimizer.name=adamw")
+            where, fix = ((f"training.split={split}", "optimizer.name=adamw") if split > 1 else
+                          ("training.shard=fsdp", "training.shard=zero to split 8-bit states, or optimizer.name=adamw"))
+            raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; "
+                             f"use {fix}")
         if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
             raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
                              "field")
