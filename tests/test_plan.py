@@ -273,7 +273,7 @@ def test_activations_scale_with_micro_batch_not_with_sharding():
 # The seed's ZeRO table: per-GPU bytes for Ψ parameters over N_d ranks, as
 # replicated + sharded / N_d bytes per parameter.
 @pytest.mark.parametrize("shard, replicated, sharded", [
-    ("none", 16, 0), ("zero1", 4, 12), ("zero2", 2, 14), ("fsdp", 0, 16),
+    ("none", 16, 0), ("zero", 8, 8), ("zero1", 4, 12), ("zero2", 2, 14), ("fsdp", 0, 16),
 ])
 def test_zero_stages(shard, replicated, sharded):
     psi, ranks = 7e9, 8
@@ -632,3 +632,22 @@ def test_a_packed_config_plans_its_workers_side_by_side(capsys):
     assert packed["batch"]["workers"] == 4 and one["batch"]["workers"] == 1
     assert packed["states"]["optimizer"] == pytest.approx(4 * one["states"]["optimizer"])
     assert packed["total"] == pytest.approx(4 * one["total"], rel=1e-6)
+
+
+@pytest.mark.parametrize("shard, split", [("zero", {"optimizer"}), ("fsdp", {"weights", "gradients", "master", "optimizer"})])
+def test_plan_of_a_config_splits_what_its_training_shard_splits(tmp_path, capsys, shard, split):
+    """`training.shard: zero` runs ZeroRedundancyOptimizer, which splits the optimizer state
+    alone (8-bit states included); fsdp splits every state."""
+    config = tmp_path / "run.yaml"
+    eight_bit = "optimizer: {name: adamw8bit}\n" if shard == "zero" else ""  # fsdp refuses 8-bit states
+    config.write_text("model: {card: qwen2.5-0.5b-instruct}\ndata: {path: x.jsonl}\nlora: {enabled: false}\n"
+                      f"training: {{shard: {shard}}}\n{eight_bit}")
+    states = {}
+    for gpus in (1, 4):
+        assert plan_command.main(["--config", str(config), "--gpus", str(gpus), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["cluster"]["shard"] == shard
+        states[gpus] = data["states"]
+    for name in ("weights", "gradients", "master", "optimizer"):
+        expected = states[1][name] / 4 if name in split else states[1][name]
+        assert states[4][name] == pytest.approx(expected, rel=1e-6), name

@@ -157,9 +157,12 @@ class Batch:
 
 # Which states each sharding stage splits over the data-parallel GPUs (Rajbhandari et al.
 # 2020): ZeRO-1 the optimizer (with its f32 master copy), ZeRO-2 also the gradients,
-# ZeRO-3 / FSDP also the weights. Activations are never split: each GPU runs its own batch.
+# ZeRO-3 / FSDP also the weights. "zero" is torch's ZeroRedundancyOptimizer, what linnet's
+# `training.shard: zero` runs: the optimizer state alone, every process keeping the whole f32
+# trained parameters. Activations are never split: each GPU runs its own batch.
 SHARDED_STATES: dict[str, frozenset[str]] = {
     "none": frozenset(),
+    "zero": frozenset({"optimizer"}),
     "zero1": frozenset({"master", "optimizer"}),
     "zero2": frozenset({"master", "optimizer", "gradients"}),
     "fsdp": frozenset({"master", "optimizer", "gradients", "weights"}),

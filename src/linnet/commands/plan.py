@@ -147,7 +147,7 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
     lines.append(
         f"--shard {cluster.shard}: {', '.join(split)} split over {_gpus(cluster.gpus)}; activations on every GPU"
         if split
-        else "states not sharded: every GPU holds all of them (--shard zero1, zero2 or fsdp splits them)"
+        else "states not sharded: every GPU holds all of them (--shard zero, zero1, zero2 or fsdp splits them)"
     )
     lines.append(
         f"usable memory: {cluster.usable:.0%} of {cluster.gpu.memory_gb:g} GB per {cluster.gpu.name} (CUDA "
@@ -261,7 +261,8 @@ def _parser() -> argparse.ArgumentParser:
     hardware("--gpu-fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak in TFLOP/s, overriding the table")
     hardware("--gpus", type=int, metavar="N", help=f"GPUs the run uses, data-parallel (default {cluster.gpus})")
     hardware("--shard", choices=list(SHARDED_STATES),
-             help=f"which states split over the GPUs: ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
+             help=f"which states split over the GPUs: zero the optimizer state alone (ZeroRedundancyOptimizer, linnet's "
+                  f"training.shard=zero), ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
     hardware("--usable", type=float, metavar="FRACTION",
              help=f"share of GPU memory a run can fill (default {cluster.usable:g})")
 
@@ -286,7 +287,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
     load it (an unknown field is the same error), describing linnet's step: f32 gradients,
     the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
     linnet's blockwise loss, the packed row as the sequence and the token count when the
-    steps are fixed. For sft, dpo and grpo also LoRA, DoRA, QLoRA (model.quantize) or full,
+    steps are fixed. For sft, dpo and grpo also which states `training.shard` splits, LoRA, DoRA, QLoRA (model.quantize) or full,
     rank and adapted layers; for pretraining, the model it builds, its micro-batch, the
     budget's tokens and, packed, its workers (N models side by side)."""
     import fnmatch
@@ -310,7 +311,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
         workers = config.decentralized.num_models if config.decentralized is not None else 1
         return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size, "workers": workers,
                 "tokens": make_budget(config, card.params()).trained_targets}
-    settings.update(card=model.card, micro_batch=1)
+    settings.update(card=model.card, micro_batch=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
     lora = config.lora
     if lora.enabled:
         if model.quantize and lora.dora:
