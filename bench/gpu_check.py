@@ -70,6 +70,19 @@ def device_line(dry: bool) -> str:
             f"{torch.__version__}, CUDA {torch.version.cuda}")
 
 
+def packages() -> str:
+    """The versions the steps ran with (the machine's own or carried wheels), or "missing"."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def one(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            return f"{name} missing"
+
+    return ", ".join(one(n) for n in ("transformers", "trl", "peft", "datasets", "accelerate", "vllm"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, print only: checks the plumbing")
@@ -84,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("bench/gpu_check.py: no CUDA device here; run it on a GPU machine, or --dry-run to check the script")
     out = Path(args.out) if args.out else (None if args.dry_run else HERE / "GPU.md")
     lines = ["# The GPU check", "", "Produced by `bench/gpu_check.py`; numbers are measured, not edited.", "",
-             f"- Device: {device_line(args.dry_run)}", ""]
+             f"- Device: {device_line(args.dry_run)}", f"- Packages: {packages()}", ""]
     failed = 0
     with tempfile.TemporaryDirectory(prefix="linnet-gpu-check-") as tmp:
         for name, command, limit, report in steps(args.dry_run, Path(tmp), HERE if out is None else out.parent):

@@ -21,5 +21,6 @@ def test_the_gpu_check_runs_dry_on_a_cpu(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert status == 0, printed + report
     assert "dry run on the CPU" in report
+    assert "- Packages: transformers " in report and ", trl 1." in report  # what the steps ran with
     for step in ("CUDA-only tests", "SFT-LoRA against TRL", "Engine against generate"):
         assert f"## {step}" in report and f"{step}: ok" in printed
