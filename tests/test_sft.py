@@ -175,10 +175,11 @@ def test_two_processes_splitting_a_model_train_its_adapters_like_one(workspace, 
         torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
 
 
-@pytest.mark.parametrize("shard", ["none", "zero", "fsdp", "split"])
+@pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split"])
 def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
-    optimizer split, or everything split) takes the steps one process takes with twice
+    optimizer split (its 8-bit states too, against 8-bit AdamW in one process), or
+    everything split) takes the steps one process takes with twice
     the accumulation: the same losses, held-out losses and final weights, written once.
     With training.split=2 the two processes split one model and take the same rows; its
     head, tied to the embedding, then trains apart from it, as the head of an untied copy
@@ -190,8 +191,11 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     common = [f"model.card={workspace / 'model'}", f"data.path={workspace / 'train.jsonl'}", "data.chat=false",
               "training.context_length=256", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
               "lr_schedule.warmup_steps=2", "evaluation.every=3", "training.checkpoint_every=3", "training.steps=6"]
+    if shard == "zero-8bit":
+        pytest.importorskip("bitsandbytes", reason="8-bit AdamW needs bitsandbytes (the qlora extra)")
+        common.append("optimizer.name=adamw8bit")
     mode = ["training.split=2", "training.accumulation=2"] if shard == "split" else \
-        [f"training.shard={shard}", "training.accumulation=1"]
+        [f"training.shard={shard.removesuffix('-8bit')}", "training.accumulation=1"]
     assert in_processes(_sft_process, common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]) == [0, 0]
     if shard == "split":
         whole = nest.load(workspace / "model")
