@@ -79,10 +79,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     """F.dropout(x, p) in training, also for a split model's DTensor input: there the mask
-    is drawn at the whole tensor's shape, as F.dropout draws it, and each process keeps its
-    part. The processes of a split share their RNG state and run the same rows, so they
-    draw the same mask: equal where x is replicated, one whole mask where x is split, and
-    the draws of a run on one process (DTensor's own random ops coordinate only on CUDA)."""
+    is drawn at the whole tensor's shape and each process keeps its part. The processes of a
+    split share their RNG state and run the same rows, so they draw the same mask: equal
+    where x is replicated, one whole mask where x is split (on a CPU, the very mask F.dropout
+    draws in one process). DTensor's own random ops coordinate processes only on CUDA."""
     if not isinstance(x, DTensor):
         return F.dropout(x, p)
     keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
