@@ -532,7 +532,15 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
     assert sampling["cache_bytes"] == 32 * 1024 * 16 * 2 * 8 * 64 * 2
     assert sampling["weights_bytes"] == card.params() * 2
     assert plan_command.main(["--config", str(config)]) == 0
-    assert "sampling engine" in capsys.readouterr().out
+    assert "sampling engine, not in the totals above: a bf16 copy" in capsys.readouterr().out
+    # the engine computes in the policy's dtype (float32 here), unless grpo.engine_dtype says otherwise
+    for engine, size in (("", 4), (", engine_dtype: bfloat16", 2)):
+        config.write_text("model: {card: llama-3.2-1b-instruct, dtype: float32}\ndata: {path: p.jsonl}\n"
+                          f"training: {{context_length: 1024}}\ngrpo: {{group: 8, prompts_per_step: 4{engine}}}\n")
+        assert plan_command.main(["--config", str(config), "--json"]) == 0
+        sampling = json.loads(capsys.readouterr().out)["sampling"]
+        assert sampling["weights_bytes"] == card.params() * size
+        assert sampling["cache_bytes"] == 32 * 1024 * 16 * 2 * 8 * 64 * size
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from typing import Any
 
 from linnet import cards
 from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's public names)
-    BF16_BYTES,
     CHECKPOINTING,
     COMPARED,
     CPU_LOSS_BLOCK_BYTES,
@@ -412,9 +411,11 @@ def _targets(value: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(name.strip() for name in names if name.strip())
 
 
-def sampling_memory(card: cards.Card, rows: int, slots: int) -> dict[str, float]:
+def sampling_memory(card: cards.Card, rows: int, slots: int, dtype: str = "bf16") -> dict[str, Any]:
     """Bytes GRPO's sampling engine holds beside training: its own copy of the weights in
-    bf16, and a KV cache of `rows` completions x `slots` positions (keys and values, every
-    layer, bf16). Not part of `estimate`'s totals."""
-    cache = rows * slots * card.layers * 2 * card.kv_heads * card.head_dim * BF16_BYTES
-    return {"rows": rows, "slots": slots, "weights_bytes": card.params() * BF16_BYTES, "cache_bytes": cache}
+    its dtype (the policy's, or grpo.engine_dtype), and a KV cache of `rows` completions x
+    `slots` positions (keys and values, every layer, in that dtype). Not part of
+    `estimate`'s totals."""
+    size = DTYPES[dtype]
+    cache = rows * slots * card.layers * 2 * card.kv_heads * card.head_dim * size
+    return {"rows": rows, "slots": slots, "dtype": dtype, "weights_bytes": card.params() * size, "cache_bytes": cache}

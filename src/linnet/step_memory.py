@@ -32,7 +32,6 @@ COMPARED = ("full", "lora", "qlora")
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GRADIENT_BYTES = {"bf16": 2, "fp32": 4}
 DTYPES = {"bf16": 2, "f32": 4}  # compute dtype -> bytes per value
-BF16_BYTES = DTYPES["bf16"]
 DEVICES = ("gpu", "cpu")
 CHECKPOINTING = ("full", "selective", "none")
 

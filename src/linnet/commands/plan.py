@@ -328,6 +328,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
         settings["tokens"] = t.steps * (t.accumulation if config.command == "sft" else 1) * t.context_length
     if config.command == "grpo":
         settings["sampling_rows"] = config.grpo.prompts_per_step * config.grpo.group
+        if config.grpo.engine_dtype is not None:  # else the engine computes in the policy's dtype
+            settings["sampling_dtype"] = {"float32": "f32", "bfloat16": "bf16"}[config.grpo.engine_dtype]
     return settings
 
 
@@ -375,12 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
     config = args.pop("config")
-    sampling_rows = None
+    sampling_rows = sampling_dtype = None
     try:
         if config is not None:
             settings = settings_from_config(config)
             config_card = settings.pop("card")
             sampling_rows = settings.pop("sampling_rows", None)
+            sampling_dtype = settings.pop("sampling_dtype", None)
             card = card or config_card
             args = {**settings, **{k: v for k, v in args.items() if v is not None}}
         if card is None:
@@ -393,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             plans = [estimate(card, **inputs)]
         # a completion and its prompt fit one packed row, so the cache needs at most seq slots
         sampling = None if sampling_rows is None else sampling_memory(
-            cards.resolve(card), sampling_rows, inputs["batch"].seq)
+            cards.resolve(card), sampling_rows, inputs["batch"].seq, sampling_dtype or inputs["method"].dtype)
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
@@ -406,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(plans))
         if sampling is not None:
-            print(f"GRPO also holds its sampling engine, not in the totals above: a bf16 copy of the weights "
+            print(f"GRPO also holds its sampling engine, not in the totals above: a {sampling['dtype']} copy of the "
+                  f"weights "
                   f"({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions x at most "
                   f"{sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")
     return 0
