@@ -541,6 +541,14 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
         sampling = json.loads(capsys.readouterr().out)["sampling"]
         assert sampling["weights_bytes"] == card.params() * size
         assert sampling["cache_bytes"] == 32 * 1024 * 16 * 2 * 8 * 64 * size
+    # QLoRA: the engine shares the policy's NF4 blocks and copies the adapters (f32) beside them
+    config.write_text("model: {card: llama-3.2-1b-instruct, dtype: bfloat16, quantize: nf4}\ndata: {path: p.jsonl}\n"
+                      "training: {context_length: 1024}\ngrpo: {group: 8, prompts_per_step: 4}\n")
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    blocks = card.layers * sum(o * i for o, i in card.linear_shapes().values())
+    assert data["method"]["name"] == "qlora"
+    assert data["sampling"]["weights_bytes"] == (card.params() - blocks) * 2 + data["trainable"] * 4
 
 
 # ---------------------------------------------------------------------------------------

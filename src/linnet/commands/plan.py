@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             plans = [estimate(card, **inputs)]
         # a completion and its prompt fit one packed row, so the cache needs at most seq slots
         sampling = None if sampling_rows is None else sampling_memory(
-            cards.resolve(card), sampling_rows, inputs["batch"].seq, sampling_dtype or inputs["method"].dtype)
+            cards.resolve(card), sampling_rows, inputs["batch"].seq, sampling_dtype or inputs["method"].dtype,
+            inputs["method"])
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
@@ -409,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(plans))
         if sampling is not None:
-            print(f"GRPO also holds its sampling engine, not in the totals above: a {sampling['dtype']} copy of the "
-                  f"weights "
+            copy = "its NF4 blocks shared, a" if inputs["method"].name == "qlora" else "a"
+            print(f"GRPO also holds its sampling engine, not in the totals above: {copy} {sampling['dtype']} copy of "
+                  f"the weights "
                   f"({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions x at most "
                   f"{sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")
     return 0
