@@ -410,9 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(render(plans))
         if sampling is not None:
-            copy = "its NF4 blocks shared, a" if inputs["method"].name == "qlora" else "a"
-            print(f"GRPO also holds its sampling engine, not in the totals above: {copy} {sampling['dtype']} copy of "
-                  f"the weights "
+            weights = ("the weights outside the NF4 blocks it shares, with f32 adapters"
+                       if inputs["method"].name == "qlora" else "the weights")
+            print(f"GRPO also holds its sampling engine, not in the totals above: a {sampling['dtype']} copy of "
+                  f"{weights} "
                   f"({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions x at most "
                   f"{sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")
     return 0
