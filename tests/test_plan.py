@@ -551,6 +551,22 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
     assert data["sampling"]["weights_bytes"] == (card.params() - blocks) * 2 + data["trainable"] * 4
 
 
+@pytest.mark.parametrize("share, usable", [("", 0.6), (", vllm_gpu_memory_utilization: 0.4", 0.5)])
+def test_plan_of_a_grpo_config_with_vllm_leaves_vllms_share_to_it(tmp_path, capsys, share, usable):
+    """vLLM takes its share of each GPU (0.3 unless the config says otherwise) for its
+    weights and cache: training plans with what the default 90% leaves."""
+    config = tmp_path / "grpo.yaml"
+    config.write_text("model: {card: llama-3.2-1b-instruct}\ndata: {path: p.jsonl}\n"
+                      f"grpo: {{group: 8, prompts_per_step: 4, engine: vllm{share}}}\n")
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cluster"]["usable"] == pytest.approx(usable)
+    assert data["sampling"]["engine"] == "vllm"
+    assert data["sampling"]["bytes"] == pytest.approx((0.9 - usable) * 80e9)
+    assert plan_command.main(["--config", str(config), "--usable", "0.8"]) == 0  # a flag overrides
+    assert "80% of 80 GB" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------
 # Describing linnet's run: dtype, device, checkpointing modes, accumulation
 

@@ -26,6 +26,7 @@ from linnet.plan import (
     COMPARED,
     DEVICES,
     DTYPES,
+    GB,
     GPUS_PER_NODE,
     GRADIENT_BYTES,
     METHODS,
@@ -326,7 +327,13 @@ def settings_from_config(path: str) -> dict[str, Any]:
         settings["method"] = "full"
     if t.steps:
         settings["tokens"] = t.steps * (t.accumulation if config.command == "sft" else 1) * t.context_length
-    if config.command == "grpo":
+    if config.command == "grpo" and config.grpo.engine == "vllm":
+        from linnet.serve.vllm import GPU_SHARE
+
+        # vLLM takes its share of the GPU for its weights and cache: training fills what is left
+        settings["vllm_share"] = config.grpo.vllm_gpu_memory_utilization or GPU_SHARE
+        settings["usable"] = round(Cluster().usable - settings["vllm_share"], 6)
+    elif config.command == "grpo":
         settings["sampling_rows"] = config.grpo.prompts_per_step * config.grpo.group
         if config.grpo.engine_dtype is not None:  # else the engine computes in the policy's dtype
             settings["sampling_dtype"] = {"float32": "f32", "bfloat16": "bf16"}[config.grpo.engine_dtype]
@@ -377,13 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
     config = args.pop("config")
-    sampling_rows = sampling_dtype = None
+    sampling_rows = sampling_dtype = vllm_share = None
     try:
         if config is not None:
             settings = settings_from_config(config)
             config_card = settings.pop("card")
             sampling_rows = settings.pop("sampling_rows", None)
             sampling_dtype = settings.pop("sampling_dtype", None)
+            vllm_share = settings.pop("vllm_share", None)
             card = card or config_card
             args = {**settings, **{k: v for k, v in args.items() if v is not None}}
         if card is None:
@@ -398,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         sampling = None if sampling_rows is None else sampling_memory(
             cards.resolve(card), sampling_rows, inputs["batch"].seq, sampling_dtype or inputs["method"].dtype,
             inputs["method"])
+        if vllm_share is not None:
+            gpu = inputs["cluster"].gpu
+            sampling = {"engine": "vllm", "gpu_memory_share": vllm_share, "bytes": vllm_share * gpu.memory_gb * GB}
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
@@ -409,7 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(render(plans))
-        if sampling is not None:
+        if sampling is not None and "engine" in sampling:
+            print(f"GRPO's vLLM engine takes {sampling['gpu_memory_share']:.0%} of each GPU's memory "
+                  f"({gb(sampling['bytes'])}) for its weights and KV cache, left out of the usable memory above "
+                  "(grpo.vllm_gpu_memory_utilization).")
+        elif sampling is not None:
             weights = ("the weights outside the NF4 blocks it shares, with f32 adapters"
                        if inputs["method"].name == "qlora" else "the weights")
             print(f"GRPO also holds its sampling engine, not in the totals above: a {sampling['dtype']} copy of "

@@ -77,6 +77,10 @@ def _vllm():
     return vllm
 
 
+# The share of the GPU's memory vLLM takes by default: its own 0.9 would leave training little
+GPU_SHARE = 0.3
+
+
 class VLLMEngine:
     """GRPO's rollouts through vLLM on one CUDA GPU, beside the policy.
 
@@ -84,8 +88,7 @@ class VLLMEngine:
     device: the policy's CUDA device. dtype: what vLLM computes in (the policy's).
     max_len: the longest prompt + completion (GRPO's packed row, training.context_length).
     gpu_memory_utilization: the share of the GPU's memory vLLM takes for its weights and
-        KV cache; the rest stays with training (None: 0.3, vLLM's 0.9 would leave
-        training little).
+        KV cache; the rest stays with training (None: GPU_SHARE).
     seed: vLLM's own seed (each `sample` call's seed decides the draws).
     """
 
@@ -100,7 +103,7 @@ class VLLMEngine:
         self.llm = vllm.LLM(
             model=self._config.name, skip_tokenizer_init=True, load_format="dummy",
             dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
-            gpu_memory_utilization=0.3 if gpu_memory_utilization is None else gpu_memory_utilization,
+            gpu_memory_utilization=GPU_SHARE if gpu_memory_utilization is None else gpu_memory_utilization,
             seed=seed, logprobs_mode="raw_logprobs", distributed_executor_backend="external_launcher",
         )
         self._loaded = False
