@@ -683,3 +683,23 @@ def test_plan_of_a_config_splits_what_its_training_shard_splits(tmp_path, capsys
     for name in ("weights", "gradients", "master", "optimizer"):
         expected = states[1][name] / 4 if name in split else states[1][name]
         assert states[4][name] == pytest.approx(expected, rel=1e-6), name
+
+
+def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_engine(tmp_path, capsys):
+    config = tmp_path / "distill.yaml"
+    text = ("model: {card: qwen2.5-0.5b-instruct}\ndata: {path: x.jsonl}\nlora: {enabled: false}\n"
+            "training: {context_length: 1024, accumulation: 2, steps: 10}\n"
+            "distill: {teacher: llama-3.2-1b-instruct, mode: MODE, prompts_per_step: 4}\n")
+    teacher = plan.cards.resolve("llama-3.2-1b-instruct")
+    for mode in ("logit", "on_policy"):
+        config.write_text(text.replace("MODE", mode))
+        assert plan_command.main(["--config", str(config), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["teacher"] == {"card": teacher.name, "params": teacher.params(), "bytes": teacher.params() * 2}
+        assert data["batch"]["accumulation"] == 2 and data["compute"]["tokens"] == 10 * 2 * 1024
+        assert ("sampling" in data) == (mode == "on_policy")
+        assert mode == "logit" or (data["sampling"]["rows"], data["sampling"]["slots"]) == (4, 1024)
+    # a teacher the plan cannot size is named, not fatal
+    config.write_text(text.replace("MODE", "logit").replace("llama-3.2-1b-instruct", "some-unknown-teacher"))
+    assert plan_command.main(["--config", str(config)]) == 0
+    assert "frozen teacher some-unknown-teacher, not in the totals above: no card" in capsys.readouterr().out

@@ -303,7 +303,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
         "checkpointing": {False: "none", True: "full"}.get(t.activation_checkpointing, t.activation_checkpointing),
         "dtype": _config_dtype(model.dtype, device),
         "optimizer_bytes": 8 if config.optimizer.name == "adamw" else 2,
-        "accumulation": t.accumulation if config.command in ("sft", "pretrain") else 1,
+        "accumulation": t.accumulation if config.command in ("sft", "distill", "pretrain") else 1,
     }
     if isinstance(config, PretrainConfig):
         from linnet.pretrain.recipe import make_budget, model_card
@@ -326,18 +326,34 @@ def settings_from_config(path: str) -> dict[str, Any]:
     else:
         settings["method"] = "full"
     if t.steps:
-        settings["tokens"] = t.steps * (t.accumulation if config.command == "sft" else 1) * t.context_length
+        settings["tokens"] = t.steps * (t.accumulation if config.command in ("sft", "distill") else 1) \
+            * t.context_length
+    beside = _beside(config)
+    if beside.get("vllm_share"):  # vLLM takes its share of the GPU for its weights and cache: training the rest
+        settings["usable"] = round(Cluster().usable - beside["vllm_share"], 6)
+    if beside:
+        settings["beside"] = beside
+    return settings
+
+
+def _beside(config) -> dict[str, Any]:
+    """What a run holds beside the trained model, from its config: GRPO's sampling engine
+    (`rows` completions, in `dtype` or the policy's) or vLLM's share of the GPU;
+    distillation's frozen teacher (in the student's dtype) and, on-policy, the student's
+    sampling engine (a completion a prompt)."""
     if config.command == "grpo" and config.grpo.engine == "vllm":
         from linnet.serve.vllm import GPU_SHARE
 
-        # vLLM takes its share of the GPU for its weights and cache: training fills what is left
-        settings["vllm_share"] = config.grpo.vllm_gpu_memory_utilization or GPU_SHARE
-        settings["usable"] = round(Cluster().usable - settings["vllm_share"], 6)
-    elif config.command == "grpo":
-        settings["sampling_rows"] = config.grpo.prompts_per_step * config.grpo.group
-        if config.grpo.engine_dtype is not None:  # else the engine computes in the policy's dtype
-            settings["sampling_dtype"] = {"float32": "f32", "bfloat16": "bf16"}[config.grpo.engine_dtype]
-    return settings
+        return {"vllm_share": config.grpo.vllm_gpu_memory_utilization or GPU_SHARE}
+    if config.command == "grpo":
+        engine_dtype = config.grpo.engine_dtype
+        return {"who": "GRPO", "rows": config.grpo.prompts_per_step * config.grpo.group,
+                "dtype": None if engine_dtype is None else {"float32": "f32", "bfloat16": "bf16"}[engine_dtype]}
+    if config.command == "distill":
+        d = config.distill
+        return {"who": "Distillation", "teacher": d.teacher, "dtype": None,
+                "rows": d.prompts_per_step if d.mode == "on_policy" else None}
+    return {}
 
 
 def _config_dtype(dtype: str | None, device: str) -> str:
@@ -379,19 +395,53 @@ def _pretrain_vocab(config) -> int:
                      "one, and no prepared cache gives the vocabulary; run `linnet prepare` first, or set model.vocab")
 
 
+def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The JSON entries and the lines after the plan for what `_beside` describes: not in
+    the plan's totals (vLLM's share is taken out of the usable memory instead)."""
+    extras, notes = {}, []
+    method, dtype = inputs["method"], beside.get("dtype") or inputs["method"].dtype
+    if beside.get("vllm_share"):
+        share = beside["vllm_share"]
+        extras["sampling"] = {"engine": "vllm", "gpu_memory_share": share,
+                              "bytes": share * inputs["cluster"].gpu.memory_gb * GB}
+        notes.append(f"GRPO's vLLM engine takes {share:.0%} of each GPU's memory ({gb(extras['sampling']['bytes'])}) "
+                     "for its weights and KV cache, left out of the usable memory above "
+                     "(grpo.vllm_gpu_memory_utilization).")
+    if beside.get("teacher"):
+        try:
+            teacher = cards.resolve(beside["teacher"])
+        except (ValueError, OSError):  # the plan stands without it; the run itself would refuse the name
+            extras["teacher"] = {"card": beside["teacher"], "params": None, "bytes": None}
+            notes.append(f"{beside['who']} also holds its frozen teacher {beside['teacher']}, not in the totals "
+                         "above: no card by that name here (registered or a local directory) to size it.")
+        else:
+            extras["teacher"] = {"card": teacher.name, "params": teacher.params(),
+                                 "bytes": teacher.params() * DTYPES[method.dtype]}
+            notes.append(f"{beside['who']} also holds its frozen teacher, not in the totals above: a {method.dtype} "
+                         f"copy of {teacher.name} ({count(teacher.params())} parameters, "
+                         f"{gb(extras['teacher']['bytes'])}).")
+    if beside.get("rows"):
+        # a completion and its prompt fit one packed row, so the cache needs at most seq slots
+        sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["batch"].seq, dtype, method)
+        weights = "the weights outside the NF4 blocks it shares, with f32 adapters" if method.name == "qlora" \
+            else "the weights"
+        notes.append(f"{beside['who']} also holds its sampling engine, not in the totals above: a {dtype} copy of "
+                     f"{weights} ({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions "
+                     f"x at most {sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")
+    return extras, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     """`linnet plan CARD [flags]` or `linnet plan --config RUN.yaml`: print the plan; 2 on bad input."""
     args = vars(_parser().parse_args(argv))
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
     config = args.pop("config")
-    sampling_rows = sampling_dtype = vllm_share = None
+    beside: dict[str, Any] = {}
     try:
         if config is not None:
             settings = settings_from_config(config)
             config_card = settings.pop("card")
-            sampling_rows = settings.pop("sampling_rows", None)
-            sampling_dtype = settings.pop("sampling_dtype", None)
-            vllm_share = settings.pop("vllm_share", None)
+            beside = settings.pop("beside", {})
             card = card or config_card
             args = {**settings, **{k: v for k, v in args.items() if v is not None}}
         if card is None:
@@ -402,34 +452,19 @@ def main(argv: list[str] | None = None) -> int:
             plans = compare(card, **inputs, names=names)
         else:
             plans = [estimate(card, **inputs)]
-        # a completion and its prompt fit one packed row, so the cache needs at most seq slots
-        sampling = None if sampling_rows is None else sampling_memory(
-            cards.resolve(card), sampling_rows, inputs["batch"].seq, sampling_dtype or inputs["method"].dtype,
-            inputs["method"])
-        if vllm_share is not None:
-            gpu = inputs["cluster"].gpu
-            sampling = {"engine": "vllm", "gpu_memory_share": vllm_share, "bytes": vllm_share * gpu.memory_gb * GB}
+        extras, notes = _held_beside(beside, cards.resolve(card), inputs)
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
     if as_json:
         data = [p.to_dict() for p in plans]
         data = data if side_by_side else data[0]
-        if sampling is not None:
-            data = {"plans": data, "sampling": sampling} if side_by_side else {**data, "sampling": sampling}
+        if extras:
+            data = {"plans": data, **extras} if side_by_side else {**data, **extras}
         print(json.dumps(data, indent=2))
     else:
         print(render(plans))
-        if sampling is not None and "engine" in sampling:
-            print(f"GRPO's vLLM engine takes {sampling['gpu_memory_share']:.0%} of each GPU's memory "
-                  f"({gb(sampling['bytes'])}) for its weights and KV cache, left out of the usable memory above "
-                  "(grpo.vllm_gpu_memory_utilization).")
-        elif sampling is not None:
-            weights = ("the weights outside the NF4 blocks it shares, with f32 adapters"
-                       if inputs["method"].name == "qlora" else "the weights")
-            print(f"GRPO also holds its sampling engine, not in the totals above: a {sampling['dtype']} copy of "
-                  f"{weights} "
-                  f"({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions x at most "
-                  f"{sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")
+        for note in notes:
+            print(note)
     return 0
 
