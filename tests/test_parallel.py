@@ -73,6 +73,14 @@ def test_zero_redundancy_optimizer_trains_and_resumes_like_one_process(tmp_path)
     assert [x for step in resumed for x in step] == pytest.approx([x for step in straight[2:] for x in step], rel=1e-6)
 
 
+# matrices of at least 4096 values: bitsandbytes keeps smaller tensors' moments in float32
+CARD_8BIT = CARD.replace(vocab=128, hidden=64, intermediate=128, head_dim=16)
+
+
+def _eight_bit_states(optimizer) -> int:
+    return sum(s["state1"].dtype == torch.uint8 for s in optimizer.state.values())
+
+
 def _eight_bit_run(rank, checkpoint, steps):
     from linnet.train.optimizer import adamw
 
@@ -80,12 +88,7 @@ def _eight_bit_run(rank, checkpoint, steps):
     optimizer = adamw(model, lr=1e-2, weight_decay=0.1, kind="adamw8bit", shard="zero")
     history = train(model, _batches(8)[rank::2], optimizer=optimizer, steps=steps, clip=0.5,
                     checkpoint=checkpoint, checkpoint_every=2)
-    eight_bit = sum(s["state1"].dtype == torch.uint8 for s in optimizer.optim.state.values())
-    return [(s.loss, s.grad_norm) for s in history.steps], eight_bit
-
-
-# matrices of at least 4096 values: bitsandbytes keeps smaller tensors' moments in float32
-CARD_8BIT = CARD.replace(vocab=128, hidden=64, intermediate=128, head_dim=16)
+    return [(s.loss, s.grad_norm) for s in history.steps], _eight_bit_states(optimizer.optim)
 
 
 def test_eight_bit_states_split_by_zero_train_and_resume_like_one_process(tmp_path):
@@ -99,7 +102,7 @@ def test_eight_bit_states_split_by_zero_train_and_resume_like_one_process(tmp_pa
     model = nest.load(CARD_8BIT, weights="random", seed=0, trainable=True)
     optimizer = adamw(model, lr=1e-2, weight_decay=0.1, kind="adamw8bit")
     whole = train(model, _batches(8), optimizer=optimizer, steps=4, accumulate=2, clip=0.5)
-    whole_8bit = sum(s["state1"].dtype == torch.uint8 for s in optimizer.state.values())
+    whole_8bit = _eight_bit_states(optimizer)
     straight = in_processes(_eight_bit_run, tmp_path / "straight", 4)
     in_processes(_eight_bit_run, tmp_path / "resumed", 2)
     resumed = in_processes(_eight_bit_run, tmp_path / "resumed", 4)

@@ -288,8 +288,9 @@ def settings_from_config(path: str) -> dict[str, Any]:
     load it (an unknown field is the same error), describing linnet's step: f32 gradients,
     the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
     linnet's blockwise loss, the packed row as the sequence and the token count when the
-    steps are fixed. For sft, dpo and grpo also which states `training.shard` splits, LoRA, DoRA, QLoRA (model.quantize) or full,
-    rank and adapted layers; for pretraining, the model it builds, its micro-batch, the
+    steps are fixed. For sft, dpo, grpo and distill also which states `training.shard`
+    splits, LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what
+    the run holds beside the model (`_beside`); for pretraining, the model it builds, its micro-batch, the
     budget's tokens and, packed, its workers (N models side by side)."""
     import fnmatch
 
@@ -328,7 +329,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
     if t.steps:
         settings["tokens"] = t.steps * (t.accumulation if config.command in ("sft", "distill") else 1) \
             * t.context_length
-    beside = _beside(config)
+    beside = _beside(config, device)
     if beside.get("vllm_share"):  # vLLM takes its share of the GPU for its weights and cache: training the rest
         settings["usable"] = round(Cluster().usable - beside["vllm_share"], 6)
     if beside:
@@ -336,7 +337,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
     return settings
 
 
-def _beside(config) -> dict[str, Any]:
+def _beside(config, device: str) -> dict[str, Any]:
     """What a run holds beside the trained model, from its config: GRPO's sampling engine
     (`rows` completions, in `dtype` or the policy's) or vLLM's share of the GPU;
     distillation's frozen teacher (in the student's dtype) and, on-policy, the student's
@@ -348,7 +349,7 @@ def _beside(config) -> dict[str, Any]:
     if config.command == "grpo":
         engine_dtype = config.grpo.engine_dtype
         return {"who": "GRPO", "rows": config.grpo.prompts_per_step * config.grpo.group,
-                "dtype": None if engine_dtype is None else {"float32": "f32", "bfloat16": "bf16"}[engine_dtype]}
+                "dtype": None if engine_dtype is None else _config_dtype(engine_dtype, device)}
     if config.command == "distill":
         d = config.distill
         return {"who": "Distillation", "teacher": d.teacher, "dtype": None,
