@@ -70,7 +70,5 @@ def test_inductor_blocks_train_like_eager():
 
 
 def test_specified_but_unbuilt_names_say_so():
-    with pytest.raises(NotImplementedError, match="pipeline is not built yet.*fully_shard"):
-        from linnet.torch import pipeline  # noqa: F401
     with pytest.raises(ValueError, match="does not take tensor_parallel"):
         nest.load("debug", backend="jax", weights="random", tensor_parallel=object())

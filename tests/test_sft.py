@@ -97,6 +97,9 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["data.path="], "data.path: expected str"),
         (["training.split=2", "training.shard=fsdp", "lora.enabled=false"], "training.split=2 splits every block"),
         (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
+        (["training.pipeline=2", "training.split=2"], "training.pipeline=2 with training.split=2 is not supported"),
+        (["training.pipeline=2", "training.shard=zero"], "training.pipeline=2 with training.shard=zero"),
+        (["training.pipeline=2", "optimizer.name=adamw8bit"], "adamw8bit with training.pipeline=2"),
         (["training.shard=ddp"], "training.shard"),
     ],
 )
@@ -175,15 +178,16 @@ def test_two_processes_splitting_a_model_train_its_adapters_like_one(workspace, 
         torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
 
 
-@pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split"])
+@pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split", "pipeline"])
 def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
     optimizer split (its 8-bit states too, against 8-bit AdamW in one process), or
     everything split) takes the steps one process takes with twice
     the accumulation: the same losses, held-out losses and final weights, written once.
-    With training.split=2 the two processes split one model and take the same rows; its
-    head, tied to the embedding, then trains apart from it, as the head of an untied copy
-    does in one process."""
+    With training.split=2 the two processes split one model and take the same rows (with
+    training.pipeline=2 each holds half its blocks, and the two rows of a step pass along
+    on a 1F1B schedule); its head, tied to the embedding, then trains apart from it, as the
+    head of an untied copy does in one process."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
@@ -194,10 +198,10 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     if shard == "zero-8bit":
         pytest.importorskip("bitsandbytes", reason="8-bit AdamW needs bitsandbytes (the qlora extra)")
         common.append("optimizer.name=adamw8bit")
-    mode = ["training.split=2", "training.accumulation=2"] if shard == "split" else \
+    mode = [f"training.{shard}=2", "training.accumulation=2"] if shard in ("split", "pipeline") else \
         [f"training.shard={shard.removesuffix('-8bit')}", "training.accumulation=1"]
     assert in_processes(_sft_process, common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]) == [0, 0]
-    if shard == "split":
+    if shard in ("split", "pipeline"):
         whole = nest.load(workspace / "model")
         whole.untie_head()
         whole.save_weights(tmp_path / "untied")

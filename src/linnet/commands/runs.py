@@ -256,13 +256,15 @@ class RunDirectory:
 
 def load_model(card, config):
     """The model a fine-tuning config trains: the base frozen with adapters, or every
-    weight trainable; split across the processes with training.shard=fsdp, or
-    training.split processes at a time splitting every block (tensor parallel)."""
+    weight trainable; split across the processes with training.shard=fsdp, training.split
+    processes at a time splitting every block (tensor parallel), or training.pipeline
+    processes at a time holding consecutive blocks (pipeline stages)."""
     from linnet import nest
+    from linnet.torch.pipeline import pipeline
     from linnet.torch.sharding import fully_shard
 
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
-    split = getattr(t, "split", 1)
+    split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
     start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     rank, processes = world()
     device = str(resolve_device(rt.device))
@@ -270,14 +272,15 @@ def load_model(card, config):
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
     mesh = None
-    if split > 1:
+    if split > 1 or stages > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        copies = data_share(split)[1]
-        mesh = init_device_mesh(torch.device(device).type, (copies, split), mesh_dim_names=("copies", "split"))
+        kind = "split" if split > 1 else "stages"
+        mesh = init_device_mesh(torch.device(device).type, (data_share(split * stages)[1], split * stages),
+                                mesh_dim_names=("copies", kind))
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
-                      tensor_parallel=None if mesh is None else mesh["split"],
+                      tensor_parallel=mesh["split"] if split > 1 else None,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize)
     if lora.enabled:
@@ -285,10 +288,12 @@ def load_model(card, config):
                        dora=lora.dora)
     if t.shard == "fsdp" and processes > 1:
         fully_shard(model)
+    if stages > 1:  # 1F1B needs a micro-batch a stage at least
+        pipeline(model, mesh["stages"], schedule="1f1b" if t.accumulation >= stages else "gpipe")
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
-        on = (f"{processes} processes ({t.shard}{f', split {split} ways' if split > 1 else ''})" if processes > 1
-              else device)
+        parts = f", split {split} ways" if split > 1 else f", {model.pipe}" if stages > 1 else ""
+        on = f"{processes} processes ({t.shard}{parts})" if processes > 1 else device
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
     return model

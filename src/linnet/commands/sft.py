@@ -53,7 +53,7 @@ def prepare(config: SFTConfig) -> Prepared:
     if not examples:
         raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
     rows = count_rows(examples, t.context_length)
-    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.split)[1])))
+    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.per_copy)[1])))
     runs.steps_factor(config, steps)  # a schedule that cannot fit fails now
     return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
 
@@ -61,8 +61,9 @@ def prepare(config: SFTConfig) -> Prepared:
 def epochs_of_rows(prepared: Prepared):
     """Packed rows, epoch after epoch; each epoch reshuffles the examples by seed, so a
     resumed run sees the same stream. Under torchrun each copy of the model (each
-    process, unless training.split joins processes into one) takes every copies-th row."""
-    share, shares = data_share(prepared.config.training.split)
+    process, unless training.split or training.pipeline joins processes into one) takes every
+    copies-th row."""
+    share, shares = data_share(prepared.config.training.per_copy)
     return itertools.islice(_all_rows(prepared), share, None, shares)
 
 
@@ -89,7 +90,7 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
     rows = prepared.rows_per_epoch
     real = sum(len(ex) for ex in examples)
     learned = int(sum(ex.learned[1:].sum() for ex in examples))
-    processes = data_share(t.split)[1]
+    processes = data_share(t.per_copy)[1]
     per_step = t.accumulation * processes
     return [
         ("training examples", f"{len(prepared.train_examples):,}"),
@@ -119,7 +120,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     t = config.training
     model = runs.load_model(prepared.card, config)
     optimizer, schedule = runs.optimizer_and_schedule(config, model, prepared.steps)
-    share, shares = data_share(t.split)
+    share, shares = data_share(t.per_copy)
     eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
     evaluate = (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) \

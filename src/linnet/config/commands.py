@@ -86,9 +86,10 @@ class FineTuningConfig:
             raise ValueError(f"config: model.quantize={self.model.quantize} with "
                              + ("model.compile=true" if self.model.compile else f"training.shard={self.training.shard}")
                              + " is not supported yet; quantized runs are eager, one whole model a process")
-        split = getattr(self.training, "split", 1)
-        if self.optimizer.name != "adamw" and (self.training.shard == "fsdp" or split > 1):
+        split, stages = getattr(self.training, "split", 1), getattr(self.training, "pipeline", 1)
+        if self.optimizer.name != "adamw" and (self.training.shard == "fsdp" or split > 1 or stages > 1):
             where, fix = ((f"training.split={split}", "optimizer.name=adamw") if split > 1 else
+                          (f"training.pipeline={stages}", "optimizer.name=adamw") if stages > 1 else
                           ("training.shard=fsdp", "training.shard=zero to split 8-bit states, or optimizer.name=adamw"))
             raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; "
                              f"use {fix}")
@@ -108,6 +109,11 @@ class SFTConfig(FineTuningConfig):
         if t.split > 1 and t.shard != "none":
             raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
                              "training.shard=none")
+        if t.pipeline > 1 and (t.split > 1 or t.shard != "none" or self.model.quantize):
+            other = (f"training.split={t.split}" if t.split > 1 else f"training.shard={t.shard}" if t.shard != "none"
+                     else f"model.quantize={self.model.quantize}")
+            raise ValueError(f"config: training.pipeline={t.pipeline} with {other} is not supported yet; pipeline "
+                             "stages hold whole blocks of an unquantized model (set that back to its default)")
 
 
 @dataclass

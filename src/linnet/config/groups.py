@@ -191,11 +191,22 @@ class TrainingConfig:
                            "block between them (tensor parallel) and take the same rows; the processes form copies "
                            "of such splits",
                         only=("sft",))
+    pipeline: int = option(1, "under torchrun (sft): processes that hold consecutive blocks of one model (pipeline "
+                              "stages) and pass each step's micro-batches (training.accumulation rows) along on a "
+                              "1F1B schedule (GPipe when there are fewer rows than stages); the processes form "
+                              "copies of such pipelines",
+                           only=("sft",))
+
+    @property
+    def per_copy(self) -> int:
+        """Processes that hold one copy of the model between them (a split or a pipeline)."""
+        return self.split * self.pipeline
 
     def __post_init__(self):
         _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
+                     "training.pipeline": self.pipeline,
                      "training.keep": self.keep, "training.global_batch_tokens": self.global_batch_tokens})
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")

@@ -1,6 +1,6 @@
 """The PyTorch backend: the decoder, its losses and weight I/O."""
 
-__all__ = ["CausalLM", "fully_shard"]
+__all__ = ["CausalLM", "fully_shard", "pipeline"]
 
 
 def __getattr__(name: str):
@@ -13,13 +13,8 @@ def __getattr__(name: str):
         from linnet.torch.sharding import fully_shard
 
         return fully_shard
-    if name in NOT_BUILT:
-        raise NotImplementedError(f"linnet.torch.{name} is not built yet: {NOT_BUILT[name]}")
+    if name == "pipeline":
+        from linnet.torch.pipeline import pipeline
+
+        return pipeline
     raise AttributeError(f"module 'linnet.torch' has no attribute {name!r}")
-
-
-# Names the specification gives that do not exist yet, with what to use meanwhile.
-NOT_BUILT = {
-    "pipeline": "pipeline stages are not supported yet; for a model one process cannot hold, use "
-                "linnet.torch.fully_shard (FSDP2) or nest.load(..., tensor_parallel=mesh) (docs/parallel.md)",
-}

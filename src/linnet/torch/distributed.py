@@ -43,13 +43,15 @@ def process_group():
             dist.destroy_process_group()
 
 
-def data_share(split: int = 1) -> tuple[int, int]:
-    """(this process's share, shares) of the data when `split` processes at a time split
-    one model (tensor parallel) and take the same batches: one share a copy."""
+def data_share(per_copy: int = 1) -> tuple[int, int]:
+    """(this process's share, shares) of the data when `per_copy` processes at a time hold
+    one model between them (tensor parallel, pipeline stages) and take the same batches:
+    one share a copy."""
     rank, processes = world()
-    if processes % split:
-        raise ValueError(f"config: training.split={split} does not divide {processes} processes")
-    return rank // split, processes // split
+    if processes % per_copy:
+        raise ValueError(f"config: {per_copy} processes a copy of the model (training.split x training.pipeline) "
+                         f"do not divide {processes} processes")
+    return rank // per_copy, processes // per_copy
 
 
 def barrier() -> None:
@@ -81,6 +83,25 @@ def sum_across(values: list[float], group=None) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=_device())
     dist.all_reduce(t, group=group)
     return t.tolist()
+
+
+def merged_at_first(entries: dict) -> dict:
+    """Every process's `entries` merged at the first process (the others get their own
+    back): the stages of a pipeline each hold part of a model's tensors."""
+    if world()[1] == 1:
+        return entries
+    parts = [None] * world()[1] if world()[0] == 0 else None
+    dist.gather_object(entries, parts, dst=0)
+    return {k: v for part in parts for k, v in part.items()} if parts is not None else entries
+
+
+def union_across(names: set) -> set:
+    """The union of every process's `names`, on every process."""
+    if world()[1] == 1:
+        return set(names)
+    every: list = [None] * world()[1]
+    dist.all_gather_object(every, set(names))
+    return set().union(*every)
 
 
 def most_across(value: int) -> int:
@@ -149,18 +170,21 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             offset += g.numel()
 
 
-def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None, across=None) -> torch.Tensor:
     """The global gradient norm (float32), after scaling gradients down to `max_norm`
     when it is exceeded; None only measures. Sharded gradients (fully_shard, a split
     layer's) add their parts' squares across processes; whole ones, replicated ones
-    included, count once."""
+    included, count once, unless `across` (a pipeline's stages, each holding other
+    parameters) adds every process's squares."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    if not grads and across is None:
         return torch.zeros(())
     split = [isinstance(g, DTensor) and any(place.is_shard() for place in g.placements) for g in grads]
     parts = [g.to_local() for g, s in zip(grads, split) if s]
     whole = [g.to_local() if isinstance(g, DTensor) else g for g, s in zip(grads, split) if not s]  # replicated: once
-    squares = _squares(whole, grads[0].device)
+    squares = _squares(whole, grads[0].device if grads else _device())
+    if across is not None:
+        dist.all_reduce(squares, group=across)
     if parts:
         summed = _squares(parts, squares.device)
         dist.all_reduce(summed, group=next(g for g, s in zip(grads, split) if s).device_mesh.get_group())

@@ -24,7 +24,7 @@ from torch import nn
 
 from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, write_peft
 from linnet.paths import adapted_layers
-from linnet.torch.distributed import world
+from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import full, is_sharded
 
@@ -108,11 +108,13 @@ def merge_lora(model) -> None:
 
 def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = None) -> None:
     """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors.
-    A split model's (tensor_parallel) adapters are gathered first: every process calls
-    this, the first writes."""
+    A split or pipelined model's adapters are gathered first: every process calls this,
+    the first writes."""
     if not getattr(model, "lora", None):
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
     adapters = {n: full(p).detach().to("cpu", torch.float32).numpy() for n, p in model.named_parameters()
                 if n.endswith(ADAPTER_SUFFIXES)}
+    if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks' adapters
+        adapters = merged_at_first(adapters)
     if world()[0] == 0:
         write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)

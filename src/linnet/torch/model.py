@@ -241,7 +241,8 @@ class Decoder(nn.Module):
         self.dtype = dtype
         self.attention = attention
         self.lora: dict | None = None  # the add_lora settings, while adapters are in place
-        self.copies = None  # with tensor_parallel: the group of the same part in other copies
+        self.copies = None  # with tensor_parallel or pipeline: the group of the same part in other copies
+        self.pipe = None  # with pipeline: this process's stage (linnet.torch.pipeline.Pipe)
         self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
         self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
         self.model = Body(card)
@@ -251,7 +252,7 @@ class Decoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.norm.weight.device
+        return self.inv_freq.device  # every pipeline stage holds it, whatever else it drops
 
     @property
     def quantized(self) -> str | None:
@@ -275,15 +276,25 @@ class Decoder(nn.Module):
         or [len(keep), D] at the positions `keep` only: the last block's output projection,
         MLP and norm then run on those alone (a reward model reads one position a
         sequence; DPO and GRPO rows skip their prompts)."""
+        if self.pipe is not None:
+            raise RuntimeError("this model is cut into pipeline stages: it trains through linnet.train.train and "
+                               "evaluates through loss_packed under torch.no_grad(); for other entries load the "
+                               "saved weights whole (save_weights gathers the stages)")
+        x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
+        return self.model.norm(self._blocks(x, positions_P, bounds, prefix, keep))
+
+    def _blocks(self, x_PD, positions_P, bounds: list[int], prefix: list[int] | None = None, keep=None):
+        """The blocks this model holds (a pipeline stage's alone) over hidden states [P, D];
+        `keep` as in `_trunk`, taken at the last of them."""
         attend = attention_paths.choose(self.attention, self.device)
         if prefix is not None:
             attend = functools.partial(attend, prefix=prefix)
         angles = positions_P[:, None].float() * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
         recompute = self.checkpointing is not None and torch.is_grad_enabled()
         last = len(self.model.layers) - 1
+        x = x_PD
         for i, block in enumerate(self.model.layers):
             # compiled blocks want one row length: they run whole, the positions taken after
             subset = keep if i == last and not self.compiled else None
@@ -294,7 +305,7 @@ class Decoder(nn.Module):
                 x = block(x, cos, sin, bounds, attend, subset)
         if keep is not None and self.compiled:
             x = x[keep]
-        return self.model.norm(x)
+        return x
 
     def _fields(self, batch):
         dev = self.device
@@ -341,10 +352,16 @@ class Decoder(nn.Module):
 
     def loss_packed(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of weighted token cross-entropies, sum of weights), both float32: the
-        caller divides once by the count over everything it accumulates."""
+        caller divides once by the count over everything it accumulates. A pipelined
+        model's (linnet.torch.pipeline) goes through its stages, without gradients."""
+        if self.pipe is not None:
+            return self.pipe.loss(batch)
         tokens, positions, layout, targets, weights = self._fields(batch)
         keep = self._learned(batch, len(tokens))
-        h = self._trunk(tokens, positions, *layout, keep=keep)
+        return self._head_loss(self._trunk(tokens, positions, *layout, keep=keep), targets, weights, keep)
+
+    def _head_loss(self, h, targets, weights, keep) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss_packed`'s result from the final hidden states (at `keep` when given)."""
         if keep is not None:  # a zero weight adds nothing to the loss or the gradients
             targets, weights = targets[keep], weights[keep]
         split = self._split_head()

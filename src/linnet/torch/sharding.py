@@ -131,11 +131,11 @@ def tensor_parallel(model, mesh):
         weight = model.lm_head.weight
         model.lm_head.weight = torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)]),
                                                   requires_grad=weight.requires_grad)
-    model.copies = _copies_group(mesh)
+    model.copies = copies_group(mesh)
     return model
 
 
-def _copies_group(mesh):
+def copies_group(mesh):
     """The process group of the ranks at this rank's place in every split (this rank alone
     when there is one copy)."""
     mine = mesh.mesh.flatten().tolist()

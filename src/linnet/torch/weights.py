@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from linnet.adapter_files import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
 from linnet.files import atomic_path, safetensors_file, write_text
 from linnet.paths import select
-from linnet.torch.distributed import world
+from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import dense, is_quantized
 from linnet.torch.sharding import full
 
@@ -134,6 +134,8 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
 
     tensors = {stored(n): full(dense(p).detach()).to("cpu", dtype).contiguous()
                for n, p in model.named_parameters() if n in chosen}
+    if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks
+        tensors = merged_at_first(tensors)
     if world()[0] != 0:
         return
     path = Path(path)

@@ -2,10 +2,11 @@
 
 A checkpoint (`<dir>/step-00000010/`, published atomically and checksummed by
 `linnet.checkpoint_layout`) holds trained.safetensors (the parameters that train, in
-float32: the adapters alone for a LoRA run), optimizer.pt and state.pt. A sharded or split
-model's (fully_shard, tensor_parallel) checkpoint has a `sharded/` directory instead of the
-first two, where each process writes its parts of the trained parameters and optimizer
-state (torch.distributed.checkpoint; it loads back under another layout, or whole).
+float32: the adapters alone for a LoRA run), optimizer.pt and state.pt. A sharded, split
+or pipelined model's (fully_shard, tensor_parallel, pipeline) checkpoint has a `sharded/`
+directory instead of the first two, where each process writes its parts of the trained
+parameters and optimizer state (torch.distributed.checkpoint; it loads back under another
+layout, or whole).
 Loading checks every file against its checksum first. The RNG state covers torch (and
 CUDA), Python's `random` and NumPy's global generator.
 """
@@ -23,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from linnet import checkpoint_layout as layout
-from linnet.torch.distributed import barrier, from_first, world
+from linnet.torch.distributed import barrier, from_first, union_across, world
 from linnet.torch.sharding import is_sharded
 
 SHARDED = "sharded"
@@ -58,7 +59,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int
     """Write the checkpoint of `step` and prune to the `keep` latest: the first process
     writes it, with every process writing its parts of a sharded model. `extra` holds
     what a caller's loop needs back (plain Python values)."""
-    sharded = is_sharded(model)
+    sharded = _in_parts(model)
     if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: each process holds a part
         optimizer.consolidate_state_dict(to=0)
 
@@ -97,8 +98,8 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
     state = verify_checkpoint(path)
     if (path / SHARDED).is_dir():
         _load_parts(path, model, optimizer)
-    elif is_sharded(model):
-        raise ValueError(f"{path}: written by a run without fully_shard; resume it unsharded (or load its "
+    elif _in_parts(model):
+        raise ValueError(f"{path}: written by a run without fully_shard or pipeline; resume it whole (or load its "
                          "trained.safetensors with bind_weights and start the sharded run afresh)")
     else:
         tensors = load_file(str(path / "trained.safetensors"))
@@ -120,12 +121,26 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
     return {"step": state["step"], "extra": state["extra"], "path": path}
 
 
+def _in_parts(model) -> bool:
+    """Whether each process holds part of the model (fully_shard, tensor_parallel, pipeline)."""
+    return is_sharded(model) or getattr(model, "pipe", None) is not None
+
+
+def _options():
+    """The state dicts' options: trained parameters only (`same_names` checks them, so
+    loading need not insist on the frozen ones); optimizer state keyed by each parameter's
+    name (a pipeline's stages hold different parameters and param groups)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=False)
+
+
 def _save_parts(path: Path, model, optimizer) -> None:
     """Every process writes its parts of the trained parameters and optimizer state."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    params, optim = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    params, optim = get_state_dict(model, optimizer, options=_options())
     dcp.save({"model": params, "optimizer": optim}, checkpoint_id=path)
 
 
@@ -133,16 +148,16 @@ def _load_parts(path: Path, model, optimizer) -> None:
     """Read `path`/sharded into the model (sharded or whole) and the optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
         get_model_state_dict,
         get_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
 
-    options = StateDictOptions(ignore_frozen_params=True)
+    options = _options()
     saved = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
-    layout.same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, _trained(model))
+    trained = union_across(_trained(model)) if getattr(model, "pipe", None) else _trained(model)  # every stage's
+    layout.same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, trained)
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
     else:  # get_state_dict fills a fresh optimizer's state by an lr=0 step; the load overwrites it

@@ -152,7 +152,7 @@ def dpo(
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
     if getattr(model, "copies", None) is not None:
-        raise ValueError("dpo does not train split models (tensor_parallel) yet; use fully_shard")
+        raise ValueError("dpo does not train split or pipelined models (tensor_parallel, pipeline) yet; use fully_shard")
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
     if not free and (reference is None or reference_cache is not None):

@@ -48,7 +48,10 @@ class Work:
     idle        called after the batches: the passes a sharded model still owes
                 (linnet.torch.distributed.passes_short)
     iterations  optimizer steps on the same batches (GRPO reuses its samples)
-    group       the processes to sum over (a split model's copies); None: every one
+    group       the processes to sum over (a split or pipelined model's copies); None: every one
+    pipe        a pipelined model's stage (linnet.torch.pipeline): its schedule runs every
+                batch's forward and backward at once, in place of `loss`, and the
+                gradient's norm adds every stage's squares
     """
 
     batches: Iterable[Any]
@@ -61,6 +64,7 @@ class Work:
     idle: Callable[[], None] | None = None
     iterations: int = 1
     group: Any = None
+    pipe: Any = None
 
 
 def start_runtime(seed: int, *, threads: int | None = None, deterministic: bool = False) -> None:
@@ -105,12 +109,13 @@ def save_trained(model, path: str | os.PathLike) -> None:
 
 
 def optimizer_step(params, optimizer, schedule, clip: float | None, loss: float, step: int,
-                   checkpoint: str | os.PathLike | None, group=None) -> tuple[float, float]:
-    """Reduce (over `group`, default every process), clip and apply the gradients;
-    returns (grad norm, lr used). A non-finite loss or norm stops the run before the
-    weights change."""
+                   checkpoint: str | os.PathLike | None, group=None, stages=None) -> tuple[float, float]:
+    """Reduce (over `group`, default every process), clip (the norm over `stages` too, a
+    pipeline's processes holding other parameters) and apply the gradients; returns
+    (grad norm, lr used). A non-finite loss or norm stops the run before the weights
+    change."""
     reduce_gradients(params, group)
-    norm = float(clip_gradients(params, clip))
+    norm = float(clip_gradients(params, clip, across=stages))
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)
@@ -136,19 +141,23 @@ def take_step(params: Sequence[torch.nn.Parameter], work: Work, *, optimizer, sc
     for _ in range(work.iterations):
         total: Any = 0.0
         stats = dict.fromkeys(work.stats, 0.0)
-        for index, batch in enumerate(work.batches):
-            loss_sum, batch_stats = work.loss(index, batch)
-            (loss_sum / work.count).backward()
-            total = total + loss_sum.detach()
-            for name, value in batch_stats.items():
-                stats[name] += value
+        if work.pipe is not None:  # the stages' schedule runs every batch's forward and backward
+            total = work.pipe.run(work.batches, work.count)
+        else:
+            for index, batch in enumerate(work.batches):
+                loss_sum, batch_stats = work.loss(index, batch)
+                (loss_sum / work.count).backward()
+                total = total + loss_sum.detach()
+                for name, value in batch_stats.items():
+                    stats[name] += value
         if work.idle is not None:
             work.idle()
         # the iteration's one host sync
         loss_all, learned, real, *summed = sum_across([float(total), work.learned, work.real, *stats.values()],
                                                       work.group)
         loss = loss_all / work.count
-        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint, group=work.group)
+        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint, group=work.group,
+                                  stages=None if work.pipe is None else work.pipe.group)
         norms.append(norm)
         rates.append(lr)
     metrics = work.metrics(dict(zip(stats, summed))) if work.metrics is not None else {}
@@ -217,7 +226,7 @@ def train(
     warning, when the batches run out."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
-    copies = getattr(model, "copies", None)  # a split model: the processes of a split share batches
+    copies = getattr(model, "copies", None)  # split or pipelined: the processes of a copy share batches
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(_weights(b) for b in micro)
@@ -225,7 +234,7 @@ def train(
         if count == 0:
             raise ValueError(f"step {step}: its {len(micro)} batches hold no learned position")
         return Work(micro, lambda _, batch: (model.loss_packed(batch)[0], {}), count, learned,
-                    sum(float(b.real) for b in micro), group=copies)
+                    sum(float(b.real) for b in micro), group=copies, pipe=getattr(model, "pipe", None))
 
     return fit(model, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,

@@ -1,0 +1,197 @@
+"""Pipeline stages: each process holds a run of consecutive blocks (the first stage the
+embedding too, the last the final norm and the head), and a step's micro-batches flow
+through the stages on a schedule, PyTorch's own (`torch.distributed.pipelining`: GPipe
+or 1F1B), so a model too deep for one process trains over several without splitting any
+one weight.
+
+    parallel.join()                                     # under torchrun
+    model = nest.load(card, device=..., trainable=True)   # add_lora before, if any
+    pipeline(model)                                     # every process one stage, in place
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    train(model, pack(examples, tokens=4096), optimizer=optimizer, steps=1000, accumulate=8)
+
+The processes of a pipeline take the same batches; a step's `accumulate` packed rows are
+its micro-batches (1F1B wants at least as many as stages). Each micro-batch's summed loss
+is divided by the step's count of learned positions on the last stage before its
+backward, so gradients equal one process's over the same rows; `train` then adds each
+stage's squared gradient norm across the pipeline for clipping and reports the last
+stage's loss on every process. With several pipelines (`mesh` one dimension of a
+("copies", "stages") mesh), each stage's gradients are summed across its copies, as a
+split model's are.
+
+A head tied to the embedding is untied first (the first stage embeds, the last predicts):
+it starts as a copy of the embedding and trains apart from it, as under tensor_parallel.
+Parameters keep their whole-model names, so `save_weights` and `save_peft` (every process
+calls them; the first writes the gathered stages) and checkpoints (each stage writes its
+parts with torch.distributed.checkpoint) read as the unsplit model's: a pipeline's
+checkpoint resumes in one process, or under another pipeline. A stage runs only inside
+`train`'s step: evaluate or sample with the saved weights loaded whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from linnet.torch.distributed import sum_across
+from linnet.torch.sharding import copies_group, is_sharded
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+class Blocks(nn.Module):
+    """A stage's blocks under their whole-model indices (`model.layers.5…`), so parameter
+    names, saved files and checkpoints match the unsplit model's; iterates like the
+    ModuleList it replaces."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for i, block in blocks.items():
+            self.add_module(str(i), block)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
+    """Cut `model` (a linnet Decoder, adapters added first) into one stage a process of
+    `mesh` (a one-dimension DeviceMesh, e.g. mesh["stages"] of a ("copies", "stages")
+    mesh; default: every process, one pipeline) and keep this process's stage, in place:
+    consecutive blocks, as evenly as the layers divide. schedule: "1f1b" (a micro-batch's
+    backward as soon as the last stage has it: activations of at most `stages` micro-batches
+    held) or "gpipe" (every forward, then every backward). Call before building the
+    optimizer; returns the model."""
+    if tensor_parallel is not None:
+        raise NotImplementedError("pipeline(tensor_parallel=): stages split across processes are not built yet; "
+                                  "use pipeline stages alone, or nest.load(..., tensor_parallel=mesh) alone")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline: schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("pipeline needs a process group: run under torchrun and call "
+                           "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
+    if model.pipe is not None or model.copies is not None or is_sharded(model):
+        raise ValueError("pipeline: this model is already cut, split or sharded; load it whole and cut it once")
+    if getattr(model, "quantized", None):
+        raise ValueError("pipeline: a model with an NF4 base (quantize='nf4') is not supported yet")
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(model.device.type, (dist.get_world_size(),), mesh_dim_names=("stages",))
+    stages, index, layers = mesh.size(), mesh.get_local_rank(), model.card.layers
+    if layers < stages:
+        raise ValueError(f"pipeline: card {model.card.name!r} has {layers} layers, fewer than {stages} stages")
+    if model.card.tied_embeddings:
+        model.untie_head()
+    first, last = index == 0, index == stages - 1
+    held = range(index * layers // stages, (index + 1) * layers // stages)
+    model.model.layers = Blocks({i: model.model.layers[i] for i in held})
+    if not first:
+        del model.model.embed_tokens
+    if not last:
+        del model.model.norm
+        del model.lm_head
+    model.copies = copies_group(mesh)
+    model.pipe = Pipe(model, mesh.get_group(), index, stages, schedule)
+    return model
+
+
+class Pipe:
+    """This process's stage of a pipeline, as `train`'s step drives it: `run` takes the
+    step's micro-batches through the schedule (forward and backward) and returns the
+    pipeline's summed loss, the same on every stage; `loss` is `loss_packed`'s forward
+    only (a held-out loss)."""
+
+    def __init__(self, model, group, index: int, stages: int, schedule: str):
+        self.model, self.group, self.index, self.stages, self.schedule = model, group, index, stages, schedule
+        self.first, self.last = index == 0, index == stages - 1
+        self._built: dict[tuple, tuple] = {}  # (micro-batches, row length, backward) -> (schedule, its _Stage)
+
+    def __repr__(self) -> str:
+        return f"Pipe(stage {self.index + 1} of {self.stages}, {self.schedule})"
+
+    def run(self, rows: Sequence, count: float) -> float:
+        """Forward and backward of every micro-batch in `rows` through the pipeline, each
+        loss divided by `count` (the step's learned positions) before its backward; the
+        summed (undivided) loss, the same on every stage."""
+        rows = list(rows)
+        if self.schedule == "1f1b" and len(rows) < self.stages:
+            raise ValueError(f"pipeline: 1f1b takes at least as many micro-batches a step as stages ({self.stages}); "
+                             f"this step has {len(rows)}: raise accumulate, or use schedule='gpipe'")
+        if any(len(r.tokens) != len(rows[0].tokens) for r in rows):
+            raise ValueError("pipeline: a step's rows must have one length (pack them with one `tokens`)")
+        return self._flow(rows, count, backward=True)
+
+    def loss(self, row) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss_packed` of one row through the stages, forward only (held-out loss): every
+        stage of the pipeline calls it together and gets the summed loss and count."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("a pipelined model computes losses with gradients only inside linnet.train.train's "
+                               "step (its schedule); call loss_packed under torch.no_grad() to evaluate")
+        total = self._flow([row], 1.0, backward=False)
+        device = self.model.device
+        return torch.tensor(total, dtype=torch.float32, device=device), torch.as_tensor(row.weights).to(device).float().sum()
+
+    def _flow(self, rows: list, count: float, backward: bool) -> float:
+        key = (len(rows), len(rows[0].tokens), backward)
+        if key not in self._built:
+            self._built[key] = self._schedule(*key)
+        schedule, stage = self._built[key]
+        stage.rows, stage.count, stage.summed = rows, count, []
+        tokens = (torch.stack([torch.as_tensor(r.tokens) for r in rows]).to(self.model.device),) if self.first else ()
+        schedule.step(*tokens, mb=torch.arange(len(rows)), target=torch.zeros(len(rows)) if self.last else None,
+                      return_outputs=False)
+        mine = float(sum(stage.summed)) if self.last else 0.0
+        return sum_across([mine], self.group)[0]  # the last stage's loss, on every stage
+
+    def _schedule(self, M: int, P: int, backward: bool):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        m = self.model
+        hidden = torch.empty(1, P, m.card.hidden, dtype=m.dtype, device=m.device, requires_grad=True)  # gradients flow back
+        entering = torch.empty(1, P, dtype=torch.long, device=m.device) if self.first else hidden
+        leaving = torch.empty((), device=m.device) if self.last else hidden
+        stage = PipelineStage(_Stage(m), self.index, self.stages, m.device, input_args=entering, output_args=leaving,
+                              group=self.group)
+        if not backward:  # forward only: no loss function, every forward in turn
+            return ScheduleGPipe(stage, n_microbatches=M), stage.submod
+        kind = Schedule1F1B if self.schedule == "1f1b" else ScheduleGPipe
+        return kind(stage, n_microbatches=M, loss_fn=lambda loss, _: loss, scale_grads=False), stage.submod
+
+
+class _Stage(nn.Module):
+    """The module a PipelineStage runs: micro-batch `mb` of the step's rows through this
+    process's part of the decoder. In: the row's tokens [1, P] on the first stage, else
+    the previous stage's hidden states [1, P, D]; out: hidden states [1, P, D] (a row's
+    trailing padding zeros), or on the last stage the row's summed loss over the step's
+    count, a scalar."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.rows: list = []
+        self.count = 1.0
+        self.summed: list[torch.Tensor] = []
+
+    def forward(self, x, mb):
+        m, pipe = self.model, self.model.pipe
+        row = self.rows[int(mb)]
+        tokens, positions, layout, targets, weights = m._fields(row)
+        n = len(tokens)
+        if pipe.first:
+            x = nn.functional.embedding(tokens, m.model.embed_tokens.weight).to(m.dtype)
+        else:
+            x = x[0, :n]
+        keep = m._learned(row, n) if pipe.last else None
+        h = m._blocks(x, positions, *layout, keep=keep)
+        if not pipe.last:
+            return m._padded(h, row)[None]
+        loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
+        self.summed.append(loss.detach())
+        return loss / self.count
+

@@ -1,0 +1,167 @@
+"""Pipeline stages (linnet.torch.pipeline): forked processes (gloo), each holding
+consecutive blocks, train like one process training the whole model on the same rows;
+saved weights and checkpoints read as the whole model's."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.torch.pipeline import pipeline
+from linnet.train import train
+from linnet.train.evaluation import held_out_loss
+from tests.conftest import in_processes
+
+CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
+                                     layers=4, tied_embeddings=False)
+STEPS = 4
+
+
+def _rows():
+    """Eight rows of unequal learned counts, most with trailing padding."""
+    g = np.random.default_rng(0)
+    docs = [Example.prompted(g.integers(3, 64, 4).tolist(), g.integers(3, 64, int(n)).tolist())
+            for n in g.integers(1, 12, size=48)]
+    rows = list(pack(docs, tokens=40))[: 2 * STEPS]
+    assert len(rows) == 2 * STEPS and len({r.learned for r in rows}) > 2 and any(r.real < 40 for r in rows)
+    return rows
+
+
+def _model(lora: bool, tied: bool):
+    model = nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=0, trainable=not lora)
+    if lora:
+        torch.manual_seed(0)  # every process draws the same A
+        model.add_lora("*_proj.weight", rank=4)
+    return model
+
+
+def _run(model, rows, accumulate, steps=STEPS, **kw):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    history = train(model, rows, optimizer=opt, steps=steps, accumulate=accumulate, clip=0.5, **kw)
+    return [(s.loss, s.grad_norm, s.learned) for s in history.steps]
+
+
+def _staged(rank, schedule, lora, tied, recompute, out):
+    model = pipeline(_model(lora, tied), schedule=schedule)
+    if recompute:
+        model.checkpoint_activations(True)
+    names = [n for n, _ in model.named_parameters()]
+    steps = _run(model, _rows(), 2, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
+    with torch.no_grad():
+        held_out = held_out_loss(model, _rows()[:3])
+    return steps, names, held_out
+
+
+def _same_steps(got, reference):
+    for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(got, reference, strict=True):
+        assert learned == ref_learned
+        assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("schedule, lora, tied, recompute",
+                         [("1f1b", False, True, False), ("gpipe", True, False, True)])
+def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute):
+    """Two stages of two blocks each (the first with the embedding, the last with the norm
+    and head) take the losses, gradient norms and learned counts of one process over the
+    same rows, full fine-tuning on 1F1B (a tied head trains apart from the embedding, as
+    an untied copy's does) and LoRA on GPipe with activation checkpointing; the saved
+    weights and adapters, gathered from both, equal one process's; the held-out loss
+    through the stages equals the whole model's; the checkpoint resumes in one process."""
+    out = tmp_path / "staged"
+    results = in_processes(_staged, schedule, lora, tied, recompute, out)
+    (steps, first, held), (steps1, second, held1) = results
+    assert steps == steps1 and held == held1
+    assert "model.embed_tokens.weight" in first and "model.norm.weight" in second
+    assert {n.split(".")[2] for n in first if ".layers." in n} == {"0", "1"}
+    assert {n.split(".")[2] for n in second if ".layers." in n} == {"2", "3"}
+    whole = _model(lora, tied)
+    whole.untie_head()
+    reference = _run(whole, _rows(), 2, save_to=tmp_path / "one")
+    _same_steps(steps, reference)
+    with torch.no_grad():
+        assert held == pytest.approx(held_out_loss(whole, _rows()[:3]), rel=1e-6)
+    file = "adapter_model.safetensors" if lora else "model.safetensors"
+    two, one = (load_file(str(d / file)) for d in (out / "final", tmp_path / "one"))
+    assert two.keys() == one.keys() and set(first).isdisjoint(second)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=3e-5, rtol=0, msg=key)
+    (tmp_path / "whole").mkdir()
+    shutil.copytree(out / "ckpt" / "step-00000002", tmp_path / "whole" / "step-00000002")
+    resumed = _model(lora, tied)
+    resumed.untie_head()
+    _same_steps(_run(resumed, _rows(), 2, checkpoint=tmp_path / "whole"), reference[2:])
+
+
+def _resumed(rank, out):
+    return _run(pipeline(_model(False, False)), _rows(), 2, checkpoint=out)
+
+
+def _copies(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("copies", "stages"))
+    model = pipeline(_model(False, False), mesh["stages"])
+    return _run(model, _rows()[mesh.get_local_rank("copies")::2], 2, steps=2)
+
+
+def test_two_pipelines_train_like_one_and_resume_as_stages(tmp_path):
+    """Two copies of a two-stage pipeline (four processes), each on its share of the
+    rows, take one process's steps over every row; a two-stage run stopped at step 2
+    resumes from its checkpoint to the same steps 3 and 4."""
+    results = in_processes(_copies, processes=4)
+    assert all(r == results[0] for r in results)
+    _same_steps(results[0], _run(_model(False, False), _rows(), 4, steps=2))
+    out = tmp_path / "staged"
+    whole = _run(_model(False, False), _rows(), 2)
+    shutil.copytree(_checkpoint_at_two(tmp_path), out / "step-00000002")
+    resumed = in_processes(_resumed, out)
+    assert resumed[0] == resumed[1]
+    _same_steps(resumed[0], whole[2:])
+
+
+def _checkpoint_at_two(tmp_path):
+    in_processes(_first_two, tmp_path / "two")
+    return tmp_path / "two" / "step-00000002"
+
+
+def _first_two(rank, out):
+    model = pipeline(_model(False, False))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    train(model, _rows(), optimizer=opt, steps=2, accumulate=2, clip=0.5, checkpoint=out)
+
+
+def _refusals(rank):
+    from linnet.packing import Pair
+    from linnet.train.dpo import dpo
+
+    with pytest.raises(NotImplementedError, match="tensor_parallel"):
+        pipeline(_model(False, False), tensor_parallel=object())
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        pipeline(_model(False, False), schedule="zb")
+    with pytest.raises(ValueError, match="1 layers, fewer than 2 stages"):
+        pipeline(nest.load(CARD.replace(layers=1), weights="random", seed=0))
+    model = pipeline(_model(False, False))
+    with pytest.raises(ValueError, match="already cut"):
+        pipeline(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="1f1b takes at least as many micro-batches a step as stages"):
+        _run(model, _rows(), 1, steps=1)
+    with pytest.raises(RuntimeError, match="under torch.no_grad"):
+        model.loss_packed(_rows()[0])
+    with pytest.raises(RuntimeError, match="cut into pipeline stages"):
+        model.log_probs_packed(_rows()[0])
+    with pytest.raises(ValueError, match="dpo does not train split or pipelined models"):
+        dpo(model, [Pair([3, 4], [5], [6])], optimizer=opt, steps=1, reference=_model(False, False))
+    return True
+
+
+def test_pipeline_refuses_what_it_cannot_do():
+    assert in_processes(_refusals) == [True, True]
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        pipeline(_model(False, False))
