@@ -97,7 +97,6 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["data.path="], "data.path: expected str"),
         (["training.split=2", "training.shard=fsdp", "lora.enabled=false"], "training.split=2 splits every block"),
         (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
-        (["training.pipeline=2", "training.split=2"], "training.pipeline=2 with training.split=2 is not supported"),
         (["training.pipeline=2", "training.shard=zero"], "training.pipeline=2 with training.shard=zero"),
         (["training.pipeline=2", "optimizer.name=adamw8bit"], "adamw8bit with training.pipeline=2"),
         (["training.shard=ddp"], "training.shard"),

@@ -275,24 +275,24 @@ def load_model(card, config):
     if split > 1 or stages > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        kind = "split" if split > 1 else "stages"
-        mesh = init_device_mesh(torch.device(device).type, (data_share(split * stages)[1], split * stages),
-                                mesh_dim_names=("copies", kind))
+        mesh = init_device_mesh(torch.device(device).type, (data_share(split * stages)[1], stages, split),
+                                mesh_dim_names=("copies", "stages", "split"))
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
-                      tensor_parallel=mesh["split"] if split > 1 else None,
+                      tensor_parallel=mesh["split"] if split > 1 and stages == 1 else None,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize)
+    if stages > 1:  # 1F1B needs a micro-batch a stage at least
+        pipeline(model, mesh["stages"], schedule="1f1b" if t.accumulation >= stages else "gpipe",
+                 tensor_parallel=mesh["split"] if split > 1 else None)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora)
     if t.shard == "fsdp" and processes > 1:
         fully_shard(model)
-    if stages > 1:  # 1F1B needs a micro-batch a stage at least
-        pipeline(model, mesh["stages"], schedule="1f1b" if t.accumulation >= stages else "gpipe")
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
-        parts = f", split {split} ways" if split > 1 else f", {model.pipe}" if stages > 1 else ""
+        parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "")
         on = f"{processes} processes ({t.shard}{parts})" if processes > 1 else device
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)

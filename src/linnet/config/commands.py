@@ -109,11 +109,10 @@ class SFTConfig(FineTuningConfig):
         if t.split > 1 and t.shard != "none":
             raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
                              "training.shard=none")
-        if t.pipeline > 1 and (t.split > 1 or t.shard != "none" or self.model.quantize):
-            other = (f"training.split={t.split}" if t.split > 1 else f"training.shard={t.shard}" if t.shard != "none"
-                     else f"model.quantize={self.model.quantize}")
+        if t.pipeline > 1 and (t.shard != "none" or self.model.quantize):
+            other = f"training.shard={t.shard}" if t.shard != "none" else f"model.quantize={self.model.quantize}"
             raise ValueError(f"config: training.pipeline={t.pipeline} with {other} is not supported yet; pipeline "
-                             "stages hold whole blocks of an unquantized model (set that back to its default)")
+                             "stages hold blocks of an unquantized model whole (or split by training.split)")
 
 
 @dataclass

@@ -191,10 +191,11 @@ class TrainingConfig:
                            "block between them (tensor parallel) and take the same rows; the processes form copies "
                            "of such splits",
                         only=("sft",))
-    pipeline: int = option(1, "under torchrun (sft): processes that hold consecutive blocks of one model (pipeline "
-                              "stages) and pass each step's micro-batches (training.accumulation rows) along on a "
-                              "1F1B schedule (GPipe when there are fewer rows than stages); the processes form "
-                              "copies of such pipelines",
+    pipeline: int = option(1, "under torchrun (sft): stages that hold consecutive blocks of one model and pass "
+                              "each step's micro-batches (training.accumulation rows) along on a 1F1B schedule "
+                              "(GPipe when there are fewer rows than stages); with training.split each stage is "
+                              "split too (pipeline x split processes a copy); the processes form copies of such "
+                              "pipelines",
                            only=("sft",))
 
     @property

@@ -183,12 +183,12 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None,
     parts = [g.to_local() for g, s in zip(grads, split) if s]
     whole = [g.to_local() if isinstance(g, DTensor) else g for g, s in zip(grads, split) if not s]  # replicated: once
     squares = _squares(whole, grads[0].device if grads else _device())
-    if across is not None:
-        dist.all_reduce(squares, group=across)
     if parts:
         summed = _squares(parts, squares.device)
         dist.all_reduce(summed, group=next(g for g, s in zip(grads, split) if s).device_mesh.get_group())
         squares = squares + summed
+    if across is not None:
+        dist.all_reduce(squares, group=across)
     norm = squares.sqrt()
     if max_norm is not None:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

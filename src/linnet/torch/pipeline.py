@@ -60,26 +60,30 @@ class Blocks(nn.Module):
 
 
 def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
-    """Cut `model` (a linnet Decoder, adapters added first) into one stage a process of
-    `mesh` (a one-dimension DeviceMesh, e.g. mesh["stages"] of a ("copies", "stages")
-    mesh; default: every process, one pipeline) and keep this process's stage, in place:
-    consecutive blocks, as evenly as the layers divide. schedule: "1f1b" (a micro-batch's
-    backward as soon as the last stage has it: activations of at most `stages` micro-batches
-    held) or "gpipe" (every forward, then every backward). Call before building the
-    optimizer; returns the model."""
-    if tensor_parallel is not None:
-        raise NotImplementedError("pipeline(tensor_parallel=): stages split across processes are not built yet; "
-                                  "use pipeline stages alone, or nest.load(..., tensor_parallel=mesh) alone")
+    """Cut `model` (a linnet Decoder, loaded whole) into one stage a process of `mesh` (a
+    one-dimension DeviceMesh, e.g. mesh["stages"] of a ("copies", "stages") mesh; default:
+    every process, one pipeline) and keep this process's stage, in place: consecutive
+    blocks, as evenly as the layers divide. schedule: "1f1b" (a micro-batch's backward as
+    soon as the last stage has it: activations of at most `stages` micro-batches held) or
+    "gpipe" (every forward, then every backward). tensor_parallel: a one-dimension mesh
+    (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
+    stage's blocks and head as `nest.load(..., tensor_parallel=)` does. Adapters go on
+    before or after (after, with tensor_parallel). Call before building the optimizer;
+    returns the model."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pipeline needs a process group: run under torchrun and call "
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
     if model.pipe is not None or model.copies is not None or is_sharded(model):
-        raise ValueError("pipeline: this model is already cut, split or sharded; load it whole and cut it once")
+        raise ValueError("pipeline: this model is already cut, split or sharded; load it whole and cut it once "
+                         "(pipeline(..., tensor_parallel=) splits the stages)")
     if getattr(model, "quantized", None):
         raise ValueError("pipeline: a model with an NF4 base (quantize='nf4') is not supported yet")
     if mesh is None:
+        if tensor_parallel is not None:
+            raise ValueError("pipeline: with tensor_parallel=, pass the stages' mesh too (mesh['stages'] of the "
+                             "same ('copies', 'stages', 'split') mesh)")
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(model.device.type, (dist.get_world_size(),), mesh_dim_names=("stages",))
@@ -96,7 +100,11 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
     if not last:
         del model.model.norm
         del model.lm_head
-    model.copies = copies_group(mesh)
+    if tensor_parallel is not None:
+        from linnet.torch.sharding import tensor_parallel as split
+
+        split(model, tensor_parallel)
+    model.copies = copies_group(mesh, *(() if tensor_parallel is None else (tensor_parallel,)))
     model.pipe = Pipe(model, mesh.get_group(), index, stages, schedule)
     return model
 

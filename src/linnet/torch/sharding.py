@@ -125,7 +125,7 @@ def tensor_parallel(model, mesh):
         block.self_attn.shape = (heads // size, kv_heads // size, d)  # this process's heads
     if c.tied_embeddings:
         model.untie_head()
-    if c.vocab % size == 0:  # the head by vocabulary rows (losses: split_*)
+    if c.vocab % size == 0 and hasattr(model, "lm_head"):  # by vocabulary rows (losses: split_*); a stage may hold none
         from torch.distributed.tensor import Shard, distribute_tensor
 
         weight = model.lm_head.weight
@@ -135,13 +135,13 @@ def tensor_parallel(model, mesh):
     return model
 
 
-def copies_group(mesh):
-    """The process group of the ranks at this rank's place in every split (this rank alone
-    when there is one copy)."""
-    mine = mesh.mesh.flatten().tolist()
-    splits: list = [None] * dist.get_world_size()
-    dist.all_gather_object(splits, mine)
-    place = mine.index(dist.get_rank())
-    layouts = sorted({tuple(s) for s in splits})
-    groups = [dist.new_group([s[i] for s in layouts]) for i in range(len(mine))]  # every rank makes every group
+def copies_group(*meshes):
+    """The process group of the ranks at this rank's place in every copy: the same local
+    rank in each of `meshes` (a split's, a pipeline's stages, or both); this rank alone
+    when there is one copy."""
+    place = tuple(m.get_local_rank() for m in meshes)
+    places: list = [None] * dist.get_world_size()
+    dist.all_gather_object(places, place)
+    groups = {p: dist.new_group([r for r, q in enumerate(places) if q == p])  # every rank makes every group
+              for p in sorted(set(places))}
     return groups[place]
