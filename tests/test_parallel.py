@@ -112,3 +112,37 @@ def test_eight_bit_states_split_by_zero_train_and_resume_like_one_process(tmp_pa
     assert [loss for loss, _ in steps] == pytest.approx(whole.losses, rel=1e-6)
     assert [x for step in resumed[0][0] for x in step] == pytest.approx([x for step in steps[2:] for x in step],
                                                                       rel=1e-6)
+
+
+LEFT_RUNNING = """
+import os, torch, torch.distributed as dist
+from linnet.torch.distributed import join
+join()
+import linnet.torch.model  # the attention paths import torch._dynamo
+t = torch.ones(4)
+dist.all_reduce(t)
+dist.destroy_process_group()
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(sorted(n for n in names if "gloo" in n))
+"""
+
+
+def test_leaving_the_group_stops_its_threads(tmp_path):
+    """After join() and the model's imports (torch._dynamo among them), destroying the
+    group stops gloo's worker threads, so none can free a collective's tensors while the
+    interpreter shuts down (the process then aborted at exit, about 1 run in 5)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    ranks = [subprocess.Popen([sys.executable, "-c", LEFT_RUNNING], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    for rank in ranks:
+        out, err = rank.communicate(timeout=120)
+        assert rank.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == "[]", out

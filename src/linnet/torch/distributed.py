@@ -27,6 +27,12 @@ def join() -> bool:
     present. Returns whether it joined (the caller then destroys the group)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or (dist.is_available() and dist.is_initialized()):
         return False
+    # torch._dynamo imported after the group is made (the model's attention paths import it)
+    # keeps gloo's worker threads alive past destroy_process_group; one may then free a
+    # finished collective's tensors while the interpreter shuts down, and the process aborts
+    # at exit ("terminate called without an active exception"; torch 2.13, about 1 run in 5)
+    import torch._dynamo  # noqa: F401
+
     dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     return True
 
