@@ -18,7 +18,7 @@ import torch
 from linnet import nest
 from linnet.commands import quickstart
 from linnet.torch import fully_shard
-from linnet.torch.distributed import join, world
+from linnet.torch.distributed import join, leave, world
 from linnet.train import cosine_schedule, pack, train
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,5 +46,4 @@ history = train(
 if rank == 0:
     print(f"loss {history.losses[0]:.3f} -> {history.losses[-1]:.3f}; weights in {args.out}")
 if joined:
-    torch.distributed.barrier()  # the first process may still be writing: leave the group together
-    torch.distributed.destroy_process_group()
+    leave()  # together: the first process may still be writing

@@ -108,14 +108,17 @@ def in_processes(fn, *args, processes: int = 2) -> list:
     def main(rank, queue):
         import torch.distributed as dist
 
-        from linnet.torch.distributed import join
+        from linnet.torch.distributed import join, leave
 
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(processes),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         try:
             join()
-            queue.put((rank, fn(rank, *args), None))
+            result = fn(rank, *args)
+            if dist.is_initialized():
+                leave()
+            queue.put((rank, result, None))
         except BaseException:
             queue.put((rank, None, traceback.format_exc()))
         finally:
