@@ -6,31 +6,19 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from linnet import nest
-from linnet.packing import Example, pack
 from linnet.torch.pipeline import pipeline
 from linnet.train import train
 from linnet.train.evaluation import held_out_loss
 from tests.conftest import in_processes
+from tests.test_sharding import STEPS, _rows  # eight rows of unequal learned counts
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
                                      layers=4, tied_embeddings=False)
-STEPS = 4
-
-
-def _rows():
-    """Eight rows of unequal learned counts, most with trailing padding."""
-    g = np.random.default_rng(0)
-    docs = [Example.prompted(g.integers(3, 64, 4).tolist(), g.integers(3, 64, int(n)).tolist())
-            for n in g.integers(1, 12, size=48)]
-    rows = list(pack(docs, tokens=40))[: 2 * STEPS]
-    assert len(rows) == 2 * STEPS and len({r.learned for r in rows}) > 2 and any(r.real < 40 for r in rows)
-    return rows
 
 
 def _model(lora: bool, tied: bool):
@@ -73,6 +61,7 @@ def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute
     an untied copy's does) and LoRA on GPipe with activation checkpointing; the saved
     weights and adapters, gathered from both, equal one process's; the held-out loss
     through the stages equals the whole model's; the checkpoint resumes in one process."""
+    assert any(r.real < len(r.tokens) for r in _rows())  # rows with trailing padding pass stages whole
     out = tmp_path / "staged"
     results = in_processes(_staged, schedule, lora, tied, recompute, out)
     (steps, first, held), (steps1, second, held1) = results
