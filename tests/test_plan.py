@@ -685,6 +685,18 @@ def test_plan_of_a_config_splits_what_its_training_shard_splits(tmp_path, capsys
         assert states[4][name] == pytest.approx(expected, rel=1e-6), name
 
 
+@pytest.mark.parametrize("training", ["split: 2", "pipeline: 2", "{split: 2, pipeline: 2}"])
+def test_plan_refuses_a_config_split_or_cut_across_processes(tmp_path, capsys, training):
+    """A model split (tensor parallel) or cut into pipeline stages has no plan yet: refused
+    by name rather than planned as a whole copy a GPU."""
+    config = tmp_path / "run.yaml"
+    body = training if training.startswith("{") else "{" + training + "}"
+    config.write_text(f"model: {{card: qwen2.5-0.5b-instruct}}\ndata: {{path: x.jsonl}}\nlora: {{enabled: false}}\n"
+                      f"training: {body}\n")
+    assert plan_command.main(["--config", str(config)]) == 2
+    assert "has no plan yet" in capsys.readouterr().err
+
+
 def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_engine(tmp_path, capsys):
     config = tmp_path / "distill.yaml"
     text = ("model: {card: qwen2.5-0.5b-instruct}\ndata: {path: x.jsonl}\nlora: {enabled: false}\n"

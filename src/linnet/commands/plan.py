@@ -313,6 +313,12 @@ def settings_from_config(path: str) -> dict[str, Any]:
         workers = config.decentralized.num_models if config.decentralized is not None else 1
         return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size, "workers": workers,
                 "tokens": make_budget(config, card.params()).trained_targets}
+    per_copy = {name: getattr(t, name, 1) for name in ("split", "pipeline")}
+    if any(k > 1 for k in per_copy.values()):
+        which = ", ".join(f"training.{name}={k}" for name, k in per_copy.items() if k > 1)
+        raise ValueError(f"{path}: {which} has no plan yet (the planner holds a whole model a GPU); plan it "
+                         "without, and divide the block weights, their gradients and optimizer state by the "
+                         "processes that hold one copy")
     settings.update(card=model.card, micro_batch=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
     lora = config.lora
     if lora.enabled:
