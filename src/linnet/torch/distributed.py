@@ -24,7 +24,7 @@ def world() -> tuple[int, int]:
 def join() -> bool:
     """Join the process group torchrun describes in the environment (WORLD_SIZE > 1),
     unless already in one: gloo for CPU tensors, NCCL for CUDA ones where CUDA is
-    present. Returns whether it joined (the caller then destroys the group)."""
+    present. Returns whether it joined (the caller then leaves it: `leave`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 or (dist.is_available() and dist.is_initialized()):
         return False
     # torch._dynamo imported after the group is made (the model's attention paths import it)
