@@ -549,6 +549,10 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
     blocks = card.layers * sum(o * i for o, i in card.linear_shapes().values())
     assert data["method"]["name"] == "qlora"
     assert data["sampling"]["weights_bytes"] == (card.params() - blocks) * 2 + data["trainable"] * 4
+    # split by fsdp, the base is the policy's parts: the engine holds every weight, dequantized and merged
+    config.write_text(config.read_text().replace("context_length: 1024", "context_length: 1024, shard: fsdp"))
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"]["weights_bytes"] == card.params() * 2
 
 
 @pytest.mark.parametrize("share, usable", [("", 0.6), (", vllm_gpu_memory_utilization: 0.4", 0.5)])

@@ -15,11 +15,12 @@ from linnet import nest
 from linnet.packing import Example, Pair, pack
 from linnet.train.dpo import dpo
 from linnet.train.grpo import Prompt, grpo
-from tests.conftest import make_hf_model
+from tests.conftest import in_processes, make_hf_model
+from tests.test_sharding import _rows, _run
 
 bnb = pytest.importorskip("bitsandbytes", reason="QLoRA and 8-bit AdamW need bitsandbytes (the qlora extra)")
 
-from linnet.torch.quantize import dense, is_quantized, quantized_bytes  # noqa: E402
+from linnet.torch.quantize import dense, quant_states, quantized_bytes  # noqa: E402
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=96, hidden=64, intermediate=160, heads=4, kv_heads=2, head_dim=16,
@@ -45,10 +46,10 @@ def test_the_base_is_the_librarys_own_nf4():
     plain = nest.load(CARD, weights="random", seed=0)
     quantized = nest.load(CARD, weights="random", seed=0, quantize="nf4")
     assert quantized.quantized == "nf4" and plain.quantized is None
-    weights = dict(plain.named_parameters())
+    weights, states = dict(plain.named_parameters()), quant_states(quantized)
     linears = 0
     for name, p in quantized.named_parameters():
-        if not is_quantized(p):  # embeddings, norms and the head keep the compute dtype
+        if name not in states:  # embeddings, norms and the head keep the compute dtype
             assert not name.endswith("_proj.weight") and torch.equal(p, weights[name]), name
             continue
         linears += 1
@@ -56,20 +57,24 @@ def test_the_base_is_the_librarys_own_nf4():
         codes, state = bnb.functional.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
         theirs = bnb.functional.dequantize_4bit(codes, state)
         assert state.nested and state.state2.blocksize == 256
-        assert torch.equal(dense(p), theirs), name  # the same round trip, so the same error
-        assert 0 < (dense(p) - w).abs().mean() < 0.3 * w.abs().mean()  # 16 levels a block: ~0.2 of |w|
+        assert p.dtype == torch.uint8 and not p.requires_grad
+        assert torch.equal(dense(p, states[name]), theirs), name  # the same round trip, so the same error
+        assert 0 < (dense(p, states[name]) - w).abs().mean() < 0.3 * w.abs().mean()  # 16 levels a block: ~0.2 of |w|
     assert linears == 7 * CARD.layers
     stored = quantized_bytes(quantized) / sum(CARD.layers * d_out * d_in for d_out, d_in in
                                               CARD.linear_shapes().values())
     assert 0.5 < stored < 0.56  # 4 bits + an 8-bit absmax per 64 + an f32 per 64 x 256 (+ the offsets)
+    quantized.to("meta")  # the quantization state moves with its codes
+    assert {s.absmax.device.type for s in quant_states(quantized).values()} == {"meta"}
 
 
 def test_adapters_train_over_the_frozen_base_and_gradients_match_its_dequantized_copy():
     quantized = _adapted()
     plain = _adapted(quantize=None)
+    states = quant_states(quantized)
     with torch.no_grad():  # the same base: the plain model given the dequantized weights
-        for p, q in zip(plain.parameters(), quantized.parameters(), strict=True):
-            p.copy_(dense(q))
+        for (name, p), q in zip(plain.named_parameters(), quantized.parameters(), strict=True):
+            p.copy_(dense(q, states.get(name)))
     row = next(pack([Example.plain(TOKENS[0].tolist() + TOKENS[1].tolist())], tokens=32))
     grads = []
     for model in (quantized, plain):
@@ -89,7 +94,8 @@ def test_merging_dequantizes_first_and_keeps_the_adapted_logits(dtype, tolerance
         adapted = model(TOKENS).float()
         model.merge_lora()
         merged = model(TOKENS).float()
-    assert model.quantized is None and not any(is_quantized(p) or "lora" in n for n, p in model.named_parameters())
+    assert model.quantized is None and not quant_states(model) and not any("lora" in n for n, _ in model.named_parameters())
+    assert all(p.dtype == model.dtype for p in model.parameters())
     assert (merged - adapted).abs().max() < tolerance
     # the same adapters merged onto the original base give other logits: the bug this avoids
     onto_original = _adapted(quantize=None, dtype=dtype, dora=dora)
@@ -160,6 +166,54 @@ def test_an_engine_without_quantize_samples_from_the_dequantized_merged_policy()
     with pytest.raises(ValueError, match="NF4 but the policy's is not"):
         Engine(nest.load(CARD, weights="random", quantize="nf4")).load_weights(nest.load(CARD, weights="random"))
 
+
+
+def _qlora_run(model, rows, accumulate, out):
+    """Train, save the adapters and the whole (dequantized) model, and load a plain engine
+    from the policy; returns the steps and the engine's weights."""
+    from linnet.serve import Engine
+
+    steps = _run(model, rows, accumulate, save_to=out / "final")
+    model.save_weights(out / "whole.safetensors")
+    engine = Engine(nest.load(CARD, weights="random", seed=1))
+    engine.load_weights(model)
+    return steps, {n: p.detach().numpy().copy() for n, p in engine.model.named_parameters()}
+
+
+def _sharded_qlora(rank, dora, out):
+    from linnet.serve import Engine
+    from linnet.torch import fully_shard
+    from linnet.torch.sharding import local
+
+    model = fully_shard(_adapted(dora=dora))
+    codes = [m.weight for m in model.modules() if getattr(m, "quant_state", None) is not None]
+    held = sum(local(w).numel() for w in codes) / sum(w.numel() for w in codes)
+    with pytest.raises(ValueError, match="split by fully_shard, so an NF4 engine cannot share"):
+        Engine(nest.load(CARD, weights="random", quantize="nf4")).load_weights(model)
+    return held, *_qlora_run(model, _rows()[rank::2], 1, out)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_fully_sharded_qlora_trains_like_one_process(tmp_path, dora):
+    """FSDP over an NF4 base: each process holds half of the 4-bit codes, and two processes
+    take one process's losses, gradient norms, adapters, dequantized weights and engine
+    copy over both batches."""
+    from safetensors.torch import load_file
+
+    (held, steps, engine), (_, steps1, engine1) = in_processes(_sharded_qlora, dora, tmp_path / "two")
+    ref_steps, ref_engine = _qlora_run(_adapted(dora=dora), _rows(), 2, tmp_path / "one")
+    assert held == 0.5 and steps == steps1
+    for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(steps, ref_steps, strict=True):
+        assert learned == ref_learned
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+    for name in ("final/adapter_model.safetensors", "whole.safetensors"):
+        two, one = load_file(str(tmp_path / "two" / name)), load_file(str(tmp_path / "one" / name))
+        assert two.keys() == one.keys() and any("mlp.up_proj" in key for key in one)
+        for key in one:
+            torch.testing.assert_close(two[key], one[key], atol=3e-4, rtol=0, msg=key)
+    for name, tensor in ref_engine.items():
+        np.testing.assert_allclose(engine[name], tensor, atol=3e-4, rtol=0, err_msg=name)
+        np.testing.assert_array_equal(engine[name], engine1[name], err_msg=name)
 
 def test_quantized_misuse_is_refused(tmp_path):
     with pytest.raises(ValueError, match="freezes the base: load with trainable=False"):
@@ -233,10 +287,47 @@ def test_a_qlora_sft_run_with_8_bit_adamw_learns_and_resumes_exactly(workspace, 
     assert again["steps_this_run"] == 4 and again["last_loss"] == whole["last_loss"]
 
 
+
+def _sft_process(rank, config, resume=False):
+    from linnet.commands.sft import run
+
+    return run(config, resume=resume).get("last_loss")  # the first process writes the summary
+
+
+def test_a_fully_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, tmp_path):
+    """`linnet sft` with model.quantize=nf4 and training.shard=fsdp in two processes takes
+    the steps one process takes with twice the accumulation, writes the same adapters, and
+    a run killed after step 5 resumes to the same losses."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from linnet.commands.sft import run
+
+    fsdp = ["optimizer.name=adamw", "training.shard=fsdp", "training.accumulation=1"]
+    two = in_processes(_sft_process, _sft(workspace, tmp_path / "two", *fsdp))
+    run(_sft(workspace, tmp_path / "one", "optimizer.name=adamw", "training.accumulation=2"))
+    metrics = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+               for d in ("two", "one")}
+    assert two[0] is not None and len(metrics["two"]) == len(metrics["one"]) == 8
+    for a, b in zip(metrics["two"], metrics["one"], strict=True):
+        for key in ("loss", "grad_norm", "held_out_loss"):
+            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-5)), key
+    x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
+    assert x.keys() == y.keys() and x
+    for key in y:
+        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
+    out = tmp_path / "two"
+    shutil.rmtree(out / "checkpoints" / "step-00000008")  # as if killed after step 5
+    (out / "summary.json").unlink()
+    (out / "metrics.jsonl").write_text("\n".join((out / "metrics.jsonl").read_text().splitlines()[:5]) + "\n")
+    again = in_processes(_sft_process, _sft(workspace, out, *fsdp), True)
+    assert again == two
+
 @pytest.mark.parametrize("overrides, message", [
     (["lora.enabled=false"], "model.quantize=nf4 freezes the base in 4 bits"),
     (["model.quantize=int4"], "model.quantize='int4'; use nf4"),
-    (["training.shard=fsdp"], "model.quantize=nf4 with training.shard=fsdp is not supported yet"),
+    (["optimizer.name=adamw", "training.split=2"], "model.quantize=nf4 with training.split=2 is not supported yet"),
     (["model.quantize=null", "training.shard=fsdp"], "optimizer.name=adamw8bit with training.shard=fsdp is not "
                                                      "supported yet; use training.shard=zero"),
     (["model.quantize=null", "training.split=2"], "optimizer.name=adamw8bit with training.split=2 is not supported "

@@ -72,6 +72,25 @@ def test_grpo_run_with_a_qlora_policy_engine_and_reference(workspace, tmp_path):
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
 
 
+
+def _grpo_process(rank, overrides):
+    return run(load(GRPOConfig, None, overrides)).get("last_loss")
+
+
+def test_grpo_run_with_a_fully_sharded_qlora_policy(workspace, tmp_path):
+    """Two processes split an NF4 policy (training.shard=fsdp): the engine cannot share a
+    split base, takes the gathered, dequantized and merged weights, and samples what the
+    policy computes (float32: log-probabilities within 1e-4)."""
+    pytest.importorskip("bitsandbytes", reason="model.quantize=nf4 needs bitsandbytes (the qlora extra)")
+    from tests.conftest import in_processes
+
+    overrides = _overrides(workspace, tmp_path / "run", "model.quantize=nf4", "model.dtype=float32",
+                           "training.shard=fsdp", "grpo.beta=0.05")
+    assert in_processes(_grpo_process, overrides)[0] is not None
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3 and all(np.isfinite(m["loss"]) and m["mismatch"] < 1e-4 for m in metrics)
+    assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+
 def test_builtin_rewards():
     tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)), eos_ids=(0,))
     prompt = SimpleNamespace(answer="Natalia sold 72 clips.\n#### 72")

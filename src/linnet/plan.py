@@ -412,14 +412,15 @@ def _targets(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def sampling_memory(card: cards.Card, rows: int, slots: int, dtype: str = "bf16",
-                    method: Method = DEFAULT_METHOD) -> dict[str, Any]:
+                    method: Method = DEFAULT_METHOD, shares_base: bool = True) -> dict[str, Any]:
     """Bytes GRPO's sampling engine holds beside training: its own copy of the weights in
     its dtype (the policy's, or grpo.engine_dtype), and a KV cache of `rows` completions x
     `slots` positions (keys and values, every layer, in that dtype). Under QLoRA it shares
     the policy's NF4 block weights and holds f32 copies of the adapters instead
-    (`Engine.load_weights`). Not part of `estimate`'s totals."""
+    (`Engine.load_weights`), unless the policy is split by FSDP (shares_base=False): then it
+    holds every weight, dequantized and merged. Not part of `estimate`'s totals."""
     size = DTYPES[dtype]
-    shared = quantized_params(card, method)
+    shared = quantized_params(card, method) if shares_base else 0
     weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0)
     cache = rows * slots * card.layers * 2 * card.kv_heads * card.head_dim * size
     return {"rows": rows, "slots": slots, "dtype": dtype, "weights_bytes": weights, "cache_bytes": cache}

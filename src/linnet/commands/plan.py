@@ -429,9 +429,10 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
                          f"{gb(extras['teacher']['bytes'])}).")
     if beside.get("rows"):
         # a completion and its prompt fit one packed row, so the cache needs at most seq slots
-        sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["batch"].seq, dtype, method)
-        weights = "the weights outside the NF4 blocks it shares, with f32 adapters" if method.name == "qlora" \
-            else "the weights"
+        shares = method.name == "qlora" and inputs["cluster"].shard != "fsdp"  # a split base is not shared
+        sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["batch"].seq, dtype, method,
+                                                        shares)
+        weights = "the weights outside the NF4 blocks it shares, with f32 adapters" if shares else "the weights"
         notes.append(f"{beside['who']} also holds its sampling engine, not in the totals above: a {dtype} copy of "
                      f"{weights} ({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions "
                      f"x at most {sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")

@@ -82,10 +82,9 @@ class FineTuningConfig:
         if self.model.quantize and not self.lora.enabled:
             raise ValueError(f"config: model.quantize={self.model.quantize} freezes the base in 4 bits; it trains "
                              "adapters only: set lora.enabled=true, or model.quantize=null for full fine-tuning")
-        if self.model.quantize and (self.model.compile or self.training.shard != "none"):
-            raise ValueError(f"config: model.quantize={self.model.quantize} with "
-                             + ("model.compile=true" if self.model.compile else f"training.shard={self.training.shard}")
-                             + " is not supported yet; quantized runs are eager, one whole model a process")
+        if self.model.quantize and self.model.compile:
+            raise ValueError(f"config: model.quantize={self.model.quantize} with model.compile=true is not supported "
+                             "yet; quantized runs are eager")
         split, stages = getattr(self.training, "split", 1), getattr(self.training, "pipeline", 1)
         if self.optimizer.name != "adamw" and (self.training.shard == "fsdp" or split > 1 or stages > 1):
             where, fix = ((f"training.split={split}", "optimizer.name=adamw") if split > 1 else
@@ -109,6 +108,9 @@ class SFTConfig(FineTuningConfig):
         if t.split > 1 and t.shard != "none":
             raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
                              "training.shard=none")
+        if t.split > 1 and self.model.quantize:
+            raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={t.split} is not "
+                             "supported yet; an NF4 base splits with training.shard=fsdp")
         if t.pipeline > 1 and (t.shard != "none" or self.model.quantize):
             other = f"training.shard={t.shard}" if t.shard != "none" else f"model.quantize={self.model.quantize}"
             raise ValueError(f"config: training.pipeline={t.pipeline} with {other} is not supported yet; pipeline "

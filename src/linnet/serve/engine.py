@@ -61,8 +61,8 @@ from linnet.serve.passes import Batch, decode_pass, pack_head, prefill_pass
 from linnet.torch import attention as attention_paths
 from linnet.torch.losses import token_log_probs
 from linnet.torch.model import Decoder, Linear
-from linnet.torch.quantize import dense, is_quantized
-from linnet.torch.sharding import full
+from linnet.torch.quantize import is_quantized, quant_states
+from linnet.torch.sharding import full, is_sharded
 
 
 @dataclass
@@ -152,7 +152,12 @@ class Engine:
         An engine loaded with quantize="nf4" samples from the policy's own NF4 base,
         shared rather than copied, with copies of its adapters beside it (unmerged: an NF4
         weight cannot take them), so it computes what the QLoRA policy computes."""
+        if self.model.quantized and is_sharded(policy):
+            raise ValueError("Engine.load_weights: the policy is split by fully_shard, so an NF4 engine cannot share "
+                             "its base; load the engine without quantize= (it takes the gathered, dequantized and "
+                             "merged weights)")
         own = {n: p for n, p in self.model.named_parameters() if not n.endswith(ADAPTER_SUFFIXES)}
+        quantized = quant_states(self.model)
         seen = set()
         for name, p, layer in policy_weights(policy):
             if name not in own:
@@ -161,8 +166,8 @@ class Engine:
                     "lacks; load the engine from the same card as the policy"
                 )
             seen.add(name)
-            if is_quantized(own[name]):
-                self._share_quantized(name, p, layer)
+            if name in quantized:
+                self._share_quantized(name, layer)
                 continue
             src = merged(p, layer)
             dst = own[name]
@@ -181,15 +186,15 @@ class Engine:
                 "more); load the engine from the same card as the policy"
             )
 
-    def _share_quantized(self, name: str, weight: torch.nn.Parameter, source: Linear | None) -> None:
-        """Point the engine's NF4 layer at the policy's NF4 weight and copy its adapters."""
-        if not is_quantized(weight):
+    def _share_quantized(self, name: str, source: Linear | None) -> None:
+        """Point the engine's NF4 layer at the policy's NF4 codes and copy its adapters."""
+        if source is None or not is_quantized(source):
             raise ValueError(f"Engine.load_weights: the engine's {name} is NF4 but the policy's is not; load the "
                              "engine as the policy was loaded (quantize= the same)")
         layer = self.model.get_submodule(name.removesuffix(".weight"))
-        layer.weight = weight
+        layer.weight, layer.quant_state = source.weight, source.quant_state
         for part in ("lora_a", "lora_b", "lora_magnitude"):
-            value = None if source is None else getattr(source, part)
+            value = getattr(source, part)
             mine = getattr(layer, part)
             if value is None:
                 setattr(layer, part, None)
@@ -197,8 +202,7 @@ class Engine:
                 mine.copy_(value)
             else:
                 setattr(layer, part, torch.nn.Parameter(value.detach().clone(), requires_grad=False))
-        if source is not None:
-            layer.lora_scale = source.lora_scale
+        layer.lora_scale = source.lora_scale
 
     # -- sampling -------------------------------------------------------------------
 
@@ -499,10 +503,10 @@ def sampling_options(n, max_new_tokens, temperature, top_k, top_p, vocab: int,
 
 
 def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, Linear | None]]:
-    """(name, parameter, its adapted layer or None) for each of a policy's weights, by
-    Hugging Face name, the adapters' own tensors left out: what an engine copies in."""
+    """(name, parameter, its layer if adapted or NF4, else None) for each of a policy's
+    weights, by Hugging Face name, the adapters' own tensors left out: what an engine copies in."""
     adapted = {f"{name}.weight": m for name, m in policy.named_modules()
-               if isinstance(m, Linear) and m.lora_a is not None}
+               if isinstance(m, Linear) and (m.lora_a is not None or is_quantized(m))}
     for name, p in policy.named_parameters():
         if not name.endswith(ADAPTER_SUFFIXES):
             yield name, p, adapted.get(name)
@@ -512,7 +516,13 @@ def merged(weight: torch.nn.Parameter, layer: Linear | None) -> torch.Tensor:
     """The plain weight the policy computes with: an adapted layer's merged in float32
     (`Linear.merged_weight`), an NF4 one dequantized, a sharded one gathered (every
     process must call this together)."""
-    return full(dense(weight).detach()) if layer is None else layer.merged_weight(lambda t: full(t.detach()))
+    if layer is None:
+        return _whole(weight)
+    return layer.dense_weight(_whole) if layer.lora_a is None else layer.merged_weight(_whole)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return full(t.detach())
 
 
 def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -577,5 +587,5 @@ def _store_transposed(model: Decoder) -> None:
     where this layout ran 6x slower on a CPU without avx512_bf16."""
     for layer in model.model.layers.modules():
         w = layer.weight if isinstance(layer, Linear) else None
-        if w is not None and type(w.data) is torch.Tensor and not is_quantized(w):
+        if w is not None and type(w.data) is torch.Tensor and not is_quantized(layer):
             w.data = w.data.t().contiguous().t()

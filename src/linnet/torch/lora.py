@@ -25,7 +25,7 @@ from torch import nn
 from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, write_peft
 from linnet.paths import adapted_layers
 from linnet.torch.distributed import merged_at_first, world
-from linnet.torch.quantize import dense, is_quantized
+from linnet.torch.quantize import is_quantized
 from linnet.torch.sharding import full, is_sharded
 
 
@@ -62,7 +62,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer.lora_scale, layer.lora_dropout = scale, dropout
         if dora:
             with torch.no_grad():
-                norms = torch.linalg.vector_norm(dense(layer.weight).float(), dim=1)
+                norms = torch.linalg.vector_norm(layer.dense_weight().float(), dim=1)
                 if split:  # one per output row, placed as B's rows are (a column-split weight's sums joined)
                     norms = norms.redistribute(placements=layer.lora_b.placements)
                 layer.lora_magnitude = torch.nn.Parameter(norms)
@@ -94,9 +94,10 @@ def merge_lora(model) -> None:
                          "merge them on one process, into a model loaded whole")
     for layer in _linears(model).values():
         with torch.no_grad():
-            merged = dense(layer.weight) if layer.lora_a is None else layer.merged_weight()
-            if is_quantized(layer.weight):
+            merged = layer.dense_weight() if layer.lora_a is None else layer.merged_weight()
+            if is_quantized(layer):
                 layer.weight = nn.Parameter(merged.to(model.dtype), requires_grad=False)
+                layer.quant_state = None
             elif layer.lora_a is not None:
                 layer.weight.copy_(merged.to(layer.weight.dtype))
         if layer.lora_a is None:

@@ -41,7 +41,7 @@ from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
-from linnet.torch.quantize import QUANTIZE, dense, is_quantized, linear_4bit, nf4
+from linnet.torch.quantize import QUANTIZE, dense, is_quantized, linear_4bit, nf4, quant_states
 from linnet.torch.sharding import dropout, full
 from linnet.torch.weights import as_dtype
 
@@ -64,6 +64,7 @@ class Linear(nn.Linear):
         self.lora_magnitude: nn.Parameter | None = None
         self.lora_scale = 0.0
         self.lora_dropout = 0.0
+        self.quant_state = None  # set when the weight holds NF4 codes (linnet.torch.quantize)
 
     def forward(self, x):
         if self.lora_magnitude is not None:
@@ -79,10 +80,17 @@ class Linear(nn.Linear):
         y.view(-1, y.shape[-1]).addmm_(za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T, alpha=self.lora_scale)
         return y
 
+    def _apply(self, fn, recurse=True):
+        """model.to(device) moves an NF4 weight's quantization state with its codes."""
+        super()._apply(fn, recurse)
+        if self.quant_state is not None:
+            self.quant_state.to(self.weight.device)
+        return self
+
     def _base(self, x, bias=None):
         """x @ W.T (+ b) with the frozen or trained weight (an NF4 one through bitsandbytes)."""
-        if is_quantized(self.weight):
-            y = linear_4bit(x, self.weight)
+        if self.quant_state is not None:
+            y = linear_4bit(x, self.weight, self.quant_state)
             return y if bias is None else y + bias
         return F.linear(x, self.weight.to(x.dtype), bias)
 
@@ -103,7 +111,11 @@ class Linear(nn.Linear):
         """W + scale * B @ A in float32 (`whole` gathers sharded tensors; an NF4 W is
         dequantized first)."""
         delta = whole(self.lora_b).float() @ whole(self.lora_a).float()
-        return whole(dense(self.weight)).float() + delta * self.lora_scale
+        return self.dense_weight(whole).float() + delta * self.lora_scale
+
+    def dense_weight(self, whole=lambda t: t) -> torch.Tensor:
+        """The base weight as an ordinary tensor: NF4 codes gathered whole, then dequantized."""
+        return dense(whole(self.weight), self.quant_state)
 
     def merged_weight(self, whole=lambda t: t) -> torch.Tensor:
         """The plain weight this adapted layer computes with, in float32."""
@@ -257,7 +269,7 @@ class Decoder(nn.Module):
     @property
     def quantized(self) -> str | None:
         """'nf4' when the blocks' linear weights are stored quantized (QLoRA), else None."""
-        return "nf4" if any(is_quantized(p) for p in self.model.layers.parameters()) else None
+        return "nf4" if any(is_quantized(m) for m in self.model.layers.modules()) else None
 
     @property
     def shares_prompts(self) -> bool:
@@ -453,9 +465,10 @@ class Decoder(nn.Module):
         compute dtype. Returns the trainable paths. Call before building the optimizer."""
         names = [n for n, _ in self.named_parameters()]
         chosen = select(names, spec, what="trainable")
+        quantized = quant_states(self)
         for name, p in self.named_parameters():
             train = name in chosen
-            if is_quantized(p):
+            if name in quantized:
                 if train:
                     raise ValueError(f"trainable: {name} is stored in NF4 and cannot train; QLoRA trains "
                                      "adapters (add_lora), or load without quantize to train it")
@@ -538,7 +551,7 @@ def quantize_blocks(model: Decoder) -> list[str]:
     done = []
     for name, layer in model.model.layers.named_modules(prefix="model.layers"):
         if isinstance(layer, Linear):
-            layer.weight = nf4(layer.weight, model.dtype)
+            layer.weight, layer.quant_state = nf4(layer.weight, model.dtype)
             done.append(f"{name}.weight")
     return done
 

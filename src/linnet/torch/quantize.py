@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from linnet.torch.sharding import local
+
 BLOCK = 64  # weights per absmax
 QUANTIZE = ("nf4",)
 
@@ -51,38 +53,47 @@ def bitsandbytes():
     return bitsandbytes
 
 
-def is_quantized(weight) -> bool:
-    return getattr(weight, "quant_state", None) is not None
+def is_quantized(layer) -> bool:
+    """Whether a module stores its weight as NF4 codes (with their quantization state)."""
+    return getattr(layer, "quant_state", None) is not None
 
 
-def nf4(weight: torch.Tensor, dtype: torch.dtype) -> nn.Parameter:
-    """The frozen NF4 form of `weight`, quantized from `dtype` (the compute dtype, which
-    it dequantizes to), on the weight's device."""
-    Params4bit = bitsandbytes().nn.Params4bit
-    w = weight.detach().to(dtype)
-    return Params4bit(w, requires_grad=False, quant_type="nf4", blocksize=BLOCK,
-                      compress_statistics=True).to(w.device)
+def quant_states(model) -> dict:
+    """{path: quantization state} of the weights stored as NF4 codes, which cannot train or
+    take plain weights."""
+    return {f"{name}.weight": m.quant_state for name, m in model.named_modules() if is_quantized(m)}
 
 
-def dense(weight: torch.Tensor) -> torch.Tensor:
-    """A weight as an ordinary tensor: an NF4 one dequantized to the dtype it was
-    quantized from, any other as it is."""
-    if not is_quantized(weight):
+def nf4(weight: torch.Tensor, dtype: torch.dtype):
+    """(codes, state): the frozen NF4 form of `weight`, quantized from `dtype` (the compute
+    dtype, which it dequantizes to), on the weight's device. The codes are a plain uint8
+    parameter (the packed 4-bit pairs, [out * in / 2, 1]) and the layer keeps the state, so
+    anything that moves plain tensors (FSDP's split and gather, checkpoints) moves them."""
+    codes, state = bitsandbytes().functional.quantize_4bit(
+        weight.detach().to(dtype), blocksize=BLOCK, compress_statistics=True, quant_type="nf4")
+    return nn.Parameter(codes, requires_grad=False), state
+
+
+def dense(weight: torch.Tensor, state=None) -> torch.Tensor:
+    """A weight as an ordinary tensor: NF4 codes (with their `state`) dequantized to the
+    dtype they were quantized from, any other weight as it is."""
+    if state is None:
         return weight
-    return bitsandbytes().functional.dequantize_4bit(weight.data, weight.quant_state)
+    return bitsandbytes().functional.dequantize_4bit(weight, state)
 
 
-def linear_4bit(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+def linear_4bit(x: torch.Tensor, codes: torch.Tensor, state) -> torch.Tensor:
     """x @ W.T for an NF4 weight; backward dequantizes W again rather than keeping it."""
-    return bitsandbytes().matmul_4bit(x, weight.t(), weight.quant_state)
+    return bitsandbytes().matmul_4bit(x, codes.t(), state)
 
 
 def quantized_bytes(model) -> int:
-    """Bytes the quantized weights take: codes, absmaxes and their own constants."""
+    """Bytes the quantized weights take: codes, absmaxes and their own constants (this
+    process's part of codes split by fully_shard)."""
     total = 0
-    for p in model.parameters():
-        if is_quantized(p):
-            s = p.quant_state
-            parts = [p.data, s.absmax] + ([s.state2.absmax, s.offset] if s.nested else [])
+    for layer in model.modules():
+        if is_quantized(layer):
+            s = layer.quant_state
+            parts = [local(layer.weight), s.absmax] + ([s.state2.absmax, s.offset] if s.nested else [])
             total += sum(t.numel() * t.element_size() for t in parts)
     return total

@@ -16,7 +16,9 @@ positions, so the sum is the mean over every token.
 
 LoRA adapters stay whole on every process (FSDP ignores them); `reduce_gradients` sums
 their gradients as it does without sharding, and the frozen weights they adapt are split
-in their own dtype, with no float32 copy.
+in their own dtype, with no float32 copy. An NF4 base (QLoRA, quantize="nf4") is split as
+its packed 4-bit codes, gathered as bytes and dequantized by each layer as it runs; the
+small quantization state (one absmax per 64 weights) stays whole on every process.
 """
 
 from __future__ import annotations
@@ -44,9 +46,6 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
     if is_sharded(model):
         raise ValueError("fully_shard: this model is sharded already")
-    if getattr(model, "quantized", None):
-        raise ValueError("fully_shard: a model with an NF4 base (quantize='nf4') is not supported yet; train "
-                         "QLoRA on one process per model (its base is a quarter of bf16's size)")
     adapters = {p for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
     options = dict(mesh=mesh, ignored_params=adapters or None,
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))

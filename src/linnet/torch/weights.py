@@ -16,7 +16,7 @@ from linnet.adapter_files import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, 
 from linnet.files import atomic_path, safetensors_file, write_text
 from linnet.paths import select
 from linnet.torch.distributed import merged_at_first, world
-from linnet.torch.quantize import dense, is_quantized
+from linnet.torch.quantize import dense, quant_states
 from linnet.torch.sharding import full
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -74,6 +74,7 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
     linnet's (call add_lora with the same patterns and rank first). Returns the paths
     loaded."""
     params = dict(model.named_parameters())
+    quantized = quant_states(model)
     loaded: list[str] = []
     unexpected: list[str] = []
     for file in weight_files(source):
@@ -85,7 +86,7 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
                         unexpected.append(name)
                     continue
                 tensor, p = f.get_tensor(key), params[name]
-                if is_quantized(p):
+                if name in quantized:
                     raise ValueError(f"{file}: {name} is stored in NF4 in this model; base weights are read "
                                      "before quantizing: nest.load(card, weights=..., quantize='nf4')")
                 if tensor.shape != p.shape:
@@ -132,7 +133,8 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     def stored(name: str) -> str:
         return to_peft_name(name) if names == "hf" and name.endswith(ADAPTER_SUFFIXES) else name
 
-    tensors = {stored(n): full(dense(p).detach()).to("cpu", dtype).contiguous()
+    states = quant_states(model)
+    tensors = {stored(n): dense(full(p.detach()), states.get(n)).to("cpu", dtype).contiguous()
                for n, p in model.named_parameters() if n in chosen}
     if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks
         tensors = merged_at_first(tensors)
