@@ -1,9 +1,12 @@
 """The CUDA-only paths (skipped without a GPU; bench/gpu_check.py runs them on one):
 varlen attention against the per-document path, the pinned-memory loader, bf16 training,
-compiled blocks against eager ones, packed decentralized training, and fully_shard over
-NCCL in one process, the compiled engine (CUDA graphs) against the eager one."""
+compiled blocks against eager ones, packed decentralized training, fully_shard over NCCL
+in one process (an NF4 base loaded on the CPU too), the compiled engine (CUDA graphs)
+against the eager one."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -74,13 +77,12 @@ def test_packed_decentralized_workers_train_on_the_gpu():
     assert float(loss.sum()) < first and model.consensus_distance() > 0
 
 
-def test_fully_shard_over_nccl_in_one_process():
+@contextlib.contextmanager
+def _nccl_group_of_one():
     import os
     import socket
 
     import torch.distributed as dist
-
-    from linnet.torch.sharding import fully_shard
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,12 +90,38 @@ def test_fully_shard_over_nccl_in_one_process():
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         os.environ.setdefault("LOCAL_RANK", "0")
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_over_nccl_in_one_process():
+    from linnet.torch.sharding import fully_shard
+
+    with _nccl_group_of_one():
         model = nest.load(CARD, device="cuda", dtype="bfloat16", weights="random", trainable=True, seed=0)
         fully_shard(model)
         history = train(model, _rows(8) * 2, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), steps=4)
         assert all(np.isfinite(s.loss) for s in history.steps)
-    finally:
-        dist.destroy_process_group()
+
+
+def test_an_nf4_model_loaded_on_the_cpu_is_split_onto_the_gpu():
+    """fully_shard moves an NF4 base's codes and their quantization state to the GPU: a model
+    too large for one GPU whole loads on the CPU and is split onto the GPUs."""
+    pytest.importorskip("bitsandbytes", reason="quantize='nf4' needs bitsandbytes")
+    from linnet.torch.sharding import fully_shard
+
+    row = _rows(1)[0]
+    with _nccl_group_of_one():
+        model = nest.load(CARD, quantize="nf4", weights="random", seed=0)
+        model.add_lora("*_proj", rank=4)
+        fully_shard(model)
+        layer = model.model.layers[0].mlp.up_proj
+        assert layer.weight.device.type == layer.quant_state.absmax.device.type == "cuda"
+        loss, n = model.loss_packed(row)
+    whole = nest.load(CARD, device="cuda", quantize="nf4", weights="random", seed=0)
+    whole.add_lora("*_proj", rank=4)
+    assert loss.item() / n == pytest.approx(whole.loss_packed(row)[0].item() / n, rel=1e-3)
 
 
 def test_compiled_engine_with_cuda_graphs_equals_eager():

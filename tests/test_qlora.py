@@ -68,6 +68,41 @@ def test_the_base_is_the_librarys_own_nf4():
     assert {s.absmax.device.type for s in quant_states(quantized).values()} == {"meta"}
 
 
+
+@pytest.mark.parametrize("source", ["random", "file"])
+def test_loading_quantizes_a_block_at_a_time(tmp_path, monkeypatch, source):
+    """The compute-dtype weights of at most one block are held at once while an NF4 model
+    loads (random or from files), and the codes equal those of the whole plain model
+    quantized afterwards."""
+    from linnet.torch import model as model_module
+
+    plain = nest.load(CARD.replace(layers=3), weights="random", seed=0)
+    plain.save_weights(tmp_path / "w")
+    fill, quantize_block, loading, dense_blocks = model_module._fill, model_module.quantize_block, [], []
+
+    def watched_fill(model, *args):
+        loading.append(model)
+        return fill(model, *args)
+
+    def watched_quantize(block, dtype):
+        dense_blocks.append(sum(any(not p.is_meta and p.dtype == dtype for p in b.parameters()) and
+                                not quant_states(b) for b in loading[0].model.layers))
+        return quantize_block(block, dtype)
+
+    monkeypatch.setattr(model_module, "_fill", watched_fill)
+    monkeypatch.setattr(model_module, "quantize_block", watched_quantize)
+    weights = dict(weights="random", seed=0) if source == "random" else dict(weights=tmp_path / "w")
+    quantized = nest.load(CARD.replace(layers=3), quantize="nf4", **weights)
+    assert dense_blocks == [1, 1, 1]  # each block quantized while it is the only one in f32
+    states = quant_states(quantized)
+    for name, p in plain.named_parameters():
+        if name in states:
+            codes, _ = bnb.functional.quantize_4bit(p.detach(), blocksize=64, quant_type="nf4",
+                                                    compress_statistics=True)
+            assert torch.equal(quantized.get_parameter(name), codes), name
+        else:
+            assert torch.equal(quantized.get_parameter(name), p), name
+
 def test_adapters_train_over_the_frozen_base_and_gradients_match_its_dequantized_copy():
     quantized = _adapted()
     plain = _adapted(quantize=None)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -545,30 +545,47 @@ def _check_quantize(quantize, *, trainable, tensor_parallel, compile) -> None:
                          + " is not supported yet; load the quantized model whole and eager")
 
 
-def quantize_blocks(model: Decoder) -> list[str]:
-    """Store every block's linear weight in NF4 (QLoRA, linnet.torch.quantize), one layer
-    at a time; embeddings, norms and the head keep the compute dtype. Returns the paths."""
-    done = []
-    for name, layer in model.model.layers.named_modules(prefix="model.layers"):
+def quantize_block(block: nn.Module, dtype: torch.dtype) -> None:
+    """Store a block's linear weights in NF4 (QLoRA, linnet.torch.quantize), quantized from
+    the compute `dtype`; its norms stay as they are."""
+    for layer in block.modules():
         if isinstance(layer, Linear):
-            layer.weight, layer.quant_state = nf4(layer.weight, model.dtype)
-            done.append(f"{name}.weight")
-    return done
+            layer.weight, layer.quant_state = nf4(layer.weight, dtype)
 
 
-def _initialise(model: Decoder, seed: int) -> None:
+def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Deterministic init from `seed`, the same on every device: N(0, 0.02) for matrices,
     zeros for biases, ones for norms; drawn on the CPU in parameter order."""
     g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            yield name, torch.ones(p.shape)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(p.shape)
+        else:
+            yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
+
+
+def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device, quantize: bool) -> None:
+    """Allocate each parameter of a model built on meta on `device` as its value arrives (in
+    parameter order) and copy the value in. With `quantize`, a block is stored in NF4 once
+    the next part starts, so loading holds the NF4 blocks, one block in the compute dtype,
+    the embedding and the head: never the whole model in the compute dtype."""
+    owners = {f"{prefix}.{name}".lstrip("."): (module, name)
+              for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
+    filling = None  # the block being filled
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                value = torch.ones(p.shape)
-            elif name.endswith(".bias"):
-                value = torch.zeros(p.shape)
-            else:
-                value = torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
-            p.copy_(value)
+        for path, value in values:
+            module, name = owners[path]
+            block = model.model.layers[int(path.split(".")[2])] if path.startswith("model.layers.") else None
+            if quantize and filling is not None and block is not filling:
+                quantize_block(filling, model.dtype)
+            filling = block
+            if getattr(module, name).is_meta:
+                module.to_empty(device=device, recurse=False)
+            getattr(module, name).copy_(value)
+        if quantize and filling is not None:
+            quantize_block(filling, model.dtype)
 
 
 def _keep_attention(ctx, op, *args, **kwargs):
@@ -591,7 +608,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
           quantize: str | None = None, numerics: str | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
-    from linnet.torch.weights import bind_weights
+    from linnet.torch.weights import read_weights
 
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, compile=compile)
@@ -602,15 +619,12 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     with torch.device("meta"):
         model = Decoder(card, dtype=dtype, attention=attention)
         model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
-    model.to_empty(device=device)
-    model.inv_freq = rope_frequencies(card).to(device)
     if isinstance(weights, str) and weights == "random":
-        _initialise(model, seed)
-    else:
-        source = weights_directory(card) if weights is None else weights
-        bind_weights(model, source, strict=True)
-    if quantize is not None:
-        quantize_blocks(model)
+        values = _random_values(model, seed)
+    else:  # every name and shape checked before any memory is taken
+        values = read_weights(model, weights_directory(card) if weights is None else weights, strict=True)
+    _fill(model, values, device, quantize is not None)
+    model.inv_freq = rope_frequencies(card).to(device)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 

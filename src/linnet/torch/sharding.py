@@ -54,6 +54,9 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
     fsdp(model, **options)
     for name in ENTRIES:
         register_fsdp_forward_method(model, name)
+    for layer in model.modules():  # FSDP moved the NF4 codes to the mesh's device: their state goes along
+        if getattr(layer, "quant_state", None) is not None:
+            layer.quant_state.to(local(layer.weight).device)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,27 @@ def _ignorable(name: str, model) -> bool:
 def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: bool = False) -> list[str]:
     """Copy tensors from safetensors into the parameters of the same path (cast to each
     parameter's dtype). strict=True requires every parameter; a tensor the model has no
-    place for, or of another shape, is always an error. PEFT adapter names are read as
-    linnet's (call add_lora with the same patterns and rank first). Returns the paths
-    loaded."""
+    place for, or of another shape, is always an error, found before anything is copied.
+    PEFT adapter names are read as linnet's (call add_lora with the same patterns and rank
+    first). Returns the paths loaded."""
+    params = dict(model.named_parameters())
+    loaded: list[str] = []
+    with torch.no_grad():
+        for name, tensor in read_weights(model, source, strict=strict):
+            params[name].copy_(tensor)
+            loaded.append(name)
+    return loaded
+
+
+def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
+                 strict: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(parameter path, tensor) for each tensor of `source` the model has a place for, read
+    one at a time in the model's parameter order (so a loader can fill, and quantize, one
+    block before the next is read). Every name and shape is checked, as bind_weights
+    describes, before the first tensor is read. The model's parameters may be on meta."""
     params = dict(model.named_parameters())
     quantized = quant_states(model)
-    loaded: list[str] = []
+    found: dict[str, tuple[Path, str]] = {}
     unexpected: list[str] = []
     for file in weight_files(source):
         with safetensors_file(file, "pt", device="cpu") as f:
@@ -85,30 +101,33 @@ def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: b
                     if not _ignorable(name, model):
                         unexpected.append(name)
                     continue
-                tensor, p = f.get_tensor(key), params[name]
                 if name in quantized:
                     raise ValueError(f"{file}: {name} is stored in NF4 in this model; base weights are read "
                                      "before quantizing: nest.load(card, weights=..., quantize='nf4')")
-                if tensor.shape != p.shape:
-                    raise ValueError(
-                        f"{file}: {name} has shape {tuple(tensor.shape)} but card "
-                        f"{model.card.name!r} needs {tuple(p.shape)}; are these weights for this card?"
-                    )
-                with torch.no_grad():
-                    p.copy_(tensor)
-                loaded.append(name)
+                shape, needed = tuple(f.get_slice(key).get_shape()), tuple(params[name].shape)
+                if shape != needed:
+                    raise ValueError(f"{file}: {name} has shape {shape} but card {model.card.name!r} needs "
+                                     f"{needed}; are these weights for this card?")
+                found[name] = (file, key)
     if unexpected:
         raise ValueError(
             f"{source}: {len(unexpected)} tensors have no place in card {model.card.name!r} "
             f"(e.g. {unexpected[0]}); check the card's family and flags, or the adapters' patterns"
         )
-    missing = [n for n in params if n not in set(loaded)]
+    missing = [n for n in params if n not in found]
     if strict and missing:
         raise ValueError(
             f"{source}: {len(missing)} parameters of card {model.card.name!r} are missing "
             f"(e.g. {missing[0]}); is the checkpoint complete?"
         )
-    return loaded
+    with ExitStack() as files:
+        opened = {}
+        for name in params:
+            if name in found:
+                file, key = found[name]
+                if file not in opened:
+                    opened[file] = files.enter_context(safetensors_file(file, "pt", device="cpu"))
+                yield name, opened[file].get_tensor(key)
 
 
 def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf",
