@@ -117,7 +117,7 @@ def test_an_nf4_model_loaded_on_the_cpu_is_split_onto_the_gpu():
         model.add_lora("*_proj", rank=4)
         fully_shard(model)
         layer = model.model.layers[0].mlp.up_proj
-        assert layer.weight.device.type == layer.quant_state.absmax.device.type == "cuda"
+        assert layer.weight.device.type == layer.quant_state.absmax.device.type == layer.lora_a.device.type == "cuda"
         loss, n = model.loss_packed(row)
     whole = nest.load(CARD, device="cuda", quantize="nf4", weights="random", seed=0)
     whole.add_lora("*_proj", rank=4)

@@ -54,9 +54,13 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
     fsdp(model, **options)
     for name in ENTRIES:
         register_fsdp_forward_method(model, name)
-    for layer in model.modules():  # FSDP moved the NF4 codes to the mesh's device: their state goes along
+    # FSDP moved its parts and the buffers to the mesh's device (a model loaded on the CPU to
+    # its GPU); the adapters it ignores and an NF4 weight's quantization state go along
+    for p in adapters:
+        p.data = p.data.to(model.device)
+    for layer in model.modules():
         if getattr(layer, "quant_state", None) is not None:
-            layer.quant_state.to(local(layer.weight).device)
+            layer.quant_state.to(model.device)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)
