@@ -113,13 +113,13 @@ def test_an_nf4_model_loaded_on_the_cpu_is_split_onto_the_gpu():
 
     row = _rows(1)[0]
     with _nccl_group_of_one():
-        model = nest.load(CARD, quantize="nf4", weights="random", seed=0)
+        model = nest.load(CARD, quantize="nf4", dtype="float32", weights="random", seed=0)
         model.add_lora("*_proj", rank=4)
         fully_shard(model)
         layer = model.model.layers[0].mlp.up_proj
         assert layer.weight.device.type == layer.quant_state.absmax.device.type == layer.lora_a.device.type == "cuda"
         loss, n = model.loss_packed(row)
-    whole = nest.load(CARD, device="cuda", quantize="nf4", weights="random", seed=0)
+    whole = nest.load(CARD, device="cuda", quantize="nf4", dtype="float32", weights="random", seed=0)
     whole.add_lora("*_proj", rank=4)
     assert loss.item() / n == pytest.approx(whole.loss_packed(row)[0].item() / n, rel=1e-3)
 
