@@ -12,13 +12,15 @@ import torch
 from safetensors.torch import load_file
 
 from linnet import nest
-from linnet.packing import Example, Pair, pack
+from linnet.packing import Example, Pair, Unpaired, pack
 from linnet.torch import fully_shard
 from linnet.torch.sharding import local
 from linnet.train import train
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 from linnet.train.dpo import dpo
 from linnet.train.grpo import Prompt, grpo
+from linnet.train.kto import kto
+from linnet.train.reward import add_score_head, held_out_accuracy, reward
 from tests.conftest import in_processes
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
@@ -167,6 +169,49 @@ def test_sharded_dpo_with_uneven_rows_trains_like_one_process():
     for got, want in zip(steps[0], reference, strict=True):
         assert got == pytest.approx(want, rel=1e-5)
 
+
+
+def _unpaired(process: int, step: int) -> list[Unpaired]:
+    """Two answers to one shared prompt (so KTO's mismatched pairs do not depend on the
+    order); process 0's take a row each, process 1's share one."""
+    g = np.random.default_rng(10 * step + process)
+    n = 25 if process == 0 else 3
+    return [Unpaired([5, 6, 7, 8], g.integers(3, 64, n).tolist(), desirable=bool(i)) for i in range(2)]
+
+
+def _objective(name: str, model, items, per_step: int):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if name == "kto":
+        history = kto(model, items, optimizer=opt, steps=2, examples_per_step=per_step, tokens=40)
+        return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["kl"])]
+    history = reward(model, items, optimizer=opt, steps=2, pairs_per_step=per_step, tokens=40)
+    return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["accuracy"])] + \
+        [held_out_accuracy(model, items, tokens=40)["held_out_loss"]]
+
+
+def _objective_model(name: str):
+    model = _model(True, "float32")
+    return add_score_head(model) if name == "reward" else model
+
+
+def _items(name: str, process: int, step: int) -> list:
+    return _unpaired(process, step) if name == "kto" else _pairs(process, step)
+
+
+def _sharded_objective(rank, name):
+    return _objective(name, fully_shard(_objective_model(name)), [x for s in range(2) for x in _items(name, rank, s)], 2)
+
+
+@pytest.mark.parametrize("name", ["kto", "reward"])
+def test_sharded_kto_and_reward_with_uneven_rows_train_like_one_process(name):
+    """Process 0 packs more rows than process 1 (in training and in the reference or
+    scoring passes): process 1 makes idle passes with the objective's own loss, so the
+    gathers meet, and the steps equal one process's over every item (they hung before)."""
+    steps = in_processes(_sharded_objective, name)
+    whole = [x for s in range(2) for r in range(2) for x in _items(name, r, s)]
+    reference = _objective(name, _objective_model(name), whole, 4)
+    assert steps[0] == steps[1]
+    assert steps[0] == pytest.approx(reference, rel=1e-5)
 
 def _sharded_grpo(rank, out):
     from linnet.serve import Engine

@@ -7,6 +7,7 @@ so the trainers call them unconditionally.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -142,6 +143,16 @@ def passes_short(passes: int, *models) -> int:
     and reduces across the processes, so each must make every one. 0 unless a model is
     sharded. A collective itself: call it before the step's first pass."""
     return most_across(passes) - passes if _sharded(models) else 0
+
+
+def matched(rows: Sequence, *models) -> Iterator:
+    """`rows`, then the idle passes that bring this process's forward passes through the
+    models to the busiest process's count (see `passes_short`): for loops of passes outside
+    a training step (reference log-probabilities, scores, evaluation). Every process must
+    iterate it together."""
+    short = passes_short(len(rows), *models)
+    yield from rows
+    idle_passes(short, *models, row=rows[0] if rows else None)
 
 
 def idle_passes(count: int, *models, row=None) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
-from linnet.torch.distributed import idle_passes, passes_short, sum_across
+from linnet.torch.distributed import idle_passes, matched, passes_short, sum_across
 from linnet.train.loop import Work, fit, trained_parameters
 from linnet.train.preference_loss import LOSS_TYPES, PER_TOKEN, REFERENCE_FREE, pair_losses
 
@@ -62,10 +62,7 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
     """[pairs, 2] (chosen, rejected) summed log-probabilities under `model`."""
     was_training = model.training
     model.eval()
-    rows = list(_rows(pairs, tokens, model))
-    short = passes_short(len(rows), model)
-    out = [answer_log_probs(model, row).double().cpu() for row in rows]
-    idle_passes(short, model)
+    out = [answer_log_probs(model, row).double().cpu() for row in matched(list(_rows(pairs, tokens, model)), model)]
     model.train(was_training)
     return torch.cat(out).view(-1, 2).numpy() if out else np.zeros((0, 2))
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from linnet.torch.distributed import idle_passes, passes_short, sum_across
+from linnet.torch.distributed import matched, sum_across
 from linnet.torch.sharding import is_sharded
 
 
@@ -17,10 +17,8 @@ def held_out_loss(model, rows: Iterable, *, share: int = 0, shares: int = 1) -> 
     `share`, and the sums over every process give the mean; rows stream unless the
     model is sharded, whose processes must each make as many passes."""
     mine: Iterable = itertools.islice(rows, share, None, shares)
-    short = 0
     if is_sharded(model):
-        mine = list(mine)
-        short = passes_short(len(mine), model)
+        mine = matched(list(mine), model)
     total = count = 0.0
     was_training = model.training
     model.eval()
@@ -28,7 +26,6 @@ def held_out_loss(model, rows: Iterable, *, share: int = 0, shares: int = 1) -> 
         for row in mine:
             loss, n = model.loss_packed(row)
             total, count = total + float(loss), count + float(n)
-        idle_passes(short, model)
     model.train(was_training)
     total, count = sum_across([total, count])  # the processes of a split count alike: the ratio stands
     return total / max(count, 1.0)

@@ -26,7 +26,7 @@ import torch
 
 from linnet.history import History, Step
 from linnet.packing import Unpaired, pack_prompted
-from linnet.torch.distributed import sum_across
+from linnet.torch.distributed import matched, sum_across
 from linnet.train.dpo import answer_log_probs
 from linnet.train.loop import Work, fit, trained_parameters
 from linnet.train.preference_loss import kto_losses
@@ -51,8 +51,8 @@ def _mismatched(examples: Sequence[Unpaired], i: int) -> tuple[Sequence[int], Se
 
 def _answer_log_probs(model, groups, tokens: int) -> list[torch.Tensor]:
     """Each row's [answers] summed log-probabilities, one answer per (prompt, answer) group."""
-    return [answer_log_probs(model, row) for row in pack_prompted(((p, (a,)) for p, a in groups), tokens,
-                                                                   share=False)]
+    rows = list(pack_prompted(((p, (a,)) for p, a in groups), tokens, share=False))
+    return [answer_log_probs(model, row) for row in matched(rows, model)]
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ Adding an objective is a loss function and a `Work` (see linnet.train.dpo, linne
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from linnet.history import History, Step, due, step_items
-from linnet.torch.distributed import clip_gradients, reduce_gradients, sum_across
+from linnet.torch.distributed import clip_gradients, idle_passes, passes_short, reduce_gradients, sum_across
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -46,7 +47,8 @@ class Work:
     stats       the statistics' names (every process sums each, 0 with no batches)
     metrics     those statistics summed over every process -> what the Step reports
     idle        called after the batches: the passes a sharded model still owes
-                (linnet.torch.distributed.passes_short)
+                (linnet.torch.distributed.passes_short); by default, for a sequence of
+                batches, `fit` makes them with the objective's own loss times zero
     iterations  optimizer steps on the same batches (GRPO reuses its samples)
     group       the processes to sum over (a split or pipelined model's copies); None: every one
     pipe        a pipelined model's stage (linnet.torch.pipeline): its schedule runs every
@@ -188,8 +190,8 @@ def fit(model, items: Iterable[Any], prepare: Callable[[int, list], Work], *, pe
     for step, chunk in step_items(items, per_step, start=start, steps=steps, what=what):
         started = time.perf_counter()
         model.train()
-        record = take_step(params, prepare(step, chunk), optimizer=optimizer, schedule=schedule, clip=clip,
-                           step=step, checkpoint=checkpoint, started=started)
+        record = take_step(params, _matched(model, prepare(step, chunk)), optimizer=optimizer, schedule=schedule,
+                           clip=clip, step=step, checkpoint=checkpoint, started=started)
         history.steps.append(record)
         if on_step is not None:
             on_step(record)
@@ -198,6 +200,25 @@ def fit(model, items: Iterable[Any], prepare: Callable[[int, list], Work], *, pe
     if save_to is not None:
         save_trained(model, save_to)
     return history
+
+
+def _matched(model, work: Work) -> Work:
+    """`work` with the idle passes that bring this process to the busiest process's count
+    of passes, when the model is sharded (every forward and backward a collective) and
+    the objective names none: its own loss on its first batch, times zero (the same
+    entries and gradients as a real pass), or a short row with no batch at all."""
+    if work.idle is not None or work.pipe is not None or not isinstance(work.batches, Sequence):
+        return work
+    short = passes_short(len(work.batches), model)
+
+    def idle():
+        for _ in range(short):
+            if work.batches:
+                (work.loss(0, work.batches[0])[0] * 0).backward()
+            else:
+                idle_passes(1, model)
+
+    return dataclasses.replace(work, idle=idle)
 
 
 def _weights(batch) -> float:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
-from linnet.torch.distributed import sum_across
+from linnet.torch.distributed import matched, sum_across
 from linnet.train.loop import Work, fit, trained_parameters
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
@@ -137,7 +137,7 @@ def score_answers(model, groups: Sequence[tuple[Sequence[int], Sequence[int]]], 
     (consecutive answers to one prompt share it, as many as fit a row)."""
     was_training = model.training
     model.eval()
-    out = [scores(model, row).double().cpu() for row in rows(model, _runs(groups, tokens), tokens)]
+    out = [scores(model, row).double().cpu() for row in matched(list(rows(model, _runs(groups, tokens), tokens)), model)]
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros(0)
 
