@@ -181,6 +181,9 @@ def _unpaired(process: int, step: int) -> list[Unpaired]:
 
 def _objective(name: str, model, items, per_step: int):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    if name == "dpo":
+        history = dpo(model, items, optimizer=opt, steps=2, pairs_per_step=per_step, tokens=40)
+        return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["rewards/margins"])]
     if name == "kto":
         history = kto(model, items, optimizer=opt, steps=2, examples_per_step=per_step, tokens=40)
         return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["kl"])]
@@ -189,8 +192,11 @@ def _objective(name: str, model, items, per_step: int):
         [held_out_accuracy(model, items, tokens=40)["held_out_loss"]]
 
 
-def _objective_model(name: str):
-    model = _model(True, "float32")
+def _objective_model(name: str, mesh=None):
+    """A LoRA model (split over `mesh`), its adapters drawn alike in every process."""
+    model = nest.load(CARD, weights="random", seed=0, dtype="float32", tensor_parallel=mesh)
+    torch.manual_seed(0)
+    model.add_lora("*_proj.weight", rank=4)
     return add_score_head(model) if name == "reward" else model
 
 
@@ -212,6 +218,25 @@ def test_sharded_kto_and_reward_with_uneven_rows_train_like_one_process(name):
     reference = _objective(name, _objective_model(name), whole, 4)
     assert steps[0] == steps[1]
     assert steps[0] == pytest.approx(reference, rel=1e-5)
+
+
+def _split_objective(rank, name):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
+    return _objective(name, _objective_model(name, mesh), [x for s in range(2) for r in range(2)
+                                                           for x in _items(name, r, s)], 4)
+
+
+@pytest.mark.parametrize("name", ["dpo", "kto", "reward"])
+def test_split_models_train_preferences_like_one_process(name):
+    """DPO, KTO and reward models on a model split over two processes (the same items on
+    both) take one process's steps: each step's counts and gradients are summed over the
+    split's copies alone (before, KTO and reward models summed over the split too)."""
+    steps = in_processes(_split_objective, name)
+    whole = [x for s in range(2) for r in range(2) for x in _items(name, r, s)]
+    assert steps[0] == steps[1]
+    assert steps[0] == pytest.approx(_objective(name, _objective_model(name), whole, 4), rel=1e-5, abs=1e-6)
 
 def _sharded_grpo(rank, out):
     from linnet.serve import Engine
@@ -351,8 +376,9 @@ def _split_refusals(rank):
     with pytest.raises(ValueError, match="kv_heads=1, which 2 processes cannot split"):
         nest.load(CARD.replace(kv_heads=1), weights="random", trainable=True, tensor_parallel=mesh)
     model = nest.load(CARD, weights="random", trainable=True, tensor_parallel=mesh)
-    with pytest.raises(ValueError, match="dpo does not train split or pipelined models"):
-        dpo(model, [Pair([5], [6], [7])], optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
+    with pytest.raises(ValueError, match="grpo does not train split or pipelined models yet"):
+        grpo(model, None, [Prompt([5])], lambda p, c: 1.0, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+             steps=1)
     return True
 
 

@@ -30,7 +30,7 @@ import torch
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
 from linnet.torch.distributed import idle_passes, matched, passes_short, sum_across
-from linnet.train.loop import Work, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, trained_parameters
 from linnet.train.preference_loss import LOSS_TYPES, PER_TOKEN, REFERENCE_FREE, pair_losses
 
 # Step metrics under TRL's names, so dashboards built for TRL read linnet runs
@@ -148,8 +148,7 @@ def dpo(
     nll = 1.0 if loss_type == "orpo" else rpo_alpha
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
-    if getattr(model, "copies", None) is not None:
-        raise ValueError("dpo does not train split or pipelined models (tensor_parallel, pipeline) yet; use fully_shard")
+    copies = copies_of(model, "dpo")
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
     if not free and (reference is None or reference_cache is not None):
@@ -165,7 +164,7 @@ def dpo(
     def prepare(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
         check_pairs(batch)
-        (count, chosen_total) = sum_across([float(len(batch)), float(sum(len(p.chosen) for p in batch))])
+        (count, chosen_total) = sum_across([float(len(batch)), float(sum(len(p.chosen) for p in batch))], copies)
         rows = list(_rows(batch, tokens, model, reference))
         starts = np.cumsum([0] + [row.examples // 2 for row in rows])  # each row's first pair
         short = passes_short(len(rows), model, live_reference)
@@ -205,7 +204,7 @@ def dpo(
 
         return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows),
                     ("correct", "margin", "chosen", "rejected", "logp_chosen", "logp_rejected"), metrics,
-                    idle=lambda: idle_passes(short, model, live_reference, row=rows[0]))
+                    idle=lambda: idle_passes(short, model, live_reference, row=rows[0]), group=copies)
 
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)

@@ -161,7 +161,8 @@ def grpo(
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
     if getattr(policy, "copies", None) is not None:
-        raise ValueError("grpo does not train split or pipelined models (tensor_parallel, pipeline) yet; use fully_shard")
+        raise ValueError("grpo does not train split or pipelined models yet (the processes of a split would each "
+                         "sample their own completions); use fully_shard")
     if dr_grpo and sequence_mean:
         raise ValueError("grpo: dr_grpo divides token sums by a constant and sequence_mean by each completion's "
                          "length; choose one")

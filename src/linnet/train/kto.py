@@ -28,7 +28,7 @@ from linnet.history import History, Step
 from linnet.packing import Unpaired, pack_prompted
 from linnet.torch.distributed import matched, sum_across
 from linnet.train.dpo import answer_log_probs
-from linnet.train.loop import Work, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, trained_parameters
 from linnet.train.preference_loss import kto_losses
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
@@ -116,6 +116,7 @@ def kto(
     if not beta > 0 or examples_per_step < 1 or desirable_weight < 0 or undesirable_weight < 0:
         raise ValueError("kto: beta must be > 0, examples_per_step >= 1 and the weights >= 0")
     trained_parameters(model)
+    copies = copies_of(model, "kto")
     check_unpaired(examples)
     ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)
 
@@ -124,7 +125,7 @@ def kto(
         with torch.no_grad():
             policy = _answer_log_probs(model, [_mismatched(examples, i) for i in indices], tokens)
             drift = float(sum(x.double().sum() for x in policy)) - float(ref_mismatched[indices].sum())
-        count, drift_sum = sum_across([float(len(batch)), drift])
+        count, drift_sum = sum_across([float(len(batch)), drift], copies)
         z = max(0.0, drift_sum / count)
         rows = list(pack_prompted(((e.prompt, (e.completion,)) for e in batch), tokens, share=False))
         starts = np.cumsum([0] + [row.examples for row in rows])
@@ -152,7 +153,7 @@ def kto(
                     "logps/rejected": sums["logp_bad"] / bad if bad else float("nan"), "kl": z}
 
         return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows),
-                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics)
+                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics, group=copies)
 
     stream = itertools.cycle(enumerate(examples))
     return fit(model, stream, prepare, per_step=examples_per_step, optimizer=optimizer, steps=steps, clip=clip,

@@ -91,6 +91,15 @@ def resolve_device(name: str | None, where: str = "runtime.device") -> torch.dev
     return device
 
 
+def copies_of(model, who: str):
+    """The processes whose sums make a step of `model` (None: every process): a split
+    model's copies, each split's processes taking the same batches. Only `train` runs a
+    pipelined model's stages: `who` refuses one."""
+    if getattr(model, "pipe", None) is not None:
+        raise ValueError(f"{who} does not train pipelined models yet; use training.split or fully_shard")
+    return getattr(model, "copies", None)
+
+
 def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:

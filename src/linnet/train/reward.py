@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.torch.distributed import matched, sum_across
-from linnet.train.loop import Work, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, trained_parameters
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
@@ -105,11 +105,12 @@ def reward(
     if pairs_per_step < 1:
         raise ValueError("reward: pairs_per_step must be >= 1")
     trained_parameters(model)
+    copies = copies_of(model, "reward")
     check_pairs(pairs)
 
     def prepare(step: int, chunk: list) -> Work:
         batch = [p for _, p in chunk]
-        (count,) = sum_across([float(len(batch))])
+        (count,) = sum_across([float(len(batch))], copies)
         packed = list(rows(model, ((p.prompt, (p.chosen, p.rejected)) for p in batch), tokens))
 
         def loss(_, row):
@@ -124,7 +125,7 @@ def reward(
                     "mean_reward": sums["total"] / (2 * count)}
 
         return Work(packed, loss, count, sum(r.learned for r in packed), sum(r.real for r in packed),
-                    ("correct", "gap", "total"), metrics)
+                    ("correct", "gap", "total"), metrics, group=copies)
 
     return fit(model, itertools.cycle(enumerate(pairs)), prepare, per_step=pairs_per_step, optimizer=optimizer,
                steps=steps, clip=clip, schedule=schedule, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
