@@ -17,6 +17,7 @@ from linnet.torch import fully_shard
 from linnet.torch.sharding import local
 from linnet.train import train
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
+from linnet.train.distill import distill
 from linnet.train.dpo import dpo
 from linnet.train.grpo import Prompt, grpo
 from linnet.train.kto import kto
@@ -379,6 +380,9 @@ def _split_refusals(rank):
     with pytest.raises(ValueError, match="grpo does not train split or pipelined models yet"):
         grpo(model, None, [Prompt([5])], lambda p, c: 1.0, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
              steps=1)
+    with pytest.raises(ValueError, match="distill does not train split or pipelined students yet"):
+        distill(model, nest.load(CARD, weights="random"), [], optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                steps=1)
     return True
 
 

@@ -38,7 +38,7 @@ from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
-from linnet.train.loop import Work, copies_of, fit, trained_parameters
+from linnet.train.loop import Work, fit, trained_parameters
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -127,15 +127,14 @@ def distill(
     positions are distilled), `accumulate` rows a step. Each Step's metrics hold the mean
     divergence per learned token (`divergence`, the loss)."""
     options = _prepare(student, teacher, divergence, beta, temperature)
-    copies = copies_of(student, "distill")
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
-        (count,) = sum_across([learned], copies)
+        (count,) = sum_across([learned])
         if count == 0:
             raise ValueError(f"distill: step {step}'s rows hold no learned position")
         return Work(micro, lambda _, row: (row_divergence(student, teacher, row, **options), {}), count, learned,
-                    sum(float(b.real) for b in micro), group=copies)
+                    sum(float(b.real) for b in micro))
 
     return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
@@ -149,6 +148,10 @@ def _prepare(student, teacher, divergence: str, beta: float, temperature: float)
         raise ValueError(f"distill: divergence={divergence!r}; use one of {', '.join(DIVERGENCES)}")
     if not 0 <= beta <= 1 or not temperature > 0:
         raise ValueError("distill: beta must be in [0, 1] and temperature > 0")
+    if getattr(student, "copies", None) is not None:
+        raise ValueError("distill does not train split or pipelined students yet (the divergence takes the whole "
+                         "vocabulary's logits, and on-policy the processes of a split would each sample their own "
+                         "completions); use fully_shard")
     check_teacher(student, teacher)
     teacher.eval()
     return dict(divergence=divergence, beta=beta, temperature=temperature)
@@ -194,9 +197,6 @@ def on_policy_distill(
     distillation usually takes). A sequence of prompts repeats as epochs."""
     trained_parameters(student)
     options = _prepare(student, teacher, divergence, beta, temperature)
-    if getattr(student, "copies", None) is not None:
-        raise ValueError("on_policy_distill does not train split or pipelined models yet (the processes of a split "
-                         "would each sample their own completions); use fully_shard")
 
     def prepare(step: int, chunk: list) -> Work:
         engine.load_weights(student)
