@@ -84,13 +84,15 @@ def _dpo_process(rank, overrides):
     return dpo_cli([a for o in overrides for a in ("--set", o)])
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp"])
+@pytest.mark.parametrize("shard", ["none", "fsdp", "split"])
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
-    pairs): the same steps and held-out metrics as one process."""
+    pairs), or with training.split=2 both split one model and take all of them: the same
+    steps and held-out metrics as one process."""
     from tests.conftest import in_processes
 
-    overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", f"training.shard={shard}")
+    mode = "training.split=2" if shard == "split" else f"training.shard={shard}"
+    overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", mode)
     assert in_processes(_dpo_process, overrides) == [0, 0]
     with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):
         in_processes(_dpo_process, _overrides(workspace, tmp_path / "odd", "dpo.pairs_per_step=5"))

@@ -15,7 +15,7 @@ import torch
 
 from linnet.commands import runs
 from linnet.config import DPOConfig
-from linnet.torch.distributed import sum_across, world
+from linnet.torch.distributed import data_share, sum_across
 
 
 def prepare(config: DPOConfig):
@@ -90,9 +90,9 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
 
     card, pairs, held_out, steps = prepare(config)
     t, s = config.training, config.dpo
-    per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step)
-    rank, processes = world()
-    pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
+    per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step, t.per_copy)
+    share, shares = data_share(t.per_copy)  # the processes of a split take the same pairs
+    pairs, held_out = pairs[share::shares], held_out[share::shares]
     run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete

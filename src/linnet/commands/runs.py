@@ -100,13 +100,15 @@ def hold_out(items: list, share: float, seed: int) -> tuple[list, list]:
     return [items[i] for i in sorted(order[n:])], [items[i] for i in order[:n]]
 
 
-def split_per_step(name: str, per_step: int) -> int:
-    """A step's items for this process: `per_step` split evenly over the processes."""
-    processes = world()[1]
-    if per_step % processes:
-        raise ValueError(f"config: {name}={per_step} does not split evenly over {processes} processes; "
-                         f"use a multiple of {processes}")
-    return per_step // processes
+def split_per_step(name: str, per_step: int, per_copy: int = 1) -> int:
+    """A step's items for this process: `per_step` split evenly over the copies of the
+    model (each process, or each `per_copy` processes splitting one model between them)."""
+    shares = data_share(per_copy)[1]
+    if per_step % shares:
+        where = "processes" if per_copy == 1 else "copies of the model (training.split processes each)"
+        raise ValueError(f"config: {name}={per_step} does not split evenly over {shares} {where}; "
+                         f"use a multiple of {shares}")
+    return per_step // shares
 
 
 # Fields that never change what a fine-tuning run learns: where it runs and what it keeps.

@@ -92,6 +92,12 @@ class FineTuningConfig:
                           ("training.shard=fsdp", "training.shard=zero to split 8-bit states, or optimizer.name=adamw"))
             raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; "
                              f"use {fix}")
+        if split > 1 and self.training.shard != "none":
+            raise ValueError(f"config: training.split={split} splits every block itself: use it with "
+                             "training.shard=none")
+        if split > 1 and self.model.quantize:
+            raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={split} is not "
+                             "supported yet; an NF4 base splits with training.shard=fsdp")
         if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
             raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
                              "field")
@@ -105,12 +111,6 @@ class SFTConfig(FineTuningConfig):
     def __post_init__(self):
         super().__post_init__()
         t = self.training
-        if t.split > 1 and t.shard != "none":
-            raise ValueError(f"config: training.split={t.split} splits every block itself: use it with "
-                             "training.shard=none")
-        if t.split > 1 and self.model.quantize:
-            raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={t.split} is not "
-                             "supported yet; an NF4 base splits with training.shard=fsdp")
         if t.pipeline > 1 and (t.shard != "none" or self.model.quantize):
             other = f"training.shard={t.shard}" if t.shard != "none" else f"model.quantize={self.model.quantize}"
             raise ValueError(f"config: training.pipeline={t.pipeline} with {other} is not supported yet; pipeline "
