@@ -150,14 +150,14 @@ def _pairs(process: int, step: int) -> list[Pair]:
             for _ in range(2)]
 
 
-def _dpo(model, pairs, per_step):
+def _dpo(model, pairs, per_step, cache=None):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    history = dpo(model, pairs, optimizer=opt, steps=2, pairs_per_step=per_step, tokens=40)
+    history = dpo(model, pairs, optimizer=opt, steps=2, pairs_per_step=per_step, tokens=40, reference_cache=cache)
     return [(s.loss, s.grad_norm, s.metrics["rewards/accuracies"]) for s in history.steps]
 
 
-def _sharded_dpo(rank):
-    return _dpo(fully_shard(_model(True, "float32")), [p for s in range(2) for p in _pairs(rank, s)], 2)
+def _sharded_dpo(rank, cache=None):
+    return _dpo(fully_shard(_model(True, "float32")), [p for s in range(2) for p in _pairs(rank, s)], 2, cache)
 
 
 def test_sharded_dpo_with_uneven_rows_trains_like_one_process():
@@ -238,6 +238,23 @@ def test_split_models_train_preferences_like_one_process(name):
     whole = [x for s in range(2) for r in range(2) for x in _items(name, r, s)]
     assert steps[0] == steps[1]
     assert steps[0] == pytest.approx(_objective(name, _objective_model(name), whole, 4), rel=1e-5, abs=1e-6)
+
+
+def test_sharded_dpo_reads_and_writes_a_reference_cache(tmp_path):
+    """dpo.reference_cache under fully_shard: each process's share gets the file one process
+    would write for those pairs (the key hashes the gathered weights), and when one process
+    has its file and the other not, both compute again rather than wait on each other."""
+    from linnet.train.dpo import cache_key
+
+    plain = in_processes(_sharded_dpo)
+    first = in_processes(_sharded_dpo, tmp_path)
+    with torch.random.fork_rng():  # the adapters' draw the forked processes make, leaving theirs as it was
+        whole = _model(True, "float32")
+    keys = [cache_key(whole, [p for s in range(2) for p in _pairs(r, s)]) for r in range(2)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"dpo-reference-{k}.npy" for k in keys)
+    (tmp_path / f"dpo-reference-{keys[1]}.npy").unlink()
+    again = in_processes(_sharded_dpo, tmp_path)
+    assert first == again == plain
 
 def _sharded_grpo(rank, out):
     from linnet.serve import Engine

@@ -29,7 +29,8 @@ import torch
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
-from linnet.torch.distributed import idle_passes, matched, passes_short, sum_across
+from linnet.torch.distributed import idle_passes, matched, most_across, passes_short, sum_across
+from linnet.torch.sharding import full, is_sharded
 from linnet.train.loop import Work, copies_of, fit, trained_parameters
 from linnet.train.preference_loss import LOSS_TYPES, PER_TOKEN, REFERENCE_FREE, pair_losses
 
@@ -68,12 +69,13 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
 
 
 def cache_key(reference, pairs: Sequence[Pair]) -> str:
-    """A hash of the reference weights and the pairs' token ids (which already carry
-    the data and the chat template that rendered it)."""
+    """A hash of the reference weights (a sharded or split model's gathered whole, so every
+    process count gives one key; every process calls this together) and the pairs' token ids
+    (which already carry the data and the chat template that rendered it)."""
     h = hashlib.sha256()
     for name, p in reference.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().float().cpu().numpy().tobytes())
+        h.update(full(p.detach()).float().cpu().numpy().tobytes())
     for pair in pairs:
         for part in (pair.prompt, pair.chosen, pair.rejected):
             h.update(np.asarray(part, np.int64).tobytes())
@@ -87,7 +89,10 @@ def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os
     from linnet.files import atomic_path
 
     path = Path(cache) / f"dpo-reference-{cache_key(reference, pairs)}.npy"
-    if path.is_file():
+    missing = not path.is_file()
+    if is_sharded(reference):  # its passes are collectives: every process computes, or none
+        missing = bool(most_across(int(missing)))
+    if not missing:
         return np.load(path)
     values = reference_log_probs(reference, pairs, tokens=tokens)
     with atomic_path(path) as tmp:
