@@ -91,6 +91,23 @@ def test_grpo_run_with_a_fully_sharded_qlora_policy(workspace, tmp_path):
     assert len(metrics) == 3 and all(np.isfinite(m["loss"]) and m["mismatch"] < 1e-4 for m in metrics)
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
 
+
+def test_two_processes_splitting_the_policy_take_one_process_steps(workspace, tmp_path):
+    """`linnet grpo` with training.split=2: both processes split one policy and train on the
+    first one's samples, with the steps, rewards and held-out metrics of one process."""
+    from tests.conftest import in_processes
+
+    common = ["model.dtype=float32", "training.steps=2", "evaluation.every=2", "grpo.pass_k=0",
+              "grpo.pass_samples=null"]
+    assert in_processes(_grpo_process, _overrides(workspace, tmp_path / "two", *common, "training.split=2"))[0] is not None
+    run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "one", *common)))
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    assert len(two) == len(one) == 2
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "grad_norm", "reward", "held_out_reward"):
+            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6)), key
+
 def test_builtin_rewards():
     tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)), eos_ids=(0,))
     prompt = SimpleNamespace(answer="Natalia sold 72 clips.\n#### 72")

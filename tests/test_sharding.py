@@ -240,6 +240,33 @@ def test_split_models_train_preferences_like_one_process(name):
     assert steps[0] == pytest.approx(_objective(name, _objective_model(name), whole, 4), rel=1e-5, abs=1e-6)
 
 
+
+def _grpo_steps(policy, seed: int) -> list[float]:
+    from linnet.serve import Engine
+
+    engine = Engine(nest.load(CARD, weights="random", seed=0))
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    history = grpo(policy, engine, [Prompt([3, 4, 5]), Prompt([6, 7])], lambda p, c: float(sum(c) % 5),
+                   optimizer=opt, steps=2, group=4, prompts_per_step=2, max_new_tokens=4, tokens=32, seed=seed,
+                   verbose=False)
+    return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["reward"])]
+
+
+def _split_grpo(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
+    return _grpo_steps(_objective_model("grpo", mesh), seed=rank)  # each process would sample its own
+
+
+def test_split_grpo_trains_on_the_first_processs_samples_like_one_process():
+    """GRPO on a model split over two processes whose engines draw differently (seeds 0 and
+    1): both train on the first process's completions, and take one process's steps with
+    seed 0."""
+    steps = in_processes(_split_grpo)
+    assert steps[0] == steps[1]
+    assert steps[0] == pytest.approx(_grpo_steps(_objective_model("grpo"), seed=0), rel=1e-5, abs=1e-6)
+
 def test_sharded_dpo_reads_and_writes_a_reference_cache(tmp_path):
     """dpo.reference_cache under fully_shard: each process's share gets the file one process
     would write for those pairs (the key hashes the gathered weights), and when one process
@@ -394,9 +421,6 @@ def _split_refusals(rank):
     with pytest.raises(ValueError, match="kv_heads=1, which 2 processes cannot split"):
         nest.load(CARD.replace(kv_heads=1), weights="random", trainable=True, tensor_parallel=mesh)
     model = nest.load(CARD, weights="random", trainable=True, tensor_parallel=mesh)
-    with pytest.raises(ValueError, match="grpo does not train split or pipelined models yet"):
-        grpo(model, None, [Prompt([5])], lambda p, c: 1.0, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-             steps=1)
     with pytest.raises(ValueError, match="distill does not train split or pipelined students yet"):
         distill(model, nest.load(CARD, weights="random"), [], optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                 steps=1)

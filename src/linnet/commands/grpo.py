@@ -11,7 +11,7 @@ import math
 
 from linnet.commands import runs
 from linnet.config import GRPOConfig
-from linnet.torch.distributed import sum_across, world
+from linnet.torch.distributed import data_share, sum_across
 
 
 def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
@@ -43,9 +43,9 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
                          "training prompts, so prompts would repeat within a step; lower grpo.prompts_per_step")
     steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
     runs.steps_factor(config, steps)
-    per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step)
-    rank, processes = world()
-    prompts, held_out = prompts[rank::processes], held_out[rank::processes]  # this process's share
+    per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step, t.per_copy)
+    share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
+    prompts, held_out = prompts[share::shares], held_out[share::shares]
     run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete
@@ -83,7 +83,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
                        reference=reference, correction_cap=g.correction_cap, dr_grpo=g.dr_grpo,
                        sequence_level=g.sequence_level, advantage=g.advantage, sequence_mean=g.sequence_mean,
                        dynamic_sampling=g.dynamic_sampling, tokens=t.context_length,
-                       max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * rank,
+                       max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * share,
                        save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                        keep=t.keep, on_step=log)
     return runs.summarize(run, history, log, card=card.name, steps=steps)

@@ -156,6 +156,9 @@ class Engine:
             raise ValueError("Engine.load_weights: the policy is split by fully_shard, so an NF4 engine cannot share "
                              "its base; load the engine without quantize= (it takes the gathered, dequantized and "
                              "merged weights)")
+        if self.card.tied_embeddings and not getattr(policy, "card", self.card).tied_embeddings:
+            self.model.untie_head()  # a split policy's head trains apart from its embedding (tensor_parallel)
+            self.card = self.model.card
         own = {n: p for n, p in self.model.named_parameters() if not n.endswith(ADAPTER_SUFFIXES)}
         quantized = quant_states(self.model)
         seen = set()

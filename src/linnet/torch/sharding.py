@@ -151,3 +151,15 @@ def copies_group(*meshes):
     groups = {p: dist.new_group([r for r, q in enumerate(places) if q == p])  # every rank makes every group
               for p in sorted(set(places))}
     return groups[place]
+
+
+def split_first(model, value):
+    """The first process's `value` on every process of `model`'s split (tensor parallel),
+    which must compute on the same rows: what each samples, say, if their engines could
+    disagree. `value` itself for a model not split."""
+    if getattr(model, "copies", None) is None:
+        return value
+    mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    box = [value]
+    dist.broadcast_object_list(box, group=mesh.get_group(), group_src=0)
+    return box[0]

@@ -51,8 +51,9 @@ from linnet.rollouts import (
 )
 from linnet.tables import print_table
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
+from linnet.torch.sharding import split_first
 from linnet.train.grpo_loss import grpo_loss
-from linnet.train.loop import Work, fit
+from linnet.train.loop import Work, copies_of, fit
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
 
@@ -160,9 +161,7 @@ def grpo(
         raise ValueError("grpo: group must be >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
-    if getattr(policy, "copies", None) is not None:
-        raise ValueError("grpo does not train split or pipelined models yet (the processes of a split would each "
-                         "sample their own completions); use fully_shard")
+    copies = copies_of(policy, "grpo")
     if dr_grpo and sequence_mean:
         raise ValueError("grpo: dr_grpo divides token sums by a constant and sequence_mean by each completion's "
                          "length; choose one")
@@ -202,12 +201,13 @@ def grpo(
                 parts.append((extra, sampled(extra, rounds)))
                 rounds += 1
             chunk, scored = fill_groups(parts, len(chunk))
+        chunk, scored = split_first(policy, (chunk, scored))  # a split's processes train on the same samples
         per_sequence = sequence_level or sequence_mean
         trained = to_train(scored, beta)
         rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
                            per_sequence, share)
         mine = [*counted(scored), 0.0 if rollout is None else rollout.real]
-        sequences, n_tokens, _ = sum_across(mine)
+        sequences, n_tokens, _ = sum_across(mine, copies)
         normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
         rows = [] if rollout is None else rollout.rows
         short = passes_short(len(rows), policy, judged)
@@ -243,7 +243,7 @@ def grpo(
 
         packed = time.perf_counter()
         return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch", "checked"),
-                    metrics, idle=lambda: idle_passes(short, policy, judged), iterations=iterations)
+                    metrics, idle=lambda: idle_passes(short, policy, judged), iterations=iterations, group=copies)
 
     return fit(policy, stream, prepare, per_step=prompts_per_step, optimizer=optimizer, steps=steps,
                clip=max_grad_norm, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
