@@ -55,9 +55,12 @@ def test_resume_example():
     assert _run("03_resume.py").strip().endswith("identical")
 
 
-def test_fully_shard_example_under_torchrun(tmp_path):
+@pytest.mark.parametrize("qlora", [False, True])
+def test_fully_shard_example_under_torchrun(tmp_path, qlora):
     """A real torchrun launch (two CPU processes, gloo): the sharded run's gathered
-    weights load back as a whole model."""
+    weights load back as a whole model; with --qlora, its adapters in PEFT's files."""
+    if qlora:
+        pytest.importorskip("bitsandbytes", reason="--qlora needs bitsandbytes (the qlora extra)")
     import socket
 
     with socket.socket() as s:  # a free port: torchrun's default 29500 may still be held by an earlier run
@@ -65,11 +68,15 @@ def test_fully_shard_example_under_torchrun(tmp_path):
         port = s.getsockname()[1]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-port", str(port),
-                             str(EXAMPLES / "06_fully_shard.py"), "--steps", "3", "--out", str(tmp_path / "sharded")],
+                             str(EXAMPLES / "06_fully_shard.py"), "--steps", "3", "--out", str(tmp_path / "sharded"),
+                             *(["--qlora"] if qlora else [])],
                             capture_output=True, text=True, timeout=300, env=_env())
     err = result.stderr
     assert result.returncode == 0, err if len(err) < 4000 else err[:2000] + "\n…\n" + err[-2000:]  # both ends: the cause
     assert "loss" in result.stdout and result.stdout.count("weights in") == 1  # the first process reports
+    if qlora:
+        assert (tmp_path / "sharded" / "adapter_config.json").is_file()
+        return
     from linnet import nest
     from linnet.commands import quickstart
 
