@@ -153,13 +153,14 @@ def copies_group(*meshes):
     return groups[place]
 
 
-def split_first(model, value):
-    """The first process's `value` on every process of `model`'s split (tensor parallel),
-    which must compute on the same rows: what each samples, say, if their engines could
-    disagree. `value` itself for a model not split."""
+def split_first(model, compute):
+    """compute() on the first process of `model`'s split (tensor parallel) alone, its value
+    on every process of the split, which must compute on the same rows: what one samples,
+    say, when engines on several devices need not draw alike. compute() itself for a model
+    not split."""
     if getattr(model, "copies", None) is None:
-        return value
+        return compute()
     mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
-    box = [value]
+    box = [compute() if mesh.get_local_rank() == 0 else None]
     dist.broadcast_object_list(box, group=mesh.get_group(), group_src=0)
     return box[0]

@@ -186,22 +186,28 @@ def grpo(
         t0 = time.perf_counter()
         engine.load_weights(policy)
         copy_seconds = time.perf_counter() - t0
+
         def sampled(part: list, round_: int):
             return sample_and_score(engine, part, functions, group=group, max_new_tokens=max_new_tokens,
                                     temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
                                     seed=seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=dr_grpo,
                                     drop_uniform=drop_uniform, advantage=advantage)
 
-        scored, rounds = sampled(chunk, 0), 1
-        if dynamic_sampling:
-            parts = [(chunk, scored)]
-            draw = np.random.default_rng([seed, step, world()[0]])
-            while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) and rounds <= dynamic_sampling:
-                extra = [(int(i), prompts[int(i)]) for i in draw.integers(0, len(prompts), len(chunk))]
-                parts.append((extra, sampled(extra, rounds)))
-                rounds += 1
-            chunk, scored = fill_groups(parts, len(chunk))
-        chunk, scored = split_first(policy, (chunk, scored))  # a split's processes train on the same samples
+        def drawn(chunk: list):
+            """(the groups, their scores, sampling rounds) of the step."""
+            scored, rounds = sampled(chunk, 0), 1
+            if dynamic_sampling:
+                parts = [(chunk, scored)]
+                draw = np.random.default_rng([seed, step, world()[0]])
+                while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) and rounds <= dynamic_sampling:
+                    extra = [(int(i), prompts[int(i)]) for i in draw.integers(0, len(prompts), len(chunk))]
+                    parts.append((extra, sampled(extra, rounds)))
+                    rounds += 1
+                chunk, scored = fill_groups(parts, len(chunk))
+            return chunk, scored, rounds
+
+        # a split's processes train on the same samples: its first process's
+        chunk, scored, rounds = split_first(policy, lambda: drawn(chunk))
         per_sequence = sequence_level or sequence_mean
         trained = to_train(scored, beta)
         rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
