@@ -106,29 +106,42 @@ def test_a_trained_reward_model_is_a_batched_grpo_reward(trained):
         reward(nest.load(CARD, weights="random", trainable=True), _pairs(4), optimizer=None, steps=1)
 
 
-def test_linnet_reward_end_to_end_and_as_a_grpo_reward(tmp_path):
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """A model directory and quickstart-style preference records (the doubled answer loses)."""
+    import json
+
+    from linnet.commands import quickstart
+
+    root = tmp_path_factory.mktemp("reward")
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
+    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    lines = [json.dumps({"prompt": p, "chosen": a, "rejected": a + a}) for p, a in quickstart.problems(rng, 200, 2)]
+    (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _reward_config(root, out, *extra):
+    from linnet.config import RewardConfig, load
+
+    return load(RewardConfig, None, [
+        f"model.card={root / 'model'}", f"data.path={root / 'pairs.jsonl'}", "data.chat=false",
+        "training.context_length=128", "data.eval_share=0.1", "reward.pairs_per_step=16", "lora.rank=8",
+        "optimizer.lr=3e-3", "lr_schedule.warmup_steps=1", "training.steps=12", "evaluation.every=6",
+        f"runtime.output_dir={out}", *extra])
+
+
+def test_linnet_reward_end_to_end_and_as_a_grpo_reward(records, tmp_path):
     """`linnet reward` on quickstart-style preference records: held-out accuracy rises
     above chance, final/ is a transformers sequence classifier, and `model:DIR` resolves
     to a batched GRPO reward."""
     import json
 
     from linnet import rewards
-    from linnet.commands import quickstart
     from linnet.commands.reward import run
-    from linnet.config import RewardConfig, load
 
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(tmp_path / "model")
-    quickstart.save_tokenizer(tmp_path / "model" / "tokenizer.json")
-    rng = np.random.default_rng(0)
-    lines = []
-    for prompt, answer in quickstart.problems(rng, 200, 2):
-        lines.append(json.dumps({"prompt": prompt, "chosen": answer, "rejected": answer + answer}))
-    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
-    config = load(RewardConfig, None, [
-        f"model.card={tmp_path / 'model'}", f"data.path={tmp_path / 'pairs.jsonl'}", "data.chat=false",
-        "training.context_length=128", "data.eval_share=0.1", "reward.pairs_per_step=16", "lora.rank=8",
-        "optimizer.lr=3e-3", "lr_schedule.warmup_steps=1", "training.steps=12", "evaluation.every=6",
-        f"runtime.output_dir={tmp_path / 'run'}"])
+    config = _reward_config(records, tmp_path / "run")
     summary = run(config)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     held = [r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r]
@@ -137,3 +150,35 @@ def test_linnet_reward_end_to_end_and_as_a_grpo_reward(tmp_path):
     assert saved["architectures"][0].endswith("ForSequenceClassification") and saved["num_labels"] == 1
     scorer = rewards.resolve(f"model:{tmp_path / 'run' / 'final'}", tokenizer=None)
     assert len(scorer.batch([(Prompt([1, 5, 6]), [7, 8]), (Prompt([1, 5]), [9])])) == 2
+
+
+def _reward_process(rank, config):
+    from linnet.commands.reward import run
+
+    return run(config).get("held_out_accuracy")  # the first process writes the summary
+
+
+def test_linnet_reward_sharded_over_two_processes_takes_one_process_steps(records, tmp_path):
+    """`linnet reward` with training.shard=fsdp in two processes: one process's losses and
+    held-out accuracy, and the same merged reward model in final/ (its end used to fail:
+    merging adapters into a sharded model is refused)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from linnet.commands.reward import run
+    from tests.conftest import in_processes
+
+    short = ["training.steps=4", "evaluation.every=2"]
+    assert in_processes(_reward_process, _reward_config(records, tmp_path / "two", *short, "training.shard=fsdp"))[0]
+    run(_reward_config(records, tmp_path / "one", *short))
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    assert len(two) == len(one) == 4
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "grad_norm", "held_out_accuracy"):
+            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-4)), key
+    x, y = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("two", "one"))
+    assert x.keys() == y.keys() and "score.weight" in y and not any("lora" in k for k in y)
+    for key in y:
+        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)

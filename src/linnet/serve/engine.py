@@ -59,10 +59,11 @@ from linnet.adapter_files import ADAPTER_SUFFIXES
 from linnet.rollouts import Completion
 from linnet.serve.passes import Batch, decode_pass, pack_head, prefill_pass
 from linnet.torch import attention as attention_paths
+from linnet.torch.lora import merged, policy_weights
 from linnet.torch.losses import token_log_probs
 from linnet.torch.model import Decoder, Linear
 from linnet.torch.quantize import is_quantized, quant_states
-from linnet.torch.sharding import full, is_sharded
+from linnet.torch.sharding import is_sharded
 
 
 @dataclass
@@ -504,28 +505,6 @@ def sampling_options(n, max_new_tokens, temperature, top_k, top_p, vocab: int,
         raise ValueError(f"{who}: top_p={top_p!r}; it must be in (0, 1], or None for all tokens")
     return min(top_k, vocab), top_p
 
-
-def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, Linear | None]]:
-    """(name, parameter, its layer if adapted or NF4, else None) for each of a policy's
-    weights, by Hugging Face name, the adapters' own tensors left out: what an engine copies in."""
-    adapted = {f"{name}.weight": m for name, m in policy.named_modules()
-               if isinstance(m, Linear) and (m.lora_a is not None or is_quantized(m))}
-    for name, p in policy.named_parameters():
-        if not name.endswith(ADAPTER_SUFFIXES):
-            yield name, p, adapted.get(name)
-
-
-def merged(weight: torch.nn.Parameter, layer: Linear | None) -> torch.Tensor:
-    """The plain weight the policy computes with: an adapted layer's merged in float32
-    (`Linear.merged_weight`), an NF4 one dequantized, a sharded one gathered (every
-    process must call this together)."""
-    if layer is None:
-        return _whole(weight)
-    return layer.dense_weight(_whole) if layer.lora_a is None else layer.merged_weight(_whole)
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return full(t.detach())
 
 
 def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

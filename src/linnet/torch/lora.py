@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -119,3 +119,34 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
         adapters = merged_at_first(adapters)
     if world()[0] == 0:
         write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)
+
+
+def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, nn.Linear | None]]:
+    """(name, parameter, its layer if adapted or NF4, else None) for each of a policy's
+    weights, by Hugging Face name, the adapters' own tensors left out: what an engine copies in."""
+    adapted = {f"{name}.weight": m for name, m in policy.named_modules()
+               if isinstance(m, nn.Linear) and (m.lora_a is not None or is_quantized(m))}
+    for name, p in policy.named_parameters():
+        if not name.endswith(ADAPTER_SUFFIXES):
+            yield name, p, adapted.get(name)
+
+
+def merged(weight: torch.nn.Parameter, layer: nn.Linear | None) -> torch.Tensor:
+    """The plain weight the policy computes with: an adapted layer's merged in float32
+    (`Linear.merged_weight`), an NF4 one dequantized, a sharded one gathered (every
+    process must call this together)."""
+    if layer is None:
+        return _whole(weight)
+    return layer.dense_weight(_whole) if layer.lora_a is None else layer.merged_weight(_whole)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return full(t.detach())
+
+
+def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, plain weight) of every weight `model` computes with, the model unchanged: each
+    adapted layer's W + scale * B @ A (DoRA's rows rescaled) in float32, NF4 dequantized,
+    sharded or split tensors gathered (every process iterates together)."""
+    for name, p, layer in policy_weights(model):
+        yield name, merged(p, layer)

@@ -494,14 +494,15 @@ class Decoder(nn.Module):
         merge_lora(self)
 
     def save_weights(self, path, *, dtype=None, names: str = "hf", include: Sequence[str] | None = None,
-                     exclude: Sequence[str] | None = None) -> None:
+                     exclude: Sequence[str] | None = None, merged: bool = False) -> None:
         """Write safetensors (all or the `include`/`exclude` globs' pick) under the names
         transformers and PEFT read, or names="linnet" under the model's own paths; a
         directory also gets the config.json (and tokenizer files) transformers needs to
-        load it back. See linnet.torch.weights.save_weights."""
+        load it back; merged=True writes the adapters folded in, the model unchanged. See
+        linnet.torch.weights.save_weights."""
         from linnet.torch.weights import save_weights
 
-        save_weights(self, path, dtype=dtype, names=names, include=include, exclude=exclude)
+        save_weights(self, path, dtype=dtype, names=names, include=include, exclude=exclude, merged=merged)
 
 
 def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:

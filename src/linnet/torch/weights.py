@@ -131,7 +131,8 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
 
 
 def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf",
-                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> None:
+                 include: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                 merged: bool = False) -> None:
     """Write the parameters as safetensors in `dtype` (default: the model's compute
     dtype). include / exclude: glob patterns over the model's paths picking what to write
     (default everything), e.g. include=["*.lora_a", "*.lora_b"] for the adapters alone.
@@ -140,6 +141,8 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     under the model's own paths (`<layer>.lora_a`); bind_weights reads either. A path
     ending in .safetensors is one file; otherwise a directory gets model.safetensors and,
     for a whole model, the config.json and tokenizer files transformers needs to load it.
+    merged=True writes the plain model the adapters make (each W + scale * B @ A, NF4
+    dequantized; linnet.torch.lora.merged_weights) without changing `model`, sharded or not.
     Under torchrun every process calls it (a sharded model's parts are gathered) and the
     first writes."""
     if names not in ("hf", "linnet"):
@@ -152,9 +155,14 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     def stored(name: str) -> str:
         return to_peft_name(name) if names == "hf" and name.endswith(ADAPTER_SUFFIXES) else name
 
-    states = quant_states(model)
-    tensors = {stored(n): dense(full(p.detach()), states.get(n)).to("cpu", dtype).contiguous()
-               for n, p in model.named_parameters() if n in chosen}
+    if merged:
+        from linnet.torch.lora import merged_weights
+
+        plain = merged_weights(model)
+    else:
+        states = quant_states(model)
+        plain = ((n, dense(full(p.detach()), states.get(n))) for n, p in model.named_parameters())
+    tensors = {stored(n): t.to("cpu", dtype).contiguous() for n, t in plain if n in chosen}
     if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks
         tensors = merged_at_first(tensors)
     if world()[0] != 0:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
-from linnet.torch.distributed import matched, sum_across
+from linnet.torch.distributed import matched, sum_across, world
 from linnet.train.loop import Work, copies_of, fit, trained_parameters
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
@@ -169,15 +169,16 @@ def held_out_accuracy(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> di
 
 
 def save_reward_model(model, directory: str | os.PathLike, *, dtype=None) -> None:
-    """The whole model with its head (adapters merged first) as a transformers
+    """The whole model with its head (adapters merged into the weights written, the model
+    itself unchanged; a sharded one gathered, every process calling) as a transformers
     *ForSequenceClassification directory: weights, config.json (num_labels 1), tokenizer."""
     import json
 
     from linnet.files import write_text
 
-    if getattr(model, "lora", None):
-        model.merge_lora()
-    model.save_weights(directory, dtype=dtype)
+    model.save_weights(directory, dtype=dtype, merged=True)
+    if world()[0] != 0:
+        return
     path = Path(directory) / "config.json"
     config = json.loads(path.read_text())
     config.update(architectures=[ARCHITECTURES[model.card.family]], num_labels=1, id2label={"0": "LABEL_0"},
