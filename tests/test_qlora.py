@@ -329,19 +329,21 @@ def _sft_process(rank, config, resume=False):
     return run(config, resume=resume).get("last_loss")  # the first process writes the summary
 
 
-def test_a_fully_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, tmp_path):
-    """`linnet sft` with model.quantize=nf4 and training.shard=fsdp in two processes takes
-    the steps one process takes with twice the accumulation, writes the same adapters, and
-    a run killed after step 5 resumes to the same losses."""
+@pytest.mark.parametrize("shard, optimizer", [("fsdp", "adamw"), ("zero", "adamw8bit")])
+def test_a_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, tmp_path, shard, optimizer):
+    """`linnet sft` with model.quantize=nf4 and training.shard=fsdp (the 4-bit base split) or
+    zero (8-bit AdamW's states split) in two processes takes the steps one process takes
+    with twice the accumulation, writes the same adapters, and a run killed after step 5
+    resumes to the same losses."""
     import shutil
 
     from safetensors.torch import load_file
 
     from linnet.commands.sft import run
 
-    fsdp = ["optimizer.name=adamw", "training.shard=fsdp", "training.accumulation=1"]
+    fsdp = [f"optimizer.name={optimizer}", f"training.shard={shard}", "training.accumulation=1"]
     two = in_processes(_sft_process, _sft(workspace, tmp_path / "two", *fsdp))
-    run(_sft(workspace, tmp_path / "one", "optimizer.name=adamw", "training.accumulation=2"))
+    run(_sft(workspace, tmp_path / "one", f"optimizer.name={optimizer}", "training.accumulation=2"))
     metrics = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                for d in ("two", "one")}
     assert two[0] is not None and len(metrics["two"]) == len(metrics["one"]) == 8
