@@ -119,12 +119,7 @@ def test_dpo_command_with_simpo_and_with_kto_records(workspace, tmp_path, monkey
     assert rows[-1]["rewards/margins"] > rows[0]["rewards/margins"]
     held = [r["held_out_accuracy"] for r in rows if "held_out_accuracy" in r]
     assert held[-1] > 0.55
-    records = []
-    for line in (workspace / "pairs.jsonl").read_text().splitlines():
-        pair = json.loads(line)
-        records += [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
-                    {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
-    (tmp_path / "kto.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    _kto_records(workspace, tmp_path / "kto.jsonl")
     summary = run(_config(workspace, tmp_path / "kto", "dpo.loss_type=kto", f"data.path={tmp_path / 'kto.jsonl'}",
                           "training.steps=16"))
     rows = [json.loads(x) for x in (tmp_path / "kto" / "metrics.jsonl").read_text().splitlines()]
@@ -135,3 +130,31 @@ def test_dpo_command_with_simpo_and_with_kto_records(workspace, tmp_path, monkey
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "1+1", "completion": "2", "label": "yes"}) + "\n")
     with pytest.raises(ValueError, match="field 'label' must be true"):
         run(_config(workspace, tmp_path / "bad", "dpo.loss_type=kto", f"data.path={tmp_path / 'bad.jsonl'}"))
+
+
+def _kto_records(workspace, path):
+    """Each pair's answers as two unpaired records, the chosen one desirable."""
+    records = []
+    for line in (workspace / "pairs.jsonl").read_text().splitlines():
+        pair = json.loads(line)
+        records += [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
+                    {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_kto_records_split_over_two_processes_take_one_process_steps(workspace, tmp_path):
+    """`linnet dpo` with dpo.loss_type=kto and training.split=2: both processes split one
+    model and take every record of the step, with one process's losses, KL and held-out
+    margins."""
+    from tests.conftest import in_processes
+
+    _kto_records(workspace, tmp_path / "kto.jsonl")
+    kto = ["dpo.loss_type=kto", f"data.path={tmp_path / 'kto.jsonl'}", "training.steps=4"]
+    assert in_processes(_dpo_process, _overrides(workspace, tmp_path / "two", *kto, "training.split=2")) == [0, 0]
+    run(_config(workspace, tmp_path / "one", *kto))
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    assert len(two) == len(one) == 4
+    for a, b in zip(two, one, strict=True):
+        for key in ("loss", "grad_norm", "kl", "held_out_margin"):
+            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6)), key
