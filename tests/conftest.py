@@ -142,3 +142,28 @@ def in_processes(fn, *args, processes: int = 2) -> list:
         w.join(timeout=60)
     assert all(w.exitcode == 0 for w in workers)
     return [results[rank] for rank in range(processes)]
+
+
+def quickstart_model(directory, seed: int = 0):
+    """A random model of the quickstart card, with its tokenizer, saved to `directory`:
+    what the command tests train. Returns the directory."""
+    from pathlib import Path
+
+    from linnet import nest
+    from linnet.commands import quickstart
+
+    nest.load(quickstart.CARD, weights="random", seed=seed).save_weights(directory)
+    quickstart.save_tokenizer(Path(directory) / "tokenizer.json")
+    return directory
+
+
+def same_metrics(run, reference, keys, *, steps: int, **tolerance) -> None:
+    """Two run directories' metrics.jsonl agree step by step: `steps` lines each, and each
+    of `keys` in both or neither line, equal within pytest.approx's `tolerance`."""
+    import json
+
+    a, b = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (run, reference))
+    assert len(a) == len(b) == steps
+    for x, y in zip(a, b, strict=True):
+        for key in keys:
+            assert (key in x) == (key in y) and (key not in y or x[key] == pytest.approx(y[key], **tolerance)), key

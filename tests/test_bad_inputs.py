@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from linnet import cli, nest
+from linnet import cli
 from linnet.commands import quickstart
+from tests.conftest import quickstart_model
 
 torch.set_num_threads(1)
 
@@ -30,8 +31,7 @@ def ws(tmp_path_factory) -> Path:
     from conftest import word_tokenizer
 
     root = tmp_path_factory.mktemp("bad")
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
-    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    quickstart_model(root / "model")
     rng = np.random.default_rng(0)
     problems = quickstart.problems(rng, 60, 2)
     (root / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": a}) + "\n" for p, a in problems))

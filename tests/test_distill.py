@@ -20,6 +20,7 @@ from linnet.train.distill import (
     teacher_completions,
     token_divergence,
 )
+from tests.conftest import quickstart_model
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
@@ -143,8 +144,7 @@ def distill_workspace(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("distill")
     for name, seed in (("student", 0), ("teacher", 5)):
-        nest.load(quickstart.CARD, weights="random", seed=seed).save_weights(root / name)
-        quickstart.save_tokenizer(root / name / "tokenizer.json")
+        quickstart_model(root / name, seed=seed)
     rng = np.random.default_rng(0)
     lines = [json.dumps({"prompt": p, "completion": a}) for p, a in quickstart.problems(rng, 120, 2)]
     (root / "data.jsonl").write_text("\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ import torch
 
 from linnet import nest
 from linnet.packing import Example, Pair, pack
+from tests.conftest import quickstart_model
 
 pytestmark = pytest.mark.jax  # last in the run: see tests/conftest.py
 
@@ -351,8 +352,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
     from linnet.commands import quickstart
     from linnet.jax import train as jax_train
 
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(tmp_path / "model")
-    quickstart.save_tokenizer(tmp_path / "model" / "tokenizer.json")
+    quickstart_model(tmp_path / "model")
     lines = [json.dumps({"prompt": p, "completion": a})
              for p, a in quickstart.problems(np.random.default_rng(0), 120, 2)]
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")

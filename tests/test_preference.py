@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from linnet import cli, nest
+from linnet import cli
 from linnet.commands import quickstart
 from linnet.commands.dpo import run
 from linnet.config import DPOConfig, load
+from tests.conftest import quickstart_model, same_metrics
 
 torch.set_num_threads(1)
 
@@ -19,8 +20,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
-    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    quickstart_model(root / "model")
     rng = np.random.default_rng(0)
     lines = []
     for prompt, answer in quickstart.problems(rng, 200, 2):
@@ -97,14 +97,9 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):
         in_processes(_dpo_process, _overrides(workspace, tmp_path / "odd", "dpo.pairs_per_step=5"))
     run(_config(workspace, tmp_path / "one", "training.steps=4"))
-    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-                for d in ("two", "one"))
-    assert len(two) == len(one) == 4
-    for a, b in zip(two, one):
-        for key in ("loss", "grad_norm", "rewards/accuracies", "rewards/margins", "pairs", "held_out_loss",
-                    "held_out_accuracy"):
-            assert (key in a) == (key in b)
-            assert key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "rewards/accuracies", "rewards/margins",
+                                                      "pairs", "held_out_loss", "held_out_accuracy"),
+                 steps=4, rel=1e-4, abs=1e-6)
 
 
 def test_dpo_command_with_simpo_and_with_kto_records(workspace, tmp_path, monkeypatch):
@@ -152,9 +147,5 @@ def test_kto_records_split_over_two_processes_take_one_process_steps(workspace, 
     kto = ["dpo.loss_type=kto", f"data.path={tmp_path / 'kto.jsonl'}", "training.steps=4"]
     assert in_processes(_dpo_process, _overrides(workspace, tmp_path / "two", *kto, "training.split=2")) == [0, 0]
     run(_config(workspace, tmp_path / "one", *kto))
-    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-                for d in ("two", "one"))
-    assert len(two) == len(one) == 4
-    for a, b in zip(two, one, strict=True):
-        for key in ("loss", "grad_norm", "kl", "held_out_margin"):
-            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6)), key
+    same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "kl", "held_out_margin"), steps=4,
+                 rel=1e-4, abs=1e-6)

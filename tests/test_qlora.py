@@ -15,7 +15,7 @@ from linnet import nest
 from linnet.packing import Example, Pair, pack
 from linnet.train.dpo import dpo
 from linnet.train.grpo import Prompt, grpo
-from tests.conftest import in_processes, make_hf_model
+from tests.conftest import in_processes, make_hf_model, quickstart_model, same_metrics
 from tests.test_sharding import _rows, _run
 
 bnb = pytest.importorskip("bitsandbytes", reason="QLoRA and 8-bit AdamW need bitsandbytes (the qlora extra)")
@@ -285,8 +285,7 @@ def workspace(tmp_path_factory):
     from linnet.commands import quickstart
 
     root = tmp_path_factory.mktemp("qlora")
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
-    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    quickstart_model(root / "model")
     lines = [json.dumps({"prompt": p, "completion": a})
              for p, a in quickstart.problems(np.random.default_rng(0), 300, 2)]
     (root / "train.jsonl").write_text("\n".join(lines) + "\n")
@@ -344,12 +343,8 @@ def test_a_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, 
     fsdp = [f"optimizer.name={optimizer}", f"training.shard={shard}", "training.accumulation=1"]
     two = in_processes(_sft_process, _sft(workspace, tmp_path / "two", *fsdp))
     run(_sft(workspace, tmp_path / "one", f"optimizer.name={optimizer}", "training.accumulation=2"))
-    metrics = {d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-               for d in ("two", "one")}
-    assert two[0] is not None and len(metrics["two"]) == len(metrics["one"]) == 8
-    for a, b in zip(metrics["two"], metrics["one"], strict=True):
-        for key in ("loss", "grad_norm", "held_out_loss"):
-            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-5)), key
+    assert two[0] is not None
+    same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "held_out_loss"), steps=8, rel=1e-5)
     x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
     assert x.keys() == y.keys() and x
     for key in y:

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from linnet import cli, nest, rewards
+from linnet import cli, rewards
 from linnet.commands import quickstart
 from linnet.commands.grpo import run
 from linnet.config import GRPOConfig, load
+from tests.conftest import quickstart_model, same_metrics
 
 torch.set_num_threads(1)
 
@@ -22,8 +23,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo")
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
-    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    quickstart_model(root / "model")
     rng = np.random.default_rng(0)
     lines = [json.dumps({"prompt": p, "answer": a}) for p, a in quickstart.problems(rng, 60, 1)]
     (root / "prompts.jsonl").write_text("\n".join(lines) + "\n")
@@ -101,12 +101,8 @@ def test_two_processes_splitting_the_policy_take_one_process_steps(workspace, tm
               "grpo.pass_samples=null"]
     assert in_processes(_grpo_process, _overrides(workspace, tmp_path / "two", *common, "training.split=2"))[0] is not None
     run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "one", *common)))
-    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-                for d in ("two", "one"))
-    assert len(two) == len(one) == 2
-    for a, b in zip(two, one, strict=True):
-        for key in ("loss", "grad_norm", "reward", "held_out_reward"):
-            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6)), key
+    same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "reward", "held_out_reward"), steps=2,
+                 rel=1e-4, abs=1e-6)
 
 def test_builtin_rewards():
     tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)), eos_ids=(0,))

@@ -20,6 +20,7 @@ from linnet.train.reward import (
     save_reward_model,
     score_answers,
 )
+from tests.conftest import quickstart_model, same_metrics
 from tests.test_dpo import CARD
 
 
@@ -114,8 +115,7 @@ def records(tmp_path_factory):
     from linnet.commands import quickstart
 
     root = tmp_path_factory.mktemp("reward")
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
-    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    quickstart_model(root / "model")
     rng = np.random.default_rng(0)
     lines = [json.dumps({"prompt": p, "chosen": a, "rejected": a + a}) for p, a in quickstart.problems(rng, 200, 2)]
     (root / "pairs.jsonl").write_text("\n".join(lines) + "\n")
@@ -162,7 +162,6 @@ def test_linnet_reward_sharded_over_two_processes_takes_one_process_steps(record
     """`linnet reward` with training.shard=fsdp in two processes: one process's losses and
     held-out accuracy, and the same merged reward model in final/ (its end used to fail:
     merging adapters into a sharded model is refused)."""
-    import json
 
     from safetensors.torch import load_file
 
@@ -172,12 +171,7 @@ def test_linnet_reward_sharded_over_two_processes_takes_one_process_steps(record
     short = ["training.steps=4", "evaluation.every=2"]
     assert in_processes(_reward_process, _reward_config(records, tmp_path / "two", *short, "training.shard=fsdp"))[0]
     run(_reward_config(records, tmp_path / "one", *short))
-    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
-                for d in ("two", "one"))
-    assert len(two) == len(one) == 4
-    for a, b in zip(two, one, strict=True):
-        for key in ("loss", "grad_norm", "held_out_accuracy"):
-            assert (key in a) == (key in b) and (key not in b or a[key] == pytest.approx(b[key], rel=1e-4)), key
+    same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "held_out_accuracy"), steps=4, rel=1e-4)
     x, y = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("two", "one"))
     assert x.keys() == y.keys() and "score.weight" in y and not any("lora" in k for k in y)
     for key in y:

@@ -17,8 +17,9 @@ import pytest
 import torch
 import yaml
 
-from linnet import cli, nest
+from linnet import cli
 from linnet.commands import quickstart
+from tests.conftest import quickstart_model
 
 torch.set_num_threads(1)
 
@@ -26,8 +27,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("safe")
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(root / "model")
-    quickstart.save_tokenizer(root / "model" / "tokenizer.json")
+    quickstart_model(root / "model")
     rng = np.random.default_rng(0)
     (root / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": a}) + "\n"
                                               for p, a in quickstart.problems(rng, 80, 2)))

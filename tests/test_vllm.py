@@ -27,6 +27,7 @@ from linnet.packing import Example, pack
 from linnet.rollouts import Prompt
 from linnet.serve.vllm import VLLMEngine, check_usable
 from linnet.train.grpo import grpo
+from tests.conftest import quickstart_model
 
 torch.set_num_threads(1)
 
@@ -323,8 +324,7 @@ def test_real_linnet_grpo_with_the_vllm_engine(tmp_path):
     within bf16 rounding of the policy's (the logged mismatch)."""
     from linnet.commands import quickstart
 
-    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(tmp_path / "model")
-    quickstart.save_tokenizer(tmp_path / "model" / "tokenizer.json")
+    quickstart_model(tmp_path / "model")
     problems = quickstart.problems(np.random.default_rng(0), 40, 2)
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": a}) + "\n"
                                                     for p, a in problems))
