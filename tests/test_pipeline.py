@@ -21,9 +21,9 @@ CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads
                                      layers=4, tied_embeddings=False)
 
 
-def _model(lora: bool, tied: bool):
+def _model(lora: bool, tied: bool, adapt: bool = True):
     model = nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=0, trainable=not lora)
-    if lora:
+    if lora and adapt:
         torch.manual_seed(0)  # every process draws the same A
         model.add_lora("*_proj.weight", rank=4)
     return model
@@ -36,7 +36,14 @@ def _run(model, rows, accumulate, steps=STEPS, **kw):
 
 
 def _staged(rank, schedule, lora, tied, recompute, out):
-    model = pipeline(_model(lora, tied), schedule=schedule)
+    model = pipeline(_model(lora, tied, adapt=False), schedule=schedule)
+    if lora:  # after the cut, as `linnet sft` adds them; each A set to one process's draw
+        model.add_lora("*_proj.weight", rank=4)
+        drawn = dict(_model(lora, tied).named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_" in name:
+                    p.copy_(drawn[name])
     if recompute:
         model.checkpoint_activations(True)
     names = [n for n, _ in model.named_parameters()]
@@ -58,7 +65,8 @@ def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute
     """Two stages of two blocks each (the first with the embedding, the last with the norm
     and head) take the losses, gradient norms and learned counts of one process over the
     same rows, full fine-tuning on 1F1B (a tied head trains apart from the embedding, as
-    an untied copy's does) and LoRA on GPipe with activation checkpointing; the saved
+    an untied copy's does) and LoRA on GPipe with activation checkpointing (the adapters
+    added after the cut, as `linnet sft` adds them); the saved
     weights and adapters, gathered from both, equal one process's; the held-out loss
     through the stages equals the whole model's; the checkpoint resumes in one process."""
     assert any(r.real < len(r.tokens) for r in _rows())  # rows with trailing padding pass stages whole

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, write_peft
 from linnet.paths import adapted_layers
@@ -42,7 +43,6 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     the adapted layer paths."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
-    split = getattr(model, "copies", None) is not None
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
@@ -56,6 +56,8 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         a = torch.empty(rank, d_in, device=layer.weight.device)
         torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default for A
         b = torch.zeros(d_out, rank, device=layer.weight.device)
+        # split by tensor_parallel (a pipeline's stages also have copies, but whole weights)
+        split = getattr(model, "copies", None) is not None and isinstance(layer.weight, DTensor)
         if split:
             a, b = _split_like(layer.weight, a, b)
         layer.lora_a, layer.lora_b = torch.nn.Parameter(a), torch.nn.Parameter(b)
