@@ -146,3 +146,36 @@ def test_leaving_the_group_stops_its_threads(tmp_path):
         out, err = rank.communicate(timeout=120)
         assert rank.returncode == 0, err[-2000:]
         assert out.strip().splitlines()[-1] == "[]", out
+
+
+def _reduced(rank):
+    import torch.distributed as dist
+
+    from linnet.torch import distributed
+
+    distributed.BUCKET_BYTES = 64  # 16 f32 values a buffer: small gradients share one, a large one goes alone
+    shapes = [(3,), (2, 2), (5, 7), (4,), (40,), (2, 3)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for i, p in enumerate(params):
+        p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) * (rank + 1) + i
+    params[3].grad = None  # no gradient: counts as zero
+    alone = torch.nn.Parameter(torch.zeros(3))
+    alone.grad = torch.full((3,), float(rank))
+    distributed.reduce_gradients(params)
+    distributed.reduce_gradients([alone], group=dist.new_group([rank], use_local_synchronization=True))
+    return [p.grad.numpy() for p in params] + [alone.grad.numpy()]
+
+
+def test_gradients_are_summed_in_bounded_buffers():
+    """reduce_gradients sums every gradient over the processes through buffers of at most
+    BUCKET_BYTES (a larger gradient in place), a missing gradient as zeros; over a group of
+    one process (one copy of a split or pipelined model) it changes nothing."""
+    first, second = in_processes(_reduced)
+    shapes = [(3,), (2, 2), (5, 7), (4,), (40,), (2, 3)]
+    for i, (a, b, shape) in enumerate(zip(first, second, shapes)):
+        n = int(np.prod(shape))
+        expected = 0 if i == 3 else (np.arange(n).reshape(shape) * 3 + 2 * i)
+        np.testing.assert_array_equal(a, expected)
+        np.testing.assert_array_equal(b, expected)
+    np.testing.assert_array_equal(first[-1], [0, 0, 0])
+    np.testing.assert_array_equal(second[-1], [1, 1, 1])

@@ -171,15 +171,22 @@ def idle_passes(count: int, *models, row=None) -> None:
                 (out.sum() * 0).backward()
 
 
+# Gradients are summed in flat buffers of at most this many bytes (one larger is summed in
+# place): a buffer of every gradient would hold them all twice at the end of backward.
+BUCKET_BYTES = 32 << 20
+
+
 def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
-    """Sum gradients over processes in one flat buffer per dtype. Each process has
-    already divided by the global count of learned positions, so the sum is the mean
-    over every token of the step. A parameter without a gradient counts as zero.
+    """Sum gradients over processes, in flat buffers of up to BUCKET_BYTES per dtype. Each
+    process has already divided by the global count of learned positions, so the sum is
+    the mean over every token of the step. A parameter without a gradient counts as zero.
     Without `group`, over every process, skipping sharded parameters (fully_shard has
-    reduced them already); with it (a split model's copies), over the group, each
-    process summing its own part of a split parameter."""
+    reduced them already); with it (a split or pipelined model's copies), over the group,
+    each process summing its own part of a split parameter (a whole adapter's partial
+    sums joined across its split first); no sum when the group is this process alone."""
     if world()[1] == 1:
         return
+    alone = group is not None and dist.get_world_size(group) == 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
         if isinstance(p, DTensor) and group is None:
@@ -190,14 +197,30 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             # a whole (replicated) adapter of a split layer: each process of the split holds a partial sum
             p.grad = p.grad.redistribute(placements=p.placements)
         grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        by_dtype.setdefault(grad.dtype, []).append(grad)
+        if not alone:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
     for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
+        bucket: list[torch.Tensor] = []
         for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            if g.nbytes >= BUCKET_BYTES and g.is_contiguous():
+                dist.all_reduce(g, group=group)
+                continue
+            if bucket and sum(b.nbytes for b in bucket) + g.nbytes > BUCKET_BYTES:
+                _reduce_flat(bucket, group)
+                bucket = []
+            bucket.append(g)
+        if bucket:
+            _reduce_flat(bucket, group)
+
+
+def _reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` through one flat buffer, written back in place."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None, across=None) -> torch.Tensor:
