@@ -280,13 +280,14 @@ def _split_stats(h_ND, wc_VD, targets_N, offset: int, group, rows: int):
     return torch.cat(picked_all), torch.cat(lse_all)
 
 
-def _split_grads(h_ND, w_VD, targets_N, lse_N, coef_N, offset: int, group, rows: int):
-    """(dh, dW_local) of sum_n coef[n] * -log p(targets[n]): dh summed across the processes."""
+def _split_grads(h_ND, w_VD, targets_N, lse_N, coef_N, offset: int, group, rows: int, need_w: bool):
+    """(dh, dW_local) of sum_n coef[n] * -log p(targets[n]): dh summed across the processes;
+    dW None unless `need_w` (a frozen head, under LoRA, takes none)."""
     import torch.distributed as dist
 
     wc_VD = w_VD.to(h_ND.dtype)
     grad_h = torch.zeros_like(h_ND)
-    grad_w = _zeros_f32(w_VD)
+    grad_w = _zeros_f32(w_VD) if need_w else None
     logits = _block_logits(h_ND, wc_VD, rows)
     for sl in _blocks(h_ND.shape[0], rows):
         g = logits(sl).sub_(lse_N[sl, None]).exp_()  # softmax over the local rows
@@ -296,10 +297,11 @@ def _split_grads(h_ND, w_VD, targets_N, lse_N, coef_N, offset: int, group, rows:
         g.mul_(coef_N[sl, None])
         g = g.to(h_ND.dtype)
         grad_h[sl] = g @ wc_VD
-        _add_weight_grad_(grad_w, g, h_ND[sl])
+        if need_w:
+            _add_weight_grad_(grad_w, g, h_ND[sl])
         del g
     dist.all_reduce(grad_h, group=group)
-    return grad_h, grad_w.to(w_VD.dtype)
+    return grad_h, None if grad_w is None else grad_w.to(w_VD.dtype)
 
 
 class _SplitCrossEntropy(torch.autograd.Function):
@@ -314,7 +316,8 @@ class _SplitCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         h_ND, w_VD, targets_N, weights_N, lse = ctx.saved_tensors
         coef = _f32(weights_N) * grad_out
-        return (*_split_grads(h_ND, w_VD, targets_N, lse, coef, *ctx.split), None, None, None, None, None)
+        return (*_split_grads(h_ND, w_VD, targets_N, lse, coef, *ctx.split, ctx.needs_input_grad[1]),
+                None, None, None, None, None)
 
 
 class _SplitTokenLogProbs(torch.autograd.Function):
@@ -328,7 +331,8 @@ class _SplitTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_N):
         h_ND, w_VD, targets_N, lse = ctx.saved_tensors
-        return (*_split_grads(h_ND, w_VD, targets_N, lse, -_f32(grad_N), *ctx.split), None, None, None, None)
+        return (*_split_grads(h_ND, w_VD, targets_N, lse, -_f32(grad_N), *ctx.split, ctx.needs_input_grad[1]),
+                None, None, None, None)
 
 
 def split_cross_entropy(h_ND, w_VD, targets_N, weights_N, *, offset: int, group, block_bytes: int | None = None):
