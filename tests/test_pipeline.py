@@ -197,3 +197,37 @@ def test_split_stages_train_like_one_process(tmp_path):
     (tmp_path / "whole").mkdir()
     shutil.copytree(out / "ckpt" / "step-00000002", tmp_path / "whole" / "step-00000002")
     _same_steps(_run(_model(False, False), _rows(), 2, checkpoint=tmp_path / "whole"), reference[2:])
+
+
+def _held(rank, split, stages, lora):
+    """(stage, parameters held, trained) of this process, built as `linnet sft` builds it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, stages, split), mesh_dim_names=("copies", "stages", "split"))
+    model = nest.load(CARD.replace(tied_embeddings=True), weights="random", seed=0, trainable=not lora,
+                      tensor_parallel=mesh["split"] if split > 1 and stages == 1 else None)
+    if stages > 1:
+        pipeline(model, mesh["stages"], tensor_parallel=mesh["split"] if split > 1 else None)
+    if lora:
+        model.add_lora("*_proj.weight", rank=4)
+
+    def count(p):
+        return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+    return (mesh["stages"].get_local_rank(), sum(count(p) for p in model.parameters()),
+            sum(count(p) for p in model.parameters() if p.requires_grad))
+
+
+@pytest.mark.parametrize("split, stages, lora", [(2, 1, True), (1, 2, False), (2, 2, True)])
+def test_the_planner_counts_what_each_process_holds(split, stages, lora):
+    """`linnet plan`'s part for each process of a split, pipelined or split-and-pipelined copy
+    (a tied head untied, adapters added after the cut) counts exactly the model's parameters
+    and the trained ones that the process holds (bench/plan_parallel.md sets its memory
+    beside the measured)."""
+    from linnet import plan
+
+    settings = dict(method="lora" if lora else "full", rank=4, split=split, pipeline=stages, gpus=split * stages)
+    parts = plan.estimate(CARD.replace(tied_embeddings=True), **plan.plan_inputs(settings)).processes
+    for stage, params, trained in in_processes(_held, split, stages, lora, processes=split * stages):
+        base = params - trained if lora else params  # the planner's parameters are the model's, adapters apart
+        assert (parts[stage].params, parts[stage].trainable) == (base, trained)

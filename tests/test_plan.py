@@ -689,16 +689,68 @@ def test_plan_of_a_config_splits_what_its_training_shard_splits(tmp_path, capsys
         assert states[4][name] == pytest.approx(expected, rel=1e-6), name
 
 
-@pytest.mark.parametrize("training", ["split: 2", "pipeline: 2", "{split: 2, pipeline: 2}"])
-def test_plan_refuses_a_config_split_or_cut_across_processes(tmp_path, capsys, training):
-    """A model split (tensor parallel) or cut into pipeline stages has no plan yet: refused
-    by name rather than planned as a whole copy a GPU."""
+@pytest.mark.parametrize("split, stages", [(2, 1), (1, 2), (2, 2)])
+def test_plan_of_a_config_split_or_cut_holds_a_part_a_process(tmp_path, capsys, split, stages):
+    """A config's training.split and training.pipeline plan one copy over split x pipeline
+    GPUs: a line a stage, the table's memory the fullest process's, each holding less than
+    the whole model does."""
     config = tmp_path / "run.yaml"
-    body = training if training.startswith("{") else "{" + training + "}"
     config.write_text(f"model: {{card: qwen2.5-0.5b-instruct}}\ndata: {{path: x.jsonl}}\nlora: {{enabled: false}}\n"
-                      f"training: {body}\n")
-    assert plan_command.main(["--config", str(config)]) == 2
-    assert "has no plan yet" in capsys.readouterr().err
+                      f"training: {{split: {split}, pipeline: {stages}, accumulation: 4}}\n")
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["cluster"]["split"], data["cluster"]["pipeline"], data["cluster"]["gpus"]) == (split, stages,
+                                                                                                split * stages)
+    assert len(data["processes"]) == stages
+    assert data["total"] == max(max(p["phases"].values()) for p in data["processes"])
+    whole = plan.estimate("qwen2.5-0.5b-instruct", **plan.plan_inputs(
+        {k: v for k, v in plan_command.settings_from_config(str(config)).items()
+         if k not in ("card", "split", "pipeline", "gpus")}))
+    assert all(p["states"]["weights"] < whole.states.weights for p in data["processes"])
+    assert plan_command.main(["--config", str(config)]) == 0
+    assert ("peak, stage 1 of 2" in capsys.readouterr().out) == (stages == 2)
+
+
+PARTS_CARD = plan.cards.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2,
+                                                 head_dim=8, layers=5, tied_embeddings=True)
+
+
+def test_model_parts_divide_the_model_as_linnet_does():
+    """Stages hold consecutive blocks (5 over 2: 2 and 3), the first the embedding, the last
+    the norm and an untied head, so the stages together hold the model and a second head;
+    1F1B (micro-batches >= stages) keeps P - i in flight at stage i, GPipe every one; a
+    split divides each block's projections and the head's rows, not the embedding or norms."""
+    card = PARTS_CARD
+    parts = step_memory.model_parts(card, stages=2, micro_batches=8)
+    assert [p.card.layers for p in parts] == [2, 3] and [p.embeds for p in parts] == [True, False]
+    assert [p.head_rows for p in parts] == [0, 64] and not any(p.tied for p in parts)
+    assert sum(p.params() for p in parts) == card.params() + card.vocab * card.hidden
+    assert [p.in_flight for p in step_memory.model_parts(card, stages=4, micro_batches=8)] == [4, 3, 2, 1]
+    assert [p.in_flight for p in step_memory.model_parts(card, stages=4, micro_batches=2)] == [2, 2, 2, 2]
+    (split,) = step_memory.model_parts(card, split=2)
+    linears = sum(o * i for o, i in card.linear_shapes().values())
+    norms = card.block_params() - linears
+    assert split.params() == (card.vocab * card.hidden + card.vocab // 2 * card.hidden + card.hidden
+                              + card.layers * (linears // 2 + norms))
+    assert split.split_head and step_memory.model_parts(card.replace(vocab=63), split=2)[0].head_rows == 63
+    lora = plan.Method("lora", rank=4)
+    assert plan.trainable_params(card, lora, split) == plan.trainable_params(card, lora) - card.layers * 4 * sum(
+        (o if name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else i) // 2
+        for name, (o, i) in card.linear_shapes().items())
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(split=3), "heads=4, which 3 processes cannot split evenly"),
+    (dict(pipeline=6), "5 layers, fewer than the stages"),
+    (dict(split=2, gpus=3), "use a multiple of 2 GPUs"),
+    (dict(split=2, gpus=2, shard="fsdp"), "linnet splits or cuts whole copies only"),
+    (dict(pipeline=2, gpus=2, method="qlora"), "qlora with split or pipeline"),
+    (dict(pipeline=2, gpus=2, workers=2), "packed workers with split or pipeline"),
+])
+def test_split_and_pipeline_plans_refuse_what_linnet_refuses(settings, message):
+    settings = {"gpus": settings.get("split", 1) * settings.get("pipeline", 1), **settings}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.estimate(PARTS_CARD, **plan.plan_inputs(settings))
 
 
 def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_engine(tmp_path, capsys):

@@ -43,16 +43,19 @@ from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's publ
     Batch,
     Method,
     Moment,
+    Part,
     States,
     _require,
     activation_bytes,
     block_activation_bytes,
     logits_bytes,
     loss_rows,
+    model_parts,
     quantized_params,
     state_bytes,
     step_moments,
     trainable_params,
+    whole,
 )
 
 GB = 1e9
@@ -150,12 +153,16 @@ class Cluster:
     that reproduces the seed's minimum of 18 H100s for full fine-tuning of a 70B (with all
     80 GB usable the arithmetic gives 16; any share from 0.882 to 0.933 gives 18).
     `mfu` defaults to 0.35, the low end of the 35-50% BF16 MFU that good large dense runs
-    reach on H100; small models and adapters usually reach less.
+    reach on H100; small models and adapters usually reach less. `split` GPUs split every
+    block (tensor parallel) and `pipeline` stages hold consecutive blocks: split x pipeline
+    GPUs hold one copy of the model, and `gpus` counts every copy's.
     """
 
     gpu: Accelerator = ACCELERATORS["h100"]
     gpus: int = 1
     shard: str = "none"
+    split: int = 1
+    pipeline: int = 1
     usable: float = 0.9
     precision: str = "bf16"
     mfu: float = 0.35
@@ -166,6 +173,13 @@ class Cluster:
         _require(
             self.shard in SHARDED_STATES, f"shard {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}"
         )
+        _require(self.split >= 1 and self.pipeline >= 1,
+                 f"split and pipeline must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
+        per_copy = self.split * self.pipeline
+        _require(self.gpus % per_copy == 0, f"gpus={self.gpus}: split {self.split} x pipeline {self.pipeline} = "
+                 f"{per_copy} GPUs hold one copy of the model; use a multiple of {per_copy} GPUs")
+        _require(per_copy == 1 or self.shard == "none", f"shard {self.shard!r} with split {self.split} and pipeline "
+                 f"{self.pipeline}: linnet splits or cuts whole copies only (training.shard: none)")
         _require(0 < self.usable <= 1, f"usable must be a fraction in (0, 1] of GPU memory, got {self.usable}")
         _require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
         _require(self.price is None or self.price >= 0, f"price must be >= 0 dollars per GPU-hour, got {self.price}")
@@ -260,8 +274,23 @@ def compute_cost(params: float, tokens: float, method: Method, cluster: Cluster)
 
 
 @dataclass(frozen=True)
+class ProcessPlan:
+    """The memory of one process's part of the model (step_memory.Part): the whole model,
+    or under split / pipeline one stage's share."""
+
+    name: str
+    params: int
+    trainable: int
+    states: States
+    activations: Activations
+    phases: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Memory per GPU and, given a token count, compute and cost of one run."""
+    """Memory per GPU and, given a token count, compute and cost of one run. Split or
+    pipelined, the memory figures are the fullest process's, and `processes` has each
+    stage's."""
 
     model: str
     params: int
@@ -277,6 +306,7 @@ class Plan:
     phases: dict[str, float]  # the most bytes live per GPU in each phase of a step (PHASES)
     min_gpus: int | None  # with every state sharded; None: activations alone overflow a GPU
     compute: Compute | None
+    processes: tuple[ProcessPlan, ...] = ()  # one a pipeline stage (its split's processes hold alike)
 
     @property
     def total(self) -> float:
@@ -312,22 +342,38 @@ def estimate(
     card = cards.resolve(card)
     params = card.params()
     trainable = trainable_params(card, method)
-    activations = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode))
-                   for mode in CHECKPOINTING}
-    moments = step_moments(card, method, batch, activations[batch.checkpointing])
     if tokens == "chinchilla":
         tokens = chinchilla_tokens(params)
     _require(
         tokens is None or (not isinstance(tokens, str) and tokens > 0),
         f"tokens must be a positive count such as 12e6, or 'chinchilla'; got {tokens!r}",
     )
-    states = state_bytes(params, trainable, method, cluster.shard, cluster.gpus, quantized_params(card, method))
-    n = batch.workers
-    if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
-        moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
-                   for phase, ms in moments.items()}
-        activations = {mode: Activations(*(v * n for v in dataclasses.astuple(a))) for mode, a in activations.items()}
-        states = States(*(v * n for v in dataclasses.astuple(states)))
+    cut = cluster.split * cluster.pipeline > 1
+    _require(not (cut and method.name == "qlora"),
+             "qlora with split or pipeline: linnet splits an NF4 base with shard fsdp only; plan it so")
+    _require(not cut or batch.workers == 1, "packed workers with split or pipeline: each worker is a whole model")
+    processes, modes = [], []
+    for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation):
+        acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
+                for mode in CHECKPOINTING}
+        moments = step_moments(card, method, batch, acts[batch.checkpointing], part)
+        quantized = quantized_params(card, method) if not cut else 0
+        states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard,
+                             cluster.gpus, quantized)
+        n = batch.workers
+        if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
+            moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
+                       for phase, ms in moments.items()}
+            acts = {mode: Activations(*(v * n for v in dataclasses.astuple(a))) for mode, a in acts.items()}
+            states = States(*(v * n for v in dataclasses.astuple(states)))
+        phases = {phase: max(m.on(cluster.shard, cluster.gpus) for m in moments[phase]) for phase in PHASES}
+        processes.append(ProcessPlan(part.name, part.params(), trainable_params(card, method, part), states,
+                                     acts[batch.checkpointing], phases))
+        modes.append((acts, moments))
+    fullest = max(range(len(processes)), key=lambda i: max(processes[i].phases.values()))
+    acts, moments = modes[fullest]
+    if cut:  # the fewest GPUs that hold the whole model with every state sharded, as unsplit
+        moments = step_moments(card, method, batch, activation_bytes(card, method, batch))
     fewest = [min_gpus(sum(m.states.values()), m.activations, cluster.usable_bytes)
               for ms in moments.values() for m in ms]
     return Plan(
@@ -337,14 +383,15 @@ def estimate(
         method=method,
         batch=batch,
         cluster=cluster,
-        states=states,
-        activations=activations[batch.checkpointing],
-        activations_checkpointed=activations["full"].peak,
-        activations_uncheckpointed=activations["none"].peak,
+        states=processes[fullest].states,
+        activations=acts[batch.checkpointing],
+        activations_checkpointed=acts["full"].peak,
+        activations_uncheckpointed=acts["none"].peak,
         logits=logits_bytes(card.vocab, batch),
-        phases={phase: max(m.on(cluster.shard, cluster.gpus) for m in moments[phase]) for phase in PHASES},
+        phases={phase: max(p.phases[phase] for p in processes) for phase in PHASES},
         min_gpus=None if None in fewest else max(fewest),
         compute=None if tokens is None else compute_cost(params, tokens, method, cluster),
+        processes=tuple(processes),
     )
 
 

@@ -17,6 +17,7 @@ k = kv_heads·head_dim, V vocabulary, L layers, c bytes of the compute dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from linnet import cards
@@ -169,31 +170,111 @@ SHARDED_STATES: dict[str, frozenset[str]] = {
 
 
 # ---------------------------------------------------------------------------------------
+# What one process holds
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one process holds of the model: all of it, or its share of a copy split
+    `split` ways (tensor parallel) and cut into pipeline stages (`model_parts`).
+
+    `card` describes its blocks: how many it holds (`layers`) and its share of each (heads,
+    kv heads and the MLP's width divided by the split; a column-split projection's adapter
+    B and a row-split one's A split alike, so the card's shapes count them too). The first
+    stage holds the embedding (`embeds`), the last the final norm and `head_rows` rows of
+    the head (the vocabulary divided by the split when it divides: its losses are then
+    linnet.torch.losses' split ones, `split_head`). A head tied to the embedding stays one
+    tensor only in a whole model. `in_flight`: micro-batches whose activations the part
+    keeps at once. A later stage `receives` its input, an earlier one `sends` its output
+    on, each through a buffer a micro-batch of the step (`micro_batches`) that the
+    pipeline keeps for the whole run."""
+
+    name: str
+    card: cards.Card
+    embeds: bool = True
+    head_rows: int = 0
+    tied: bool = False
+    split_head: bool = False
+    in_flight: int = 1
+    receives: bool = False
+    sends: bool = False
+    micro_batches: int = 1
+
+    def params(self) -> int:
+        """Parameters held; a tied head counted once."""
+        c = self.card
+        n = c.layers * c.block_params() + (c.vocab * c.hidden if self.embeds else 0)
+        if self.head_rows:
+            n += c.hidden + (0 if self.tied else self.head_rows * c.hidden)
+        return n
+
+
+def whole(card: cards.Card) -> Part:
+    """The whole model, as one process holds it."""
+    return Part("whole model", card, head_rows=card.vocab, tied=card.tied_embeddings)
+
+
+def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches: int = 1) -> list[Part]:
+    """The part each process of one copy holds, stage by stage (the processes of a stage's
+    split hold alike): linnet.torch.sharding.tensor_parallel and linnet.torch.pipeline,
+    as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P). `linnet sft`
+    runs 1F1B when the step has at least as many micro-batches as stages: stage i then
+    keeps at most P - i micro-batches' activations; with fewer, GPipe: every stage keeps
+    every micro-batch's until the backwards begin."""
+    if split == stages == 1:
+        return [whole(card)]
+    for name in ("heads", "kv_heads", "intermediate"):
+        _require(getattr(card, name) % split == 0,
+                 f"split {split}: card {card.name!r} has {name}={getattr(card, name)}, which {split} processes "
+                 "cannot split evenly")
+    _require(card.layers >= stages, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
+                                    "the stages")
+    share = card.replace(heads=card.heads // split, kv_heads=card.kv_heads // split,
+                         intermediate=card.intermediate // split)
+    split_head = split > 1 and card.vocab % split == 0
+    parts = []
+    for i in range(stages):
+        held = (i + 1) * card.layers // stages - i * card.layers // stages
+        last = i == stages - 1
+        in_flight = min(stages - i, micro_batches) if micro_batches >= stages else micro_batches
+        name = f"stage {i + 1} of {stages}" if stages > 1 else "split"
+        parts.append(Part(name + (f", 1/{split} of each block" if split > 1 and stages > 1 else ""),
+                          share.replace(layers=held), embeds=i == 0,
+                          head_rows=(card.vocab // split if split_head else card.vocab) if last else 0,
+                          split_head=split_head and last, in_flight=in_flight, receives=i > 0, sends=not last,
+                          micro_batches=micro_batches))
+    return parts
+
+
+# ---------------------------------------------------------------------------------------
 # States
 
 
-def trainable_params(card: cards.Card, method: Method) -> int:
-    """Parameters the optimizer updates.
+def trainable_params(card: cards.Card, method: Method, part: Part | None = None) -> int:
+    """Parameters the optimizer updates (of `part`, default the whole model).
 
     Full fine-tuning trains every parameter. LoRA replaces the update of each targeted
     d_out x d_in matrix by B A with A: r x d_in and B: d_out x r, so it trains
     r (d_in + d_out) per matrix (Hu et al. 2021). DoRA adds a magnitude per output row
     of each targeted matrix (Liu et al. 2024). QLoRA trains the same adapters as LoRA.
     """
+    part = part or whole(card)
     if not method.adapters:
-        return card.params()
-    shapes = _targeted(card, method)
+        return part.params()
+    shapes = _targeted(part.card, method)
     per_block = sum(method.rank * (d_out + d_in) for d_out, d_in in shapes)
     if method.name == "dora":
         per_block += sum(d_out for d_out, _ in shapes)
-    return card.layers * per_block
+    return part.card.layers * per_block
 
 
-def _largest_trainable(card: cards.Card, method: Method) -> int:
-    """Values in the largest trainable tensor."""
+def _largest_trainable(part: Part, method: Method) -> int:
+    """Values in the largest trainable tensor of a part."""
+    c = part.card
     if method.adapters:
-        return method.rank * max(max(shape) for shape in _targeted(card, method))
-    return max(card.vocab * card.hidden, *(o * i for o, i in card.linear_shapes().values()))
+        return method.rank * max(max(shape) for shape in _targeted(c, method))
+    return max(c.vocab * c.hidden if part.embeds else 0, part.head_rows * c.hidden,
+               *(o * i for o, i in c.linear_shapes().values()))
 
 
 def _targeted(card: cards.Card, method: Method) -> list[tuple[int, int]]:
@@ -308,15 +389,17 @@ class Activations:
     backward: float  # what a block's backward holds beside its saved tensors
     top: float  # still kept when backward reaches the last block (the final norm's are freed)
     bottom: float  # still kept when backward reaches the first block
+    buffers: float = 0  # a pipeline stage's receive buffers, kept for the whole run
+    each: float = 0  # kept for one micro-batch, of the `kept` of those in flight
 
     @property
     def peak(self) -> float:
         """The most activation bytes live at once: at the end of the forward, or in a block's backward."""
-        return max(self.kept + self.loss, self.top + self.recompute + self.backward)
+        return max(self.kept + self.loss, self.top + self.recompute + self.backward) + self.buffers
 
 
-def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activations:
-    """Activation bytes per GPU, by phase.
+def activation_bytes(card: cards.Card, method: Method, batch: Batch, part: Part | None = None) -> Activations:
+    """Activation bytes per GPU, by phase, of `part` (default the whole model).
 
     kept: without checkpointing every block's saved tensors (block_activation_bytes);
     with it each block's input (c·d a token: torch's non-reentrant checkpoint keeps the
@@ -327,35 +410,68 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch) -> Activati
     loss: logits_bytes; with the chunked loss also the hidden states' gradient (c·d a
     token) and a [rows, d] product; in bf16 the logits block cast to bf16 and, when the
     head trains, its bf16 copy and the slices its f32 gradient is accumulated through;
-    in f32 on a CPU the head's copy packed for oneDNN (4·V·d).
+    in f32 on a CPU the head's copy packed for oneDNN (4·V·d). A head split by vocabulary
+    makes its gradients in backward instead (`_split_loss`).
     recompute: with checkpointing, the block computed again (less what selective kept),
     with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight.
     backward: the gradients in flight inside a block's backward, two [s·b, F] tensors in
     the compute dtype (measured: bench/plan_vs_measured.md).
+    A pipeline stage (Part) keeps `in_flight` micro-batches' activations; a stage that sends
+    its output on keeps it (c·d a token) for its backward instead of a final norm's; one
+    that receives its input reads it from a receive buffer (`buffers`: c·d a token, one a
+    micro-batch, and as many for the gradients coming back to a stage that sends), which
+    then is what its first block keeps of its input (measured: bench/plan_parallel.md).
     """
+    part = part or whole(card)
+    card = part.card
     c, d, tokens = method.compute_bytes, card.hidden, batch.tokens
     a = 4 if batch.device == "cpu" else c
     block = block_activation_bytes(card, method, batch)
     selective = (a * card.heads * card.head_dim + 4 * card.heads) * tokens
     per_block = {"none": block, "full": c * d * tokens, "selective": c * d * tokens + selective}[batch.checkpointing]
     frozen_input = (4 * d + 4) * tokens if method.adapters and batch.checkpointing == "none" else 0
-    rope = 2 * c * card.head_dim * tokens + (0 if method.adapters else 8 * tokens)  # + token ids, for the embedding
+    if part.receives:  # the input needs its gradient, and is the receive buffer
+        frozen_input = (c * d if batch.checkpointing != "none" else 4 * d if c == 4 else 0) * tokens
+    rope = 2 * c * card.head_dim * tokens + (0 if method.adapters or not part.embeds else 8 * tokens)  # + token ids
     top = card.layers * per_block + rope - frozen_input
-    loss = logits_bytes(card.vocab, batch)
-    if batch.chunked_loss:
-        rows = loss_rows(card.vocab, batch)
-        loss += c * d * (tokens + rows) + (2 * rows * card.vocab if c == 2 else 0)
-        if batch.device == "cpu" and c == 4 and tokens >= CPU_PACK_MIN_ROWS and card.vocab * d >= CPU_PACK_MIN_ELEMENTS:
-            loss += 4 * card.vocab * d  # the head packed for oneDNN
-        if not method.adapters and c == 2:
-            loss += (2 * card.vocab * d if method.master_bytes else 0) + min(card.vocab, 2**26 // (4 * d)) * d * 6
+    loss = 0
+    if part.split_head:
+        loss = _split_loss(card, method, batch, part.head_rows)
+    elif part.head_rows:
+        V = part.head_rows
+        loss = logits_bytes(V, batch)
+        if batch.chunked_loss:
+            rows = loss_rows(V, batch)
+            loss += c * d * (tokens + rows) + (2 * rows * V if c == 2 else 0) + _packed_head(V, d, c, batch)
+            if not method.adapters and c == 2:
+                loss += (2 * V * d if method.master_bytes else 0) + min(V, 2**26 // (4 * d)) * d * 6
     largest = max(o * i for o, i in card.linear_shapes().values())
     recompute = c * largest if method.name == "qlora" else 0
     if batch.checkpointing != "none":
         recompute += block - (selective if batch.checkpointing == "selective" else 0)
         recompute += (3 + (c == 2)) * 4 * largest if method.name == "dora" else 0
-    return Activations(top + _norm_bytes(d, c, not method.adapters) * tokens, loss, recompute,
-                       2 * c * card.intermediate * tokens, top, per_block + rope - frozen_input)
+    each = top + (_norm_bytes(d, c, not method.adapters) * tokens if part.head_rows else c * d * tokens)
+    earlier = (part.in_flight - 1) * each  # the other micro-batches in flight
+    buffers = (part.receives + part.sends) * part.micro_batches * c * d * tokens
+    return Activations(each + earlier, loss, recompute, 2 * c * card.intermediate * tokens, top + earlier,
+                       per_block + rope - frozen_input + earlier, buffers, each)
+
+
+def _packed_head(rows: int, d: int, c: int, batch: Batch) -> int:
+    """The head's copy packed for oneDNN that a float32 loss on a CPU makes
+    (linnet.torch.losses._block_logits), or 0."""
+    if batch.device == "cpu" and c == 4 and batch.tokens >= CPU_PACK_MIN_ROWS and rows * d >= CPU_PACK_MIN_ELEMENTS:
+        return 4 * rows * d
+    return 0
+
+
+def _split_loss(card: cards.Card, method: Method, batch: Batch, rows_held: int) -> float:
+    """The working set of linnet.torch.losses' loss over a head split by vocabulary: one
+    f32 block of logits over the rows held (and the head packed for oneDNN), in the forward
+    and again in backward, which recomputes it; the block's bf16 gradient in bf16."""
+    V, c = rows_held, method.compute_bytes
+    rows = loss_rows(V, dataclasses.replace(batch, chunked_loss=True))
+    return 4 * rows * V + (2 * rows * V if c == 2 else 0) + _packed_head(V, card.hidden, c, batch)
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,7 +497,8 @@ class Moment:
         return sum(v / gpus if k in split else v for k, v in self.states.items()) + self.activations
 
 
-def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations) -> dict[str, list[Moment]]:
+def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations,
+                 part: Part | None = None) -> dict[str, list[Moment]]:
     """For each phase of a training step, the moments that may hold its peak (whole states:
     one GPU, nothing sharded). linnet sets gradients to None after every optimizer step, so
     the first micro-step's forward holds no gradient but the head's, which the chunked loss
@@ -402,39 +519,56 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     (`optimizer_bytes` 2) too, holding `EIGHT_BIT_CPU_COPIES` f32 tensors of the largest
     there (its moments dequantized and the update's temporaries); fused on a GPU. Other
     optimizers: none counted.
+    A part (model_parts) holds its own states; a stage without the head starts its backward
+    with the gradient of its output, received into a buffer; a head split by vocabulary
+    makes the head's gradient and the hidden states' in backward, recomputing the logits.
     """
-    trainable = trainable_params(card, method)
-    whole = state_bytes(card.params(), trainable, method, quantized=quantized_params(card, method))
+    part = part or whole(card)
+    trainable = trainable_params(card, method, part)
+    states = state_bytes(part.params(), trainable, method,
+                         quantized=quantized_params(card, method) if part.head_rows == card.vocab and part.embeds else 0)
     grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
     copies = method.copy_bytes * trainable if method.master_bytes else 0
-    stored = whole.weights - copies
+    stored = states.weights - copies
+    blocks = part.card
     if not method.adapters:  # the embedding and head are not copied by the blocks' linears
-        copies = method.copy_bytes * card.layers * card.block_params() if method.master_bytes else 0
-    matrix = card.vocab * card.hidden  # the head; untied, the embedding too
-    head = 0 if method.adapters else grad * matrix
-    embedding = 0 if method.adapters or card.tied_embeddings else grad * matrix
-    in_forward = head if batch.chunked_loss else 0
+        copies = method.copy_bytes * blocks.layers * blocks.block_params() if method.master_bytes else 0
+    head = 0 if method.adapters else grad * part.head_rows * card.hidden
+    embedding = 0 if method.adapters or part.tied or not part.embeds else grad * card.vocab * card.hidden
+    in_forward = head if batch.chunked_loss and not part.split_head else 0
     kept_copies = copies if batch.checkpointing == "none" else 0
 
     def moment(activations: float, gradients: float = 0, copies: float = 0, temporary: float = 0) -> Moment:
-        return Moment({"weights": stored + copies, "gradients": gradients, "master": whole.master,
-                       "optimizer": whole.optimizer + temporary}, activations)
+        return Moment({"weights": stored + copies, "gradients": gradients, "master": states.master,
+                       "optimizer": states.optimizer + temporary}, activations + acts.buffers)
 
     if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
         temporary = 0
     elif method.optimizer_bytes == 2:
-        temporary = EIGHT_BIT_CPU_COPIES * 4 * _largest_trainable(card, method)
+        temporary = EIGHT_BIT_CPU_COPIES * 4 * _largest_trainable(part, method)
     elif batch.device == "cpu":
-        temporary = 2 * 4 * _largest_trainable(card, method)
+        temporary = 2 * 4 * _largest_trainable(part, method)
     else:
         temporary = 4 * trainable
-    start = acts.kept + (c * card.hidden * tokens if batch.chunked_loss else logits_bytes(card.vocab, batch))
+    if part.split_head:  # the hidden states' gradient and the logits again, in backward
+        start = acts.kept + c * card.hidden * tokens + acts.loss
+    elif part.head_rows:
+        start = acts.kept + (c * card.hidden * tokens if batch.chunked_loss else logits_bytes(card.vocab, batch))
+    else:
+        start = acts.kept
     working = acts.recompute + acts.backward
-    earlier = whole.gradients if batch.accumulation > 1 else 0  # new gradients add into these
-    return {
+    live = states.gradients if batch.accumulation > 1 else 0  # new gradients add into these
+    # beside every micro-batch in flight only once a backward came first: 1F1B past its warm-up
+    earlier = live if batch.accumulation > part.in_flight else 0
+    per_layer = copies / blocks.layers
+    moments = {
         "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies)],
         "backward": [moment(start, earlier + head + in_forward, kept_copies),
-                     moment(acts.top + working, max(earlier, head), kept_copies or copies / card.layers),
-                     moment(acts.bottom + working, max(earlier, whole.gradients - embedding), copies / card.layers)],
-        "optimizer": [moment(0, whole.gradients, temporary=temporary)],
+                     moment(acts.top + working, max(earlier, head), kept_copies or per_layer),
+                     moment(acts.bottom + working, max(earlier, states.gradients - embedding), per_layer)],
+        "optimizer": [moment(0, states.gradients, temporary=temporary)],
     }
+    if live and not earlier:  # every forward before the first backward: the later backwards hold one fewer
+        moments["backward"] += [moment(acts.top - acts.each + working, live, kept_copies or per_layer),
+                                moment(acts.bottom - acts.each + working, live, per_layer)]
+    return moments

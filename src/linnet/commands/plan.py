@@ -78,6 +78,9 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
         memory["activations, selective checkpointing"] = lambda p: gb(p.activations.peak)
     memory.update({f"peak in the {phase}": lambda p, key=key: gb(p.phases[key])
                    for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "optimizer"))})
+    if len(first.processes) > 1:  # split or pipelined: each stage's own peak, then the fullest's
+        memory.update({f"peak, {proc.name}": lambda p, i=i: gb(max(p.processes[i].phases.values()))
+                       for i, proc in enumerate(first.processes)})
     memory.update({
         f"total per GPU ({chosen})": lambda p: gb(p.total),
         f"fits {gb(first.cluster.usable_bytes)} usable": lambda p: "yes" if p.fits else "no",
@@ -145,11 +148,15 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
         f"({'AdamW tensor by tensor' if batch.device == 'cpu' else 'foreach AdamW: 4 B more per trainable parameter'})",
     ]
     split = [name for name in dataclasses.asdict(first.states) if name in SHARDED_STATES[cluster.shard]]
-    lines.append(
-        f"--shard {cluster.shard}: {', '.join(split)} split over {_gpus(cluster.gpus)}; activations on every GPU"
-        if split
-        else "states not sharded: every GPU holds all of them (--shard zero, zero1, zero2 or fsdp splits them)"
-    )
+    per_copy = cluster.split * cluster.pipeline
+    if per_copy > 1:
+        lines.append(_cut_assumption(cluster))
+    else:
+        lines.append(
+            f"--shard {cluster.shard}: {', '.join(split)} split over {_gpus(cluster.gpus)}; activations on every GPU"
+            if split
+            else "states not sharded: every GPU holds all of them (--shard zero, zero1, zero2 or fsdp splits them)"
+        )
     lines.append(
         f"usable memory: {cluster.usable:.0%} of {cluster.gpu.memory_gb:g} GB per {cluster.gpu.name} (CUDA "
         "context, allocator fragmentation, communication buffers); minimum GPUs shards every state (FSDP)"
@@ -166,6 +173,25 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
     return lines
 
 
+def _cut_assumption(cluster: Cluster) -> str:
+    """How --split and --pipeline divide one copy of the model, as linnet does."""
+    per_copy = cluster.split * cluster.pipeline
+    parts = [f"{_gpus(per_copy)} hold one copy of the model ({cluster.gpus // per_copy} "
+             f"cop{'y' if cluster.gpus == per_copy else 'ies'}); the table's memory is the fullest GPU's"]
+    if cluster.split > 1:
+        parts.append(f"--split {cluster.split}: each block's q, k, v, gate and up split by output rows, o and down "
+                     "by input columns (their adapters alike), and with them its attention heads and MLP "
+                     "activations; the head split by vocabulary rows (its loss combines the rows' sums, the "
+                     "logits never gathered); the embedding, the norms and the block inputs whole on each GPU")
+    if cluster.pipeline > 1:
+        parts.append(f"--pipeline {cluster.pipeline}: stage i holds blocks i·L/P to (i+1)·L/P, the first the "
+                     "embedding, the last the final norm and the head (a tied head untied); with --accumulation "
+                     "at least the stages 1F1B, stage i keeping at most P - i micro-batches' activations, else "
+                     "GPipe keeping every one's; each stage a receive buffer a micro-batch for the activations "
+                     "coming in and one for the gradients coming back")
+    return "; ".join(parts)
+
+
 def render(plans: Sequence[Plan]) -> str:
     """A table with one column per plan, and the assumptions under it."""
     first = plans[0]
@@ -174,6 +200,7 @@ def render(plans: Sequence[Plan]) -> str:
         f"{first.model}: seq {first.batch.seq} × micro-batch {first.batch.micro_batch} "
         + (f"× {first.batch.workers} packed workers " if first.batch.workers > 1 else "")
         + f"on {cluster.gpus} × {cluster.gpu.name}"
+        + (f" (split {cluster.split}, {cluster.pipeline} stages)" if cluster.split * cluster.pipeline > 1 else "")
     )
     rows = _rows(plans)
     label_width = max(len(label) for label, _ in rows)
@@ -260,7 +287,14 @@ def _parser() -> argparse.ArgumentParser:
     hardware("--gpu-memory", type=float, metavar="GB", help="memory per GPU in GB (10^9 bytes), overriding the table")
     hardware("--gpu-tflops", type=float, metavar="TFLOPS", help="dense bf16 peak in TFLOP/s, overriding the table")
     hardware("--gpu-fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak in TFLOP/s, overriding the table")
-    hardware("--gpus", type=int, metavar="N", help=f"GPUs the run uses, data-parallel (default {cluster.gpus})")
+    hardware("--gpus", type=int, metavar="N",
+             help=f"GPUs the run uses: data-parallel copies x split x pipeline (default {cluster.gpus})")
+    hardware("--split", type=int, metavar="N",
+             help="GPUs that split every block between them (tensor parallel, linnet's training.split); the head by "
+             f"vocabulary rows, the embedding and norms whole (default {cluster.split})")
+    hardware("--pipeline", type=int, metavar="N",
+             help="pipeline stages, each GPU holding consecutive blocks (linnet's training.pipeline); the first the "
+             f"embedding, the last the norm and head; --accumulation is the micro-batches (default {cluster.pipeline})")
     hardware("--shard", choices=list(SHARDED_STATES),
              help=f"which states split over the GPUs: zero the optimizer state alone (ZeroRedundancyOptimizer, linnet's "
                   f"training.shard=zero), ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
@@ -289,7 +323,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
     linnet's blockwise loss, the packed row as the sequence and the token count when the
     steps are fixed. For sft, dpo, grpo and distill also which states `training.shard`
-    splits, LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what
+    splits, how `training.split` and `training.pipeline` divide one copy (one copy's GPUs),
+    LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what
     the run holds beside the model (`_beside`); for pretraining, the model it builds, its micro-batch, the
     budget's tokens and, packed, its workers (N models side by side)."""
     import fnmatch
@@ -313,13 +348,10 @@ def settings_from_config(path: str) -> dict[str, Any]:
         workers = config.decentralized.num_models if config.decentralized is not None else 1
         return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size, "workers": workers,
                 "tokens": make_budget(config, card.params()).trained_targets}
-    per_copy = {name: getattr(t, name, 1) for name in ("split", "pipeline")}
-    if any(k > 1 for k in per_copy.values()):
-        which = ", ".join(f"training.{name}={k}" for name, k in per_copy.items() if k > 1)
-        raise ValueError(f"{path}: {which} has no plan yet (the planner holds a whole model a GPU); plan it "
-                         "without, and divide the block weights, their gradients and optimizer state by the "
-                         "processes that hold one copy")
+    split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
     settings.update(card=model.card, micro_batch=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
+    if split * stages > 1:  # one copy, unless --gpus says how many
+        settings.update(split=split, pipeline=stages, gpus=split * stages)
     lora = config.lora
     if lora.enabled:
         if model.quantize and lora.dora:
