@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -231,3 +232,37 @@ def test_the_planner_counts_what_each_process_holds(split, stages, lora):
     for stage, params, trained in in_processes(_held, split, stages, lora, processes=split * stages):
         base = params - trained if lora else params  # the planner's parameters are the model's, adapters apart
         assert (parts[stage].params, parts[stage].trainable) == (base, trained)
+
+
+def _built(rank, weights, tied, split):
+    """This process's parameters built as its stage alone, and cut from the whole model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, split), mesh_dim_names=("stages", "split"))
+    card = CARD.replace(tied_embeddings=tied)
+    options = dict(weights=weights, seed=0, trainable=True)
+    alone = nest.load(card, pipeline=mesh["stages"], pipeline_schedule="gpipe",
+                      tensor_parallel=mesh["split"] if split > 1 else None, **options)
+    cut = pipeline(nest.load(card, **options), mesh["stages"], schedule="gpipe",
+                   tensor_parallel=mesh["split"] if split > 1 else None)
+    assert (alone.pipe.index, alone.pipe.schedule, alone.card) == (cut.pipe.index, cut.pipe.schedule, cut.card)
+
+    def params(model):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy()
+                for n, p in model.named_parameters()}
+    return params(alone), params(cut)
+
+
+@pytest.mark.parametrize("weights, tied, split", [("random", True, 1), ("file", False, 1), ("file", True, 2)])
+def test_a_stage_built_alone_equals_a_stage_cut_from_the_whole_model(tmp_path, weights, tied, split):
+    """nest.load(card, pipeline=mesh['stages']) builds only this process's stage (the others'
+    weights are never allocated: it cuts the model on meta, then reads or draws the weights
+    into what it kept) and holds exactly what pipeline() keeps of the whole model: the same
+    names and values, a tied head untied from the embedding on the last stage, split too."""
+    if weights == "file":
+        nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=3).save_weights(tmp_path / "w")
+        weights = str(tmp_path / "w")
+    for alone, cut in in_processes(_built, weights, tied, split, processes=2 * split):
+        assert alone.keys() == cut.keys()
+        for name in cut:
+            np.testing.assert_array_equal(alone[name], cut[name], err_msg=name)

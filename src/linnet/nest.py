@@ -45,6 +45,8 @@ def load(
     seed: int = 0,
     attention: str = "auto",
     tensor_parallel: Any = None,
+    pipeline: Any = None,
+    pipeline_schedule: str = "1f1b",
     activation_checkpointing: bool | str = False,
     activation_memory_budget: float | None = None,
     quantize: str | None = None,
@@ -66,6 +68,9 @@ def load(
     so one graph for the whole model would break at every block anyway.
     tensor_parallel: a one-dimension DeviceMesh (mesh["split"]) whose processes split every
     block's weights (linnet.torch.sharding.tensor_parallel); full fine-tuning with `train`.
+    pipeline: a one-dimension DeviceMesh (mesh["stages"]): build only this process's stage
+    of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
+    `pipeline_schedule` "1f1b" or "gpipe"); with tensor_parallel too, the stage is split.
     activation_checkpointing: True (or "full") keeps each block's input alone in training
     and computes the block again in backward; "selective" also keeps attention's outputs
     (`Decoder.checkpoint_activations`). activation_memory_budget (with compile="inductor"):
@@ -103,6 +108,7 @@ def load(
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
                                                    ("compile", compile, False), ("attention", attention, "auto"),
                                                    ("tensor_parallel", tensor_parallel, None),
+                                                   ("pipeline", pipeline, None),
                                                    ("activation_checkpointing", activation_checkpointing, False),
                                                    ("activation_memory_budget", activation_memory_budget, None),
                                                    ("quantize", quantize, None))
@@ -130,6 +136,8 @@ def load(
         seed=seed,
         attention=attention,
         tensor_parallel=tensor_parallel,
+        pipeline=pipeline,
+        pipeline_schedule=pipeline_schedule,
         activation_checkpointing=activation_checkpointing,
         activation_memory_budget=activation_memory_budget,
         quantize=quantize,

@@ -262,7 +262,6 @@ def load_model(card, config):
     processes at a time splitting every block (tensor parallel), or training.pipeline
     processes at a time holding consecutive blocks (pipeline stages)."""
     from linnet import nest
-    from linnet.torch.pipeline import pipeline
     from linnet.torch.sharding import fully_shard
 
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
@@ -281,12 +280,11 @@ def load_model(card, config):
                                 mesh_dim_names=("copies", "stages", "split"))
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
-                      tensor_parallel=mesh["split"] if split > 1 and stages == 1 else None,
+                      tensor_parallel=mesh["split"] if split > 1 else None,
+                      pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
+                      pipeline_schedule="1f1b" if t.accumulation >= stages else "gpipe",  # 1F1B: a row a stage
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize)
-    if stages > 1:  # 1F1B needs a micro-batch a stage at least
-        pipeline(model, mesh["stages"], schedule="1f1b" if t.accumulation >= stages else "gpipe",
-                 tensor_parallel=mesh["split"] if split > 1 else None)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora)

@@ -535,15 +535,16 @@ def set_numerics(numerics: str | None, device: torch.device) -> None:
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fast
 
 
-def _check_quantize(quantize, *, trainable, tensor_parallel, compile) -> None:
+def _check_quantize(quantize, *, trainable, tensor_parallel, pipeline, compile) -> None:
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize={quantize!r}: the one supported form is 'nf4' (QLoRA's 4-bit NormalFloat)")
     if trainable is not False:
         raise ValueError("quantize='nf4' freezes the base: load with trainable=False and train adapters "
                          "(model.add_lora)")
-    if tensor_parallel is not None or compile:
-        raise ValueError("quantize='nf4' with " + ("tensor_parallel" if tensor_parallel is not None else "compile")
-                         + " is not supported yet; load the quantized model whole and eager")
+    other = [name for name, value in (("tensor_parallel", tensor_parallel), ("pipeline", pipeline)) if value is not None]
+    if other or compile:
+        raise ValueError(f"quantize='nf4' with {other[0] if other else 'compile'} is not supported yet; load the "
+                         "quantized model whole and eager")
 
 
 def quantize_block(block: nn.Module, dtype: torch.dtype) -> None:
@@ -567,24 +568,31 @@ def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tenso
             yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
 
 
-def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device, quantize: bool) -> None:
+def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device, quantize: bool,
+          also: dict[str, str] | None = None) -> None:
     """Allocate each parameter of a model built on meta on `device` as its value arrives (in
-    parameter order) and copy the value in. With `quantize`, a block is stored in NF4 once
-    the next part starts, so loading holds the NF4 blocks, one block in the compute dtype,
-    the embedding and the head: never the whole model in the compute dtype."""
+    parameter order) and copy the value in; a value the model holds no place for (another
+    pipeline stage's) is passed over, and `also` names a second parameter that takes the
+    same value (a stage's head untied from the embedding). With `quantize`, a block is
+    stored in NF4 once the next part starts, so loading holds the NF4 blocks, one block in
+    the compute dtype, the embedding and the head: never the whole model in the compute dtype."""
     owners = {f"{prefix}.{name}".lstrip("."): (module, name)
               for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
     filling = None  # the block being filled
     with torch.no_grad():
         for path, value in values:
-            module, name = owners[path]
-            block = model.model.layers[int(path.split(".")[2])] if path.startswith("model.layers.") else None
-            if quantize and filling is not None and block is not filling:
-                quantize_block(filling, model.dtype)
-            filling = block
-            if getattr(module, name).is_meta:
-                module.to_empty(device=device, recurse=False)
-            getattr(module, name).copy_(value)
+            if quantize:
+                block = model.model.layers[int(path.split(".")[2])] if path.startswith("model.layers.") else None
+                if filling is not None and block is not filling:
+                    quantize_block(filling, model.dtype)
+                filling = block
+            for held in (path, *([also[path]] if also and path in also else [])):
+                if held not in owners:
+                    continue
+                module, name = owners[held]
+                if getattr(module, name).is_meta:
+                    module.to_empty(device=device, recurse=False)
+                getattr(module, name).copy_(value)
         if quantize and filling is not None:
             quantize_block(filling, model.dtype)
 
@@ -605,28 +613,43 @@ _KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selectiv
 
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
-          activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
-          quantize: str | None = None, numerics: str | None = None) -> Decoder:
+          pipeline=None, pipeline_schedule: str = "1f1b", activation_checkpointing: bool | str = False,
+          activation_memory_budget: float | None = None, quantize: str | None = None,
+          numerics: str | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
+    from linnet.torch import pipeline as stages
     from linnet.torch.weights import read_weights
 
     if quantize is not None:
-        _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, compile=compile)
+        _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
+                        compile=compile)
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
     set_numerics(numerics, device)
-    with torch.device("meta"):
-        model = Decoder(card, dtype=dtype, attention=attention)
-        model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
+
+    def on_meta():
+        with torch.device("meta"):
+            model = Decoder(card, dtype=dtype, attention=attention)
+            model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
+        return model
+
+    model = whole = on_meta()
+    also = None
+    if pipeline is not None:  # cut on meta: only this stage's parameters are ever allocated
+        whole = on_meta()  # what the weights are read (or drawn) for, every stage's
+        stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel))
+        also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None
     if isinstance(weights, str) and weights == "random":
-        values = _random_values(model, seed)
+        values = _random_values(whole, seed)
     else:  # every name and shape checked before any memory is taken
-        values = read_weights(model, weights_directory(card) if weights is None else weights, strict=True)
-    _fill(model, values, device, quantize is not None)
+        values = read_weights(whole, weights_directory(card) if weights is None else weights, strict=True)
+    _fill(model, values, device, quantize is not None, also)
     model.inv_freq = rope_frequencies(card).to(device)
-    if tensor_parallel is not None:
+    if pipeline is not None:
+        stages.staged(model, pipeline, pipeline_schedule, tensor_parallel)
+    elif tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)

@@ -69,7 +69,15 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
     (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
     stage's blocks and head as `nest.load(..., tensor_parallel=)` does. Adapters go on
     before or after (after, with tensor_parallel). Call before building the optimizer;
-    returns the model."""
+    returns the model. `nest.load(card, pipeline=mesh["stages"])` builds the stage alone
+    instead, never holding the other stages' weights."""
+    mesh = check(model, mesh, schedule, tensor_parallel)
+    cut(model, mesh)
+    return staged(model, mesh, schedule, tensor_parallel)
+
+
+def check(model, mesh, schedule: str, tensor_parallel):
+    """Refuse what `pipeline` cannot do; the stages' mesh (every process's, by default)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
     if not (dist.is_available() and dist.is_initialized()):
@@ -87,25 +95,37 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(model.device.type, (dist.get_world_size(),), mesh_dim_names=("stages",))
+    if model.card.layers < mesh.size():
+        raise ValueError(f"pipeline: card {model.card.name!r} has {model.card.layers} layers, fewer than "
+                         f"{mesh.size()} stages")
+    return mesh
+
+
+def cut(model, mesh) -> None:
+    """Keep this process's stage of `model` (its parameters may still be on meta): its
+    blocks, the embedding on the first stage, the final norm and the head (untied) on the
+    last."""
     stages, index, layers = mesh.size(), mesh.get_local_rank(), model.card.layers
-    if layers < stages:
-        raise ValueError(f"pipeline: card {model.card.name!r} has {layers} layers, fewer than {stages} stages")
     if model.card.tied_embeddings:
         model.untie_head()
-    first, last = index == 0, index == stages - 1
     held = range(index * layers // stages, (index + 1) * layers // stages)
     model.model.layers = Blocks({i: model.model.layers[i] for i in held})
-    if not first:
+    if index > 0:
         del model.model.embed_tokens
-    if not last:
+    if index < stages - 1:
         del model.model.norm
         del model.lm_head
+
+
+def staged(model, mesh, schedule: str, tensor_parallel):
+    """Make the cut `model` a stage: split it over `tensor_parallel`, and give it its copies
+    group and its Pipe."""
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)
     model.copies = copies_group(mesh, *(() if tensor_parallel is None else (tensor_parallel,)))
-    model.pipe = Pipe(model, mesh.get_group(), index, stages, schedule)
+    model.pipe = Pipe(model, mesh.get_group(), mesh.get_local_rank(), mesh.size(), schedule)
     return model
 
 
