@@ -234,18 +234,26 @@ def test_the_planner_counts_what_each_process_holds(split, stages, lora):
         assert (parts[stage].params, parts[stage].trainable) == (base, trained)
 
 
-def _built(rank, weights, tied, split):
-    """This process's parameters built as its stage alone, and cut from the whole model."""
+def _built(rank, weights, tied, stages, split):
+    """This process's parameters built as its part alone, and cut and split from the whole
+    model."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, split), mesh_dim_names=("stages", "split"))
+    from linnet.torch.sharding import tensor_parallel
+
+    mesh = init_device_mesh("cpu", (stages, split), mesh_dim_names=("stages", "split"))
     card = CARD.replace(tied_embeddings=tied)
     options = dict(weights=weights, seed=0, trainable=True)
-    alone = nest.load(card, pipeline=mesh["stages"], pipeline_schedule="gpipe",
-                      tensor_parallel=mesh["split"] if split > 1 else None, **options)
-    cut = pipeline(nest.load(card, **options), mesh["stages"], schedule="gpipe",
-                   tensor_parallel=mesh["split"] if split > 1 else None)
-    assert (alone.pipe.index, alone.pipe.schedule, alone.card) == (cut.pipe.index, cut.pipe.schedule, cut.card)
+    splitting = mesh["split"] if split > 1 else None
+    if stages > 1:
+        alone = nest.load(card, pipeline=mesh["stages"], pipeline_schedule="gpipe", tensor_parallel=splitting,
+                          **options)
+        cut = pipeline(nest.load(card, **options), mesh["stages"], schedule="gpipe", tensor_parallel=splitting)
+        assert (alone.pipe.index, alone.pipe.schedule) == (cut.pipe.index, cut.pipe.schedule)
+    else:
+        alone = nest.load(card, tensor_parallel=splitting, **options)
+        cut = tensor_parallel(nest.load(card, **options), splitting)
+    assert alone.card == cut.card
 
     def params(model):
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy()
@@ -253,16 +261,18 @@ def _built(rank, weights, tied, split):
     return params(alone), params(cut)
 
 
-@pytest.mark.parametrize("weights, tied, split", [("random", True, 1), ("file", False, 1), ("file", True, 2)])
-def test_a_stage_built_alone_equals_a_stage_cut_from_the_whole_model(tmp_path, weights, tied, split):
-    """nest.load(card, pipeline=mesh['stages']) builds only this process's stage (the others'
-    weights are never allocated: it cuts the model on meta, then reads or draws the weights
-    into what it kept) and holds exactly what pipeline() keeps of the whole model: the same
-    names and values, a tied head untied from the embedding on the last stage, split too."""
+@pytest.mark.parametrize("weights, tied, stages, split", [("random", True, 2, 1), ("file", False, 2, 1),
+                                                          ("file", True, 2, 2), ("file", True, 1, 2)])
+def test_a_part_built_alone_equals_one_cut_from_the_whole_model(tmp_path, weights, tied, stages, split):
+    """nest.load(card, pipeline=mesh['stages'], tensor_parallel=mesh['split']) builds only this
+    process's part (cut and split on meta, then each weight read or drawn whole and its part
+    copied in: no process holds the whole model) and holds exactly what pipeline() and
+    tensor_parallel() keep of a whole model: the same names and values, a tied head untied
+    from the embedding."""
     if weights == "file":
         nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=3).save_weights(tmp_path / "w")
         weights = str(tmp_path / "w")
-    for alone, cut in in_processes(_built, weights, tied, split, processes=2 * split):
+    for alone, cut in in_processes(_built, weights, tied, stages, split, processes=stages * split):
         assert alone.keys() == cut.keys()
         for name in cut:
             np.testing.assert_array_equal(alone[name], cut[name], err_msg=name)

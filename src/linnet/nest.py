@@ -67,7 +67,8 @@ def load(
     whole-model True has no counterpart: attention over a row's documents runs eagerly,
     so one graph for the whole model would break at every block anyway.
     tensor_parallel: a one-dimension DeviceMesh (mesh["split"]) whose processes split every
-    block's weights (linnet.torch.sharding.tensor_parallel); full fine-tuning with `train`.
+    block's weights (linnet.torch.sharding.tensor_parallel); each process reads or draws
+    every weight whole and keeps its slice, never holding the whole model.
     pipeline: a one-dimension DeviceMesh (mesh["stages"]): build only this process's stage
     of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
     `pipeline_schedule` "1f1b" or "gpipe"); with tensor_parallel too, the stage is split.

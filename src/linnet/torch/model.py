@@ -571,9 +571,10 @@ def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tenso
 def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device, quantize: bool,
           also: dict[str, str] | None = None) -> None:
     """Allocate each parameter of a model built on meta on `device` as its value arrives (in
-    parameter order) and copy the value in; a value the model holds no place for (another
-    pipeline stage's) is passed over, and `also` names a second parameter that takes the
-    same value (a stage's head untied from the embedding). With `quantize`, a block is
+    parameter order) and copy the value in, or a split parameter's (DTensor's) slice of it;
+    a value the model holds no place for (another pipeline stage's) is passed over, and
+    `also` names a second parameter that takes the same value (a head untied from the
+    embedding). With `quantize`, a block is
     stored in NF4 once the next part starts, so loading holds the NF4 blocks, one block in
     the compute dtype, the embedding and the head: never the whole model in the compute dtype."""
     owners = {f"{prefix}.{name}".lstrip("."): (module, name)
@@ -592,7 +593,14 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
                 module, name = owners[held]
                 if getattr(module, name).is_meta:
                     module.to_empty(device=device, recurse=False)
-                getattr(module, name).copy_(value)
+                param = getattr(module, name)
+                if isinstance(param, DTensor):  # split: this process's slice of the whole value
+                    for axis, place in enumerate(param.placements):
+                        if place.is_shard():
+                            mesh = param.device_mesh
+                            value = value.chunk(mesh.size(axis), place.dim)[mesh.get_local_rank(axis)]
+                    param = param.to_local()
+                param.copy_(value)
         if quantize and filling is not None:
             quantize_block(filling, model.dtype)
 
@@ -637,10 +645,16 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
 
     model = whole = on_meta()
     also = None
-    if pipeline is not None:  # cut on meta: only this stage's parameters are ever allocated
-        whole = on_meta()  # what the weights are read (or drawn) for, every stage's
+    if pipeline is not None or tensor_parallel is not None:
+        # cut and split on meta: only this process's part of each weight is ever allocated
+        whole = on_meta()  # what the weights are read (or drawn) for, every process's
+        also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None  # untied
+    if pipeline is not None:
         stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel))
-        also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None
+    if tensor_parallel is not None:
+        from linnet.torch.sharding import tensor_parallel as split
+
+        split(model, tensor_parallel)
     if isinstance(weights, str) and weights == "random":
         values = _random_values(whole, seed)
     else:  # every name and shape checked before any memory is taken
@@ -649,10 +663,6 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     model.inv_freq = rope_frequencies(card).to(device)
     if pipeline is not None:
         stages.staged(model, pipeline, pipeline_schedule, tensor_parallel)
-    elif tensor_parallel is not None:
-        from linnet.torch.sharding import tensor_parallel as split
-
-        split(model, tensor_parallel)
     model.checkpoint_activations(activation_checkpointing)
     if activation_memory_budget is not None:
         if compile not in (True, "inductor"):

@@ -73,6 +73,10 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
     instead, never holding the other stages' weights."""
     mesh = check(model, mesh, schedule, tensor_parallel)
     cut(model, mesh)
+    if tensor_parallel is not None:
+        from linnet.torch.sharding import tensor_parallel as split
+
+        split(model, tensor_parallel)
     return staged(model, mesh, schedule, tensor_parallel)
 
 
@@ -118,12 +122,8 @@ def cut(model, mesh) -> None:
 
 
 def staged(model, mesh, schedule: str, tensor_parallel):
-    """Make the cut `model` a stage: split it over `tensor_parallel`, and give it its copies
-    group and its Pipe."""
-    if tensor_parallel is not None:
-        from linnet.torch.sharding import tensor_parallel as split
-
-        split(model, tensor_parallel)
+    """Make the cut (and, over `tensor_parallel`, split) `model` a stage: its copies group
+    and its Pipe."""
     model.copies = copies_group(mesh, *(() if tensor_parallel is None else (tensor_parallel,)))
     model.pipe = Pipe(model, mesh.get_group(), mesh.get_local_rank(), mesh.size(), schedule)
     return model
