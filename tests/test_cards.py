@@ -131,7 +131,7 @@ def test_numerics_fast_and_exact_set_cuda_matmuls_and_leave_a_cpu_alone():
     """nest.load(numerics=) takes the seed's two values. On a CPU nothing changes; for a
     CUDA model each sets torch's process-wide matmul flags its way; another value is
     refused by name."""
-    from linnet.torch.model import set_numerics
+    from linnet.torch.loading import set_numerics
 
     flags = torch.backends.cuda.matmul
     before = torch.get_float32_matmul_precision(), flags.allow_bf16_reduced_precision_reduction

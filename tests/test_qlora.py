@@ -74,11 +74,11 @@ def test_loading_quantizes_a_block_at_a_time(tmp_path, monkeypatch, source):
     """The compute-dtype weights of at most one block are held at once while an NF4 model
     loads (random or from files), and the codes equal those of the whole plain model
     quantized afterwards."""
-    from linnet.torch import model as model_module
+    from linnet.torch import loading as loading_module
 
     plain = nest.load(CARD.replace(layers=3), weights="random", seed=0)
     plain.save_weights(tmp_path / "w")
-    fill, quantize_block, loading, dense_blocks = model_module._fill, model_module.quantize_block, [], []
+    fill, quantize_block, loading, dense_blocks = loading_module._fill, loading_module.quantize_block, [], []
 
     def watched_fill(model, *args):
         loading.append(model)
@@ -89,8 +89,8 @@ def test_loading_quantizes_a_block_at_a_time(tmp_path, monkeypatch, source):
                                 not quant_states(b) for b in loading[0].model.layers))
         return quantize_block(block, dtype)
 
-    monkeypatch.setattr(model_module, "_fill", watched_fill)
-    monkeypatch.setattr(model_module, "quantize_block", watched_quantize)
+    monkeypatch.setattr(loading_module, "_fill", watched_fill)
+    monkeypatch.setattr(loading_module, "quantize_block", watched_quantize)
     weights = dict(weights="random", seed=0) if source == "random" else dict(weights=tmp_path / "w")
     quantized = nest.load(CARD.replace(layers=3), quantize="nf4", **weights)
     assert dense_blocks == [1, 1, 1]  # each block quantized while it is the only one in f32

@@ -32,7 +32,7 @@ from torch import nn
 
 from linnet import nest
 from linnet.commands import quickstart
-from linnet.torch import model as model_module
+from linnet.torch import loading as loading_module
 from linnet.torch.model import Block
 from tests.conftest import in_processes
 
@@ -54,7 +54,7 @@ def cheap_compile(monkeypatch):
         nn.Module.compile(self, backend="eager")
 
     monkeypatch.setattr(Block, "compile", compile)
-    monkeypatch.setattr(model_module, "build", _eager_build(model_module.build))
+    monkeypatch.setattr(loading_module, "build", _eager_build(loading_module.build))
     return asked
 
 

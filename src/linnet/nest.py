@@ -125,7 +125,7 @@ def load(
                 raise
             raise ModuleNotFoundError(f"backend={backend!r} needs {e.name}: pip install 'linnet[jax]'") from e
         return load_model(card, weights=weights, dtype=dtype, seed=seed, numerics=numerics)
-    from linnet.torch.model import build
+    from linnet.torch.loading import build
 
     return build(
         card,

@@ -184,7 +184,7 @@ def _trainee(config: PretrainConfig, card, budget: Budget, device: torch.device,
     m, t, o = config.model, config.training, config.optimizer
     if config.decentralized is not None:
         from linnet.pretrain.packed_run import PackedTrainee
-        from linnet.torch.model import compute_dtype
+        from linnet.torch.loading import compute_dtype
 
         if m.compile or t.activation_checkpointing or o.name != "adamw":
             raise ValueError("config: packed decentralized training runs eager, without activation checkpointing, "

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -36,14 +35,12 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from linnet import hardware
 from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
-from linnet.torch.quantize import QUANTIZE, dense, is_quantized, linear_4bit, nf4, quant_states
+from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
 from linnet.torch.sharding import dropout, full
-from linnet.torch.weights import as_dtype
 
 
 class Linear(nn.Linear):
@@ -505,106 +502,6 @@ class Decoder(nn.Module):
         save_weights(self, path, dtype=dtype, names=names, include=include, exclude=exclude, merged=merged)
 
 
-def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:
-    """The dtype a model computes in. None: the card's on CUDA, float32 elsewhere. "auto":
-    bfloat16 where the device multiplies it natively (CUDA with bf16; a CPU with AMX or
-    AVX-512 BF16, read from its flags), else float32. An explicit bfloat16 on a CPU that
-    emulates it runs, with a warning: it is about 20x slower there than float32."""
-    if dtype == "auto":
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else (
-            device.type == "cpu" and hardware.cpu_prefers_bf16())
-        return torch.bfloat16 if native else torch.float32
-    dtype = as_dtype(card.dtype if device.type == "cuda" else "float32") if dtype is None else as_dtype(dtype)
-    if dtype == torch.bfloat16 and device.type == "cpu" and hardware.cpu_bf16_flag() is None:
-        warnings.warn(f"dtype bfloat16 on a CPU without {' or '.join(hardware.BF16_FLAGS)}: bfloat16 is emulated "
-                      f"here, about {hardware.EMULATED_BF16_SLOWDOWN}x slower than float32 on an SFT-LoRA step. "
-                      "Use dtype 'auto' (float32 here) or float32", stacklevel=4)
-    return dtype
-
-
-def set_numerics(numerics: str | None, device: torch.device) -> None:
-    """The matmul rounding `nest.load(numerics=)` asks for, as torch's process-wide flags:
-    on CUDA "fast" computes float32 matmuls in TF32 and lets bf16/fp16 matmuls sum partial
-    products in their own dtype; "exact" keeps both in float32. A CPU has one precision:
-    nothing changes there, nor for None."""
-    if numerics is None or device.type != "cuda":
-        return
-    fast = numerics == "fast"
-    torch.set_float32_matmul_precision("high" if fast else "highest")
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = fast
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fast
-
-
-def _check_quantize(quantize, *, trainable, tensor_parallel, pipeline, compile) -> None:
-    if quantize not in QUANTIZE:
-        raise ValueError(f"quantize={quantize!r}: the one supported form is 'nf4' (QLoRA's 4-bit NormalFloat)")
-    if trainable is not False:
-        raise ValueError("quantize='nf4' freezes the base: load with trainable=False and train adapters "
-                         "(model.add_lora)")
-    other = [name for name, value in (("tensor_parallel", tensor_parallel), ("pipeline", pipeline)) if value is not None]
-    if other or compile:
-        raise ValueError(f"quantize='nf4' with {other[0] if other else 'compile'} is not supported yet; load the "
-                         "quantized model whole and eager")
-
-
-def quantize_block(block: nn.Module, dtype: torch.dtype) -> None:
-    """Store a block's linear weights in NF4 (QLoRA, linnet.torch.quantize), quantized from
-    the compute `dtype`; its norms stay as they are."""
-    for layer in block.modules():
-        if isinstance(layer, Linear):
-            layer.weight, layer.quant_state = nf4(layer.weight, dtype)
-
-
-def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Deterministic init from `seed`, the same on every device: N(0, 0.02) for matrices,
-    zeros for biases, ones for norms; drawn on the CPU in parameter order."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            yield name, torch.ones(p.shape)
-        elif name.endswith(".bias"):
-            yield name, torch.zeros(p.shape)
-        else:
-            yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
-
-
-def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device, quantize: bool,
-          also: dict[str, str] | None = None) -> None:
-    """Allocate each parameter of a model built on meta on `device` as its value arrives (in
-    parameter order) and copy the value in, or a split parameter's (DTensor's) slice of it;
-    a value the model holds no place for (another pipeline stage's) is passed over, and
-    `also` names a second parameter that takes the same value (a head untied from the
-    embedding). With `quantize`, a block is
-    stored in NF4 once the next part starts, so loading holds the NF4 blocks, one block in
-    the compute dtype, the embedding and the head: never the whole model in the compute dtype."""
-    owners = {f"{prefix}.{name}".lstrip("."): (module, name)
-              for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
-    filling = None  # the block being filled
-    with torch.no_grad():
-        for path, value in values:
-            if quantize:
-                block = model.model.layers[int(path.split(".")[2])] if path.startswith("model.layers.") else None
-                if filling is not None and block is not filling:
-                    quantize_block(filling, model.dtype)
-                filling = block
-            for held in (path, *([also[path]] if also and path in also else [])):
-                if held not in owners:
-                    continue
-                module, name = owners[held]
-                if getattr(module, name).is_meta:
-                    module.to_empty(device=device, recurse=False)
-                param = getattr(module, name)
-                if isinstance(param, DTensor):  # split: this process's slice of the whole value
-                    for axis, place in enumerate(param.placements):
-                        if place.is_shard():
-                            mesh = param.device_mesh
-                            value = value.chunk(mesh.size(axis), place.dim)[mesh.get_local_rank(axis)]
-                    param = param.to_local()
-                param.copy_(value)
-        if quantize and filling is not None:
-            quantize_block(filling, model.dtype)
-
-
 def _keep_attention(ctx, op, *args, **kwargs):
     """The selective checkpointing policy: store what attention returns, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -618,63 +515,3 @@ _ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
 # checkpoint's context_fn for each mode (None: the default, recompute everything)
 _KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selective_checkpoint_contexts,
                                                                   _keep_attention)}
-
-
-def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
-          pipeline=None, pipeline_schedule: str = "1f1b", activation_checkpointing: bool | str = False,
-          activation_memory_budget: float | None = None, quantize: str | None = None,
-          numerics: str | None = None) -> Decoder:
-    """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
-    from linnet.cards import weights_directory
-    from linnet.torch import pipeline as stages
-    from linnet.torch.weights import read_weights
-
-    if quantize is not None:
-        _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
-                        compile=compile)
-    device = torch.device(device or "cpu")
-    dtype = compute_dtype(dtype, device, card)
-    attention_paths.choose(attention, device)  # reject a bad path before any work
-    set_numerics(numerics, device)
-
-    def on_meta():
-        with torch.device("meta"):
-            model = Decoder(card, dtype=dtype, attention=attention)
-            model.set_trainable(trainable)  # on meta: each parameter is allocated once, in its dtype
-        return model
-
-    model = whole = on_meta()
-    also = None
-    if pipeline is not None or tensor_parallel is not None:
-        # cut and split on meta: only this process's part of each weight is ever allocated
-        whole = on_meta()  # what the weights are read (or drawn) for, every process's
-        also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None  # untied
-    if pipeline is not None:
-        stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel))
-    if tensor_parallel is not None:
-        from linnet.torch.sharding import tensor_parallel as split
-
-        split(model, tensor_parallel)
-    if isinstance(weights, str) and weights == "random":
-        values = _random_values(whole, seed)
-    else:  # every name and shape checked before any memory is taken
-        values = read_weights(whole, weights_directory(card) if weights is None else weights, strict=True)
-    _fill(model, values, device, quantize is not None, also)
-    model.inv_freq = rope_frequencies(card).to(device)
-    if pipeline is not None:
-        stages.staged(model, pipeline, pipeline_schedule, tensor_parallel)
-    model.checkpoint_activations(activation_checkpointing)
-    if activation_memory_budget is not None:
-        if compile not in (True, "inductor"):
-            raise ValueError("activation_memory_budget sets how much the inductor compiler keeps: use it with "
-                             "compile='inductor'")
-        if not 0 <= activation_memory_budget <= 1:
-            raise ValueError(f"activation_memory_budget={activation_memory_budget}: a share in [0, 1] of what "
-                             "the compiled blocks would keep")
-        torch._functorch.config.activation_memory_budget = activation_memory_budget  # process-wide, read at compile
-    if compile:
-        backend = "inductor" if compile is True else compile
-        for block in model.model.layers:
-            block.compile(backend=backend)
-        model.compiled = backend
-    return model
