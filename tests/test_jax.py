@@ -5,6 +5,7 @@ blockwise loss against plain autodiff, and training steps equal to PyTorch's."""
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -570,3 +571,32 @@ def test_numerics_set_jax_matmul_precision_on_accelerators_only(jx):
         assert jax.config.jax_default_matmul_precision == "default"
     finally:
         jax.config.update("jax_default_matmul_precision", before)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("reshaped", "model.norm.weight has shape (16,) but card"),
+    ("extra", "1 tensors have no place in card"),
+    ("missing", "1 parameters of card 'debug' are missing (e.g. model.norm.weight)"),
+])
+def test_both_backends_refuse_a_bad_checkpoint_alike(jx, tmp_path, damage, message):
+    """Both loaders locate a checkpoint's tensors through linnet.weight_files: a wrong shape,
+    a tensor without a place and a missing parameter each stop either one, with the same
+    message naming the file or directory and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    card = BASE.replace(tied_embeddings=False)
+    nest.load(card, weights="random").save_weights(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    if damage == "reshaped":
+        tensors["model.norm.weight"] = torch.ones(16)
+    elif damage == "extra":
+        tensors["model.layers.0.extra.weight"] = torch.ones(3)
+    else:
+        del tensors["model.norm.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    errors = []
+    for backend in ("torch", "jax"):
+        with pytest.raises(ValueError, match=re.escape(message)) as caught:
+            nest.load(card, backend, weights=tmp_path)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]

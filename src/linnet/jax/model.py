@@ -283,28 +283,17 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
 
 
 def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+    """Every parameter from `source` in float32, checked as the PyTorch loader checks it."""
     from linnet.files import safetensors_file
-    from linnet.torch.weights import weight_files
+    from linnet.weight_files import ignorable, locate_weights
 
-    found: dict[str, np.ndarray] = {}
-    for file in weight_files(source):
+    found = locate_weights(source, shapes, card.name, skip=lambda name: ignorable(name, card.tied_embeddings))
+    params: dict[str, np.ndarray] = {}
+    for file in dict.fromkeys(file for file, _ in found.values()):
         with safetensors_file(file, "numpy") as f:
-            for key in f.keys():
-                if key not in shapes:
-                    if key.endswith("rotary_emb.inv_freq") or (key == "lm_head.weight" and card.tied_embeddings):
-                        continue
-                    raise ValueError(f"{file}: {key} has no place in card {card.name!r}; check the card's "
-                                     "family and flags")
-                value = f.get_tensor(key)
-                if tuple(value.shape) != shapes[key]:
-                    raise ValueError(f"{file}: {key} has shape {tuple(value.shape)} but card {card.name!r} needs "
-                                     f"{shapes[key]}; are these weights for this card?")
-                found[key] = value.astype(np.float32)
-    missing = sorted(set(shapes) - set(found))
-    if missing:
-        raise ValueError(f"{source}: {len(missing)} parameters of card {card.name!r} are missing "
-                         f"(e.g. {missing[0]}); is the checkpoint complete?")
-    return found
+            params.update({name: f.get_tensor(key).astype(np.float32)
+                           for name, (where, key) in found.items() if where == file})
+    return params
 
 
 def save_weights(params: Params, path: str | os.PathLike, card: Card | None = None) -> None:

@@ -19,6 +19,7 @@ from linnet.paths import select
 from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import dense, quant_states
 from linnet.torch.sharding import full
+from linnet.weight_files import ignorable, locate_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
@@ -38,34 +39,6 @@ def as_dtype(dtype: Any) -> torch.dtype:
         return _DTYPES[str(dtype).removeprefix("torch.")]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16") from None
-
-
-def weight_files(source: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint: a file, or a directory holding
-    model.safetensors or a sharded model.safetensors.index.json."""
-    path = Path(source)
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index}: lists shard {missing[0]}, which is not in {path}")
-        return [path / s for s in shards]
-    for name in ("model.safetensors", "adapter_model.safetensors"):
-        if (path / name).is_file():
-            return [path / name]
-    raise FileNotFoundError(
-        f"{path}: no weights found; expected a .safetensors file, or a directory with "
-        "model.safetensors, model.safetensors.index.json or adapter_model.safetensors"
-    )
-
-
-def _ignorable(name: str, model) -> bool:
-    """Checkpoint tensors that carry nothing the model needs."""
-    return (name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and model.card.tied_embeddings)
-            or (name == "score.weight" and not hasattr(model, "score")))  # a reward model's head
 
 
 def bind_weights(model: torch.nn.Module, source: str | os.PathLike, *, strict: bool = False) -> list[str]:
@@ -91,35 +64,16 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
     describes, before the first tensor is read. The model's parameters may be on meta."""
     params = dict(model.named_parameters())
     quantized = quant_states(model)
-    found: dict[str, tuple[Path, str]] = {}
-    unexpected: list[str] = []
-    for file in weight_files(source):
-        with safetensors_file(file, "pt", device="cpu") as f:
-            for key in f.keys():
-                name = from_peft_name(key) if key.startswith(PEFT_PREFIX) else key
-                if name not in params:
-                    if not _ignorable(name, model):
-                        unexpected.append(name)
-                    continue
-                if name in quantized:
-                    raise ValueError(f"{file}: {name} is stored in NF4 in this model; base weights are read "
-                                     "before quantizing: nest.load(card, weights=..., quantize='nf4')")
-                shape, needed = tuple(f.get_slice(key).get_shape()), tuple(params[name].shape)
-                if shape != needed:
-                    raise ValueError(f"{file}: {name} has shape {shape} but card {model.card.name!r} needs "
-                                     f"{needed}; are these weights for this card?")
-                found[name] = (file, key)
-    if unexpected:
-        raise ValueError(
-            f"{source}: {len(unexpected)} tensors have no place in card {model.card.name!r} "
-            f"(e.g. {unexpected[0]}); check the card's family and flags, or the adapters' patterns"
-        )
-    missing = [n for n in params if n not in found]
-    if strict and missing:
-        raise ValueError(
-            f"{source}: {len(missing)} parameters of card {model.card.name!r} are missing "
-            f"(e.g. {missing[0]}); is the checkpoint complete?"
-        )
+    # an NF4 weight is checked against its layer's dense shape, then refused by name
+    shapes = {name: _dense_shape(model, name) if name in quantized else tuple(p.shape) for name, p in params.items()}
+    found = locate_weights(source, shapes, model.card.name, strict=strict,
+                           rename=lambda key: from_peft_name(key) if key.startswith(PEFT_PREFIX) else key,
+                           skip=lambda name: ignorable(name, model.card.tied_embeddings)
+                           or (name == "score.weight" and not hasattr(model, "score")))  # a reward model's head
+    stored = [name for name in found if name in quantized]
+    if stored:
+        raise ValueError(f"{found[stored[0]][0]}: {stored[0]} is stored in NF4 in this model; base weights are read "
+                         "before quantizing: nest.load(card, weights=..., quantize='nf4')")
     with ExitStack() as files:
         opened = {}
         for name in params:
@@ -128,6 +82,11 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
                 if file not in opened:
                     opened[file] = files.enter_context(safetensors_file(file, "pt", device="cpu"))
                 yield name, opened[file].get_tensor(key)
+
+
+def _dense_shape(model, name: str) -> tuple[int, int]:
+    layer = model.get_submodule(name.rsplit(".", 1)[0])
+    return layer.out_features, layer.in_features
 
 
 def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf",

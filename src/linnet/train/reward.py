@@ -192,7 +192,7 @@ def load_reward_model(directory: str | os.PathLike, **load: object):
     from safetensors import safe_open
 
     from linnet import nest
-    from linnet.torch.weights import weight_files
+    from linnet.weight_files import weight_files
 
     model = nest.load(directory, weights=directory, **load)
     add_score_head(model)
