@@ -5,6 +5,8 @@ distillation bringing a student closer to its teacher."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -188,3 +190,84 @@ def test_a_teacher_with_another_tokenizer_is_refused(distill_workspace, tmp_path
     word_tokenizer(other / "tokenizer.json")  # another vocabulary
     with pytest.raises(ValueError, match="must use the student's tokenizer"):
         run(_distill_config(distill_workspace, tmp_path / "run", f"distill.teacher={other}"))
+
+
+def _split_student(rank, divergence, beta, on_policy):
+    """Steps (loss, norm) and final weights of a student split over the two processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
+    return _distilled(nest.load(CARD, weights="random", trainable=True, seed=0, tensor_parallel=mesh),
+                      divergence, beta, on_policy, engine_seed=rank)
+
+
+def _distilled(student, divergence, beta, on_policy, engine_seed=0):
+    teacher = nest.load(CARD, weights="random", seed=3)
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=3e-3)
+    options = dict(optimizer=optimizer, steps=3, divergence=divergence, beta=beta, temperature=2.0)
+    if on_policy:  # each process's engine samples from other weights: the split must learn from one's
+        engine = Engine(nest.load(CARD, weights="random", seed=0))
+        original = engine.load_weights
+        engine.load_weights = lambda model: (original(model), _nudge(engine.model, engine_seed))
+        prompts = [np.random.default_rng(i).integers(3, 64, size=3).tolist() for i in range(8)]
+        history = on_policy_distill(student, teacher, engine, prompts, prompts_per_step=4, max_new_tokens=6,
+                                    stop=[2], tokens=128, **options)
+    else:
+        history = distill(student, teacher, iter(_rows(96)), accumulate=2, **options)
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy()
+               for n, p in student.named_parameters()}
+    return [(s.loss, s.grad_norm) for s in history.steps], weights
+
+
+def _nudge(model, seed):
+    if seed:  # the second process's engine draws other samples
+        with torch.no_grad():
+            model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(7)))
+
+
+@pytest.mark.parametrize("divergence, beta, on_policy", [("forward_kl", 0.5, False), ("reverse_kl", 0.5, True),
+                                                         ("jsd", 0.3, False)])
+def test_a_split_student_distils_like_one_process(divergence, beta, on_policy):
+    """A student split over two processes (tensor parallel, its head by vocabulary) takes one
+    process's distillation steps: each divergence's sums over the vocabulary combine across
+    the split, and the hidden states' gradient adds both halves of the head's. On-policy, the
+    split learns from its first process's samples (the second's engine here draws others)."""
+    from tests.conftest import in_processes
+
+    (steps, weights), (steps1, _) = in_processes(_split_student, divergence, beta, on_policy)
+    assert steps == steps1
+    whole = nest.load(CARD, weights="random", trainable=True, seed=0)
+    whole.untie_head()  # a split unties a tied head
+    ref_steps, ref_weights = _distilled(whole, divergence, beta, on_policy)
+    for (loss, norm), (ref_loss, ref_norm) in zip(steps, ref_steps, strict=True):
+        assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
+    for name, value in ref_weights.items():
+        np.testing.assert_allclose(weights[name], value, atol=2e-4, rtol=0, err_msg=name)
+
+
+def _distill_process(rank, root, out, *extra):
+    from linnet.commands.distill import run
+
+    run(_distill_config(root, out, *extra))  # the first process writes the summary
+    return rank
+
+
+@pytest.mark.parametrize("mode", ["logit", "on_policy"])
+def test_linnet_distill_with_a_split_student_takes_one_process_steps(distill_workspace, tmp_path, mode):
+    """`linnet distill` with training.split=2: two processes split the student (LoRA) and take
+    the same rows (on-policy, the first process's completions), with the losses, held-out
+    divergences and adapters of one process."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import in_processes
+
+    extra = (f"distill.mode={mode}", "lora.enabled=true", "lora.rank=4", "training.steps=4", "evaluation.every=2")
+    assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra, "training.split=2") == [0, 1]
+    _distill_process(0, distill_workspace, tmp_path / "one", *extra)
+    two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("two", "one"))
+    for key in ("loss", "held_out_divergence"):
+        assert [m[key] for m in two if key in m] == pytest.approx([m[key] for m in one if key in m], rel=1e-4), key
+    x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
+    for key in y:
+        torch.testing.assert_close(x[key], y[key], atol=1e-4, rtol=0, msg=key)

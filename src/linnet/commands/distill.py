@@ -19,6 +19,7 @@ import numpy as np
 
 from linnet.commands import runs, sft
 from linnet.config import DistillConfig
+from linnet.torch.distributed import data_share
 
 
 def load_teacher(config: DistillConfig, student, tokenizer):
@@ -66,14 +67,17 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
     steps = prepared.steps
     if d.mode == "sequence":  # the teacher's completions become the training examples
         from linnet.packing import count_rows
+        from linnet.torch.sharding import split_first
 
-        prepared.train_examples = teacher_completions(Engine(teacher), [_prompt(e) for e in prepared.train_examples],
-                                                      max_new_tokens=d.max_new_tokens, stop=stop,
-                                                      seed=config.runtime.seed)
+        # a split's processes train on the same completions: its first process's
+        prepared.train_examples = split_first(student, lambda: teacher_completions(
+            Engine(teacher), [_prompt(e) for e in prepared.train_examples], max_new_tokens=d.max_new_tokens,
+            stop=stop, seed=config.runtime.seed))
         steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
                                             / t.accumulation))
     elif d.mode == "on_policy":
-        steps = t.steps or max(1, math.ceil(t.epochs * len(prepared.train_examples) / d.prompts_per_step))
+        steps = t.steps or max(1, math.ceil(t.epochs * len(prepared.train_examples)
+                                            / (d.prompts_per_step * data_share(t.per_copy)[1])))
     optimizer, schedule = runs.optimizer_and_schedule(config, student, steps)
     eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
         if prepared.eval_examples else []
@@ -99,7 +103,9 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
             m = config.model
             engine = Engine(nest.load(prepared.card, device=student.device, dtype=m.dtype, weights=m.weights,
                                       quantize=m.quantize))
-            history = on_policy_distill(student, teacher, engine, [_prompt(e) for e in prepared.train_examples],
+            share, shares = data_share(t.per_copy)  # each copy its prompts; a split's processes the same ones
+            prompts = [_prompt(e) for e in prepared.train_examples][share::shares]
+            history = on_policy_distill(student, teacher, engine, prompts,
                                         prompts_per_step=d.prompts_per_step, max_new_tokens=d.max_new_tokens,
                                         sample_temperature=d.sample_temperature, stop=stop, tokens=t.context_length,
                                         seed=config.runtime.seed, **options, **common, **files)

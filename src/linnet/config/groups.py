@@ -187,10 +187,10 @@ class TrainingConfig:
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)
-    split: int = option(1, "under torchrun (sft, dpo, grpo: full fine-tuning, LoRA or DoRA): processes that split "
-                           "every block between them (tensor parallel) and take the same rows; the processes form "
-                           "copies of such splits",
-                        only=("sft", "dpo", "grpo"))
+    split: int = option(1, "under torchrun (sft, dpo, grpo, distill: full fine-tuning, LoRA or DoRA): processes that "
+                           "split every block between them (tensor parallel) and take the same rows; the processes "
+                           "form copies of such splits",
+                        only=("sft", "dpo", "grpo", "distill"))
     pipeline: int = option(1, "under torchrun (sft): stages that hold consecutive blocks of one model and pass "
                               "each step's micro-batches (training.accumulation rows) along on a 1F1B schedule "
                               "(GPipe when there are fewer rows than stages); with training.split each stage is "

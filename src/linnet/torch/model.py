@@ -373,7 +373,7 @@ class Decoder(nn.Module):
         """`loss_packed`'s result from the final hidden states (at `keep` when given)."""
         if keep is not None:  # a zero weight adds nothing to the loss or the gradients
             targets, weights = targets[keep], weights[keep]
-        split = self._split_head()
+        split = self.split_head()
         if split is not None:
             return split_cross_entropy(h, *split[:1], targets, weights, **split[1]), weights.float().sum()
         loss = linear_cross_entropy(h, self.head_weight, targets, weights)
@@ -387,7 +387,7 @@ class Decoder(nn.Module):
         h = self._trunk(tokens, positions, *layout, keep=keep)
         if keep is not None:
             targets = targets[keep]
-        split = self._split_head()
+        split = self.split_head()
         if split is not None:
             logp = split_token_log_probs(h, *split[:1], targets, **split[1])
         else:
@@ -411,7 +411,7 @@ class Decoder(nn.Module):
             return None
         return torch.from_numpy(keep).to(self.device, non_blocking=True)
 
-    def _split_head(self):
+    def split_head(self):
         """(this process's rows of the head, {offset, group}) when tensor_parallel split the
         head by vocabulary; None for a whole (or FSDP-gathered) head."""
         w = self.head_weight

@@ -141,6 +141,50 @@ def tensor_parallel(model, mesh):
     return model
 
 
+class _SplitSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, parts_use_it: bool):
+        ctx.group, ctx.parts_use_it = group, parts_use_it
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.parts_use_it:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None, None
+
+
+class _SplitInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def split_sum(x: torch.Tensor, group, *, parts_use_it: bool = False) -> torch.Tensor:
+    """x summed over the processes of a split, each holding a part of the sum (over its rows
+    of the vocabulary, say). In backward, when every process computes the same loss from the
+    sum, each part's gradient is the sum's as it is; when each process goes on to use the
+    sum in its own part of the computation (parts_use_it: a log-softmax's normaliser over
+    its rows), the processes' gradients for it are summed."""
+    return _SplitSum.apply(x, group, parts_use_it)
+
+
+def split_input(x: torch.Tensor, group) -> torch.Tensor:
+    """x, whole on every process of a split, as the input of its split parts (a head split
+    by vocabulary): each part's gradient for x is summed over the split in backward."""
+    return _SplitInput.apply(x, group)
+
+
 def copies_group(*meshes):
     """The process group of the ranks at this rank's place in every copy: the same local
     rank in each of `meshes` (a split's, a pipeline's stages, or both); this rank alone

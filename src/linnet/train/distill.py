@@ -24,6 +24,7 @@ distributions on them.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -38,7 +40,8 @@ from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
-from linnet.train.loop import Work, fit, trained_parameters
+from linnet.torch.sharding import split_first, split_input, split_sum
+from linnet.train.loop import Work, copies_of, fit, trained_parameters
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -50,10 +53,31 @@ def token_divergence(student_logits, teacher_logits, *, divergence: str = "forwa
         raise ValueError(f"divergence={divergence!r}; use one of {', '.join(DIVERGENCES)}")
     ls = F.log_softmax(student_logits.float() / temperature, dim=-1)
     lt = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    return _divergence(ls, lt, _kl, divergence, beta)
 
-    def kl(log_p, log_q):  # KL(p || q), 0 where p is
-        return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
 
+def split_token_divergence(student_logits, teacher_logits, *, offset: int, group, divergence: str = "forward_kl",
+                           beta: float = 0.5, temperature: float = 1.0) -> torch.Tensor:
+    """token_divergence for a student whose head is split by vocabulary across `group`:
+    `student_logits` [N, V_local] are the columns [offset, offset + V_local) of its logits,
+    `teacher_logits` [N, V] whole. Each row's maximum and sum of exponentials, and each
+    divergence's sum over the vocabulary, are combined across the split; the logits never are."""
+    z = student_logits.float() / temperature
+    top = z.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    ls = z - top - split_sum((z - top).exp().sum(dim=-1, keepdim=True), group, parts_use_it=True).log()
+    lt = F.log_softmax(teacher_logits.float() / temperature, dim=-1)[:, offset:offset + z.shape[1]]
+    return _divergence(ls, lt, lambda log_p, log_q: split_sum(_kl(log_p, log_q), group), divergence, beta)
+
+
+def _kl(log_p, log_q):
+    """KL(p || q) over the last dimension, 0 where p is."""
+    return F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)
+
+
+def _divergence(ls, lt, kl, divergence: str, beta: float):
+    """The divergence from the student's and teacher's log-probabilities, `kl` summing
+    KL(p || q) over the vocabulary."""
     if divergence == "forward_kl" or (divergence == "jsd" and beta == 0):
         return kl(lt, ls)
     if divergence == "reverse_kl" or beta == 1:
@@ -63,16 +87,20 @@ def token_divergence(student_logits, teacher_logits, *, divergence: str = "forwa
 
 
 def linear_divergence(h_s, w_s, h_t, w_t, weights, *, divergence: str = "forward_kl", beta: float = 0.5,
-                      temperature: float = 1.0, block_rows: int | None = None) -> torch.Tensor:
+                      temperature: float = 1.0, block_rows: int | None = None, split: dict | None = None
+                      ) -> torch.Tensor:
     """sum over positions of weights * divergence(h_s @ w_s.T, h_t @ w_t.T), a block of
     `block_rows` positions at a time (by default the chunked loss's block), each block
     recomputed in backward: the student's and teacher's [N, V] logits are never whole.
-    Gradients reach h_s and w_s; the teacher's side is constant."""
+    Gradients reach h_s and w_s; the teacher's side is constant. split: {offset, group}
+    when w_s is this process's rows of a head split by vocabulary (split_token_divergence)."""
     rows = block_rows or rows_per_block(w_s.shape[0], h_s.device)
 
     def block(hs, ws, ht, wt, wb):
-        per = token_divergence(hs @ ws.to(hs.dtype).T, ht @ wt.to(ht.dtype).T, divergence=divergence, beta=beta,
-                               temperature=temperature)
+        if split is not None:
+            hs = split_input(hs, split["group"])
+        per = (token_divergence if split is None else functools.partial(split_token_divergence, **split))(
+            hs @ ws.to(hs.dtype).T, ht @ wt.to(ht.dtype).T, divergence=divergence, beta=beta, temperature=temperature)
         return (per * wb).sum()
 
     h_t, w_t = h_t.detach(), w_t.detach()
@@ -101,7 +129,9 @@ def row_divergence(student, teacher, row, **options) -> torch.Tensor:
     with torch.no_grad():
         h_t = teacher.hidden_packed(row, at=at)
     weights = torch.as_tensor(np.asarray(row.weights)[at], device=h_s.device)
-    return linear_divergence(h_s, student.head_weight, h_t, teacher.head_weight, weights, **options)
+    split = student.split_head()
+    head, split = (student.head_weight, None) if split is None else split
+    return linear_divergence(h_s, head, h_t, teacher.head_weight, weights, split=split, **options)
 
 
 def distill(
@@ -127,14 +157,15 @@ def distill(
     positions are distilled), `accumulate` rows a step. Each Step's metrics hold the mean
     divergence per learned token (`divergence`, the loss)."""
     options = _prepare(student, teacher, divergence, beta, temperature)
+    copies = copies_of(student, "distill")
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
-        (count,) = sum_across([learned])
+        (count,) = sum_across([learned], copies)
         if count == 0:
             raise ValueError(f"distill: step {step}'s rows hold no learned position")
         return Work(micro, lambda _, row: (row_divergence(student, teacher, row, **options), {}), count, learned,
-                    sum(float(b.real) for b in micro))
+                    sum(float(b.real) for b in micro), group=copies)
 
     return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
@@ -148,10 +179,9 @@ def _prepare(student, teacher, divergence: str, beta: float, temperature: float)
         raise ValueError(f"distill: divergence={divergence!r}; use one of {', '.join(DIVERGENCES)}")
     if not 0 <= beta <= 1 or not temperature > 0:
         raise ValueError("distill: beta must be in [0, 1] and temperature > 0")
-    if getattr(student, "copies", None) is not None:
-        raise ValueError("distill does not train split or pipelined students yet (the divergence takes the whole "
-                         "vocabulary's logits, and on-policy the processes of a split would each sample their own "
-                         "completions); use fully_shard")
+    if teacher.split_head() is not None:
+        raise ValueError("distill: the teacher is split (tensor_parallel); load it whole on every process (a split "
+                         "student is fine)")
     check_teacher(student, teacher)
     teacher.eval()
     return dict(divergence=divergence, beta=beta, temperature=temperature)
@@ -197,20 +227,24 @@ def on_policy_distill(
     distillation usually takes). A sequence of prompts repeats as epochs."""
     trained_parameters(student)
     options = _prepare(student, teacher, divergence, beta, temperature)
+    copies = copies_of(student, "on_policy_distill")
 
     def prepare(step: int, chunk: list) -> Work:
         engine.load_weights(student)
         mine = [list(p) for _, p in chunk]
-        done = engine.sample(mine, max_new_tokens=max_new_tokens, temperature=sample_temperature, stop=stop,
-                             seed=seed * 1_000_003 + step)
+        # a split's processes learn from the same completions: its first process's
+        done = split_first(student, lambda: engine.sample(mine, max_new_tokens=max_new_tokens,
+                                                          temperature=sample_temperature, stop=stop,
+                                                          seed=seed * 1_000_003 + step))
         groups = [(mine[c.prompt], [c.tokens]) for c in done if c.tokens]
         rows = list(pack_prompted(groups, tokens, share=False))
         learned = sum(float(np.asarray(r.weights).sum()) for r in rows)
-        (count,) = sum_across([learned])
+        (count,) = sum_across([learned], copies)
         lengths = [len(c.tokens) for c in done]
         return Work(rows, lambda _, row: (row_divergence(student, teacher, row, **options), {}), max(count, 1.0),
                     learned, sum(float(r.real) for r in rows),
-                    metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0})
+                    metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0},
+                    group=copies)
 
     return fit(student, itertools.cycle(enumerate(prompts)), prepare, per_step=prompts_per_step, optimizer=optimizer,
                steps=steps, clip=clip, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
