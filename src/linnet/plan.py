@@ -357,9 +357,8 @@ def estimate(
         acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
                 for mode in CHECKPOINTING}
         moments = step_moments(card, method, batch, acts[batch.checkpointing], part)
-        quantized = quantized_params(card, method) if not cut else 0
         states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard,
-                             cluster.gpus, quantized)
+                             cluster.gpus, quantized_params(part.card, method))
         n = batch.workers
         if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
             moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]

@@ -525,8 +525,7 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     """
     part = part or whole(card)
     trainable = trainable_params(card, method, part)
-    states = state_bytes(part.params(), trainable, method,
-                         quantized=quantized_params(card, method) if part.head_rows == card.vocab and part.embeds else 0)
+    states = state_bytes(part.params(), trainable, method, quantized=quantized_params(part.card, method))
     grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
     copies = method.copy_bytes * trainable if method.master_bytes else 0
     stored = states.weights - copies

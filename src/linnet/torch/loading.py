@@ -89,9 +89,9 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
     parameter order) and copy the value in, or a split parameter's (DTensor's) slice of it;
     a value the model holds no place for (another pipeline stage's) is passed over, and
     `also` names a second parameter that takes the same value (a head untied from the
-    embedding). With `quantize`, a block is
-    stored in NF4 once the next part starts, so loading holds the NF4 blocks, one block in
-    the compute dtype, the embedding and the head: never the whole model in the compute dtype."""
+    embedding). With `quantize`, a block is stored in NF4 once the next part starts, so
+    loading holds the NF4 blocks, one block in the compute dtype, the embedding and the
+    head: never the whole model in the compute dtype."""
     owners = {f"{prefix}.{name}".lstrip("."): (module, name)
               for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
     filling = None  # the block being filled
@@ -108,14 +108,14 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
                 module, name = owners[held]
                 if getattr(module, name).is_meta:
                     module.to_empty(device=device, recurse=False)
-                param = getattr(module, name)
+                param, part = getattr(module, name), value
                 if isinstance(param, DTensor):  # split: this process's slice of the whole value
+                    mesh = param.device_mesh
                     for axis, place in enumerate(param.placements):
                         if place.is_shard():
-                            mesh = param.device_mesh
-                            value = value.chunk(mesh.size(axis), place.dim)[mesh.get_local_rank(axis)]
+                            part = part.chunk(mesh.size(axis), place.dim)[mesh.get_local_rank(axis)]
                     param = param.to_local()
-                param.copy_(value)
+                param.copy_(part)
         if quantize and filling is not None:
             quantize_block(filling, model.dtype)
 
