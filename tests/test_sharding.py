@@ -429,3 +429,33 @@ def _split_refusals(rank):
 
 def test_split_models_refuse_what_they_cannot_do():
     assert in_processes(_split_refusals) == [True, True]
+
+
+def _sharded_at_load(rank, tied, weights):
+    """Parameters and steps of a model sharded as it loads, and of one sharded after."""
+    card = CARD.replace(tied_embeddings=tied)
+    models = [nest.load(card, weights=weights, seed=0, trainable=True, fully_shard=True),
+              fully_shard(nest.load(card, weights=weights, seed=0, trainable=True))]
+    values = [{n: p.full_tensor().detach().numpy() for n, p in m.named_parameters()} for m in models]
+    steps = []
+    for m in models:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        steps.append([(s.loss, s.grad_norm) for s in train(m, _rows()[rank::2], optimizer=opt, steps=2).steps])
+    return values, steps
+
+
+@pytest.mark.parametrize("tied, weights", [(True, "random"), (False, "file")])
+def test_a_model_sharded_as_it_loads_equals_one_sharded_after(tmp_path, tied, weights):
+    """nest.load(..., fully_shard=True) shards the model while it is on meta and fills each
+    process's parts alone (no process holds the whole model): the same parameters, and the
+    same steps, as fully_shard() after a whole load; a tied head stays the embedding."""
+    if weights == "file":
+        nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=3).save_weights(tmp_path / "w")
+        weights = str(tmp_path / "w")
+    for (alone, after), (steps, steps_after) in in_processes(_sharded_at_load, tied, weights):
+        assert alone.keys() == after.keys()
+        for name in after:
+            np.testing.assert_array_equal(alone[name], after[name], err_msg=name)
+        assert steps == steps_after
+    with pytest.raises(ValueError, match="for full fine-tuning"):
+        nest.load(CARD, weights="random", fully_shard=True)

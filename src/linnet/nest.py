@@ -47,6 +47,7 @@ def load(
     tensor_parallel: Any = None,
     pipeline: Any = None,
     pipeline_schedule: str = "1f1b",
+    fully_shard: bool = False,
     activation_checkpointing: bool | str = False,
     activation_memory_budget: float | None = None,
     quantize: str | None = None,
@@ -72,6 +73,9 @@ def load(
     pipeline: a one-dimension DeviceMesh (mesh["stages"]): build only this process's stage
     of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
     `pipeline_schedule` "1f1b" or "gpipe"); with tensor_parallel too, the stage is split.
+    fully_shard=True: shard the model over every process (linnet.torch.fully_shard) before
+    its weights are read or drawn, each process keeping only its part; for full fine-tuning
+    (trainable=True). With adapters, load whole, add_lora, then fully_shard(model).
     activation_checkpointing: True (or "full") keeps each block's input alone in training
     and computes the block again in backward; "selective" also keeps attention's outputs
     (`Decoder.checkpoint_activations`). activation_memory_budget (with compile="inductor"):
@@ -109,7 +113,7 @@ def load(
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
                                                    ("compile", compile, False), ("attention", attention, "auto"),
                                                    ("tensor_parallel", tensor_parallel, None),
-                                                   ("pipeline", pipeline, None),
+                                                   ("pipeline", pipeline, None), ("fully_shard", fully_shard, False),
                                                    ("activation_checkpointing", activation_checkpointing, False),
                                                    ("activation_memory_budget", activation_memory_budget, None),
                                                    ("quantize", quantize, None))
@@ -139,6 +143,7 @@ def load(
         tensor_parallel=tensor_parallel,
         pipeline=pipeline,
         pipeline_schedule=pipeline_schedule,
+        fully_shard=fully_shard,
         activation_checkpointing=activation_checkpointing,
         activation_memory_budget=activation_memory_budget,
         quantize=quantize,

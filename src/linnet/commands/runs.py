@@ -272,6 +272,8 @@ def load_model(card, config):
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
+    # a full fine-tune sharded as it loads: no process ever holds the whole model
+    shard_at_load = t.shard == "fsdp" and processes > 1 and not (lora.enabled or m.quantize or m.compile)
     mesh = None
     if split > 1 or stages > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -283,12 +285,13 @@ def load_model(card, config):
                       tensor_parallel=mesh["split"] if split > 1 else None,
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
                       pipeline_schedule="1f1b" if t.accumulation >= stages else "gpipe",  # 1F1B: a row a stage
+                      fully_shard=shard_at_load,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora)
-    if t.shard == "fsdp" and processes > 1:
+    if t.shard == "fsdp" and processes > 1 and not shard_at_load:
         fully_shard(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:

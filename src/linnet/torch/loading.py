@@ -1,5 +1,5 @@
-"""Building a Decoder from a card (`linnet.nest.load`): on meta, cut into its pipeline stage
-and split across its tensor-parallel processes there, then filled a weight at a time from
+"""Building a Decoder from a card (`linnet.nest.load`): on meta, cut into its pipeline stage,
+split across its tensor-parallel processes or sharded (FSDP) there, then filled a weight at a time from
 files or a seeded draw (each process allocating only its part), NF4 blocks quantized as
 they are filled; the compute dtype and the matmul numerics it runs with."""
 
@@ -121,9 +121,9 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
 
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
-          pipeline=None, pipeline_schedule: str = "1f1b", activation_checkpointing: bool | str = False,
-          activation_memory_budget: float | None = None, quantize: str | None = None,
-          numerics: str | None = None) -> Decoder:
+          pipeline=None, pipeline_schedule: str = "1f1b", fully_shard: bool = False,
+          activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
+          quantize: str | None = None, numerics: str | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
     from linnet.torch import pipeline as stages
@@ -132,6 +132,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
+    if fully_shard and (trainable is not True or tensor_parallel is not None or pipeline is not None or compile):
+        raise ValueError("nest.load(fully_shard=True) shards a model for full fine-tuning (trainable=True), eager, "
+                         "neither split nor cut; with adapters, load whole, add_lora, then "
+                         "linnet.torch.fully_shard(model)")
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
@@ -145,8 +149,8 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
 
     model = whole = on_meta()
     also = None
-    if pipeline is not None or tensor_parallel is not None:
-        # cut and split on meta: only this process's part of each weight is ever allocated
+    if pipeline is not None or tensor_parallel is not None or fully_shard:
+        # cut, split or sharded on meta: only this process's part of each weight is ever allocated
         whole = on_meta()  # what the weights are read (or drawn) for, every process's
         also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None  # untied
     if pipeline is not None:
@@ -155,6 +159,11 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)
+    if fully_shard:  # a tied head is the embedding's own parameter: one part
+        from linnet.torch.sharding import fully_shard as shard
+
+        also = None
+        shard(model)
     if isinstance(weights, str) and weights == "random":
         values = _random_values(whole, seed)
     else:  # every name and shape checked before any memory is taken
