@@ -305,7 +305,7 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), atol=2e-5, err_msg=name)
     adam = optax.adam(1e-3)  # a scalar step count in its state, placed over the mesh as the step returns it:
     jax_train(jax_model, rows, optimizer=adam, steps=2, accumulate=2, mesh=mesh)  # one compile for every step
-    assert _make_step(jax_model.card, jax_model.dtype, 0.0, adam, 1.0, False)._cache_size() == 1
+    assert _make_step(jax_model.card, jax_model.dtype, 0.0, adam, 1.0, False, 0.0)._cache_size() == 1
 
 
 def test_dpo_steps_equal_pytorch(jx, tmp_path):
@@ -346,7 +346,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
     """`linnet jax` on an sft config, layers kept (--no-remat): the run directory, metrics
     with held-out loss, the final weights; again over every device with --fully-shard and
     layers recomputed (the default), the same losses; a PyTorch-only field and
-    contradicting remat settings are refused by name."""
+    contradicting remat settings are refused by name; lora.dropout trains, seeded by the run."""
     import json
 
     from linnet.cli import main
@@ -361,11 +361,12 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
               "training.context_length=128", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
               "lr_schedule.warmup_steps=1", "training.steps=3", "training.accumulation=4", "evaluation.every=2"]
     sets = lambda *extra: [a for o in common + list(extra) for a in ("--set", o)]
-    remats, train = [], jax_train.train
+    remats, seeds, train = [], [], jax_train.train
 
-    def recording(*args, remat, **options):
+    def recording(model, *args, remat, **options):
         remats.append(remat)
-        return train(*args, remat=remat, **options)
+        seeds.append((model.lora and model.lora["dropout"], options["seed"]))
+        return train(model, *args, remat=remat, **options)
 
     monkeypatch.setattr(jax_train, "train", recording)
     assert main(["jax", "--no-remat", *sets(f"runtime.output_dir={tmp_path / 'one'}")]) == 0
@@ -383,6 +384,9 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
                                             "training.activation_checkpointing=true")]) == 2
     assert main(["jax", "--remat", "--no-remat", *sets(f"runtime.output_dir={tmp_path / 'no'}")]) == 2
     assert not (tmp_path / "no").exists() and remats == [False, True]
+    assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'drop'}", "lora.enabled=true", "lora.dropout=0.1",
+                              "runtime.seed=5", "training.steps=1")]) == 0  # adapter dropout, seeded by the run
+    assert seeds[-1] == (0.1, 5)
 
 
 def test_engine_greedy_equals_pytorch_and_log_probs_are_the_models(jx, tmp_path, monkeypatch):
@@ -600,3 +604,42 @@ def test_both_backends_refuse_a_bad_checkpoint_alike(jx, tmp_path, damage, messa
             nest.load(card, backend, weights=tmp_path)
         errors.append(str(caught.value))
     assert errors[0] == errors[1]
+
+
+def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
+    """add_lora(dropout=) drops the adapters' input while train() trains: about `rate` of the
+    values drop and the rest are scaled by 1 / (1 - rate), each layer with its own mask; the
+    masks come from (seed, step, row), so a run repeats itself, another seed or no dropout
+    trains otherwise, and a resumed run equals an uninterrupted one. DPO and GRPO refuse it."""
+    import jax.numpy as jnp
+    import optax
+
+    from linnet.jax.dpo import dpo as jax_dpo
+    from linnet.jax.lora import dropout
+    from linnet.jax.train import train as jax_train
+
+    x, key = jnp.ones((200, 50)), jnp.asarray([1, 2], dtype=jnp.uint32)
+    up, down = (np.asarray(dropout(x, 0.3, key, f"model.layers.0.mlp.{p}_proj")) for p in ("up", "down"))
+    assert abs((up == 0).mean() - 0.3) < 0.02 and np.allclose(up[up != 0], 1 / 0.7) and (up != down).any()
+    np.testing.assert_array_equal(up, np.asarray(dropout(x, 0.3, key, "model.layers.0.mlp.up_proj")))
+
+    rows = _rows(8, seed=4)
+    adamw = optax.adamw(1e-2)  # one object: the runs share one compiled step
+
+    def run(rate, seed, steps, ckpt=None):
+        _, model = _pair(jx, {}, tmp_path)
+        model.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=4, dropout=rate)
+        return jax_train(model, rows, optimizer=adamw, steps=steps, accumulate=2, seed=seed, checkpoint=ckpt,
+                         checkpoint_every=2)[1]
+
+    straight = run(0.2, 0, 4)
+    assert run(0.2, 0, 4).losses == straight.losses
+    for other in (run(0.2, 1, 4), run(0.0, 0, 4)):  # B starts at zero: the masks show from the second step
+        assert other.losses[0] == pytest.approx(straight.losses[0], rel=1e-6) and other.losses[1:] != straight.losses[1:]
+    run(0.2, 0, 2, tmp_path / "ckpt")
+    rest = run(0.2, 0, 4, tmp_path / "ckpt")
+    assert [s.step for s in rest.steps] == [3, 4] and rest.losses == straight.losses[2:]
+    _, model = _pair(jx, {}, tmp_path)
+    model.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=0.1)
+    with pytest.raises(ValueError, match="dropout only in linnet.jax.train.train"):
+        jax_dpo(model, [], optimizer=adamw, steps=1)

@@ -43,14 +43,14 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     keeps each layer's values for backward rather than recomputing them."""
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
     for name, value, default in (("runtime.device", rt.device, None), ("model.compile", m.compile, False),
-                                 ("model.attention", m.attention, "auto"), ("lora.dropout", lora.dropout, 0.0),
+                                 ("model.attention", m.attention, "auto"),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1),
                                  ("training.pipeline", t.pipeline, 1),
                                  ("model.quantize", m.quantize, None)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "
-                             "itself, compiles every step, attends with one masked path, has no adapter dropout "
-                             "or 4-bit base, and shards with --fully-shard")
+                             "itself, compiles every step, attends with one masked path, has no 4-bit base, and "
+                             "shards with --fully-shard")
     if t.activation_checkpointing == "selective":
         raise ValueError("config: training.activation_checkpointing='selective' is the PyTorch backend's; `linnet "
                          "jax` recomputes whole layers (its default): drop the field")
@@ -70,8 +70,8 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
 
     model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
     if lora.enabled:
-        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, dora=lora.dora,
-                       seed=rt.seed)
+        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
+                       dora=lora.dora, seed=rt.seed)
     eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id))
 
     def held_out(params) -> dict:
@@ -84,7 +84,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
                            steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip,
                            save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                            keep=t.keep, mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
-                           evaluate_every=config.evaluation.every, on_step=log)
+                           evaluate_every=config.evaluation.every, seed=rt.seed, on_step=log)
     return runs.summarize(run, history, log, card=prepared.card.name, steps=prepared.steps, backend="jax")
 
 

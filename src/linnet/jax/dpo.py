@@ -21,7 +21,7 @@ import numpy as np
 
 from linnet.history import History, Step
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
-from linnet.jax.lora import Params
+from linnet.jax.lora import Params, refuse_dropout
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import Pair, check_pairs, pack_prompted
 
@@ -93,6 +93,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
     devices, filled out with rows that learn nothing)."""
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    refuse_dropout(model, "dpo")
     pairs = list(pairs)
     check_pairs(pairs)
     fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)

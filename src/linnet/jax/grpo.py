@@ -27,7 +27,7 @@ import numpy as np
 from linnet.history import History, Step
 from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
-from linnet.jax.lora import Params
+from linnet.jax.lora import Params, refuse_dropout
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import pack_prompted
 from linnet.rollouts import (
@@ -125,6 +125,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     that learn nothing); the engine samples on its own."""
     if group < 2 or prompts_per_step < 1 or iterations < 1:
         raise ValueError("grpo: group must be >= 2, prompts_per_step and iterations >= 1")
+    refuse_dropout(policy, "grpo")
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
     if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -24,18 +25,34 @@ if TYPE_CHECKING:
 Params = dict[str, jax.Array]
 
 
-def linear(params: Params, path: str, x, bias: bool, lora_scale: float):
+def linear(params: Params, path: str, x, bias: bool, lora_scale: float, drop=None):
     """x @ W.T (+ b), and with an adapter (+ (x @ A.T) @ B.T * lora_scale); with DoRA's
     magnitude m the sum is rescaled by m / ||W + lora_scale * B @ A||_row (the norm held
-    constant in backward), as in PyTorch."""
+    constant in backward), as in PyTorch. drop: (rate, key) to drop the adapter's input
+    (inverted dropout, the mask drawn from `key` and the layer's path), or None."""
     y = x @ params[f"{path}.weight"].astype(x.dtype).T
     if f"{path}.lora_a" in params:
-        y = y + (x @ params[f"{path}.lora_a"].astype(x.dtype).T) @ params[f"{path}.lora_b"].astype(x.dtype).T \
+        a_in = x if drop is None else dropout(x, *drop, path)
+        y = y + (a_in @ params[f"{path}.lora_a"].astype(x.dtype).T) @ params[f"{path}.lora_b"].astype(x.dtype).T \
             * lora_scale
     if f"{path}.lora_magnitude" in params:
         norm = jax.lax.stop_gradient(jnp.linalg.norm(adapted_weight(params, path, lora_scale), axis=1))
         y = y * (params[f"{path}.lora_magnitude"] / norm).astype(x.dtype)
     return y + params[f"{path}.bias"].astype(x.dtype) if bias else y
+
+
+def dropout(x, rate: float, key, path: str):
+    """x with each value zeroed with probability `rate` and the rest scaled by 1 / (1 - rate),
+    the mask drawn from `key` folded with the layer's path (each layer its own mask)."""
+    keep = jax.random.bernoulli(jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF), 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def refuse_dropout(model: JaxModel, who: str) -> None:
+    """Only `linnet.jax.train.train` drops the adapters' input; the others would not."""
+    if model.lora and model.lora["dropout"]:
+        raise ValueError(f"{who}: adapters with dropout={model.lora['dropout']} (add_lora(dropout=)) train with "
+                         "dropout only in linnet.jax.train.train so far; add them with dropout=0")
 
 
 def adapted_weight(params: Params, path: str, lora_scale: float):
@@ -45,12 +62,15 @@ def adapted_weight(params: Params, path: str, lora_scale: float):
 
 
 def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
-             rslora: bool = False, dora: bool = False, seed: int = 0) -> list[str]:
+             dropout: float = 0.0, rslora: bool = False, dora: bool = False, seed: int = 0) -> list[str]:
     """Add adapters to `model.params` for every projection whose weight path (or layer
     path) matches a pattern (with dora=True, DoRA's magnitude per output row, starting at
-    the row's norm); returns the adapted layer paths."""
+    the row's norm); returns the adapted layer paths. dropout: drop the adapters' input
+    while `linnet.jax.train.train` trains (each step's masks drawn from its seed)."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
     if model.lora:
         raise ValueError("add_lora: the model has adapters already; merge_lora first")
     chosen = adapted_layers([k.removesuffix(".weight") for k in model.params if k.endswith("_proj.weight")], patterns)
@@ -64,7 +84,7 @@ def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, 
             weight = model.params[f"{name}.weight"].astype(jnp.float32)
             model.params[f"{name}.lora_magnitude"] = jnp.linalg.norm(weight, axis=1)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    model.lora = dict(rank=rank, alpha=alpha, dropout=0.0, rslora=rslora, layers=chosen, scale=scale, dora=dora)
+    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, scale=scale, dora=dora)
     return chosen
 
 

@@ -79,45 +79,48 @@ def cos_sin(card: Card, positions, dtype):
     return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
 
 
-def project(params: Params, card: Card, i: int, x, cos, sin, s: float):
+def project(params: Params, card: Card, i: int, x, cos, sin, s: float, drop=None):
     """Layer i's q [..., H, d], k and v [..., K, d] of normed inputs x [..., D], q and k
-    normed where the card says (Qwen3) and rotated; shared with the sampling engine."""
+    normed where the card says (Qwen3) and rotated; shared with the sampling engine.
+    drop: the adapters' dropout (`linear`)."""
     c, path = card, f"model.layers.{i}.self_attn"
     lead = x.shape[:-1]
-    q = linear(params, f"{path}.q_proj", x, c.qkv_bias, s).reshape(*lead, c.heads, c.head_dim)
-    k = linear(params, f"{path}.k_proj", x, c.qkv_bias, s).reshape(*lead, c.kv_heads, c.head_dim)
-    v = linear(params, f"{path}.v_proj", x, c.qkv_bias, s).reshape(*lead, c.kv_heads, c.head_dim)
+    q = linear(params, f"{path}.q_proj", x, c.qkv_bias, s, drop).reshape(*lead, c.heads, c.head_dim)
+    k = linear(params, f"{path}.k_proj", x, c.qkv_bias, s, drop).reshape(*lead, c.kv_heads, c.head_dim)
+    v = linear(params, f"{path}.v_proj", x, c.qkv_bias, s, drop).reshape(*lead, c.kv_heads, c.head_dim)
     if c.qk_norm:
         q = rms_norm(q, params[f"{path}.q_norm.weight"], c.norm_eps)
         k = rms_norm(k, params[f"{path}.k_norm.weight"], c.norm_eps)
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
-def _attention(params: Params, card: Card, i: int, x, cos, sin, mask, s: float):
+def _attention(params: Params, card: Card, i: int, x, cos, sin, mask, s: float, drop=None):
     c = card
     P = x.shape[0]
-    q, k, v = project(params, card, i, x, cos, sin, s)
+    q, k, v = project(params, card, i, x, cos, sin, s, drop)
     groups = c.heads // c.kv_heads
     q = q.reshape(P, c.kv_heads, groups, c.head_dim).astype(jnp.float32)
     scores = jnp.einsum("qkgd,tkd->kgqt", q, k.astype(jnp.float32)) / np.sqrt(c.head_dim)
     scores = jnp.where(mask, scores, -jnp.inf)
     out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
-    return linear(params, f"model.layers.{i}.self_attn.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s)
+    return linear(params, f"model.layers.{i}.self_attn.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s,
+                  drop)
 
 
-def mlp(params: Params, card: Card, i: int, x, s: float):
+def mlp(params: Params, card: Card, i: int, x, s: float, drop=None):
     path, bias = f"model.layers.{i}.mlp", card.mlp_bias
-    gate = linear(params, f"{path}.gate_proj", x, bias, s)
-    return linear(params, f"{path}.down_proj", jax.nn.silu(gate) * linear(params, f"{path}.up_proj", x, bias, s),
-                   bias, s)
+    gate = linear(params, f"{path}.gate_proj", x, bias, s, drop)
+    return linear(params, f"{path}.down_proj", jax.nn.silu(gate) * linear(params, f"{path}.up_proj", x, bias, s, drop),
+                  bias, s, drop)
 
 
 def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0,
-           remat: bool = False):
+           remat: bool = False, lora_dropout: float = 0.0):
     """[P, D] final-normed hidden states of one packed row (see `row_arrays`);
     `lora_scale` weighs the adapters where `params` has them. remat=True recomputes each
     layer in backward instead of keeping its values (jax.checkpoint): a step then keeps
-    each layer's input alone, for about a third more compute."""
+    each layer's input alone, for about a third more compute. lora_dropout > 0 drops the
+    adapters' input, the masks drawn from the row's `lora_key` (a raw uint32[2] key)."""
     positions, segments = row["positions"], row["segments"]
     cos, sin = cos_sin(card, positions, dtype)
     index = jnp.arange(positions.shape[0])
@@ -126,10 +129,11 @@ def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale:
 
     def layer(x, i: int):
         path = f"model.layers.{i}"
+        drop = (lora_dropout, row["lora_key"]) if lora_dropout else None
         x = x + _attention(params, card, i, rms_norm(x, params[f"{path}.input_layernorm.weight"], card.norm_eps),
-                           cos, sin, mask, lora_scale)
+                           cos, sin, mask, lora_scale, drop)
         return x + mlp(params, card, i, rms_norm(x, params[f"{path}.post_attention_layernorm.weight"],
-                                                   card.norm_eps), lora_scale)
+                                                   card.norm_eps), lora_scale, drop)
 
     x = params["model.embed_tokens.weight"][row["tokens"]].astype(dtype)
     for i in range(card.layers):
@@ -142,9 +146,9 @@ def head_weight(params: Params, card: Card):
 
 
 def loss_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0,
-                remat: bool = False, rows: int = 1024):
+                remat: bool = False, rows: int = 1024, lora_dropout: float = 0.0):
     """(sum of weighted token cross-entropies, sum of weights), both float32."""
-    h = hidden(params, card, row, dtype, lora_scale, remat)
+    h = hidden(params, card, row, dtype, lora_scale, remat, lora_dropout)
     return linear_cross_entropy(h, head_weight(params, card), row["targets"], row["weights"], rows), \
         row["weights"].sum()
 
@@ -192,12 +196,12 @@ class JaxModel:
         return self._entries[entry](self.params if params is None else params, self.card, row_arrays(batch),
                                     self.dtype, self.lora_scale)
 
-    def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32, *, rslora: bool = False,
-                 dora: bool = False, seed: int = 0) -> list[str]:
+    def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32, *, dropout: float = 0.0,
+                 rslora: bool = False, dora: bool = False, seed: int = 0) -> list[str]:
         """Give each linear weight whose path matches an adapter (A [r, in] drawn as PEFT
         draws it, B [out, r] zero); `linnet.jax.train.train` then trains the adapters alone
-        by default. Returns the adapted layer paths."""
-        return add_lora(self, patterns, rank=rank, alpha=alpha, rslora=rslora, dora=dora, seed=seed)
+        by default (dropping their input with `dropout`). Returns the adapted layer paths."""
+        return add_lora(self, patterns, rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, dora=dora, seed=seed)
 
     def loss_packed(self, batch, params: Params | None = None):
         """(sum of weighted token cross-entropies, sum of weights) of a packed row."""

@@ -27,14 +27,14 @@ from linnet.jax.model import JaxModel, loss_packed, row_arrays
 
 
 @functools.lru_cache(maxsize=8)
-def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, remat: bool):
+def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, remat: bool, lora_dropout: float):
     """The compiled step, cached: another run with the same model and optimizer object
     (a resumed one) does not compile again."""
 
     def rows_loss(trained, frozen, rows):
         """Summed loss of [n, P] rows (one a device over a mesh: GSPMD splits the vmap)."""
-        losses, _ = jax.vmap(loss_packed, in_axes=(None, None, 0, None, None, None))(
-            {**frozen, **trained}, card, rows, dtype, lora_scale, remat)
+        losses, _ = jax.vmap(loss_packed, in_axes=(None, None, 0, None, None, None, None, None))(
+            {**frozen, **trained}, card, rows, dtype, lora_scale, remat, 1024, lora_dropout)
         return losses.sum()
 
     def step(trained, frozen, opt_state, rows):
@@ -56,7 +56,7 @@ def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, re
 def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
           clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
           save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None, remat: bool = False,
-          evaluate: Callable[[Params], dict] | None = None, evaluate_every: int = 50,
+          evaluate: Callable[[Params], dict] | None = None, evaluate_every: int = 50, seed: int = 0,
           on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
@@ -71,7 +71,9 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
     optimizer state are split along the largest axis the device count divides.
     remat: recompute each layer in backward (see `linnet.jax.model.hidden`).
     evaluate: params -> metrics, every `evaluate_every` steps and at the last, added to
-    the step's metrics before `on_step` sees it."""
+    the step's metrics before `on_step` sees it. seed: the adapters' dropout masks
+    (add_lora(dropout=)), drawn a row at a time from (seed, step, row), so a resumed run
+    draws what an uninterrupted one does."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
     per_micro, row_sharding = 1, None
@@ -80,12 +82,16 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
 
         per_micro = mesh.shape[mesh.axis_names[0]]
         row_sharding = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
-    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, remat)
+    rate = model.lora["dropout"] if model.lora else 0.0
+    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, remat, rate)
 
     def step(number: int, chunk: list, state: State) -> Update | None:
         if len(chunk) < accumulate * per_micro:
             return None
         arrays = [row_arrays(b) for b in chunk]
+        if rate:  # each row its own masks, from (seed, step, row)
+            for i, a in enumerate(arrays):
+                a["lora_key"] = np.random.default_rng([seed, number, i]).integers(0, 2**32, 2, dtype=np.uint32)
         rows = {k: np.stack([a[k] for a in arrays]).reshape(accumulate, per_micro, -1) for k in arrays[0]}
         learned = float(rows["weights"].sum())
         if row_sharding is not None:
