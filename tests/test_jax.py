@@ -610,11 +610,12 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
     """add_lora(dropout=) drops the adapters' input while train() trains: about `rate` of the
     values drop and the rest are scaled by 1 / (1 - rate), each layer with its own mask; the
     masks come from (seed, step, row), so a run repeats itself, another seed or no dropout
-    trains otherwise, and a resumed run equals an uninterrupted one. DPO and GRPO refuse it."""
+    trains otherwise, and a resumed run equals an uninterrupted one; DPO alike; GRPO refuses it."""
     import jax.numpy as jnp
     import optax
 
     from linnet.jax.dpo import dpo as jax_dpo
+    from linnet.jax.grpo import grpo as jax_grpo
     from linnet.jax.lora import dropout
     from linnet.jax.train import train as jax_train
 
@@ -639,7 +640,18 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
     run(0.2, 0, 2, tmp_path / "ckpt")
     rest = run(0.2, 0, 4, tmp_path / "ckpt")
     assert [s.step for s in rest.steps] == [3, 4] and rest.losses == straight.losses[2:]
+    g = np.random.default_rng(6)  # DPO drops them too (its reference takes no dropout)
+    pairs = [Pair(g.integers(3, 96, 4).tolist(), g.integers(3, 96, 3).tolist(), g.integers(3, 96, 4).tolist())
+             for _ in range(8)]
+
+    def preferred(rate, seed):
+        _, model = _pair(jx, {}, tmp_path)
+        model.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=rate)
+        return jax_dpo(model, pairs, optimizer=adamw, steps=3, pairs_per_step=4, tokens=32, seed=seed)[1].losses
+
+    dropped = preferred(0.3, 0)
+    assert preferred(0.3, 0) == dropped and preferred(0.3, 1)[1:] != dropped[1:] != preferred(0.0, 0)[1:]
     _, model = _pair(jx, {}, tmp_path)
     model.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=0.1)
-    with pytest.raises(ValueError, match="dropout only in linnet.jax.train.train"):
-        jax_dpo(model, [], optimizer=adamw, steps=1)
+    with pytest.raises(ValueError, match="dropout in linnet.jax.train.train and dpo only"):
+        jax_grpo(model, None, [], lambda prompt, completion: 0.0, optimizer=adamw, steps=1)

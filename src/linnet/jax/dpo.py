@@ -21,7 +21,7 @@ import numpy as np
 
 from linnet.history import History, Step
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
-from linnet.jax.lora import Params, refuse_dropout
+from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import Pair, check_pairs, pack_prompted
 
@@ -38,9 +38,10 @@ def _rows(pairs: Sequence[Pair], tokens: int):
     return stacked, np.asarray(where, np.int32).reshape(len(pairs), 2, 2), sum(row.real for row in rows)
 
 
-def _answer_log_probs(params: Params, card, rows, where, dtype, lora_scale: float, remat: bool = False):
+def _answer_log_probs(params: Params, card, rows, where, dtype, lora_scale: float, remat: bool = False,
+                      lora_dropout: float = 0.0):
     """[pairs, 2] summed log-probabilities of each pair's chosen and rejected answer."""
-    logp = rows_log_probs(params, card, rows, dtype, lora_scale, remat)
+    logp = rows_log_probs(params, card, rows, dtype, lora_scale, remat, lora_dropout)
     P = logp.shape[1]
     sums = jax.vmap(lambda x, s: jax.ops.segment_sum(x, s, num_segments=P))(logp * rows["weights"], rows["segments"])
     return sums[where[..., 0], where[..., 1]]
@@ -54,9 +55,9 @@ def dpo_sigmoid(chosen, rejected, ref_chosen, ref_rejected, *, beta: float, labe
 
 @functools.lru_cache(maxsize=8)
 def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, beta: float, label_smoothing: float,
-               remat: bool):
+               remat: bool, lora_dropout: float):
     def loss_fn(trained, frozen, rows, where, ref):
-        logp = _answer_log_probs({**frozen, **trained}, card, rows, where, dtype, lora_scale, remat)
+        logp = _answer_log_probs({**frozen, **trained}, card, rows, where, dtype, lora_scale, remat, lora_dropout)
         losses = dpo_sigmoid(logp[:, 0], logp[:, 1], ref[:, 0], ref[:, 1], beta=beta, label_smoothing=label_smoothing)
         return losses.mean(), beta * (logp - ref)
 
@@ -83,24 +84,27 @@ def reference_log_probs(model: JaxModel, pairs: Sequence[Pair], *, params: Param
 def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_per_step: int = 32,
         beta: float = 0.1, label_smoothing: float = 0.0, reference: Params | None = None, tokens: int = 4096,
         clip: float | None = 1.0, trainable=None, save_to=None, checkpoint=None, checkpoint_every: int = 100,
-        keep: int = 2, mesh=None, remat: bool = False,
+        keep: int = 2, mesh=None, remat: bool = False, seed: int = 0,
         on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
     """Train on preference pairs for `steps` steps of `pairs_per_step` pairs (the
     sequence repeated as epochs); returns (parameters, history). Each Step's metrics
     hold rewards/accuracies (share of pairs ranked right) and rewards/margins (mean reward
-    margin), as TRL names them. `mesh`
-    and `remat` work as for `linnet.jax.train.train` (a step's rows split over the
-    devices, filled out with rows that learn nothing)."""
+    margin), as TRL names them. `mesh`, `remat` and `seed` (the adapters' dropout masks)
+    work as for `linnet.jax.train.train` (a step's rows split over the devices, filled out
+    with rows that learn nothing); the reference log-probabilities take no dropout."""
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
-    refuse_dropout(model, "dpo")
     pairs = list(pairs)
     check_pairs(pairs)
     fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)
-    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat)
+    rate = model.lora["dropout"] if model.lora else 0.0
+    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat,
+                          rate)
 
     def step(number: int, chunk: list, state: State) -> Update:
         rows, where, real = _rows([p for _, p in chunk], tokens)
+        if rate:  # each row its own masks
+            rows["lora_key"] = dropout_keys(seed, number, len(rows["weights"]))
         ref = fixed[[i for i, _ in chunk]].astype(np.float32)
         state.trained, state.opt_state, loss, norm, accuracy, margin = compiled(
             state.trained, state.frozen, state.opt_state, place_rows(rows, mesh), where, ref)

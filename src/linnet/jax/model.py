@@ -154,17 +154,17 @@ def loss_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_s
 
 
 def log_probs_packed(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale: float = 0.0,
-                     remat: bool = False, rows: int = 1024):
+                     remat: bool = False, rows: int = 1024, lora_dropout: float = 0.0):
     """[P] float32 log-probability of each position's target."""
-    h = hidden(params, card, row, dtype, lora_scale, remat)
+    h = hidden(params, card, row, dtype, lora_scale, remat, lora_dropout)
     return linear_token_log_probs(h, head_weight(params, card), row["targets"], rows)
 
 
 def rows_log_probs(params: Params, card: Card, rows: dict, dtype=jnp.float32, lora_scale: float = 0.0,
-                   remat: bool = False):
+                   remat: bool = False, lora_dropout: float = 0.0):
     """[R, P] log_probs_packed of stacked rows (split over devices when the rows are)."""
-    return jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None, None))(
-        params, card, rows, dtype, lora_scale, remat)
+    return jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None, None, None, None))(
+        params, card, rows, dtype, lora_scale, remat, 1024, lora_dropout)
 
 
 def rope_frequencies(card: Card) -> np.ndarray:

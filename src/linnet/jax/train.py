@@ -22,7 +22,7 @@ import numpy as np
 
 from linnet.history import History, Step
 from linnet.jax.loop import State, Update, apply_gradients, fit
-from linnet.jax.lora import Params
+from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, loss_packed, row_arrays
 
 
@@ -89,9 +89,8 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         if len(chunk) < accumulate * per_micro:
             return None
         arrays = [row_arrays(b) for b in chunk]
-        if rate:  # each row its own masks, from (seed, step, row)
-            for i, a in enumerate(arrays):
-                a["lora_key"] = np.random.default_rng([seed, number, i]).integers(0, 2**32, 2, dtype=np.uint32)
+        for a, key in zip(arrays, dropout_keys(seed, number, len(arrays)) if rate else []):
+            a["lora_key"] = key  # each row its own masks
         rows = {k: np.stack([a[k] for a in arrays]).reshape(accumulate, per_micro, -1) for k in arrays[0]}
         learned = float(rows["weights"].sum())
         if row_sharding is not None:
