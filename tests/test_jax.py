@@ -610,7 +610,8 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
     """add_lora(dropout=) drops the adapters' input while train() trains: about `rate` of the
     values drop and the rest are scaled by 1 / (1 - rate), each layer with its own mask; the
     masks come from (seed, step, row), so a run repeats itself, another seed or no dropout
-    trains otherwise, and a resumed run equals an uninterrupted one; DPO alike; GRPO refuses it."""
+    trains otherwise, and a resumed run equals an uninterrupted one; DPO alike; GRPO draws new
+    masks each iteration, the first's also its `old` log-probabilities' (every first ratio 1)."""
     import jax.numpy as jnp
     import optax
 
@@ -651,7 +652,22 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
 
     dropped = preferred(0.3, 0)
     assert preferred(0.3, 0) == dropped and preferred(0.3, 1)[1:] != dropped[1:] != preferred(0.0, 0)[1:]
-    _, model = _pair(jx, {}, tmp_path)
-    model.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=0.1)
-    with pytest.raises(ValueError, match="dropout in linnet.jax.train.train and dpo only"):
-        jax_grpo(model, None, [], lambda prompt, completion: 0.0, optimizer=adamw, steps=1)
+    # GRPO: each iteration new masks, the first's also those of the `old` log-probabilities
+    from linnet.jax.engine import Engine
+    from linnet.jax.model import load_model
+    from linnet.train.grpo import Prompt
+
+    card = BASE.replace(vocab=16, eos_token_ids=(2,))
+    prompts = [Prompt(g.integers(3, 16, size=3).tolist()) for _ in range(8)]
+
+    def sampled(seed, iterations):
+        policy = load_model(card, weights="random", seed=1)
+        policy.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=0.5)
+        return jax_grpo(policy, Engine(load_model(card, weights="random", seed=1)), prompts,
+                        lambda prompt, completion: sum(t == 7 for t in completion) / len(completion),
+                        optimizer=optax.adamw(5e-2), steps=3, group=4, prompts_per_step=4, max_new_tokens=4,
+                        tokens=64, iterations=iterations, seed=seed)[1]
+
+    once = sampled(0, 1)
+    assert all(s.metrics["clip_fraction"] == 0 for s in once.steps)  # the same masks: every ratio 1
+    assert sampled(0, 1).losses == once.losses and sampled(0, 2).steps[-1].metrics["clip_fraction"] > 0

@@ -27,7 +27,7 @@ import numpy as np
 from linnet.history import History, Step
 from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
-from linnet.jax.lora import Params, refuse_dropout
+from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import pack_prompted
 from linnet.rollouts import (
@@ -71,11 +71,11 @@ def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, toke
 
 @functools.lru_cache(maxsize=8)
 def _make_step(card, dtype, lora_scale: float, optimizer, max_grad_norm, clip: tuple[float, float], beta: float,
-               correction_cap, sequence_level: bool, sequences: int, remat: bool):
+               correction_cap, sequence_level: bool, sequences: int, remat: bool, lora_dropout: float):
     low, high = 1.0 - clip[0], 1.0 + clip[1]
 
     def loss_fn(trained, frozen, rows, old, ref, normaliser):
-        logp = rows_log_probs({**frozen, **trained}, card, rows, dtype, lora_scale, remat)
+        logp = rows_log_probs({**frozen, **trained}, card, rows, dtype, lora_scale, remat, lora_dropout)
         mask = rows["weights"] > 0
         log_ratio = jnp.where(mask, logp - old, 0.0)
         if sequence_level:  # GSPO: the completion's mean log ratio on each of its tokens
@@ -122,10 +122,11 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     share of uniform groups, completion length, stop share, clip fraction, KL and the
     engine/policy log-probability mismatch. `mesh` and `remat` work as for
     `linnet.jax.train.train` (a step's rows split over the devices, filled out with rows
-    that learn nothing); the engine samples on its own."""
+    that learn nothing); the engine samples on its own. Adapters with dropout draw new masks
+    each iteration from (seed, step, iteration, row), the first iteration's also for the
+    `old` log-probabilities."""
     if group < 2 or prompts_per_step < 1 or iterations < 1:
         raise ValueError("grpo: group must be >= 2, prompts_per_step and iterations >= 1")
-    refuse_dropout(policy, "grpo")
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
     if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
@@ -135,7 +136,8 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
     card, dtype, lora_scale = policy.card, policy.dtype, policy.lora_scale
-    forward = jax.jit(rows_log_probs, static_argnums=(1, 3, 4))
+    rate = policy.lora["dropout"] if policy.lora else 0.0
+    forward = jax.jit(rows_log_probs, static_argnums=(1, 3, 4, 5, 6))
 
     def step(number: int, chunk: list, state: State) -> Update:
         check_prompts(chunk, tokens, max_new_tokens)
@@ -152,17 +154,22 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         if rollout is not None:
             host, real = rollout
             normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
-            rows = place_rows(host, mesh)
-            old = forward(state.params, card, rows, dtype, lora_scale)
-            ref = forward(reference, card, rows, dtype, 0.0) if beta else jnp.zeros_like(old)
+            def placed(iteration: int):  # each iteration new dropout masks, the first's also `old`'s (as PyTorch's)
+                keys = {"lora_key": dropout_keys(seed, number, len(host["weights"]), iteration)} if rate else {}
+                return place_rows({**host, **keys}, mesh)
+
+            rows = placed(0)
+            old = forward(state.params, card, rows, dtype, lora_scale, False, rate)
+            ref = forward(reference, card, rows, dtype, 0.0, False, 0.0) if beta else jnp.zeros_like(old)
             learned = np.asarray(rows["weights"]) > 0
             mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
             checked = float(learned.sum())
             compiled = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta,
-                                  correction_cap, sequence_level, len(scored.samples), remat)
-            for _ in range(iterations):
+                                  correction_cap, sequence_level, len(scored.samples), remat, rate)
+            for iteration in range(iterations):
                 state.trained, state.opt_state, norm, (loss_sum, clipped, kl) = compiled(
-                    state.trained, state.frozen, state.opt_state, rows, old, ref, jnp.float32(max(normaliser, 1.0)))
+                    state.trained, state.frozen, state.opt_state, rows if iteration == 0 or not rate
+                    else placed(iteration), old, ref, jnp.float32(max(normaliser, 1.0)))
             loss = float(loss_sum) / max(normaliser, 1.0)
         metrics = step_metrics(scored, trained, tokens=n_tokens, checked=checked, clipped=float(clipped),
                                kl=float(kl), mismatch=mismatch)

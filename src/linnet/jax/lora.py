@@ -48,18 +48,11 @@ def dropout(x, rate: float, key, path: str):
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
-def dropout_keys(seed: int, step: int, rows: int) -> np.ndarray:
+def dropout_keys(seed: int, step: int, rows: int, *more: int) -> np.ndarray:
     """[rows, 2] raw uint32 keys of the adapters' dropout masks, row i's drawn from (seed,
-    step, i): a resumed run draws what an uninterrupted one does."""
-    return np.stack([np.random.default_rng([seed, step, i]).integers(0, 2**32, 2, dtype=np.uint32)
+    step, *more, i): a resumed run draws what an uninterrupted one does."""
+    return np.stack([np.random.default_rng([seed, step, *more, i]).integers(0, 2**32, 2, dtype=np.uint32)
                      for i in range(rows)])
-
-
-def refuse_dropout(model: JaxModel, who: str) -> None:
-    """The trainers that do not drop the adapters' input refuse adapters that would."""
-    if model.lora and model.lora["dropout"]:
-        raise ValueError(f"{who}: adapters with dropout={model.lora['dropout']} (add_lora(dropout=)) train with "
-                         "dropout in linnet.jax.train.train and dpo only so far; add them with dropout=0")
 
 
 def adapted_weight(params: Params, path: str, lora_scale: float):
