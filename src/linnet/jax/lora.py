@@ -66,7 +66,7 @@ def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, 
     """Add adapters to `model.params` for every projection whose weight path (or layer
     path) matches a pattern (with dora=True, DoRA's magnitude per output row, starting at
     the row's norm); returns the adapted layer paths. dropout: drop the adapters' input
-    while `linnet.jax.train.train` trains (each step's masks drawn from its seed)."""
+    while the JAX trainers (train, dpo, grpo) train, the masks drawn from their seed."""
     if rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     if not 0.0 <= dropout < 1.0:
