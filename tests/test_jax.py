@@ -609,9 +609,9 @@ def test_both_backends_refuse_a_bad_checkpoint_alike(jx, tmp_path, damage, messa
 def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
     """add_lora(dropout=) drops the adapters' input while train() trains: about `rate` of the
     values drop and the rest are scaled by 1 / (1 - rate), each layer with its own mask; the
-    masks come from (seed, step, row), so a run repeats itself, another seed or no dropout
-    trains otherwise, and a resumed run equals an uninterrupted one; DPO alike; GRPO draws new
-    masks each iteration, the first's also its `old` log-probabilities' (every first ratio 1)."""
+    masks come from (seed, step, row), so another seed trains otherwise and a stopped and
+    resumed run equals an uninterrupted one; DPO alike; GRPO draws new masks each iteration,
+    the first's also its `old` log-probabilities' (every first ratio 1)."""
     import jax.numpy as jnp
     import optax
 
@@ -634,11 +634,9 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
         return jax_train(model, rows, optimizer=adamw, steps=steps, accumulate=2, seed=seed, checkpoint=ckpt,
                          checkpoint_every=2)[1]
 
-    straight = run(0.2, 0, 4)
-    assert run(0.2, 0, 4).losses == straight.losses
-    for other in (run(0.2, 1, 4), run(0.0, 0, 4)):  # B starts at zero: the masks show from the second step
-        assert other.losses[0] == pytest.approx(straight.losses[0], rel=1e-6) and other.losses[1:] != straight.losses[1:]
-    run(0.2, 0, 2, tmp_path / "ckpt")
+    straight, other = run(0.2, 0, 4), run(0.2, 1, 4)  # B starts at zero: the masks show from the second step
+    assert other.losses[0] == pytest.approx(straight.losses[0], rel=1e-6) and other.losses[1:] != straight.losses[1:]
+    run(0.2, 0, 2, tmp_path / "ckpt")  # the same run, stopped and resumed: the same masks
     rest = run(0.2, 0, 4, tmp_path / "ckpt")
     assert [s.step for s in rest.steps] == [3, 4] and rest.losses == straight.losses[2:]
     g = np.random.default_rng(6)  # DPO drops them too (its reference takes no dropout)
@@ -650,8 +648,7 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
         model.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=rate)
         return jax_dpo(model, pairs, optimizer=adamw, steps=3, pairs_per_step=4, tokens=32, seed=seed)[1].losses
 
-    dropped = preferred(0.3, 0)
-    assert preferred(0.3, 0) == dropped and preferred(0.3, 1)[1:] != dropped[1:] != preferred(0.0, 0)[1:]
+    assert preferred(0.3, 1)[1:] != preferred(0.3, 0)[1:]
     # GRPO: each iteration new masks, the first's also those of the `old` log-probabilities
     from linnet.jax.engine import Engine
     from linnet.jax.model import load_model
@@ -660,7 +657,7 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
     card = BASE.replace(vocab=16, eos_token_ids=(2,))
     prompts = [Prompt(g.integers(3, 16, size=3).tolist()) for _ in range(8)]
 
-    def sampled(seed, iterations):
+    def sampled(seed, iterations):  # with dropout 0.5 the policy's ratios would clip if `old` had other masks
         policy = load_model(card, weights="random", seed=1)
         policy.add_lora(["model.layers.*.mlp.*_proj"], rank=4, dropout=0.5)
         return jax_grpo(policy, Engine(load_model(card, weights="random", seed=1)), prompts,
@@ -668,6 +665,4 @@ def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
                         optimizer=optax.adamw(5e-2), steps=3, group=4, prompts_per_step=4, max_new_tokens=4,
                         tokens=64, iterations=iterations, seed=seed)[1]
 
-    once = sampled(0, 1)
-    assert all(s.metrics["clip_fraction"] == 0 for s in once.steps)  # the same masks: every ratio 1
-    assert sampled(0, 1).losses == once.losses and sampled(0, 2).steps[-1].metrics["clip_fraction"] > 0
+    assert all(s.metrics["clip_fraction"] == 0 for s in sampled(0, 1).steps)  # the same masks: every ratio 1
