@@ -271,3 +271,26 @@ def test_linnet_distill_with_a_split_student_takes_one_process_steps(distill_wor
     x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
     for key in y:
         torch.testing.assert_close(x[key], y[key], atol=1e-4, rtol=0, msg=key)
+
+
+def _sharded_student(rank):
+    from linnet.torch import fully_shard
+
+    student = fully_shard(nest.load(CARD, weights="random", trainable=True, seed=0))
+    history = distill(student, nest.load(CARD, weights="random", seed=3), iter(_rows(96)[rank::2]), steps=2,
+                      accumulate=2, optimizer=torch.optim.AdamW(student.parameters(), lr=3e-3))
+    return [(s.loss, s.grad_norm) for s in history.steps]
+
+
+def test_a_fully_sharded_student_distils_like_one_process_over_both_halves():
+    """Under fully_shard each process distils its own rows (the head's parts are FSDP's, not a
+    vocabulary split): the steps of one process over every row."""
+    from tests.conftest import in_processes
+
+    first, second = in_processes(_sharded_student)
+    assert first == second
+    student = nest.load(CARD, weights="random", trainable=True, seed=0)
+    history = distill(student, nest.load(CARD, weights="random", seed=3), iter(_rows(96)), steps=2, accumulate=4,
+                      optimizer=torch.optim.AdamW(student.parameters(), lr=3e-3))
+    for (loss, norm), step in zip(first, history.steps, strict=True):
+        assert loss == pytest.approx(step.loss, rel=1e-5) and norm == pytest.approx(step.grad_norm, rel=1e-4)

@@ -413,9 +413,10 @@ class Decoder(nn.Module):
 
     def split_head(self):
         """(this process's rows of the head, {offset, group}) when tensor_parallel split the
-        head by vocabulary; None for a whole (or FSDP-gathered) head."""
+        head by vocabulary; None for a whole head (FSDP's parts are not a vocabulary split:
+        its processes hold other rows of the batch)."""
         w = self.head_weight
-        if not isinstance(w, DTensor):
+        if not isinstance(w, DTensor) or self.copies is None:
             return None
         local = w.to_local()
         return local, {"offset": w.device_mesh.get_local_rank() * local.shape[0], "group": w.device_mesh.get_group()}
