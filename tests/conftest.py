@@ -167,3 +167,9 @@ def same_metrics(run, reference, keys, *, steps: int, **tolerance) -> None:
     for x, y in zip(a, b, strict=True):
         for key in keys:
             assert (key in x) == (key in y) and (key not in y or x[key] == pytest.approx(y[key], **tolerance)), key
+
+
+def gathered(model) -> dict:
+    """{name: numpy array} of every parameter, a split or sharded one gathered whole."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy()
+            for n, p in model.named_parameters()}

@@ -22,7 +22,7 @@ from linnet.train.distill import (
     teacher_completions,
     token_divergence,
 )
-from tests.conftest import quickstart_model
+from tests.conftest import gathered, quickstart_model
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
@@ -214,8 +214,7 @@ def _distilled(student, divergence, beta, on_policy, engine_seed=0):
                                     stop=[2], tokens=128, **options)
     else:
         history = distill(student, teacher, iter(_rows(96)), accumulate=2, **options)
-    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy()
-               for n, p in student.named_parameters()}
+    weights = gathered(student)
     return [(s.loss, s.grad_norm) for s in history.steps], weights
 
 

@@ -15,7 +15,7 @@ from linnet import nest
 from linnet.torch.pipeline import pipeline
 from linnet.train import train
 from linnet.train.evaluation import held_out_loss
-from tests.conftest import in_processes
+from tests.conftest import gathered, in_processes
 from tests.test_sharding import STEPS, _rows  # eight rows of unequal learned counts
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
@@ -255,10 +255,7 @@ def _built(rank, weights, tied, stages, split):
         cut = tensor_parallel(nest.load(card, **options), splitting)
     assert alone.card == cut.card
 
-    def params(model):
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().numpy()
-                for n, p in model.named_parameters()}
-    return params(alone), params(cut)
+    return gathered(alone), gathered(cut)
 
 
 @pytest.mark.parametrize("weights, tied, stages, split", [("random", True, 2, 1), ("file", False, 2, 1),

@@ -22,7 +22,7 @@ from linnet.train.dpo import dpo
 from linnet.train.grpo import Prompt, grpo
 from linnet.train.kto import kto
 from linnet.train.reward import add_score_head, held_out_accuracy, reward
-from tests.conftest import in_processes
+from tests.conftest import gathered, in_processes
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
                                      layers=2, tied_embeddings=False)
@@ -436,7 +436,7 @@ def _sharded_at_load(rank, tied, weights):
     card = CARD.replace(tied_embeddings=tied)
     models = [nest.load(card, weights=weights, seed=0, trainable=True, fully_shard=True),
               fully_shard(nest.load(card, weights=weights, seed=0, trainable=True))]
-    values = [{n: p.full_tensor().detach().numpy() for n, p in m.named_parameters()} for m in models]
+    values = [gathered(m) for m in models]
     steps = []
     for m in models:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
