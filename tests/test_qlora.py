@@ -70,30 +70,30 @@ def test_the_base_is_the_librarys_own_nf4():
 
 
 @pytest.mark.parametrize("source", ["random", "file"])
-def test_loading_quantizes_a_block_at_a_time(tmp_path, monkeypatch, source):
-    """The compute-dtype weights of at most one block are held at once while an NF4 model
-    loads (random or from files), and the codes equal those of the whole plain model
-    quantized afterwards."""
+def test_loading_quantizes_a_weight_at_a_time(tmp_path, monkeypatch, source):
+    """While an NF4 model loads (random or from files), each block weight is quantized as it
+    arrives: no block's linear weight is ever held in the compute dtype, and the codes equal
+    those of the whole plain model quantized afterwards."""
     from linnet.torch import loading as loading_module
 
     plain = nest.load(CARD.replace(layers=3), weights="random", seed=0)
     plain.save_weights(tmp_path / "w")
-    fill, quantize_block, loading, dense_blocks = loading_module._fill, loading_module.quantize_block, [], []
+    fill, nf4, loading, dense_weights = loading_module._fill, loading_module.nf4, [], []
 
     def watched_fill(model, *args):
         loading.append(model)
         return fill(model, *args)
 
-    def watched_quantize(block, dtype):
-        dense_blocks.append(sum(any(not p.is_meta and p.dtype == dtype for p in b.parameters()) and
-                                not quant_states(b) for b in loading[0].model.layers))
-        return quantize_block(block, dtype)
+    def watched_nf4(weight, dtype):
+        dense_weights.append(sum(not p.is_meta and p.dtype == dtype for b in loading[0].model.layers
+                                 for name, p in b.named_parameters() if name.endswith("proj.weight")))
+        return nf4(weight, dtype)
 
     monkeypatch.setattr(loading_module, "_fill", watched_fill)
-    monkeypatch.setattr(loading_module, "quantize_block", watched_quantize)
+    monkeypatch.setattr(loading_module, "nf4", watched_nf4)
     weights = dict(weights="random", seed=0) if source == "random" else dict(weights=tmp_path / "w")
     quantized = nest.load(CARD.replace(layers=3), quantize="nf4", **weights)
-    assert dense_blocks == [1, 1, 1]  # each block quantized while it is the only one in f32
+    assert dense_weights == [0] * 7 * 3  # every weight quantized on arrival, none kept in f32
     states = quant_states(quantized)
     for name, p in plain.named_parameters():
         if name in states:
@@ -102,6 +102,7 @@ def test_loading_quantizes_a_block_at_a_time(tmp_path, monkeypatch, source):
             assert torch.equal(quantized.get_parameter(name), codes), name
         else:
             assert torch.equal(quantized.get_parameter(name), p), name
+
 
 def test_adapters_train_over_the_frozen_base_and_gradients_match_its_dequantized_copy():
     quantized = _adapted()

@@ -457,5 +457,51 @@ def test_a_model_sharded_as_it_loads_equals_one_sharded_after(tmp_path, tied, we
         for name in after:
             np.testing.assert_array_equal(alone[name], after[name], err_msg=name)
         assert steps == steps_after
-    with pytest.raises(ValueError, match="for full fine-tuning"):
+    with pytest.raises(ValueError, match="shards a model that trains"):
         nest.load(CARD, weights="random", fully_shard=True)
+
+
+def _adapted_at_load(rank, adapters, quantize):
+    """Parameters (NF4 codes dequantized) and steps of a model loaded sharded with its
+    adapters placed first, and of one loaded whole, given add_lora, then sharded."""
+    from linnet.torch.quantize import dense
+
+    models = []
+    for at_load in (True, False):
+        torch.manual_seed(7)  # the adapters' draws: the same global RNG state in both
+        if at_load:
+            models.append(nest.load(CARD, weights="random", seed=0, quantize=quantize, lora=adapters,
+                                    fully_shard=True))
+        else:
+            whole = nest.load(CARD, weights="random", seed=0, quantize=quantize)
+            whole.add_lora(**adapters)
+            models.append(fully_shard(whole))
+    values = []
+    for m in models:
+        states = {f"{name}.weight": layer.quant_state for name, layer in m.named_modules()
+                  if getattr(layer, "quant_state", None) is not None}
+        values.append({name: dense(torch.from_numpy(v), states.get(name)).numpy() if name in states else v
+                       for name, v in gathered(m).items()})
+    steps = []
+    for m in models:
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        steps.append([(s.loss, s.grad_norm) for s in train(m, _rows()[rank::2], optimizer=opt, steps=2).steps])
+    peak_dense = max(local(p).numel() for name, p in models[0].named_parameters() if "layers" in name)
+    return values, steps, peak_dense
+
+
+@pytest.mark.parametrize("adapters, quantize", [(dict(patterns="*_proj.weight", rank=4), None),
+                                                (dict(patterns="*_proj.weight", rank=4, dora=True), None),
+                                                (dict(patterns="*_proj.weight", rank=4, dora=True), "nf4")])
+def test_adapters_placed_before_a_sharded_load_equal_adapters_added_before_fully_shard(adapters, quantize):
+    """nest.load(lora=..., fully_shard=True) adds the adapters on meta, shards, fills each
+    process's part (an NF4 base quantized weight by weight, its codes split) and then draws
+    the adapters (DoRA's magnitudes from the gathered weights): the same model, and the same
+    steps, as a whole load, add_lora and fully_shard; no process holds a whole block weight."""
+    whole_weight = CARD.intermediate * CARD.hidden
+    for (alone, after), (steps, steps_after), peak in in_processes(_adapted_at_load, adapters, quantize):
+        assert alone.keys() == after.keys() and any(name.endswith("lora_a") for name in alone)
+        for name in after:
+            np.testing.assert_array_equal(alone[name], after[name], err_msg=name)
+        assert steps == steps_after
+        assert peak < whole_weight  # each block weight (or its codes) split in two

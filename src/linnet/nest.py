@@ -52,6 +52,7 @@ def load(
     activation_memory_budget: float | None = None,
     quantize: str | None = None,
     numerics: str | None = None,
+    lora: dict | None = None,
     **seed_spelling: Any,
 ):
     """Build the card's decoder for `backend`.
@@ -74,8 +75,13 @@ def load(
     of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
     `pipeline_schedule` "1f1b" or "gpipe"); with tensor_parallel too, the stage is split.
     fully_shard=True: shard the model over every process (linnet.torch.fully_shard) before
-    its weights are read or drawn, each process keeping only its part; for full fine-tuning
-    (trainable=True). With adapters, load whole, add_lora, then fully_shard(model).
+    its weights are read or drawn, each process keeping only its part (an NF4 base's codes
+    too); for full fine-tuning (trainable=True) or adapters (lora=).
+    lora: adapters to add, as add_lora's arguments in a dict (`patterns` and any of rank,
+    alpha, dropout, rslora, dora), e.g. dict(patterns="*_proj.weight", rank=16): the same
+    model as model.add_lora(...) after loading, drawn from the same global RNG. With
+    fully_shard they are placed before the split, as fully_shard asks, so no process ever
+    holds the whole base (without lora=, a LoRA run would load whole, add_lora, then shard).
     activation_checkpointing: True (or "full") keeps each block's input alone in training
     and computes the block again in backward; "selective" also keeps attention's outputs
     (`Decoder.checkpoint_activations`). activation_memory_budget (with compile="inductor"):
@@ -116,7 +122,7 @@ def load(
                                                    ("pipeline", pipeline, None), ("fully_shard", fully_shard, False),
                                                    ("activation_checkpointing", activation_checkpointing, False),
                                                    ("activation_memory_budget", activation_memory_budget, None),
-                                                   ("quantize", quantize, None))
+                                                   ("quantize", quantize, None), ("lora", lora, None))
                   if value != default]
         if unused:
             raise ValueError(f"backend={backend!r} does not take {', '.join(unused)}: JAX places arrays itself, "
@@ -148,4 +154,5 @@ def load(
         activation_memory_budget=activation_memory_budget,
         quantize=quantize,
         numerics=numerics,
+        lora=lora,
     )

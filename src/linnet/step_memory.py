@@ -283,7 +283,7 @@ def _targeted(card: cards.Card, method: Method) -> list[tuple[int, int]]:
 
 def quantized_params(card: cards.Card, method: Method) -> int:
     """Frozen parameters QLoRA stores in NF4: every block's seven linear weights, whichever
-    carry adapters (linnet.torch.loading.quantize_block); embeddings, norms and the head
+    carry adapters (linnet.torch.loading.nf4_layout); embeddings, norms and the head
     stay in the compute dtype. 0 for the other methods."""
     if method.name != "qlora":
         return 0

@@ -272,8 +272,8 @@ def load_model(card, config):
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
-    # a full fine-tune sharded as it loads: no process ever holds the whole model
-    shard_at_load = t.shard == "fsdp" and processes > 1 and not (lora.enabled or m.quantize or m.compile)
+    # sharded as it loads (adapters placed first): no process ever holds the whole model
+    shard_at_load = t.shard == "fsdp" and processes > 1 and not m.compile
     mesh = None
     if split > 1 or stages > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -287,10 +287,9 @@ def load_model(card, config):
                       pipeline_schedule="1f1b" if t.accumulation >= stages else "gpipe",  # 1F1B: a row a stage
                       fully_shard=shard_at_load,
                       activation_checkpointing=t.activation_checkpointing,
-                      activation_memory_budget=m.activation_memory_budget, quantize=m.quantize)
-    if lora.enabled:
-        model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
-                       dora=lora.dora)
+                      activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
+                      lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
+                                rslora=lora.rslora, dora=lora.dora) if lora.enabled else None)
     if t.shard == "fsdp" and processes > 1 and not shard_at_load:
         fully_shard(model)
     trained = [p for p in model.parameters() if p.requires_grad]

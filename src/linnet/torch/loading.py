@@ -55,19 +55,33 @@ def _check_quantize(quantize, *, trainable, tensor_parallel, pipeline, compile) 
         raise ValueError(f"quantize={quantize!r}: the one supported form is 'nf4' (QLoRA's 4-bit NormalFloat)")
     if trainable is not False:
         raise ValueError("quantize='nf4' freezes the base: load with trainable=False and train adapters "
-                         "(model.add_lora)")
+                         "(lora=, or model.add_lora)")
     other = [name for name, value in (("tensor_parallel", tensor_parallel), ("pipeline", pipeline)) if value is not None]
     if other or compile:
         raise ValueError(f"quantize='nf4' with {other[0] if other else 'compile'} is not supported yet; load the "
                          "quantized model whole and eager")
 
 
-def quantize_block(block: nn.Module, dtype: torch.dtype) -> None:
-    """Store a block's linear weights in NF4 (QLoRA, linnet.torch.quantize), quantized from
-    the compute `dtype`; its norms stay as they are."""
-    for layer in block.modules():
+LORA_OPTIONS = ("patterns", "rank", "alpha", "dropout", "rslora", "dora")  # linnet.torch.lora.add_lora's
+
+
+def _check_lora(lora, trainable) -> None:
+    if not isinstance(lora, dict) or "patterns" not in lora or set(lora) - set(LORA_OPTIONS):
+        raise ValueError(f"lora={lora!r}: a dict of add_lora's arguments, 'patterns' and any of "
+                         f"{', '.join(LORA_OPTIONS[1:])}, e.g. dict(patterns='*_proj.weight', rank=16)")
+    if trainable is not False:
+        raise ValueError("lora= trains the adapters alone: leave trainable=False")
+
+
+def nf4_layout(model: Decoder) -> None:
+    """Give every block's linear layer of a model on meta the place of its NF4 codes (uint8,
+    the packed 4-bit pairs, as linnet.torch.quantize.nf4 makes them), so a split (FSDP)
+    divides the codes and loading quantizes each weight as it arrives."""
+    for layer in model.model.layers.modules():
         if isinstance(layer, Linear):
-            layer.weight, layer.quant_state = nf4(layer.weight, dtype)
+            size = layer.out_features * layer.in_features
+            layer.weight = nn.Parameter(torch.empty((size + 1) // 2, 1, dtype=torch.uint8, device="meta"),
+                                        requires_grad=False)
 
 
 def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,25 +97,19 @@ def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tenso
             yield name, torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
 
 
-def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device, quantize: bool,
+def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: torch.device,
           also: dict[str, str] | None = None) -> None:
     """Allocate each parameter of a model built on meta on `device` as its value arrives (in
     parameter order) and copy the value in, or a split parameter's (DTensor's) slice of it;
     a value the model holds no place for (another pipeline stage's) is passed over, and
     `also` names a second parameter that takes the same value (a head untied from the
-    embedding). With `quantize`, a block is stored in NF4 once the next part starts, so
-    loading holds the NF4 blocks, one block in the compute dtype, the embedding and the
-    head: never the whole model in the compute dtype."""
+    embedding). A weight whose place holds NF4 codes (`nf4_layout`) is quantized as it
+    arrives, whole, before any split: loading holds the codes and one weight in the compute
+    dtype, never a block of them."""
     owners = {f"{prefix}.{name}".lstrip("."): (module, name)
               for prefix, module in model.named_modules() for name, _ in module.named_parameters(recurse=False)}
-    filling = None  # the block being filled
     with torch.no_grad():
         for path, value in values:
-            if quantize:
-                block = model.model.layers[int(path.split(".")[2])] if path.startswith("model.layers.") else None
-                if filling is not None and block is not filling:
-                    quantize_block(filling, model.dtype)
-                filling = block
             for held in (path, *([also[path]] if also and path in also else [])):
                 if held not in owners:
                     continue
@@ -109,6 +117,8 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
                 if getattr(module, name).is_meta:
                     module.to_empty(device=device, recurse=False)
                 param, part = getattr(module, name), value
+                if param.dtype == torch.uint8:  # NF4 codes: the layer keeps their state whole
+                    part, module.quant_state = nf4(value.to(device), model.dtype)
                 if isinstance(param, DTensor):  # split: this process's slice of the whole value
                     mesh = param.device_mesh
                     for axis, place in enumerate(param.placements):
@@ -116,26 +126,27 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
                             part = part.chunk(mesh.size(axis), place.dim)[mesh.get_local_rank(axis)]
                     param = param.to_local()
                 param.copy_(part)
-        if quantize and filling is not None:
-            quantize_block(filling, model.dtype)
 
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
           pipeline=None, pipeline_schedule: str = "1f1b", fully_shard: bool = False,
           activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
-          quantize: str | None = None, numerics: str | None = None) -> Decoder:
+          quantize: str | None = None, numerics: str | None = None, lora: dict | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
     from linnet.torch import pipeline as stages
+    from linnet.torch.lora import add_lora, draw_adapters
     from linnet.torch.weights import read_weights
 
+    if lora is not None:
+        _check_lora(lora, trainable)
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
-    if fully_shard and (trainable is not True or tensor_parallel is not None or pipeline is not None or compile):
-        raise ValueError("nest.load(fully_shard=True) shards a model for full fine-tuning (trainable=True), eager, "
-                         "neither split nor cut; with adapters, load whole, add_lora, then "
-                         "linnet.torch.fully_shard(model)")
+    if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None or pipeline is not None
+                        or compile):
+        raise ValueError("nest.load(fully_shard=True) shards a model that trains (trainable=True, or adapters "
+                         "through lora=), eager, neither split nor cut")
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
@@ -149,10 +160,12 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
 
     model = whole = on_meta()
     also = None
-    if pipeline is not None or tensor_parallel is not None or fully_shard:
-        # cut, split or sharded on meta: only this process's part of each weight is ever allocated
-        whole = on_meta()  # what the weights are read (or drawn) for, every process's
+    if pipeline is not None or tensor_parallel is not None or fully_shard or quantize:
+        # cut, split, sharded or quantized on meta: only this process's part of each weight is ever allocated
+        whole = on_meta()  # what the weights are read (or drawn) for, every process's, as they are stored
         also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None  # untied
+    if quantize:
+        nf4_layout(model)
     if pipeline is not None:
         stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel))
     if tensor_parallel is not None:
@@ -163,15 +176,21 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         from linnet.torch.sharding import fully_shard as shard
 
         also = None
+        if lora:  # placed before the split, as fully_shard wants them; drawn once the weights are in
+            add_lora(model, **lora)
         shard(model)
     if isinstance(weights, str) and weights == "random":
         values = _random_values(whole, seed)
     else:  # every name and shape checked before any memory is taken
         values = read_weights(whole, weights_directory(card) if weights is None else weights, strict=True)
-    _fill(model, values, device, quantize is not None, also)
+    _fill(model, values, device, also)
     model.inv_freq = rope_frequencies(card).to(device)
     if pipeline is not None:
         stages.staged(model, pipeline, pipeline_schedule, tensor_parallel)
+    if lora and fully_shard:
+        draw_adapters(model, device)
+    elif lora:
+        add_lora(model, **lora)
     model.checkpoint_activations(activation_checkpointing)
     if activation_memory_budget is not None:
         if compile not in (True, "inductor"):

@@ -52,10 +52,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer = linears[name]
         if layer.lora_a is not None:
             raise ValueError(f"add_lora: {name} already has an adapter; merge_lora() first")
-        d_out, d_in = layer.out_features, layer.in_features  # an NF4 weight's own shape is its packed bytes'
-        a = torch.empty(rank, d_in, device=layer.weight.device)
-        torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default for A
-        b = torch.zeros(d_out, rank, device=layer.weight.device)
+        a, b = _draw(layer, rank, layer.weight.device)
         # split by tensor_parallel (a pipeline's stages also have copies, but whole weights)
         split = getattr(model, "copies", None) is not None and isinstance(layer.weight, DTensor)
         if split:
@@ -63,14 +60,44 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer.lora_a, layer.lora_b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         layer.lora_scale, layer.lora_dropout = scale, dropout
         if dora:
-            with torch.no_grad():
-                norms = torch.linalg.vector_norm(layer.dense_weight().float(), dim=1)
+            if layer.weight.is_meta:  # a model built on meta: the magnitudes come with its weights (draw_adapters)
+                norms = torch.empty(layer.out_features, device="meta")
+            else:
+                norms = _row_norms(layer)
                 if split:  # one per output row, placed as B's rows are (a column-split weight's sums joined)
                     norms = norms.redistribute(placements=layer.lora_b.placements)
-                layer.lora_magnitude = torch.nn.Parameter(norms)
+            layer.lora_magnitude = torch.nn.Parameter(norms)
     model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
+
+
+def _draw(layer: nn.Linear, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh adapter's A (PEFT's default init, from the global RNG; nothing drawn on meta)
+    and B (zeros), whole. An NF4 weight's own shape is its packed bytes': the layer's
+    features give the shapes."""
+    a = torch.empty(rank, layer.in_features, device=device)
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    return a, torch.zeros(layer.out_features, rank, device=device)
+
+
+def _row_norms(layer: nn.Linear, whole=lambda t: t) -> torch.Tensor:
+    """DoRA's starting magnitudes: the norm of each output row of the base weight."""
+    with torch.no_grad():
+        return torch.linalg.vector_norm(layer.dense_weight(whole).float(), dim=1)
+
+
+def draw_adapters(model, device) -> None:
+    """Give the adapters add_lora placed on a model still on meta (before fully_shard split
+    it) their values once its weights are filled: the same draws, in the same order, as
+    add_lora on the filled model makes, and DoRA's magnitudes from the filled weights (a
+    split one gathered a layer at a time; every process calls this together)."""
+    linears = _linears(model)
+    for name in model.lora["layers"]:
+        layer = linears[name]
+        layer.lora_a.data, layer.lora_b.data = _draw(layer, model.lora["rank"], device)
+        if layer.lora_magnitude is not None:
+            layer.lora_magnitude.data = _row_norms(layer, _whole)
 
 
 def _split_like(weight, a, b):

@@ -466,7 +466,7 @@ class Decoder(nn.Module):
         quantized = quant_states(self)
         for name, p in self.named_parameters():
             train = name in chosen
-            if name in quantized:
+            if name in quantized or not p.dtype.is_floating_point:  # NF4 codes (on meta: no state yet)
                 if train:
                     raise ValueError(f"trainable: {name} is stored in NF4 and cannot train; QLoRA trains "
                                      "adapters (add_lora), or load without quantize to train it")
