@@ -19,7 +19,6 @@ import torch
 
 from linnet import nest
 from linnet.commands import quickstart
-from linnet.torch import fully_shard
 from linnet.torch.distributed import join, leave, world
 from linnet.train import cosine_schedule, pack, train
 
@@ -35,11 +34,12 @@ rank, processes = world()
 device = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
 
 card = args.card or quickstart.CARD
+# sharded while on meta, then filled: each process reads every weight but keeps only its part
+# (parts in float32, NF4 codes as bytes), gathered in the compute dtype block by block. The same
+# model as a whole load, model.add_lora(...), then fully_shard(model); the adapters stay whole.
 model = nest.load(card, weights=None if args.card else "random", trainable=not args.qlora, dtype=args.dtype,
-                  device=device, quantize="nf4" if args.qlora else None)
-if args.qlora:
-    model.add_lora("*_proj", rank=16)  # before fully_shard: the adapters stay whole on every process
-fully_shard(model)  # parts in float32 (NF4 codes as bytes), gathered in the compute dtype block by block
+                  device=device, quantize="nf4" if args.qlora else None, fully_shard=True,
+                  lora=dict(patterns="*_proj", rank=16) if args.qlora else None)
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
 examples = itertools.islice(quickstart.training_examples(seed=0, digits=2, held_out=set()), 20000)
 rows = itertools.islice(pack(examples, tokens=512), rank, None, processes)  # this process's share
