@@ -281,6 +281,18 @@ def test_zero_stages(shard, replicated, sharded):
     assert states.total == pytest.approx(psi * (replicated + sharded / ranks))
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_fsdp_splits_the_frozen_base_and_leaves_adapters_whole(method):
+    """linnet's fully_shard splits the base over the GPUs, but FSDP ignores the adapters:
+    their copies, gradients, master weights and optimizer moments stay whole on each GPU."""
+    m = Method(method)
+    one, four = (state_bytes(7e9, 4e7, m, "fsdp", gpus, quantized=6e9 if method == "qlora" else 0) for gpus in (1, 4))
+    for name in ("gradients", "master", "optimizer"):
+        assert getattr(four, name) == getattr(one, name) > 0, name
+    adapters = m.copy_bytes * 4e7
+    assert four.weights - adapters == pytest.approx((one.weights - adapters) / 4)
+
+
 def test_dora_adds_one_magnitude_per_output_row():
     lora, dora = seed_plan(L8B, "lora"), seed_plan(L8B, "dora")
     out_rows = sum(d_out for d_out, _ in plan.cards.resolve(L8B).linear_shapes().values())

@@ -329,10 +329,11 @@ def _sft_process(rank, config, resume=False):
     return run(config, resume=resume).get("last_loss")  # the first process writes the summary
 
 
-@pytest.mark.parametrize("shard, optimizer", [("fsdp", "adamw"), ("zero", "adamw8bit")])
+@pytest.mark.parametrize("shard, optimizer", [("fsdp", "adamw"), ("fsdp", "adamw8bit"), ("zero", "adamw8bit")])
 def test_a_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, tmp_path, shard, optimizer):
-    """`linnet sft` with model.quantize=nf4 and training.shard=fsdp (the 4-bit base split) or
-    zero (8-bit AdamW's states split) in two processes takes the steps one process takes
+    """`linnet sft` with model.quantize=nf4 and training.shard=fsdp (the 4-bit base split;
+    8-bit AdamW's states whole beside the whole adapters) or zero (8-bit AdamW's states
+    split) in two processes takes the steps one process takes
     with twice the accumulation, writes the same adapters, and a run killed after step 5
     resumes to the same losses."""
     import shutil
@@ -361,8 +362,9 @@ def test_a_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, 
     (["lora.enabled=false"], "model.quantize=nf4 freezes the base in 4 bits"),
     (["model.quantize=int4"], "model.quantize='int4'; use nf4"),
     (["optimizer.name=adamw", "training.split=2"], "model.quantize=nf4 with training.split=2 is not supported yet"),
-    (["model.quantize=null", "training.shard=fsdp"], "optimizer.name=adamw8bit with training.shard=fsdp is not "
-                                                     "supported yet; use training.shard=zero"),
+    (["model.quantize=null", "lora.enabled=false", "training.shard=fsdp"],
+     "optimizer.name=adamw8bit with training.shard=fsdp and full fine-tuning is not supported yet; use "
+     "training.shard=zero"),
     (["model.quantize=null", "training.split=2"], "optimizer.name=adamw8bit with training.split=2 is not supported "
                                                   "yet; use optimizer.name=adamw"),
     (["optimizer.name=adamw", "model.compile=true"], "model.quantize=nf4 with model.compile=true"),

@@ -312,18 +312,24 @@ def state_bytes(params: int, trainable: int, method: Method, shard: str = "none"
     AdamW: 2 + 2 + 4 + 8). Adapter methods keep the whole base frozen: its parameters
     need no gradient, master copy or optimizer moments, so they cost the compute dtype's
     bytes (2 in bf16), except the `quantized` ones (QLoRA's block weights) at NF4_BYTES.
-    `shard` splits the states over `gpus` data-parallel ranks as in SHARDED_STATES.
+    `shard` splits the states over `gpus` data-parallel ranks as in SHARDED_STATES, except
+    that linnet's fsdp leaves adapters whole on every GPU (FSDP ignores them): there it
+    splits the frozen base alone.
     """
     frozen = params if method.adapters else 0
-    whole = {
-        "weights": method.compute_bytes * (frozen - quantized) + NF4_BYTES * quantized
-        + method.copy_bytes * trainable,
+    base = method.compute_bytes * (frozen - quantized) + NF4_BYTES * quantized
+    trained = {
+        "weights": method.copy_bytes * trainable,
         "gradients": GRADIENT_BYTES[method.grad_dtype] * trainable,
         "master": method.master_bytes * trainable,
         "optimizer": method.optimizer_bytes * trainable,
     }
     split = SHARDED_STATES[shard]
-    return States(**{name: value / gpus if name in split else value for name, value in whole.items()})
+    adapters_whole = method.adapters and shard == "fsdp"
+    per_gpu = {name: value / gpus if name in split and not adapters_whole else value
+               for name, value in trained.items()}
+    per_gpu["weights"] += base / gpus if "weights" in split else base
+    return States(**per_gpu)
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
     kind="adamw8bit" keeps both moments in 8 bits, blockwise quantized (bitsandbytes'
     AdamW8bit, Dettmers et al. 2022): 2 bytes a parameter instead of 8 (tensors under 4096
     values keep float32 moments); shard="zero" splits those too, each parameter's states
-    whole on one process, so the blocks quantize as in one process. "paged_adamw8bit" also
-    lets CUDA page them out to CPU memory under pressure (PagedAdamW8bit; CUDA only)."""
+    whole on one process, so the blocks quantize as in one process; under fully_shard the
+    adapters (whole on every process, FSDP ignoring them) keep whole 8-bit states on every
+    process, as without sharding. "paged_adamw8bit" also lets CUDA page them out to CPU
+    memory under pressure (PagedAdamW8bit; CUDA only)."""
     if kind not in KINDS:
         raise ValueError(f"adamw: kind={kind!r}; use one of {', '.join(KINDS)}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -30,8 +32,7 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
     options = dict(lr=lr, betas=tuple(betas), eps=eps)
     cls = torch.optim.AdamW
     if kind != "adamw":
-        cls = _eight_bit(paged=kind == "paged_adamw8bit", shard=shard,
-                         device=named[0][1].device if named else torch.device("cpu"))
+        cls = _eight_bit(paged=kind == "paged_adamw8bit", params=[p for _, p in named])
     if shard == "zero" and world()[1] > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -43,13 +44,18 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
     return cls(groups, **options)
 
 
-def _eight_bit(*, paged: bool, shard: str, device: torch.device) -> type[torch.optim.Optimizer]:
+def _eight_bit(*, paged: bool, params: list[torch.Tensor]) -> type[torch.optim.Optimizer]:
     """bitsandbytes' 8-bit AdamW class for these options, or a clear refusal."""
+    from torch.distributed.tensor import DTensor
+
     from linnet.torch.quantize import bitsandbytes
 
-    if shard not in ("none", "zero") and world()[1] > 1:
-        raise ValueError(f"adamw: 8-bit states with shard={shard!r} are not supported yet; use shard='zero' to "
-                         "split them, or float32 states")
+    if any(isinstance(p, DTensor) for p in params):
+        raise ValueError("adamw: 8-bit states for trained weights split across processes (a full fine-tune under "
+                         "fully_shard, or tensor_parallel) are not supported yet; use shard='zero' to split the "
+                         "states instead, train adapters over a sharded base (their 8-bit states stay whole), or "
+                         "use float32 states")
+    device = params[0].device if params else torch.device("cpu")
     if paged and device.type != "cuda":
         raise ValueError(f"adamw: paged 8-bit states page CUDA memory out to the host; the model is on {device.type}: "
                          "use the 8-bit states unpaged")
