@@ -186,3 +186,35 @@ def test_lora_errors(tmp_path):
     model.add_lora(PATTERNS, rank=2)
     with pytest.raises(ValueError, match="already has an adapter"):
         model.add_lora(PATTERNS, rank=2)
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_adapters_given_to_load_equal_add_lora_after_it(dora):
+    """nest.load(lora=...) is model.add_lora(...) after loading: the same draws from the
+    global RNG, the same trained parameters."""
+    card = nest.resolve("debug")
+    adapters = dict(patterns="*_proj.weight", rank=4, alpha=8, dora=dora)
+    torch.manual_seed(5)
+    given = nest.load(card, weights="random", seed=0, lora=adapters)
+    torch.manual_seed(5)
+    after = nest.load(card, weights="random", seed=0)
+    after.add_lora(**adapters)
+    assert given.lora == after.lora
+    mine, theirs = given.state_dict(), after.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(mine[name], theirs[name]), name
+    assert [n for n, p in given.named_parameters() if p.requires_grad] == \
+        [n for n, p in after.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("lora, trainable, message", [
+    (dict(rank=4), False, "a dict of add_lora's arguments, 'patterns' and any of"),
+    (dict(patterns="*_proj.weight", ranks=4), False, "a dict of add_lora's arguments"),
+    (dict(patterns="*_proj.weight", rank=0), False, "rank=0; it must be at least 1"),
+    (dict(patterns="*_proj.weight", dropout=1.0), False, r"dropout=1.0; it must be in \[0, 1\)"),
+    (dict(patterns="*_proj.weight"), True, "lora= trains the adapters alone"),
+])
+def test_load_refuses_adapters_it_cannot_add_before_reading_a_weight(tmp_path, lora, trainable, message):
+    with pytest.raises(ValueError, match=message):  # the weights do not exist: nothing was read
+        nest.load(nest.resolve("debug"), weights=tmp_path / "absent", lora=lora, trainable=trainable)

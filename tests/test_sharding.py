@@ -505,3 +505,37 @@ def test_adapters_placed_before_a_sharded_load_equal_adapters_added_before_fully
             np.testing.assert_array_equal(alone[name], after[name], err_msg=name)
         assert steps == steps_after
         assert peak < whole_weight  # each block weight (or its codes) split in two
+
+
+def _state_bytes(rank, lora):
+    """This process's bytes of parameters, gradients and AdamW moments after a step under
+    fully_shard, counted from the tensors."""
+    model = nest.load(CARD, weights="random", seed=0, trainable=not lora, fully_shard=True,
+                      lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    train(model, _rows()[rank::2], optimizer=opt, steps=1)  # AdamW's moments
+    loss, _ = model.loss_packed(_rows()[rank])
+    loss.backward()  # the gradients, as a step holds them
+
+    def size(t):
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    return dict(params=sum(size(p) for p in model.parameters()),
+                gradients=sum(size(p.grad) for p in model.parameters() if p.grad is not None),
+                optimizer=sum(size(v) for s in opt.state.values() for k, v in s.items() if k != "step"))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_planner_counts_what_each_fully_sharded_process_holds(lora):
+    """`linnet plan --shard fsdp` per GPU equals what each of two processes holds: every state
+    split for a full fine-tune; for LoRA the frozen base split and the adapters, with their
+    gradients and moments, whole on each (FSDP ignores them)."""
+    from linnet import plan
+
+    settings = dict(method="lora" if lora else "full", rank=4, shard="fsdp", gpus=2, dtype="f32",
+                    grad_dtype="fp32", device="cpu")
+    states = plan.estimate(CARD, **plan.plan_inputs(settings)).states
+    for held in in_processes(_state_bytes, lora):
+        assert held == dict(params=states.weights + states.master, gradients=states.gradients,
+                            optimizer=states.optimizer)
