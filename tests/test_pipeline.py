@@ -96,6 +96,50 @@ def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute
     _same_steps(_run(resumed, _rows(), 2, checkpoint=tmp_path / "whole"), reference[2:])
 
 
+def _quantized_stages(rank, out):
+    """A stage of an NF4 base built alone with its adapters (`nest.load(pipeline=,
+    quantize="nf4", lora=)`), trained; its steps and quantized weights' names."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("stages",))
+    torch.manual_seed(0)
+    model = nest.load(CARD, weights="random", seed=0, quantize="nf4", pipeline=mesh, pipeline_schedule="gpipe",
+                      lora=dict(patterns="*_proj.weight", rank=4))
+    steps = _run(model, _rows(), 2, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
+    return steps, sorted(f"{n}.weight" for n, m in model.named_modules() if getattr(m, "quant_state", None) is not None)
+
+
+def _quantized_whole():
+    model = nest.load(CARD, weights="random", seed=0, quantize="nf4")
+    torch.manual_seed(0)
+    model.add_lora("*_proj.weight", rank=4)
+    return model
+
+
+def test_stages_of_an_nf4_base_train_like_one_process(tmp_path):
+    """QLoRA in two pipeline stages, each built alone (its blocks quantized as they load,
+    never the other stage's; its adapters the draws one process makes, the other stage's
+    drawn and dropped): one process's losses, gradient norms and adapters over the same
+    rows, and the checkpoint resumes in one process."""
+    out = tmp_path / "staged"
+    (steps, first), (steps1, second) = in_processes(_quantized_stages, out)
+    assert steps == steps1
+    assert {n.split(".")[2] for n in first} == {"0", "1"} and {n.split(".")[2] for n in second} == {"2", "3"}
+    whole = _quantized_whole()
+    whole.untie_head()
+    reference = _run(whole, _rows(), 2, save_to=tmp_path / "one")
+    _same_steps(steps, reference)
+    two, one = (load_file(str(d / "adapter_model.safetensors")) for d in (out / "final", tmp_path / "one"))
+    assert two.keys() == one.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=3e-5, rtol=0, msg=key)
+    (tmp_path / "whole").mkdir()
+    shutil.copytree(out / "ckpt" / "step-00000002", tmp_path / "whole" / "step-00000002")
+    resumed = _quantized_whole()
+    resumed.untie_head()
+    _same_steps(_run(resumed, _rows(), 2, checkpoint=tmp_path / "whole"), reference[2:])
+
+
 def _resumed(rank, out):
     return _run(pipeline(_model(False, False)), _rows(), 2, checkpoint=out)
 

@@ -756,7 +756,7 @@ def test_model_parts_divide_the_model_as_linnet_does():
     (dict(pipeline=6), "5 layers, fewer than the stages"),
     (dict(split=2, gpus=3), "use a multiple of 2 GPUs"),
     (dict(split=2, gpus=2, shard="fsdp"), "linnet splits or cuts whole copies only"),
-    (dict(pipeline=2, gpus=2, method="qlora"), "qlora with split or pipeline"),
+    (dict(split=2, gpus=2, method="qlora"), "qlora with split: linnet splits an NF4 base with shard fsdp"),
     (dict(pipeline=2, gpus=2, workers=2), "packed workers with split or pipeline"),
 ])
 def test_split_and_pipeline_plans_refuse_what_linnet_refuses(settings, message):

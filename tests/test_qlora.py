@@ -358,6 +358,24 @@ def test_a_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, 
     again = in_processes(_sft_process, _sft(workspace, out, *fsdp), True)
     assert again == two
 
+def test_a_pipelined_qlora_sft_run_takes_one_process_steps(workspace, tmp_path):
+    """`linnet sft` with model.quantize=nf4 and training.pipeline=2: each process builds and
+    quantizes its own stage's blocks; the two stages take one process's steps and write its
+    adapters."""
+    from safetensors.torch import load_file
+
+    from linnet.commands.sft import run
+
+    staged = ["optimizer.name=adamw", "training.accumulation=2"]
+    assert in_processes(_sft_process, _sft(workspace, tmp_path / "two", *staged, "training.pipeline=2"))[0]
+    run(_sft(workspace, tmp_path / "one", *staged))
+    same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm"), steps=8, rel=1e-5)
+    x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
+    assert x.keys() == y.keys() and x
+    for key in y:
+        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["lora.enabled=false"], "model.quantize=nf4 freezes the base in 4 bits"),
     (["model.quantize=int4"], "model.quantize='int4'; use nf4"),

@@ -349,8 +349,8 @@ def estimate(
         f"tokens must be a positive count such as 12e6, or 'chinchilla'; got {tokens!r}",
     )
     cut = cluster.split * cluster.pipeline > 1
-    _require(not (cut and method.name == "qlora"),
-             "qlora with split or pipeline: linnet splits an NF4 base with shard fsdp only; plan it so")
+    _require(not (cluster.split > 1 and method.name == "qlora"),
+             "qlora with split: linnet splits an NF4 base with shard fsdp, or cuts it into pipeline stages; plan it so")
     _require(not cut or batch.workers == 1, "packed workers with split or pipeline: each worker is a whole model")
     processes, modes = [], []
     for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation):

@@ -113,10 +113,9 @@ class SFTConfig(FineTuningConfig):
     def __post_init__(self):
         super().__post_init__()
         t = self.training
-        if t.pipeline > 1 and (t.shard != "none" or self.model.quantize):
-            other = f"training.shard={t.shard}" if t.shard != "none" else f"model.quantize={self.model.quantize}"
-            raise ValueError(f"config: training.pipeline={t.pipeline} with {other} is not supported yet; pipeline "
-                             "stages hold blocks of an unquantized model whole (or split by training.split)")
+        if t.pipeline > 1 and t.shard != "none":
+            raise ValueError(f"config: training.pipeline={t.pipeline} with training.shard={t.shard} is not supported "
+                             "yet; pipeline stages hold their blocks whole (or split by training.split)")
 
 
 @dataclass

@@ -57,10 +57,10 @@ def _check_quantize(quantize, *, trainable, tensor_parallel, pipeline, compile) 
     if trainable is not False:
         raise ValueError("quantize='nf4' freezes the base: load with trainable=False and train adapters "
                          "(lora=, or model.add_lora)")
-    other = [name for name, value in (("tensor_parallel", tensor_parallel), ("pipeline", pipeline)) if value is not None]
-    if other or compile:
-        raise ValueError(f"quantize='nf4' with {other[0] if other else 'compile'} is not supported yet; load the "
-                         "quantized model whole and eager")
+    if tensor_parallel is not None or compile:
+        raise ValueError(f"quantize='nf4' with {'tensor_parallel' if tensor_parallel is not None else 'compile'} is "
+                         "not supported yet; load the quantized model eager, whole, sharded (fully_shard) or cut "
+                         "into pipeline stages")
 
 
 LORA_OPTIONS = ("patterns", "rank", "alpha", "dropout", "rslora", "dora")  # linnet.torch.lora.add_lora's
@@ -168,6 +168,11 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None  # untied
     if quantize:
         nf4_layout(model)
+    # adapters placed on the whole model before a cut or fully_shard (which wants them first), drawn
+    # once the weights are in; a tensor-parallel split adds its own after, split as its weights are
+    placed = lora and (fully_shard or (pipeline is not None and tensor_parallel is None))
+    if placed:
+        add_lora(model, **lora)
     if pipeline is not None:
         stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel))
     if tensor_parallel is not None:
@@ -178,8 +183,6 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         from linnet.torch.sharding import fully_shard as shard
 
         also = None
-        if lora:  # placed before the split, as fully_shard wants them; drawn once the weights are in
-            add_lora(model, **lora)
         shard(model)
     if isinstance(weights, str) and weights == "random":
         values = _random_values(whole, seed)
@@ -189,9 +192,9 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     model.inv_freq = rope_frequencies(card).to(device)
     if pipeline is not None:
         stages.staged(model, pipeline, pipeline_schedule, tensor_parallel)
-    if lora and fully_shard:
+    if placed:
         draw_adapters(model, device)
-    elif lora:
+    elif lora:  # whole, or split by tensor_parallel (A drawn whole, then split)
         add_lora(model, **lora)
     model.checkpoint_activations(activation_checkpointing)
     if activation_memory_budget is not None:

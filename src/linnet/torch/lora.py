@@ -49,7 +49,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         layer = linears[name]
         if layer.lora_a is not None:
             raise ValueError(f"add_lora: {name} already has an adapter; merge_lora() first")
-        a, b = _draw(layer, rank, layer.weight.device)
+        a, b = _draw((layer.out_features, layer.in_features), rank, layer.weight.device)
         # split by tensor_parallel (a pipeline's stages also have copies, but whole weights)
         split = getattr(model, "copies", None) is not None and isinstance(layer.weight, DTensor)
         if split:
@@ -77,13 +77,13 @@ def check_options(*, rank: int | None = None, dropout: float | None = None) -> N
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
 
 
-def _draw(layer: nn.Linear, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw(shape: tuple[int, int], rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """A fresh adapter's A (PEFT's default init, from the global RNG; nothing drawn on meta)
-    and B (zeros), whole. An NF4 weight's own shape is its packed bytes': the layer's
-    features give the shapes."""
-    a = torch.empty(rank, layer.in_features, device=device)
+    and B (zeros), whole, for a layer of `shape` (out, in) features (an NF4 weight's own
+    shape is its packed bytes')."""
+    a = torch.empty(rank, shape[1], device=device)
     torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-    return a, torch.zeros(layer.out_features, rank, device=device)
+    return a, torch.zeros(shape[0], rank, device=device)
 
 
 def _row_norms(layer: nn.Linear, whole=lambda t: t) -> torch.Tensor:
@@ -93,14 +93,20 @@ def _row_norms(layer: nn.Linear, whole=lambda t: t) -> torch.Tensor:
 
 
 def draw_adapters(model, device) -> None:
-    """Give the adapters add_lora placed on a model still on meta (before fully_shard split
-    it) their values once its weights are filled: the same draws, in the same order, as
-    add_lora on the filled model makes, and DoRA's magnitudes from the filled weights (a
-    split one gathered a layer at a time; every process calls this together)."""
-    linears = _linears(model)
+    """Give the adapters add_lora placed on a whole model still on meta (before fully_shard
+    split it or a pipeline cut it) their values once its weights are filled: the draws
+    add_lora makes on the whole filled model, in its order (another stage's layers drawn
+    and dropped, so every stage holds what one process would), and DoRA's magnitudes from
+    the filled weights (a split one gathered a layer at a time; every process calls this
+    together)."""
+    linears, shapes = _linears(model), model.card.linear_shapes()
     for name in model.lora["layers"]:
-        layer = linears[name]
-        layer.lora_a.data, layer.lora_b.data = _draw(layer, model.lora["rank"], device)
+        layer = linears.get(name)
+        if layer is None:  # another stage's
+            _draw(shapes[name.split(".", 3)[3]], model.lora["rank"], device)
+            continue
+        layer.lora_a.data, layer.lora_b.data = _draw((layer.out_features, layer.in_features), model.lora["rank"],
+                                                     device)
         if layer.lora_magnitude is not None:
             layer.lora_magnitude.data = _row_norms(layer, _whole)
 

@@ -90,8 +90,6 @@ def check(model, mesh, schedule: str, tensor_parallel):
     if model.pipe is not None or model.copies is not None or is_sharded(model):
         raise ValueError("pipeline: this model is already cut, split or sharded; load it whole and cut it once "
                          "(pipeline(..., tensor_parallel=) splits the stages)")
-    if getattr(model, "quantized", None):
-        raise ValueError("pipeline: a model with an NF4 base (quantize='nf4') is not supported yet")
     if mesh is None:
         if tensor_parallel is not None:
             raise ValueError("pipeline: with tensor_parallel=, pass the stages' mesh too (mesh['stages'] of the "
