@@ -431,11 +431,11 @@ def test_split_models_refuse_what_they_cannot_do():
     assert in_processes(_split_refusals) == [True, True]
 
 
-def _sharded_at_load(rank, tied, weights):
+def _sharded_at_load(rank, tied, weights, compile):
     """Parameters and steps of a model sharded as it loads, and of one sharded after."""
     card = CARD.replace(tied_embeddings=tied)
-    models = [nest.load(card, weights=weights, seed=0, trainable=True, fully_shard=True),
-              fully_shard(nest.load(card, weights=weights, seed=0, trainable=True))]
+    models = [nest.load(card, weights=weights, seed=0, trainable=True, fully_shard=True, compile=compile),
+              fully_shard(nest.load(card, weights=weights, seed=0, trainable=True, compile=compile))]
     values = [gathered(m) for m in models]
     steps = []
     for m in models:
@@ -444,15 +444,17 @@ def _sharded_at_load(rank, tied, weights):
     return values, steps
 
 
-@pytest.mark.parametrize("tied, weights", [(True, "random"), (False, "file")])
-def test_a_model_sharded_as_it_loads_equals_one_sharded_after(tmp_path, tied, weights):
+@pytest.mark.parametrize("tied, weights, compile", [(True, "random", False), (False, "file", False),
+                                                    (False, "random", "aot_eager")])
+def test_a_model_sharded_as_it_loads_equals_one_sharded_after(tmp_path, tied, weights, compile):
     """nest.load(..., fully_shard=True) shards the model while it is on meta and fills each
     process's parts alone (no process holds the whole model): the same parameters, and the
-    same steps, as fully_shard() after a whole load; a tied head stays the embedding."""
+    same steps, as fully_shard() after a whole load (compiled blocks too); a tied head stays
+    the embedding."""
     if weights == "file":
         nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=3).save_weights(tmp_path / "w")
         weights = str(tmp_path / "w")
-    for (alone, after), (steps, steps_after) in in_processes(_sharded_at_load, tied, weights):
+    for (alone, after), (steps, steps_after) in in_processes(_sharded_at_load, tied, weights, compile):
         assert alone.keys() == after.keys()
         for name in after:
             np.testing.assert_array_equal(alone[name], after[name], err_msg=name)

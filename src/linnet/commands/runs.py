@@ -262,7 +262,6 @@ def load_model(card, config):
     processes at a time splitting every block (tensor parallel), or training.pipeline
     processes at a time holding consecutive blocks (pipeline stages)."""
     from linnet import nest
-    from linnet.torch.sharding import fully_shard
 
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
     split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
@@ -272,8 +271,6 @@ def load_model(card, config):
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
-    # sharded as it loads (adapters placed first): no process ever holds the whole model
-    shard_at_load = t.shard == "fsdp" and processes > 1 and not m.compile
     mesh = None
     if split > 1 or stages > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -285,13 +282,11 @@ def load_model(card, config):
                       tensor_parallel=mesh["split"] if split > 1 else None,
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
                       pipeline_schedule="1f1b" if t.accumulation >= stages else "gpipe",  # 1F1B: a row a stage
-                      fully_shard=shard_at_load,
+                      fully_shard=t.shard == "fsdp" and processes > 1,  # no process ever holds the whole model
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
                       lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                 rslora=lora.rslora, dora=lora.dora) if lora.enabled else None)
-    if t.shard == "fsdp" and processes > 1 and not shard_at_load:
-        fully_shard(model)
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "")

@@ -145,10 +145,9 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
-    if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None or pipeline is not None
-                        or compile):
+    if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None or pipeline is not None):
         raise ValueError("nest.load(fully_shard=True) shards a model that trains (trainable=True, or adapters "
-                         "through lora=), eager, neither split nor cut")
+                         "through lora=), neither split nor cut")
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
