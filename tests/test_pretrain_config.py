@@ -69,12 +69,20 @@ def test_checkpoint_epoch_policies():
         load(None, ["training.checkpoint_policy=interval", "training.checkpoint_epochs=[1, 2]"])
 
 
+def test_sharding_refuses_what_it_cannot_split():
+    with pytest.raises(ValueError, match="optimizer.name=adamw8bit with training.shard=fsdp is not supported"):
+        load(None, ["training.shard=fsdp", "optimizer.name=adamw8bit"])
+    with pytest.raises(ValueError, match="training.shard=zero with decentralized"):
+        load(None, ["training.shard=zero", "decentralized.num_models=2"])
+    assert load(None, ["training.shard=zero", "optimizer.name=adamw8bit"]).training.shard == "zero"
+
+
 def test_recipe_identity_ignores_where_a_run_happens_and_what_it_keeps():
     base = recipe_fields(load(None), "cafe")
     same = recipe_fields(load(None, [
         "runtime.device=cuda:1", "runtime.output_dir=elsewhere", "data.prefetch=false", "data.prepare_workers=1",
         "training.checkpoint_policy=interval", "training.save_epoch_training_state=true", "runtime.threads=2",
-        "data.cache=moved/cache", "evaluation.batch_size=7",
+        "data.cache=moved/cache", "evaluation.batch_size=7", "training.shard=fsdp",
     ]), "cafe")
     assert recipe_identity(same) == recipe_identity(base)
     for change in ["optimizer.lr=1e-4", "optimizer.grad_clip=null", "runtime.seed=1", "data.shuffle_group_size=4",

@@ -293,3 +293,34 @@ def test_two_processes_train_like_one_and_resume(workspace, straight, tmp_path):
     assert _same_weights(branch / "final.safetensors", two / "final.safetensors")  # the same layout: bitwise
     run(_config(workspace, single), resume=two / "checkpoints" / "step-00000024")
     _close_weights(single / "final.safetensors", two / "final.safetensors", atol=1e-5)
+
+
+@pytest.mark.parametrize("shard", ["zero", "fsdp"])
+def test_two_sharded_processes_train_like_one_and_resume(workspace, straight, tmp_path, shard):
+    """training.shard=zero (AdamW's state split) or fsdp (weights, gradients and state
+    split, the model drawn a part a process) in two processes: the straight run's losses,
+    validation and weights (gathered and written once); a branch resumed from their
+    step-16 checkpoint under two processes, and one resumed in a single whole process,
+    finish like it."""
+    two, branch, single = tmp_path / "two", tmp_path / "branch", tmp_path / "single"
+    sharded = [f"training.shard={shard}", "training.checkpoint_policy=interval",
+               "training.save_epoch_training_state=true"]
+    outcomes = in_processes(_cli_runs, [
+        _cli_args(workspace, two, *sharded),
+        _cli_args(workspace, branch, f"training.shard={shard}") + ["--resume", str(two / "checkpoints" / "step-00000016")],
+    ])
+    assert outcomes[0] == outcomes[1] == [0, 0]
+    reference = _metrics(straight)
+    for run_dir in (two, branch):
+        rows = _metrics(run_dir)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], atol=1e-5, rtol=0)
+        held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
+        np.testing.assert_allclose(held, [r["held_out_loss"] for r in reference if "held_out_loss" in r], atol=1e-5)
+        _close_weights(run_dir / "final.safetensors", straight / "final.safetensors", atol=1e-5)
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in straight.iterdir())
+    parts = two / "checkpoints" / "step-00000016" / "sharded"  # fsdp: each process wrote its parts
+    assert parts.is_dir() == (shard == "fsdp") and len(list(parts.glob("*.distcp"))) == (2 if shard == "fsdp" else 0)
+    _close_weights(two / "epoch-002.safetensors", straight / "epoch-002.safetensors", atol=1e-5)
+    run(_config(workspace, single), resume=two / "checkpoints" / "step-00000024")
+    _close_weights(single / "final.safetensors", two / "final.safetensors", atol=1e-5)

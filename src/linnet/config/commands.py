@@ -181,6 +181,14 @@ class PretrainConfig:
             raise ValueError(f"config: training.epochs={epochs}; pretraining splits its budget into a whole number "
                              "of virtual epochs")
         self.training.epochs = int(epochs)
+        shard = self.training.shard
+        if shard != "none" and self.decentralized is not None:
+            raise ValueError(f"config: training.shard={shard} with decentralized: packed workers share one process "
+                             "and device; use training.shard=none")
+        if shard == "fsdp" and self.optimizer.name != "adamw":
+            raise ValueError(f"config: optimizer.name={self.optimizer.name} with training.shard=fsdp is not supported "
+                             "yet (8-bit states of split weights); use training.shard=zero to split 8-bit states, or "
+                             "optimizer.name=adamw")
         checkpoint_epochs(self)  # raises on a bad policy/epoch combination
         global_batch_sequences(self)  # raises on a global batch the batch sizes do not make
 

@@ -186,7 +186,7 @@ class TrainingConfig:
                "jax` recomputes whole layers whatever this says, unless --no-remat")
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
-                "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING)
+                "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING + PRETRAINING)
     split: int = option(1, "under torchrun (sft, dpo, grpo, distill: full fine-tuning, LoRA or DoRA): processes that "
                            "split every block between them (tensor parallel) and take the same rows; the processes "
                            "form copies of such splits",

@@ -69,6 +69,7 @@ RUN_FIELDS = frozenset({
     "data.prefetch", "data.prepare_workers", "data.prepare_batch_documents",
     "training.checkpoint_policy", "training.checkpoint_epochs", "training.save_epoch_training_state",
     "evaluation.batch_size", "training.activation_checkpointing", "model.activation_memory_budget",
+    "training.shard",
 })
 
 # Fields that only decide the cache's contents: the cache fingerprint stands for them,

@@ -121,11 +121,8 @@ class Progress:
 def save_state(out: Path, *, trainee, schedule, loader, progress: Progress, kind: str,
                fields: dict[str, Any], identity: str) -> Path | None:
     """A resumable snapshot: the trainee's checkpoint directory plus checksums.json,
-    written last (a checkpoint without it is incomplete). First process only."""
-    from linnet.torch.distributed import world
-
-    if world()[0] != 0:
-        return None
+    written last (a checkpoint without it is incomplete). Every process calls it (a split
+    optimizer state is gathered, sharded parts written by each); the first writes the rest."""
     extra = {
         "kind": kind,
         "progress": progress.as_dict(),
@@ -193,8 +190,10 @@ def _trainee(config: PretrainConfig, card, budget: Budget, device: torch.device,
         return PackedTrainee(config, card, budget.steps, device, compute_dtype(m.dtype, device, card))
     model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=config.runtime.seed, trainable=True,
                       compile=m.compile, attention=m.attention, activation_checkpointing=t.activation_checkpointing,
-                      activation_memory_budget=m.activation_memory_budget)
-    optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, kind=o.name)
+                      activation_memory_budget=m.activation_memory_budget,
+                      fully_shard=t.shard == "fsdp" and processes > 1)  # each process drawing only its part
+    optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, kind=o.name,
+                      shard=t.shard)
     return OrdinaryTrainee(model, optimizer, t.accumulation // processes,
                            budget.batch_targets)
 
@@ -481,8 +480,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                         metrics.write(row, loss=row["loss"], tok_s=record.tokens_per_second)
                 progress.epoch = epoch
                 if t.checkpoint_policy != "none" and epoch in selected:
-                    if lead:
-                        trainee.save_weights(out, f"epoch-{epoch:03d}")
+                    trainee.save_weights(out, f"epoch-{epoch:03d}")  # every process: a sharded model gathers
                     if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
                         save_state(out, progress=progress, kind="epoch", **save_kw)
         finally:
@@ -492,8 +490,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         if t.checkpoint_policy != "none":
             if progress.step > (start.state["step"] if start.state else 0) or start.checkpoint is None:
                 save_state(out, progress=progress, kind="final", **save_kw)
-            if lead:
-                trainee.save_weights(out, "final")
+            trainee.save_weights(out, "final")
         full = None
         if validation is not None and config.evaluation.full_validation:
             t0 = time.perf_counter()
