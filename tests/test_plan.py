@@ -783,3 +783,21 @@ def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_en
     config.write_text(text.replace("MODE", "logit").replace("llama-3.2-1b-instruct", "some-unknown-teacher"))
     assert plan_command.main(["--config", str(config)]) == 0
     assert "frozen teacher some-unknown-teacher, not in the totals above: no card" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("shard, split", [("zero", {"optimizer"}), ("fsdp", {"weights", "gradients", "master", "optimizer"})])
+def test_plan_of_a_pretraining_config_splits_what_its_training_shard_splits(tmp_path, capsys, shard, split):
+    import yaml
+
+    config = yaml.safe_load(open("configs/pretrain-20m.yaml"))
+    config.setdefault("training", {})["shard"] = shard
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    states = {}
+    for gpus in (1, 4):
+        assert plan_command.main(["--config", str(tmp_path / "run.yaml"), "--gpus", str(gpus), "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["cluster"]["shard"] == shard
+        states[gpus] = data["states"]
+    for name in ("weights", "gradients", "master", "optimizer"):
+        expected = states[1][name] / 4 if name in split else states[1][name]
+        assert states[4][name] == pytest.approx(expected, rel=1e-6), name

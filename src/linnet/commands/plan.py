@@ -322,8 +322,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
     load it (an unknown field is the same error), describing linnet's step: f32 gradients,
     the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
     linnet's blockwise loss, the packed row as the sequence and the token count when the
-    steps are fixed. For sft, dpo, grpo and distill also which states `training.shard`
-    splits, how `training.split` and `training.pipeline` divide one copy (one copy's GPUs),
+    steps are fixed; which states `training.shard` splits. For sft, dpo, grpo and distill also how `training.split` and `training.pipeline` divide one copy (one copy's GPUs),
     LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what
     the run holds beside the model (`_beside`); for pretraining, the model it builds, its micro-batch, the
     budget's tokens and, packed, its workers (N models side by side)."""
@@ -347,7 +346,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
         card = model_card(config, _pretrain_vocab(config), eos_id=0)
         workers = config.decentralized.num_models if config.decentralized is not None else 1
         return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size, "workers": workers,
-                "tokens": make_budget(config, card.params()).trained_targets}
+                "tokens": make_budget(config, card.params()).trained_targets, "shard": t.shard}
     split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
     settings.update(card=model.card, micro_batch=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
     if split * stages > 1:  # one copy, unless --gpus says how many
