@@ -682,14 +682,22 @@ def test_a_packed_config_plans_its_workers_side_by_side(capsys):
     assert packed["total"] == pytest.approx(4 * one["total"], rel=1e-6)
 
 
+@pytest.mark.parametrize("command", ["sft", "pretrain"])
 @pytest.mark.parametrize("shard, split", [("zero", {"optimizer"}), ("fsdp", {"weights", "gradients", "master", "optimizer"})])
-def test_plan_of_a_config_splits_what_its_training_shard_splits(tmp_path, capsys, shard, split):
+def test_plan_of_a_config_splits_what_its_training_shard_splits(tmp_path, capsys, shard, split, command):
     """`training.shard: zero` runs ZeroRedundancyOptimizer, which splits the optimizer state
-    alone (8-bit states included); fsdp splits every state."""
+    alone (8-bit states included); fsdp splits every state; fine-tuning and pretraining alike."""
+    import yaml
+
     config = tmp_path / "run.yaml"
-    eight_bit = "optimizer: {name: adamw8bit}\n" if shard == "zero" else ""  # fsdp refuses 8-bit states
-    config.write_text("model: {card: qwen2.5-0.5b-instruct}\ndata: {path: x.jsonl}\nlora: {enabled: false}\n"
-                      f"training: {{shard: {shard}}}\n{eight_bit}")
+    if command == "pretrain":
+        text = yaml.safe_load(open("configs/pretrain-20m.yaml"))
+        text.setdefault("training", {})["shard"] = shard
+        config.write_text(yaml.safe_dump(text))
+    else:
+        eight_bit = "optimizer: {name: adamw8bit}\n" if shard == "zero" else ""  # fsdp refuses 8-bit states
+        config.write_text("model: {card: qwen2.5-0.5b-instruct}\ndata: {path: x.jsonl}\nlora: {enabled: false}\n"
+                          f"training: {{shard: {shard}}}\n{eight_bit}")
     states = {}
     for gpus in (1, 4):
         assert plan_command.main(["--config", str(config), "--gpus", str(gpus), "--json"]) == 0
@@ -784,20 +792,3 @@ def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_en
     assert plan_command.main(["--config", str(config)]) == 0
     assert "frozen teacher some-unknown-teacher, not in the totals above: no card" in capsys.readouterr().out
 
-
-@pytest.mark.parametrize("shard, split", [("zero", {"optimizer"}), ("fsdp", {"weights", "gradients", "master", "optimizer"})])
-def test_plan_of_a_pretraining_config_splits_what_its_training_shard_splits(tmp_path, capsys, shard, split):
-    import yaml
-
-    config = yaml.safe_load(open("configs/pretrain-20m.yaml"))
-    config.setdefault("training", {})["shard"] = shard
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    states = {}
-    for gpus in (1, 4):
-        assert plan_command.main(["--config", str(tmp_path / "run.yaml"), "--gpus", str(gpus), "--json"]) == 0
-        data = json.loads(capsys.readouterr().out)
-        assert data["cluster"]["shard"] == shard
-        states[gpus] = data["states"]
-    for name in ("weights", "gradients", "master", "optimizer"):
-        expected = states[1][name] / 4 if name in split else states[1][name]
-        assert states[4][name] == pytest.approx(expected, rel=1e-6), name

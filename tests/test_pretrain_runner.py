@@ -260,6 +260,16 @@ def _close_weights(a: Path, b: Path, atol: float) -> None:
         torch.testing.assert_close(x[k], y[k], atol=atol, rtol=0, msg=k)
 
 
+def _trained_like(run_dir: Path, reference_dir: Path) -> None:
+    """A run's steps, losses, validation and final weights are the reference run's."""
+    rows, reference = _metrics(run_dir), _metrics(reference_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], atol=1e-5, rtol=0)
+    held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
+    np.testing.assert_allclose(held, [r["held_out_loss"] for r in reference if "held_out_loss" in r], atol=1e-5)
+    _close_weights(run_dir / "final.safetensors", reference_dir / "final.safetensors", atol=1e-5)
+
+
 def test_two_processes_train_like_one_and_resume(workspace, straight, tmp_path):
     """Two processes, one micro-batch each of the two an update: the straight run's losses,
     validation, weights and files, with the same loader cursor in its checkpoints; a
@@ -276,14 +286,8 @@ def test_two_processes_train_like_one_and_resume(workspace, straight, tmp_path):
     assert "training.accumulation=3 micro-batches an update do not split evenly over 2 processes" in outcomes[0][2]
     assert not (tmp_path / "uneven").exists()
 
-    reference = _metrics(straight)
     for run_dir in (two, branch):
-        rows = _metrics(run_dir)
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-        np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], atol=1e-5, rtol=0)
-        held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
-        np.testing.assert_allclose(held, [r["held_out_loss"] for r in reference if "held_out_loss" in r], atol=1e-5)
-        _close_weights(run_dir / "final.safetensors", straight / "final.safetensors", atol=1e-5)
+        _trained_like(run_dir, straight)
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in straight.iterdir())
     assert json.loads((two / "run.json").read_text())["processes"] == 2
     assert json.loads((two / "run.json").read_text())["recipe"] == json.loads((straight / "run.json").read_text())["recipe"]
@@ -310,14 +314,8 @@ def test_two_sharded_processes_train_like_one_and_resume(workspace, straight, tm
         _cli_args(workspace, branch, f"training.shard={shard}") + ["--resume", str(two / "checkpoints" / "step-00000016")],
     ])
     assert outcomes[0] == outcomes[1] == [0, 0]
-    reference = _metrics(straight)
     for run_dir in (two, branch):
-        rows = _metrics(run_dir)
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-        np.testing.assert_allclose([r["loss"] for r in rows], [r["loss"] for r in reference], atol=1e-5, rtol=0)
-        held = [r["held_out_loss"] for r in rows if "held_out_loss" in r]
-        np.testing.assert_allclose(held, [r["held_out_loss"] for r in reference if "held_out_loss" in r], atol=1e-5)
-        _close_weights(run_dir / "final.safetensors", straight / "final.safetensors", atol=1e-5)
+        _trained_like(run_dir, straight)
     assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in straight.iterdir())
     parts = two / "checkpoints" / "step-00000016" / "sharded"  # fsdp: each process wrote its parts
     assert parts.is_dir() == (shard == "fsdp") and len(list(parts.glob("*.distcp"))) == (2 if shard == "fsdp" else 0)
