@@ -124,6 +124,25 @@ def test_an_nf4_model_loaded_on_the_cpu_is_split_onto_the_gpu():
     assert loss.item() / n == pytest.approx(whole.loss_packed(row)[0].item() / n, rel=1e-3)
 
 
+def test_an_nf4_model_with_adapters_loads_sharded_on_the_gpu():
+    """nest.load(quantize="nf4", lora=, fully_shard=True) on the GPU: each weight quantized
+    there as it arrives (bitsandbytes' CUDA kernels), its codes split, the adapters drawn after:
+    the loss of a whole model given the same adapters."""
+    pytest.importorskip("bitsandbytes", reason="quantize='nf4' needs bitsandbytes")
+    row = _rows(1)[0]
+    adapters = dict(patterns="*_proj", rank=4)
+    with _nccl_group_of_one():
+        torch.manual_seed(0)
+        model = nest.load(CARD, device="cuda", quantize="nf4", dtype="float32", weights="random", seed=0,
+                          lora=adapters, fully_shard=True)
+        layer = model.model.layers[0].mlp.up_proj
+        assert layer.quant_state.absmax.device.type == layer.lora_a.device.type == "cuda"
+        loss, n = model.loss_packed(row)
+    torch.manual_seed(0)
+    whole = nest.load(CARD, device="cuda", quantize="nf4", dtype="float32", weights="random", seed=0, lora=adapters)
+    assert loss.item() / n == pytest.approx(whole.loss_packed(row)[0].item() / n, rel=1e-5)
+
+
 def test_compiled_engine_with_cuda_graphs_equals_eager():
     """The engine's compiled passes (decode captured as CUDA graphs) against the eager ones:
     the same greedy and seeded tokens, log-probabilities within 1e-5 in f32, with rows
