@@ -16,7 +16,7 @@ from linnet.torch.pipeline import pipeline
 from linnet.train import train
 from linnet.train.evaluation import held_out_loss
 from tests.conftest import gathered, in_processes
-from tests.test_sharding import STEPS, _rows  # eight rows of unequal learned counts
+from tests.test_sharding import STEPS, _dpo, _pairs, _rows  # eight rows of unequal learned counts; DPO pairs
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
                                      layers=4, tied_embeddings=False)
@@ -140,6 +140,49 @@ def test_stages_of_an_nf4_base_train_like_one_process(tmp_path):
     _same_steps(_run(resumed, _rows(), 2, checkpoint=tmp_path / "whole"), reference[2:])
 
 
+def _staged_dpo(rank, lora, cache):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("stages",))
+    torch.manual_seed(0)
+    model = nest.load(CARD, weights="random", seed=0, trainable=not lora, pipeline=mesh, pipeline_schedule="1f1b",
+                      lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
+    return _dpo(model, _dpo_pairs(), 4, cache)
+
+
+def _dpo_pairs():
+    return [p for s in range(2) for r in range(2) for p in _pairs(r, s)]
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_stages_train_dpo_like_one_process(tmp_path, lora):
+    """DPO through two pipeline stages (the last computing each row's pair losses from its
+    log-probabilities; one or two rows a step, 1F1B falling back to GPipe for one) takes one
+    process's losses, gradient norms and accuracies: LoRA with the policy's own
+    log-probabilities before training as the reference (computed through the stages), full
+    fine-tuning with them cached (one file: both stages agree on the pipeline's key)."""
+    cache = None if lora else tmp_path / "cache"
+    steps = in_processes(_staged_dpo, lora, cache)
+    assert lora or len(list(cache.glob("*.npy"))) == 1
+    torch.manual_seed(0)
+    whole = nest.load(CARD, weights="random", seed=0, trainable=not lora,
+                      lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
+    reference = _dpo(whole, _dpo_pairs(), 4, None if lora else tmp_path / "cache")
+    assert steps[0] == steps[1]
+    for got, want in zip(steps[0], reference, strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+def _one_row_a_step(rank):
+    return _run(pipeline(_model(False, False), schedule="1f1b"), _rows(), 1, steps=2)
+
+
+def test_a_1f1b_step_with_fewer_rows_than_stages_runs_as_gpipe():
+    steps = in_processes(_one_row_a_step)
+    assert steps[0] == steps[1]
+    _same_steps(steps[0], _run(_model(False, False), _rows(), 1, steps=2))
+
+
 def _resumed(rank, out):
     return _run(pipeline(_model(False, False)), _rows(), 2, checkpoint=out)
 
@@ -179,8 +222,8 @@ def _first_two(rank, out):
 
 
 def _refusals(rank):
-    from linnet.packing import Pair
-    from linnet.train.dpo import dpo
+    from linnet.packing import Unpaired
+    from linnet.train.kto import kto
 
     with pytest.raises(ValueError, match="with tensor_parallel=, pass the stages' mesh too"):
         pipeline(_model(False, False), tensor_parallel=object())
@@ -192,14 +235,12 @@ def _refusals(rank):
     with pytest.raises(ValueError, match="already cut"):
         pipeline(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with pytest.raises(ValueError, match="1f1b takes at least as many micro-batches a step as stages"):
-        _run(model, _rows(), 1, steps=1)
     with pytest.raises(RuntimeError, match="under torch.no_grad"):
         model.loss_packed(_rows()[0])
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model.log_probs_packed(_rows()[0])
-    with pytest.raises(ValueError, match="dpo does not train pipelined models yet"):
-        dpo(model, [Pair([3, 4], [5], [6])], optimizer=opt, steps=1, reference=_model(False, False))
+    with pytest.raises(ValueError, match="kto does not train pipelined models yet"):
+        kto(model, [Unpaired([3, 4], [5], desirable=True)], optimizer=opt, steps=1, reference=_model(False, False))
     return True
 
 

@@ -84,14 +84,15 @@ def _dpo_process(rank, overrides):
     return dpo_cli([a for o in overrides for a in ("--set", o)])
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp", "split"])
+@pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline"])
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
-    pairs), or with training.split=2 both split one model and take all of them: the same
-    steps and held-out metrics as one process."""
+    pairs), or with training.split=2 both split one model and take all of them, or with
+    training.pipeline=2 each holds half its blocks and the step's rows pass through both: the
+    same steps and held-out metrics as one process."""
     from tests.conftest import in_processes
 
-    mode = "training.split=2" if shard == "split" else f"training.shard={shard}"
+    mode = f"training.{shard}=2" if shard in ("split", "pipeline") else f"training.shard={shard}"
     overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", mode)
     assert in_processes(_dpo_process, overrides) == [0, 0]
     with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):

@@ -281,7 +281,7 @@ def load_model(card, config):
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=mesh["split"] if split > 1 else None,
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
-                      pipeline_schedule="1f1b" if t.accumulation >= stages else "gpipe",  # 1F1B: a row a stage
+                      pipeline_schedule="1f1b",  # GPipe for a step with fewer rows than stages
                       fully_shard=t.shard == "fsdp" and processes > 1,  # no process ever holds the whole model
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,

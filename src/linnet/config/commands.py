@@ -100,6 +100,9 @@ class FineTuningConfig:
         if split > 1 and self.model.quantize:
             raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={split} is not "
                              "supported yet; an NF4 base splits with training.shard=fsdp")
+        if stages > 1 and self.training.shard != "none":
+            raise ValueError(f"config: training.pipeline={stages} with training.shard={self.training.shard} is not "
+                             "supported yet; pipeline stages hold their blocks whole (or split by training.split)")
         if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
             raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
                              "field")
@@ -110,19 +113,19 @@ class SFTConfig(FineTuningConfig):
     command: ClassVar[str] = "sft"
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/sft")
 
-    def __post_init__(self):
-        super().__post_init__()
-        t = self.training
-        if t.pipeline > 1 and t.shard != "none":
-            raise ValueError(f"config: training.pipeline={t.pipeline} with training.shard={t.shard} is not supported "
-                             "yet; pipeline stages hold their blocks whole (or split by training.split)")
-
 
 @dataclass
 class DPOConfig(FineTuningConfig):
     command: ClassVar[str] = "dpo"
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/dpo")
     dpo: DPOSettings = group(DPOSettings, "the DPO objective (a pair's two answers share a packed row)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.training.pipeline > 1 and self.dpo.loss_type == "kto":
+            raise ValueError(f"config: dpo.loss_type=kto with training.pipeline={self.training.pipeline} is not "
+                             "supported yet (pipeline stages train the paired losses); use training.split or "
+                             "training.shard=fsdp")
 
 
 @dataclass

@@ -191,12 +191,12 @@ class TrainingConfig:
                            "split every block between them (tensor parallel) and take the same rows; the processes "
                            "form copies of such splits",
                         only=("sft", "dpo", "grpo", "distill"))
-    pipeline: int = option(1, "under torchrun (sft): stages that hold consecutive blocks of one model and pass "
-                              "each step's micro-batches (training.accumulation rows) along on a 1F1B schedule "
-                              "(GPipe when there are fewer rows than stages); with training.split each stage is "
-                              "split too (pipeline x split processes a copy); the processes form copies of such "
-                              "pipelines",
-                           only=("sft",))
+    pipeline: int = option(1, "under torchrun (sft, dpo): stages that hold consecutive blocks of one model and "
+                              "pass each step's micro-batches (sft: training.accumulation rows; dpo: the step's "
+                              "packed pairs) along on a 1F1B schedule (GPipe when there are fewer rows than "
+                              "stages); with training.split each stage is split too (pipeline x split processes a "
+                              "copy); the processes form copies of such pipelines",
+                           only=("sft", "dpo"))
 
     @property
     def per_copy(self) -> int:

@@ -384,7 +384,13 @@ class Decoder(nn.Module):
         elsewhere (prompts, the last token of each document, padding) 0 or meaningless."""
         tokens, positions, layout, targets, _ = self._fields(batch)
         keep = self._learned(batch, len(tokens))
-        h = self._trunk(tokens, positions, *layout, keep=keep)
+        return self.head_log_probs(self._trunk(tokens, positions, *layout, keep=keep), targets, keep, batch)
+
+    def head_log_probs(self, h, targets, keep, batch) -> torch.Tensor:
+        """`log_probs_packed` from the final (normed) hidden states `h` of the `keep`
+        positions (all where None): what a pipeline's last stage computes from the hidden
+        states it receives."""
+        n = len(targets)
         if keep is not None:
             targets = targets[keep]
         split = self.split_head()
@@ -393,7 +399,7 @@ class Decoder(nn.Module):
         else:
             logp = linear_token_log_probs(h, self.head_weight, targets)
         if keep is not None:
-            logp = logp.new_zeros(len(tokens)).index_put((keep,), logp)
+            logp = logp.new_zeros(n).index_put((keep,), logp)
         return self._padded(logp, batch)
 
     def _learned(self, batch, n: int) -> torch.Tensor | None:

@@ -11,7 +11,9 @@ one weight.
     train(model, pack(examples, tokens=4096), optimizer=optimizer, steps=1000, accumulate=8)
 
 The processes of a pipeline take the same batches; a step's `accumulate` packed rows are
-its micro-batches (1F1B wants at least as many as stages). Each micro-batch's summed loss
+its micro-batches (1F1B wants at least as many as stages: a step with fewer runs GPipe);
+`dpo` passes its pair rows so, the last stage computing their losses (`Pipe.run`'s `head`).
+Each micro-batch's summed loss
 is divided by the step's count of learned positions on the last stage before its
 backward, so gradients equal one process's over the same rows; `train` then adds each
 stage's squared gradient norm across the pipeline for clipping and reports the last
@@ -141,17 +143,17 @@ class Pipe:
     def __repr__(self) -> str:
         return f"Pipe(stage {self.index + 1} of {self.stages}, {self.schedule})"
 
-    def run(self, rows: Sequence, count: float) -> float:
+    def run(self, rows: Sequence, count: float, head=None, stats: Sequence[str] = ()) -> tuple[float, list[float]]:
         """Forward and backward of every micro-batch in `rows` through the pipeline, each
-        loss divided by `count` (the step's learned positions) before its backward; the
-        summed (undivided) loss, the same on every stage."""
+        loss divided by `count` (the step's normaliser) before its backward. The loss is
+        `loss_packed`'s, or with `head` an objective's: head(index, row, log_probs) ->
+        (summed loss, {name: float} of `stats`), from the row's `log_probs_packed` on the
+        last stage. Returns the summed (undivided) loss and the summed stats, the same on
+        every stage. 1F1B wants as many micro-batches as stages: with fewer, GPipe runs them."""
         rows = list(rows)
-        if self.schedule == "1f1b" and len(rows) < self.stages:
-            raise ValueError(f"pipeline: 1f1b takes at least as many micro-batches a step as stages ({self.stages}); "
-                             f"this step has {len(rows)}: raise accumulate, or use schedule='gpipe'")
         if any(len(r.tokens) != len(rows[0].tokens) for r in rows):
             raise ValueError("pipeline: a step's rows must have one length (pack them with one `tokens`)")
-        return self._flow(rows, count, backward=True)
+        return self._flow(rows, count, backward=True, head=head, stats=stats)
 
     def loss(self, row) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss_packed` of one row through the stages, forward only (held-out loss): every
@@ -159,23 +161,42 @@ class Pipe:
         if torch.is_grad_enabled():
             raise RuntimeError("a pipelined model computes losses with gradients only inside linnet.train.train's "
                                "step (its schedule); call loss_packed under torch.no_grad() to evaluate")
-        total = self._flow([row], 1.0, backward=False)
+        total, _ = self._flow([row], 1.0, backward=False)
         device = self.model.device
         return torch.tensor(total, dtype=torch.float32, device=device), torch.as_tensor(row.weights).to(device).float().sum()
 
-    def _flow(self, rows: list, count: float, backward: bool) -> float:
-        key = (len(rows), len(rows[0].tokens), backward)
+    def values(self, rows: Sequence, head, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Forward only (no gradients): head(index, row, log_probs) -> a float tensor of
+        sizes[index] values a row, computed on the last stage from each row's
+        `log_probs_packed`, and returned on every stage (float64)."""
+        rows = list(rows)
+        if not rows:
+            return []
+        with torch.no_grad():
+            _, _, found = self._flow(rows, 1.0, backward=False, head=head, keep_values=True)
+        flat = torch.zeros(sum(sizes), dtype=torch.float64, device=self.model.device)
+        if self.last:
+            flat.copy_(torch.cat([v.double() for v in found]))
+        dist.all_reduce(flat, group=self.group)  # the last stage's values, zeros elsewhere: exact
+        return list(flat.split(list(sizes)))
+
+    def _flow(self, rows: list, count: float, backward: bool, head=None, stats: Sequence[str] = (),
+              keep_values: bool = False):
+        kind = "gpipe" if not backward or len(rows) < self.stages else self.schedule
+        key = (len(rows), len(rows[0].tokens), backward, kind)
         if key not in self._built:
             self._built[key] = self._schedule(*key)
         schedule, stage = self._built[key]
-        stage.rows, stage.count, stage.summed = rows, count, []
+        stage.rows, stage.count, stage.summed, stage.head, stage.stats = rows, count, [], head, dict.fromkeys(stats, 0.0)
+        stage.values = [] if keep_values else None
         tokens = (torch.stack([torch.as_tensor(r.tokens) for r in rows]).to(self.model.device),) if self.first else ()
         schedule.step(*tokens, mb=torch.arange(len(rows)), target=torch.zeros(len(rows)) if self.last else None,
                       return_outputs=False)
-        mine = float(sum(stage.summed)) if self.last else 0.0
-        return sum_across([mine], self.group)[0]  # the last stage's loss, on every stage
+        mine = [float(sum(stage.summed)), *stage.stats.values()] if self.last else [0.0] * (1 + len(stats))
+        total, *summed = sum_across(mine, self.group)  # the last stage's, on every stage
+        return (total, summed) if not keep_values else (total, summed, stage.values)
 
-    def _schedule(self, M: int, P: int, backward: bool):
+    def _schedule(self, M: int, P: int, backward: bool, kind: str):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         m = self.model
@@ -186,8 +207,8 @@ class Pipe:
                               group=self.group)
         if not backward:  # forward only: no loss function, every forward in turn
             return ScheduleGPipe(stage, n_microbatches=M), stage.submod
-        kind = Schedule1F1B if self.schedule == "1f1b" else ScheduleGPipe
-        return kind(stage, n_microbatches=M, loss_fn=lambda loss, _: loss, scale_grads=False), stage.submod
+        order = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
+        return order(stage, n_microbatches=M, loss_fn=lambda loss, _: loss, scale_grads=False), stage.submod
 
 
 class _Stage(nn.Module):
@@ -203,6 +224,9 @@ class _Stage(nn.Module):
         self.rows: list = []
         self.count = 1.0
         self.summed: list[torch.Tensor] = []
+        self.head = None  # an objective's loss from a row's log-probabilities (Pipe.run)
+        self.stats: dict[str, float] = {}
+        self.values: list[torch.Tensor] | None = None  # Pipe.values' per-row results
 
     def forward(self, x, mb):
         m, pipe = self.model, self.model.pipe
@@ -217,7 +241,16 @@ class _Stage(nn.Module):
         h = m._blocks(x, positions, *layout, keep=keep)
         if not pipe.last:
             return m._padded(h, row)[None]
-        loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
+        if self.head is None:
+            loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
+        else:
+            found = self.head(int(mb), row, m.head_log_probs(m.model.norm(h), targets, keep, row))
+            if self.values is not None:
+                self.values.append(found.detach())
+                return found.new_zeros(())
+            loss, stats = found
+            for name, value in stats.items():
+                self.stats[name] += value
         self.summed.append(loss.detach())
         return loss / self.count
 

@@ -42,7 +42,11 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 def answer_log_probs(model, row) -> torch.Tensor:
     """[answers] summed log-probability of each answer's learned tokens, in row order
     (documents without learned tokens, a shared prompt or the padding, are skipped)."""
-    logp = model.log_probs_packed(row)
+    return answer_sums(model.log_probs_packed(row), row)
+
+
+def answer_sums(logp: torch.Tensor, row) -> torch.Tensor:
+    """`answer_log_probs` from the row's per-position log-probabilities."""
     bounds = row.bounds.tolist()
     docs = torch.as_tensor(segments(bounds), device=logp.device)
     weights = torch.as_tensor(np.asarray(row.weights), device=logp.device)
@@ -60,22 +64,34 @@ def _rows(pairs: Sequence[Pair], tokens: int, *models):
 
 @torch.no_grad()
 def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> np.ndarray:
-    """[pairs, 2] (chosen, rejected) summed log-probabilities under `model`."""
+    """[pairs, 2] (chosen, rejected) summed log-probabilities under `model` (a pipelined one
+    through its stages, every stage getting the last's values)."""
     was_training = model.training
     model.eval()
-    out = [answer_log_probs(model, row).double().cpu() for row in matched(list(_rows(pairs, tokens, model)), model)]
+    rows = list(_rows(pairs, tokens, model))
+    if getattr(model, "pipe", None) is not None:
+        out = [v.cpu() for v in model.pipe.values(rows, lambda _, row, logp: answer_sums(logp, row),
+                                                  [row.examples for row in rows])]
+    else:
+        out = [answer_log_probs(model, row).double().cpu() for row in matched(rows, model)]
     model.train(was_training)
     return torch.cat(out).view(-1, 2).numpy() if out else np.zeros((0, 2))
 
 
 def cache_key(reference, pairs: Sequence[Pair]) -> str:
     """A hash of the reference weights (a sharded or split model's gathered whole, so every
-    process count gives one key; every process calls this together) and the pairs' token ids
-    (which already carry the data and the chat template that rendered it)."""
+    process count gives one key; a pipeline's, the hashes of its stages in order: its own
+    key, the same on every stage; every process calls this together) and the pairs' token
+    ids (which already carry the data and the chat template that rendered it)."""
     h = hashlib.sha256()
     for name, p in reference.named_parameters():
         h.update(name.encode())
         h.update(full(p.detach()).float().cpu().numpy().tobytes())
+    pipe = getattr(reference, "pipe", None)
+    if pipe is not None:
+        stages = [None] * pipe.stages
+        torch.distributed.all_gather_object(stages, h.hexdigest(), group=pipe.group)
+        h = hashlib.sha256("".join(stages).encode())
     for pair in pairs:
         for part in (pair.prompt, pair.chosen, pair.rejected):
             h.update(np.asarray(part, np.int64).tobytes())
@@ -90,8 +106,8 @@ def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os
 
     path = Path(cache) / f"dpo-reference-{cache_key(reference, pairs)}.npy"
     missing = not path.is_file()
-    if is_sharded(reference):  # its passes are collectives: every process computes, or none
-        missing = bool(most_across(int(missing)))
+    if is_sharded(reference) or getattr(reference, "pipe", None) is not None:
+        missing = bool(most_across(int(missing)))  # its passes are collectives: every process computes, or none
     if not missing:
         return np.load(path)
     values = reference_log_probs(reference, pairs, tokens=tokens)
@@ -153,7 +169,8 @@ def dpo(
     nll = 1.0 if loss_type == "orpo" else rpo_alpha
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
-    copies = copies_of(model, "dpo")
+    copies = copies_of(model, "dpo", pipelines=True)
+    pipe = getattr(model, "pipe", None)
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
     if not free and (reference is None or reference_cache is not None):
@@ -174,10 +191,11 @@ def dpo(
         starts = np.cumsum([0] + [row.examples // 2 for row in rows])  # each row's first pair
         short = passes_short(len(rows), model, live_reference)
 
-        def loss(r: int, row):
+        def head(r: int, row, positions: torch.Tensor):
+            """The row's summed loss and statistics from its per-position log-probabilities."""
             n = row.examples // 2
             mine = batch[starts[r] : starts[r] + n]
-            logp = answer_log_probs(model, row).view(n, 2)
+            logp = answer_sums(positions, row).view(n, 2)
             ref = None
             if fixed is not None:
                 ref = torch.as_tensor(fixed[indices[starts[r] : starts[r] + n]], dtype=logp.dtype, device=logp.device)
@@ -207,9 +225,11 @@ def dpo(
                                                  "logp_rejected")]
             return {"pairs": count, **dict(zip(METRICS, means))}
 
-        return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows),
+        return Work(rows, lambda r, row: head(r, row, model.log_probs_packed(row)), count,
+                    sum(r.learned for r in rows), sum(r.real for r in rows),
                     ("correct", "margin", "chosen", "rejected", "logp_chosen", "logp_rejected"), metrics,
-                    idle=lambda: idle_passes(short, model, live_reference, row=rows[0]), group=copies)
+                    idle=None if pipe is not None else lambda: idle_passes(short, model, live_reference, row=rows[0]),
+                    group=copies, pipe=pipe, head=head)
 
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)

@@ -54,6 +54,8 @@ class Work:
     pipe        a pipelined model's stage (linnet.torch.pipeline): its schedule runs every
                 batch's forward and backward at once, in place of `loss`, and the
                 gradient's norm adds every stage's squares
+    head        for a pipelined model, the objective's loss from a batch's log-probabilities
+                (index, batch, log_probs) -> as `loss`, on the last stage; None: loss_packed's
     """
 
     batches: Iterable[Any]
@@ -67,6 +69,7 @@ class Work:
     iterations: int = 1
     group: Any = None
     pipe: Any = None
+    head: Callable[[int, Any, torch.Tensor], tuple[torch.Tensor, dict[str, float]]] | None = None
 
 
 def start_runtime(seed: int, *, threads: int | None = None, deterministic: bool = False) -> None:
@@ -91,11 +94,11 @@ def resolve_device(name: str | None, where: str = "runtime.device") -> torch.dev
     return device
 
 
-def copies_of(model, who: str):
-    """The processes whose sums make a step of `model` (None: every process): a split
-    model's copies, each split's processes taking the same batches. Only `train` runs a
-    pipelined model's stages: `who` refuses one."""
-    if getattr(model, "pipe", None) is not None:
+def copies_of(model, who: str, *, pipelines: bool = False):
+    """The processes whose sums make a step of `model` (None: every process): a split or
+    pipelined model's copies, each copy's processes taking the same batches. Objectives
+    that cannot run a pipeline's stages (`pipelines=False`) refuse one by name."""
+    if getattr(model, "pipe", None) is not None and not pipelines:
         raise ValueError(f"{who} does not train pipelined models yet; use training.split or fully_shard")
     return getattr(model, "copies", None)
 
@@ -153,7 +156,8 @@ def take_step(params: Sequence[torch.nn.Parameter], work: Work, *, optimizer, sc
         total: Any = 0.0
         stats = dict.fromkeys(work.stats, 0.0)
         if work.pipe is not None:  # the stages' schedule runs every batch's forward and backward
-            total = work.pipe.run(work.batches, work.count)
+            total, summed = work.pipe.run(work.batches, work.count, work.head, work.stats)
+            stats = dict(zip(work.stats, summed))
         else:
             for index, batch in enumerate(work.batches):
                 loss_sum, batch_stats = work.loss(index, batch)
