@@ -155,7 +155,9 @@ def dpo(
     one too, and on its own samples that cost the quickstart accuracy. Each Step's
     metrics hold TRL's rewards/chosen, rewards/rejected, rewards/margins (means over the
     step's pairs), rewards/accuracies (share ranked right), logps/chosen, logps/rejected
-    (mean summed log-probabilities), and pairs.
+    (mean summed log-probabilities), and pairs. A model split by fully_shard or
+    tensor_parallel, or cut into pipeline stages (the last computing the pair losses), trains
+    as one process would over the same pairs.
     """
     if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
         raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
