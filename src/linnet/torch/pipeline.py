@@ -153,7 +153,8 @@ class Pipe:
         rows = list(rows)
         if any(len(r.tokens) != len(rows[0].tokens) for r in rows):
             raise ValueError("pipeline: a step's rows must have one length (pack them with one `tokens`)")
-        return self._flow(rows, count, backward=True, head=head, stats=stats)
+        total, summed, _ = self._flow(rows, count, backward=True, head=head, stats=stats)
+        return total, summed
 
     def loss(self, row) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss_packed` of one row through the stages, forward only (held-out loss): every
@@ -161,7 +162,7 @@ class Pipe:
         if torch.is_grad_enabled():
             raise RuntimeError("a pipelined model computes losses with gradients only inside linnet.train.train's "
                                "step (its schedule); call loss_packed under torch.no_grad() to evaluate")
-        total, _ = self._flow([row], 1.0, backward=False)
+        total, _, _ = self._flow([row], 1.0, backward=False)
         device = self.model.device
         return torch.tensor(total, dtype=torch.float32, device=device), torch.as_tensor(row.weights).to(device).float().sum()
 
@@ -173,7 +174,7 @@ class Pipe:
         if not rows:
             return []
         with torch.no_grad():
-            _, _, found = self._flow(rows, 1.0, backward=False, head=head, keep_values=True)
+            _, _, found = self._flow(rows, 1.0, backward=False, head=head, values=True)
         flat = torch.zeros(sum(sizes), dtype=torch.float64, device=self.model.device)
         if self.last:
             flat.copy_(torch.cat([v.double() for v in found]))
@@ -181,20 +182,22 @@ class Pipe:
         return list(flat.split(list(sizes)))
 
     def _flow(self, rows: list, count: float, backward: bool, head=None, stats: Sequence[str] = (),
-              keep_values: bool = False):
+              values: bool = False) -> tuple[float, list[float], list[torch.Tensor] | None]:
+        """The rows through the schedule: the last stage's summed loss and stats on every
+        stage, and with `values` what `head` returned for each row there (else None)."""
         kind = "gpipe" if not backward or len(rows) < self.stages else self.schedule
         key = (len(rows), len(rows[0].tokens), backward, kind)
         if key not in self._built:
             self._built[key] = self._schedule(*key)
         schedule, stage = self._built[key]
         stage.rows, stage.count, stage.summed, stage.head, stage.stats = rows, count, [], head, dict.fromkeys(stats, 0.0)
-        stage.values = [] if keep_values else None
+        stage.values = [] if values else None
         tokens = (torch.stack([torch.as_tensor(r.tokens) for r in rows]).to(self.model.device),) if self.first else ()
         schedule.step(*tokens, mb=torch.arange(len(rows)), target=torch.zeros(len(rows)) if self.last else None,
                       return_outputs=False)
         mine = [float(sum(stage.summed)), *stage.stats.values()] if self.last else [0.0] * (1 + len(stats))
         total, *summed = sum_across(mine, self.group)  # the last stage's, on every stage
-        return (total, summed) if not keep_values else (total, summed, stage.values)
+        return total, summed, stage.values
 
     def _schedule(self, M: int, P: int, backward: bool, kind: str):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
