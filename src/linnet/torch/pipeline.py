@@ -27,7 +27,8 @@ Parameters keep their whole-model names, so `save_weights` and `save_peft` (ever
 calls them; the first writes the gathered stages) and checkpoints (each stage writes its
 parts with torch.distributed.checkpoint) read as the unsplit model's: a pipeline's
 checkpoint resumes in one process, or under another pipeline. A stage runs only inside
-`train`'s step: evaluate or sample with the saved weights loaded whole.
+`train`'s and `dpo`'s steps and their held-out passes: sample with the saved weights loaded
+whole.
 """
 
 from __future__ import annotations
