@@ -63,14 +63,22 @@ def test_fully_shard_example_under_torchrun(tmp_path, qlora):
         pytest.importorskip("bitsandbytes", reason="--qlora needs bitsandbytes (the qlora extra)")
     import socket
 
-    with socket.socket() as s:  # a free port: torchrun's default 29500 may still be held by an earlier run
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(port),
-                             str(EXAMPLES / "06_fully_shard.py"), "--steps", "3", "--out", str(tmp_path / "sharded"),
-                             *(["--qlora"] if qlora else [])],
-                            capture_output=True, text=True, timeout=300, env=_env())
+    def launch():
+        with socket.socket() as s:  # a free port: torchrun's default 29500 may still be held by an earlier run
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                               "--master-port", str(port), str(EXAMPLES / "06_fully_shard.py"), "--steps", "3",
+                               "--out", str(tmp_path / "sharded"), *(["--qlora"] if qlora else [])],
+                              capture_output=True, text=True, timeout=300, env=_env())
+
+    result = launch()
+    if result.returncode != 0 and "terminate called without an active exception" in result.stderr \
+            and "weights in" in result.stdout:
+        # PyTorch's, not the example's: after fully_shard (plain torch's too) gloo's worker threads
+        # outlive destroy_process_group and, rarely, one aborts the finished process at interpreter
+        # exit (about 1 run in 20 under load; docs/parallel.md). The run itself completed: once more
+        result = launch()
     err = result.stderr
     assert result.returncode == 0, err if len(err) < 4000 else err[:2000] + "\n…\n" + err[-2000:]  # both ends: the cause
     assert "loss" in result.stdout and result.stdout.count("weights in") == 1  # the first process reports
