@@ -26,6 +26,14 @@ PEFT_NAMES = ((".lora_a", ".lora_A.weight"), (".lora_b", ".lora_B.weight"), (".l
 PEFT_PREFIX = "base_model.model."
 
 
+def check_adapter_options(*, rank: int | None = None, dropout: float | None = None) -> None:
+    """Refuse an adapter rank or dropout neither backend's add_lora can take (None: not given)."""
+    if rank is not None and rank < 1:
+        raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
+    if dropout is not None and not 0.0 <= dropout < 1.0:
+        raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
+
+
 def to_peft_name(name: str) -> str:
     for ours, theirs in PEFT_NAMES:
         if name.endswith(ours):

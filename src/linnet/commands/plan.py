@@ -322,10 +322,11 @@ def settings_from_config(path: str) -> dict[str, Any]:
     load it (an unknown field is the same error), describing linnet's step: f32 gradients,
     the compute dtype, activation checkpointing, the optimizer's state bytes, the device,
     linnet's blockwise loss, the packed row as the sequence and the token count when the
-    steps are fixed; which states `training.shard` splits. For sft, dpo, grpo and distill also how `training.split` and `training.pipeline` divide one copy (one copy's GPUs),
-    LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what
-    the run holds beside the model (`_beside`); for pretraining, the model it builds, its micro-batch, the
-    budget's tokens and, packed, its workers (N models side by side)."""
+    steps are fixed; which states `training.shard` splits. For sft, dpo, grpo and distill
+    also how `training.split` and `training.pipeline` divide one copy (one copy's GPUs),
+    LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what the run
+    holds beside the model (`_beside`); for pretraining, the model it builds, its
+    micro-batch, the budget's tokens and, packed, its workers (N models side by side)."""
     import fnmatch
 
     from linnet.config import PretrainConfig, load_any

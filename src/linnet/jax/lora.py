@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.adapter_files import ADAPTER_SUFFIXES, write_peft
+from linnet.adapter_files import ADAPTER_SUFFIXES, check_adapter_options, write_peft
 from linnet.paths import adapted_layers
 
 if TYPE_CHECKING:
@@ -67,10 +67,7 @@ def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, 
     path) matches a pattern (with dora=True, DoRA's magnitude per output row, starting at
     the row's norm); returns the adapted layer paths. dropout: drop the adapters' input
     while the JAX trainers (train, dpo, grpo) train, the masks drawn from their seed."""
-    if rank < 1:
-        raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
+    check_adapter_options(rank=rank, dropout=dropout)
     if model.lora:
         raise ValueError("add_lora: the model has adapters already; merge_lora first")
     chosen = adapted_layers([k.removesuffix(".weight") for k in model.params if k.endswith("_proj.weight")], patterns)

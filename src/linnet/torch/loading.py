@@ -13,9 +13,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from linnet import hardware
+from linnet.adapter_files import check_adapter_options
 from linnet.cards import Card
 from linnet.torch import attention as attention_paths
-from linnet.torch.lora import check_options
 from linnet.torch.model import Decoder, Linear, rope_frequencies
 from linnet.torch.quantize import QUANTIZE, nf4
 from linnet.torch.weights import as_dtype
@@ -72,7 +72,7 @@ def _check_lora(lora, trainable) -> None:
                          f"{', '.join(LORA_OPTIONS[1:])}, e.g. dict(patterns='*_proj.weight', rank=16)")
     if trainable is not False:
         raise ValueError("lora= trains the adapters alone: leave trainable=False")
-    check_options(rank=lora.get("rank"), dropout=lora.get("dropout"))  # before any weight is read
+    check_adapter_options(rank=lora.get("rank"), dropout=lora.get("dropout"))  # before any weight is read
 
 
 def nf4_layout(model: Decoder) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, write_peft
+from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, check_adapter_options, write_peft
 from linnet.paths import adapted_layers
 from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import is_quantized
@@ -41,7 +41,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     of `patterns`; freeze everything else. dora=True adds DoRA's trainable magnitude per
     output row (Liu et al. 2024, arXiv:2402.09353), starting at each row's norm. Returns
     the adapted layer paths."""
-    check_options(rank=rank, dropout=dropout)
+    check_adapter_options(rank=rank, dropout=dropout)
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
     chosen = adapted_layers(list(linears), patterns)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
@@ -67,14 +67,6 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
-
-
-def check_options(*, rank: int | None = None, dropout: float | None = None) -> None:
-    """Refuse an adapter rank or dropout add_lora cannot take (None: not given)."""
-    if rank is not None and rank < 1:
-        raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
-    if dropout is not None and not 0.0 <= dropout < 1.0:
-        raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
 
 
 def _draw(shape: tuple[int, int], rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
