@@ -97,7 +97,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
     pairs = list(pairs)
     check_pairs(pairs)
     fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)
-    rate = model.lora["dropout"] if model.lora else 0.0
+    rate = model.lora_dropout
     compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat,
                           rate)
 

@@ -136,7 +136,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
     card, dtype, lora_scale = policy.card, policy.dtype, policy.lora_scale
-    rate = policy.lora["dropout"] if policy.lora else 0.0
+    rate = policy.lora_dropout
     forward = jax.jit(rows_log_probs, static_argnums=(1, 3, 4, 5, 6))
 
     def step(number: int, chunk: list, state: State) -> Update:

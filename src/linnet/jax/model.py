@@ -192,6 +192,11 @@ class JaxModel:
     def lora_scale(self) -> float:
         return self.lora["scale"] if self.lora else 0.0
 
+    @property
+    def lora_dropout(self) -> float:
+        """The adapters' input dropout the trainers apply (0 without adapters)."""
+        return self.lora["dropout"] if self.lora else 0.0
+
     def _call(self, entry: str, batch, params: Params | None):
         return self._entries[entry](self.params if params is None else params, self.card, row_arrays(batch),
                                     self.dtype, self.lora_scale)

@@ -82,7 +82,7 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
 
         per_micro = mesh.shape[mesh.axis_names[0]]
         row_sharding = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
-    rate = model.lora["dropout"] if model.lora else 0.0
+    rate = model.lora_dropout
     compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, remat, rate)
 
     def step(number: int, chunk: list, state: State) -> Update | None:
