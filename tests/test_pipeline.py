@@ -222,8 +222,7 @@ def _first_two(rank, out):
 
 
 def _refusals(rank):
-    from linnet.packing import Unpaired
-    from linnet.train.kto import kto
+    from linnet.train.reward import add_score_head, reward
 
     with pytest.raises(ValueError, match="with tensor_parallel=, pass the stages' mesh too"):
         pipeline(_model(False, False), tensor_parallel=object())
@@ -239,8 +238,8 @@ def _refusals(rank):
         model.loss_packed(_rows()[0])
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model.log_probs_packed(_rows()[0])
-    with pytest.raises(ValueError, match="kto does not train pipelined models yet"):
-        kto(model, [Unpaired([3, 4], [5], desirable=True)], optimizer=opt, steps=1, reference=_model(False, False))
+    with pytest.raises(ValueError, match="reward does not train pipelined models yet"):
+        reward(add_score_head(model), _dpo_pairs(), optimizer=opt, steps=1)
     return True
 
 

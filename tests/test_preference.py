@@ -138,15 +138,17 @@ def _kto_records(workspace, path):
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
 
 
-def test_kto_records_split_over_two_processes_take_one_process_steps(workspace, tmp_path):
-    """`linnet dpo` with dpo.loss_type=kto and training.split=2: both processes split one
-    model and take every record of the step, with one process's losses, KL and held-out
-    margins."""
+@pytest.mark.parametrize("mode", ["split", "pipeline"])
+def test_kto_records_over_two_processes_take_one_process_steps(workspace, tmp_path, mode):
+    """`linnet dpo` with dpo.loss_type=kto and training.split=2 (both processes split one
+    model) or training.pipeline=2 (each holds half its blocks; the last computes the
+    losses, and the KL estimate's and the reference's log-probabilities pass through
+    both): every record of the step, with one process's losses, KL and held-out margins."""
     from tests.conftest import in_processes
 
     _kto_records(workspace, tmp_path / "kto.jsonl")
     kto = ["dpo.loss_type=kto", f"data.path={tmp_path / 'kto.jsonl'}", "training.steps=4"]
-    assert in_processes(_dpo_process, _overrides(workspace, tmp_path / "two", *kto, "training.split=2")) == [0, 0]
+    assert in_processes(_dpo_process, _overrides(workspace, tmp_path / "two", *kto, f"training.{mode}=2")) == [0, 0]
     run(_config(workspace, tmp_path / "one", *kto))
     same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "kl", "held_out_margin"), steps=4,
                  rel=1e-4, abs=1e-6)

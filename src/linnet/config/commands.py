@@ -120,12 +120,6 @@ class DPOConfig(FineTuningConfig):
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/dpo")
     dpo: DPOSettings = group(DPOSettings, "the DPO objective (a pair's two answers share a packed row)")
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.training.pipeline > 1 and self.dpo.loss_type == "kto":
-            raise ValueError(f"config: dpo.loss_type=kto with training.pipeline={self.training.pipeline} is not "
-                             "supported yet (pipeline stages train the paired losses); use training.split or "
-                             "training.shard=fsdp")
 
 
 @dataclass

@@ -68,14 +68,19 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
     through its stages, every stage getting the last's values)."""
     was_training = model.training
     model.eval()
-    rows = list(_rows(pairs, tokens, model))
-    if getattr(model, "pipe", None) is not None:
-        out = [v.cpu() for v in model.pipe.values(rows, lambda _, row, logp: answer_sums(logp, row),
-                                                  [row.examples for row in rows])]
-    else:
-        out = [answer_log_probs(model, row).double().cpu() for row in matched(rows, model)]
+    out = rows_answer_log_probs(model, list(_rows(pairs, tokens, model)))
     model.train(was_training)
     return torch.cat(out).view(-1, 2).numpy() if out else np.zeros((0, 2))
+
+
+@torch.no_grad()
+def rows_answer_log_probs(model, rows) -> list[torch.Tensor]:
+    """Each row's [answers] summed log-probabilities (float64, on the CPU), without
+    gradients: a pipelined model's through its stages, every stage getting the last's."""
+    if getattr(model, "pipe", None) is not None:
+        values = model.pipe.values(rows, lambda _, row, logp: answer_sums(logp, row), [row.examples for row in rows])
+        return [v.cpu() for v in values]
+    return [answer_log_probs(model, row).double().cpu() for row in matched(rows, model)]
 
 
 def cache_key(reference, pairs: Sequence[Pair]) -> str:

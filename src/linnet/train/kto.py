@@ -12,7 +12,7 @@ set), under no gradient, averaged over every process and clamped at 0.
 
 The reference is the model itself before training (or `reference`), its log-probabilities
 of every matched and mismatched answer computed once before the first step, so a LoRA run
-holds one model.
+holds one model. A model cut into pipeline stages computes the losses on its last stage.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from linnet.history import History, Step
 from linnet.packing import Unpaired, pack_prompted
-from linnet.torch.distributed import matched, sum_across
-from linnet.train.dpo import answer_log_probs
+from linnet.torch.distributed import sum_across
+from linnet.train.dpo import answer_sums, rows_answer_log_probs
 from linnet.train.loop import Work, copies_of, fit, trained_parameters
 from linnet.train.preference_loss import kto_losses
 
@@ -49,17 +49,15 @@ def _mismatched(examples: Sequence[Unpaired], i: int) -> tuple[Sequence[int], Se
     return examples[(i + 1) % len(examples)].prompt, examples[i].completion
 
 
-def _answer_log_probs(model, groups, tokens: int) -> list[torch.Tensor]:
-    """Each row's [answers] summed log-probabilities, one answer per (prompt, answer) group."""
-    rows = list(pack_prompted(((p, (a,)) for p, a in groups), tokens, share=False))
-    return [answer_log_probs(model, row) for row in matched(rows, model)]
+def _rows(groups, tokens: int) -> list:
+    """Packed rows of one answer per (prompt, answer) group."""
+    return list(pack_prompted(((p, (a,)) for p, a in groups), tokens, share=False))
 
 
-@torch.no_grad()
 def _fixed_log_probs(model, groups, tokens: int) -> np.ndarray:
     was_training = model.training
     model.eval()
-    out = [x.double().cpu() for x in _answer_log_probs(model, groups, tokens)]
+    out = rows_answer_log_probs(model, _rows(groups, tokens))
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros(0)
 
@@ -116,22 +114,23 @@ def kto(
     if not beta > 0 or examples_per_step < 1 or desirable_weight < 0 or undesirable_weight < 0:
         raise ValueError("kto: beta must be > 0, examples_per_step >= 1 and the weights >= 0")
     trained_parameters(model)
-    copies = copies_of(model, "kto")
+    copies = copies_of(model, "kto", pipelines=True)
+    pipe = getattr(model, "pipe", None)
     check_unpaired(examples)
     ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)
 
     def prepare(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [e for _, e in chunk]
-        with torch.no_grad():
-            policy = _answer_log_probs(model, [_mismatched(examples, i) for i in indices], tokens)
-            drift = float(sum(x.double().sum() for x in policy)) - float(ref_mismatched[indices].sum())
+        policy = rows_answer_log_probs(model, _rows([_mismatched(examples, i) for i in indices], tokens))
+        drift = float(sum(x.sum() for x in policy)) - float(ref_mismatched[indices].sum())
         count, drift_sum = sum_across([float(len(batch)), drift], copies)
         z = max(0.0, drift_sum / count)
-        rows = list(pack_prompted(((e.prompt, (e.completion,)) for e in batch), tokens, share=False))
+        rows = _rows([(e.prompt, e.completion) for e in batch], tokens)
         starts = np.cumsum([0] + [row.examples for row in rows])
 
-        def loss(r: int, row):
-            logp = answer_log_probs(model, row)
+        def head(r: int, row, positions: torch.Tensor):
+            """The row's summed loss and statistics from its per-position log-probabilities."""
+            logp = answer_sums(positions, row)
             mine = indices[starts[r]:starts[r + 1]]
             good = torch.tensor([examples[i].desirable for i in mine], device=logp.device)
             reference_logp = torch.as_tensor(ref[mine], dtype=logp.dtype, device=logp.device)
@@ -152,8 +151,10 @@ def kto(
                     "logps/chosen": sums["logp_good"] / good if good else float("nan"),
                     "logps/rejected": sums["logp_bad"] / bad if bad else float("nan"), "kl": z}
 
-        return Work(rows, loss, count, sum(r.learned for r in rows), sum(r.real for r in rows),
-                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics, group=copies)
+        return Work(rows, lambda r, row: head(r, row, model.log_probs_packed(row)), count,
+                    sum(r.learned for r in rows), sum(r.real for r in rows),
+                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics, group=copies,
+                    pipe=pipe, head=head)
 
     stream = itertools.cycle(enumerate(examples))
     return fit(model, stream, prepare, per_step=examples_per_step, optimizer=optimizer, steps=steps, clip=clip,
