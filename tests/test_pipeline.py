@@ -222,7 +222,7 @@ def _first_two(rank, out):
 
 
 def _refusals(rank):
-    from linnet.train.reward import add_score_head, reward
+    from linnet.train.distill import distill
 
     with pytest.raises(ValueError, match="with tensor_parallel=, pass the stages' mesh too"):
         pipeline(_model(False, False), tensor_parallel=object())
@@ -238,8 +238,8 @@ def _refusals(rank):
         model.loss_packed(_rows()[0])
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model.log_probs_packed(_rows()[0])
-    with pytest.raises(ValueError, match="reward does not train pipelined models yet"):
-        reward(add_score_head(model), _dpo_pairs(), optimizer=opt, steps=1)
+    with pytest.raises(ValueError, match="distill does not train pipelined models yet"):
+        distill(model, _model(False, False), _rows(), optimizer=opt, steps=1)
     return True
 
 

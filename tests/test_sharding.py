@@ -193,11 +193,12 @@ def _objective(name: str, model, items, per_step: int):
         [held_out_accuracy(model, items, tokens=40)["held_out_loss"]]
 
 
-def _objective_model(name: str, mesh=None):
-    """A LoRA model (split over `mesh`), its adapters drawn alike in every process."""
-    model = nest.load(CARD, weights="random", seed=0, dtype="float32", tensor_parallel=mesh)
+def _objective_model(name: str, **parallel):
+    """A LoRA model (split or cut into stages by `parallel`: nest.load's options), its
+    adapters drawn as one process would."""
     torch.manual_seed(0)
-    model.add_lora("*_proj.weight", rank=4)
+    model = nest.load(CARD, weights="random", seed=0, dtype="float32", lora=dict(patterns="*_proj.weight", rank=4),
+                      **parallel)
     return add_score_head(model) if name == "reward" else model
 
 
@@ -221,20 +222,24 @@ def test_sharded_kto_and_reward_with_uneven_rows_train_like_one_process(name):
     assert steps[0] == pytest.approx(reference, rel=1e-5)
 
 
-def _split_objective(rank, name):
+def _parallel_objective(rank, name, mode):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
-    return _objective(name, _objective_model(name, mesh), [x for s in range(2) for r in range(2)
-                                                           for x in _items(name, r, s)], 4)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(mode,))
+    parallel = dict(tensor_parallel=mesh) if mode == "split" else dict(pipeline=mesh, pipeline_schedule="1f1b")
+    return _objective(name, _objective_model(name, **parallel), [x for s in range(2) for r in range(2)
+                                                                 for x in _items(name, r, s)], 4)
 
 
+@pytest.mark.parametrize("mode", ["split", "pipeline"])
 @pytest.mark.parametrize("name", ["dpo", "kto", "reward"])
-def test_split_models_train_preferences_like_one_process(name):
-    """DPO, KTO and reward models on a model split over two processes (the same items on
-    both) take one process's steps: each step's counts and gradients are summed over the
-    split's copies alone (before, KTO and reward models summed over the split too)."""
-    steps = in_processes(_split_objective, name)
+def test_split_and_pipelined_models_train_preferences_like_one_process(name, mode):
+    """DPO, KTO and reward models on a model split over two processes, or cut into two
+    pipeline stages (the last computing the losses; the reference's, the KL estimate's and
+    the held-out scores passing through both), with the same items on both, take one
+    process's steps: each step's counts and gradients are summed over the model's copies
+    alone (before, KTO and reward models summed over the split too)."""
+    steps = in_processes(_parallel_objective, name, mode)
     whole = [x for s in range(2) for r in range(2) for x in _items(name, r, s)]
     assert steps[0] == steps[1]
     assert steps[0] == pytest.approx(_objective(name, _objective_model(name), whole, 4), rel=1e-5, abs=1e-6)
@@ -256,7 +261,7 @@ def _split_grpo(rank):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
-    return _grpo_steps(_objective_model("grpo", mesh), seed=rank)  # each process would sample its own
+    return _grpo_steps(_objective_model("grpo", tensor_parallel=mesh), seed=rank)  # each process would sample its own
 
 
 def test_split_grpo_trains_on_the_first_processs_samples_like_one_process():

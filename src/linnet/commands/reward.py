@@ -12,7 +12,7 @@ from __future__ import annotations
 from linnet.commands import runs
 from linnet.commands.dpo import preference_data
 from linnet.config import RewardConfig
-from linnet.torch.distributed import sum_across, world
+from linnet.torch.distributed import data_share, sum_across
 
 
 def run(config: RewardConfig, *, overwrite: bool = False, resume: bool = False,
@@ -21,9 +21,9 @@ def run(config: RewardConfig, *, overwrite: bool = False, resume: bool = False,
 
     card, pairs, held_out, steps = preference_data(config, config.reward.pairs_per_step, "reward.pairs_per_step")
     t, s = config.training, config.reward
-    per_process = runs.split_per_step("reward.pairs_per_step", s.pairs_per_step)
-    rank, processes = world()
-    pairs, held_out = pairs[rank::processes], held_out[rank::processes]  # this process's share
+    per_process = runs.split_per_step("reward.pairs_per_step", s.pairs_per_step, t.per_copy)
+    share, shares = data_share(t.per_copy)  # the processes of a split or a pipeline take the same pairs
+    pairs, held_out = pairs[share::shares], held_out[share::shares]
     run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if run.complete is not None:
         return run.complete

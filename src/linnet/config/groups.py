@@ -187,16 +187,16 @@ class TrainingConfig:
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING + PRETRAINING)
-    split: int = option(1, "under torchrun (sft, dpo, grpo, distill: full fine-tuning, LoRA or DoRA): processes that "
-                           "split every block between them (tensor parallel) and take the same rows; the processes "
-                           "form copies of such splits",
-                        only=("sft", "dpo", "grpo", "distill"))
-    pipeline: int = option(1, "under torchrun (sft, dpo): stages that hold consecutive blocks of one model and "
-                              "pass each step's micro-batches (sft: training.accumulation rows; dpo: the step's "
-                              "packed pairs) along on a 1F1B schedule (GPipe when there are fewer rows than "
-                              "stages); with training.split each stage is split too (pipeline x split processes a "
-                              "copy); the processes form copies of such pipelines",
-                           only=("sft", "dpo"))
+    split: int = option(1, "under torchrun (sft, dpo, reward, grpo, distill: full fine-tuning, LoRA or DoRA): "
+                           "processes that split every block between them (tensor parallel) and take the same rows; "
+                           "the processes form copies of such splits",
+                        only=("sft", "dpo", "reward", "grpo", "distill"))
+    pipeline: int = option(1, "under torchrun (sft, dpo, reward): stages that hold consecutive blocks of one model "
+                              "and pass each step's micro-batches (sft: training.accumulation rows; dpo, reward: the "
+                              "step's packed pairs or answers) along on a 1F1B schedule (GPipe when there are fewer "
+                              "rows than stages); with training.split each stage is split too (pipeline x split "
+                              "processes a copy); the processes form copies of such pipelines",
+                           only=("sft", "dpo", "reward"))
 
     @property
     def per_copy(self) -> int:

@@ -12,7 +12,9 @@ one weight.
 
 The processes of a pipeline take the same batches; a step's `accumulate` packed rows are
 its micro-batches (1F1B wants at least as many as stages: a step with fewer runs GPipe);
-`dpo` passes its pair rows so, the last stage computing their losses (`Pipe.run`'s `head`).
+`dpo`, `kto` and `reward` pass their rows so, the last stage computing their losses
+(`Pipe.run`'s `head`: from each row's log-probabilities, or with `HiddenAt` from its final
+hidden states at some positions, a reward model's answer ends).
 Each micro-batch's summed loss
 is divided by the step's count of learned positions on the last stage before its
 backward, so gradients equal one process's over the same rows; `train` then adds each
@@ -27,13 +29,14 @@ Parameters keep their whole-model names, so `save_weights` and `save_peft` (ever
 calls them; the first writes the gathered stages) and checkpoints (each stage writes its
 parts with torch.distributed.checkpoint) read as the unsplit model's: a pipeline's
 checkpoint resumes in one process, or under another pipeline. A stage runs only inside
-`train`'s and `dpo`'s steps and their held-out passes: sample with the saved weights loaded
-whole.
+the training functions' steps and their held-out passes: sample with the saved weights
+loaded whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -130,6 +133,17 @@ def staged(model, mesh, schedule: str, tensor_parallel):
     return model
 
 
+@dataclass(frozen=True)
+class HiddenAt:
+    """A pipelined objective's `head` that reads a row's final (normed) hidden states at
+    `positions(row)` (an array of positions) rather than its log-probabilities: head(index,
+    row, hidden [len(positions), D]) -> what a log-probability head returns. The last block
+    computes only those positions."""
+
+    positions: Callable
+    head: Callable
+
+
 class Pipe:
     """This process's stage of a pipeline, as `train`'s step drives it: `run` takes the
     step's micro-batches through the schedule (forward and backward) and returns the
@@ -149,8 +163,9 @@ class Pipe:
         loss divided by `count` (the step's normaliser) before its backward. The loss is
         `loss_packed`'s, or with `head` an objective's: head(index, row, log_probs) ->
         (summed loss, {name: float} of `stats`), from the row's `log_probs_packed` on the
-        last stage. Returns the summed (undivided) loss and the summed stats, the same on
-        every stage. 1F1B wants as many micro-batches as stages: with fewer, GPipe runs them."""
+        last stage (or a `HiddenAt`'s, from hidden states). Returns the summed (undivided)
+        loss and the summed stats, the same on every stage. 1F1B wants as many
+        micro-batches as stages: with fewer, GPipe runs them."""
         rows = list(rows)
         if any(len(r.tokens) != len(rows[0].tokens) for r in rows):
             raise ValueError("pipeline: a step's rows must have one length (pack them with one `tokens`)")
@@ -170,7 +185,8 @@ class Pipe:
     def values(self, rows: Sequence, head, sizes: Sequence[int]) -> list[torch.Tensor]:
         """Forward only (no gradients): head(index, row, log_probs) -> a float tensor of
         sizes[index] values a row, computed on the last stage from each row's
-        `log_probs_packed`, and returned on every stage (float64)."""
+        `log_probs_packed` (or a `HiddenAt`'s, from hidden states), and returned on every
+        stage (float64)."""
         rows = list(rows)
         if not rows:
             return []
@@ -241,14 +257,19 @@ class _Stage(nn.Module):
             x = nn.functional.embedding(tokens, m.model.embed_tokens.weight).to(m.dtype)
         else:
             x = x[0, :n]
-        keep = m._learned(row, n) if pipe.last else None
+        hidden = isinstance(self.head, HiddenAt)
+        keep = None
+        if pipe.last:  # the positions the head reads: the last block computes those alone
+            keep = torch.as_tensor(self.head.positions(row), device=m.device) if hidden else m._learned(row, n)
         h = m._blocks(x, positions, *layout, keep=keep)
         if not pipe.last:
             return m._padded(h, row)[None]
         if self.head is None:
             loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
         else:
-            found = self.head(int(mb), row, m.head_log_probs(m.model.norm(h), targets, keep, row))
+            final = m.model.norm(h)
+            found = (self.head.head(int(mb), row, final) if hidden else
+                     self.head(int(mb), row, m.head_log_probs(final, targets, keep, row)))
             if self.values is not None:
                 self.values.append(found.detach())
                 return found.new_zeros(())

@@ -55,7 +55,8 @@ class Work:
                 batch's forward and backward at once, in place of `loss`, and the
                 gradient's norm adds every stage's squares
     head        for a pipelined model, the objective's loss from a batch's log-probabilities
-                (index, batch, log_probs) -> as `loss`, on the last stage; None: loss_packed's
+                (index, batch, log_probs) -> as `loss`, on the last stage, or a
+                linnet.torch.pipeline.HiddenAt (from hidden states); None: loss_packed's
     """
 
     batches: Iterable[Any]
@@ -69,7 +70,7 @@ class Work:
     iterations: int = 1
     group: Any = None
     pipe: Any = None
-    head: Callable[[int, Any, torch.Tensor], tuple[torch.Tensor, dict[str, float]]] | None = None
+    head: Any = None
 
 
 def start_runtime(seed: int, *, threads: int | None = None, deterministic: bool = False) -> None:

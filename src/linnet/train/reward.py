@@ -11,7 +11,8 @@ prompt and answer read as one sequence that is not the pad token: what transform
 *ForSequenceClassification computes (where the pad token is also the end of a sequence,
 the token before it). A pair's prompt is packed once, both answers attending to it (where
 the attention path takes shared prompts), and the last block runs its MLP only at the
-positions read.
+positions read. A model cut into pipeline stages holds the head on its last stage, which
+computes the rewards and losses.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.torch.distributed import matched, sum_across, world
+from linnet.torch.pipeline import HiddenAt
 from linnet.train.loop import Work, copies_of, fit, trained_parameters
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
@@ -36,9 +38,14 @@ ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSe
 
 def add_score_head(model, seed: int = 0) -> torch.nn.Module:
     """Give `model` a trainable float32 `score` head (hidden -> 1, no bias), as transformers
-    names it; returns the model."""
+    names it; returns the model. A pipelined model's last stage holds it (add it after
+    the cut), the other stages' `score` is None."""
     from linnet.torch.model import Linear
 
+    pipe = getattr(model, "pipe", None)
+    if pipe is not None and not pipe.last:
+        model.score = None
+        return model
     head = Linear(model.card.hidden, 1, bias=False).to(model.device)
     with torch.no_grad():
         head.weight.copy_(torch.empty(1, model.card.hidden).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(seed)))
@@ -77,8 +84,16 @@ def _last_positions(row, pad_id: int | None) -> np.ndarray:
 def scores(model, row) -> torch.Tensor:
     """[answers] float32 reward of each answer of a row (in order), from the final hidden
     state at its document's last non-pad token."""
-    h = model.hidden_packed(row, at=_last_positions(row, model.card.pad_token_id))
-    return model.score(h).float()[:, 0]
+    return _scored(model, model.hidden_packed(row, at=_last_positions(row, model.card.pad_token_id)))
+
+
+def _scored(model, h_AD: torch.Tensor) -> torch.Tensor:
+    return model.score(h_AD).float()[:, 0]
+
+
+def _answer_ends(model) -> HiddenAt:
+    """What a pipelined model's last stage reads to score a row: its answers' ends."""
+    return HiddenAt(lambda row: _last_positions(row, model.card.pad_token_id), lambda _, row, h: _scored(model, h))
 
 
 def reward(
@@ -104,17 +119,23 @@ def reward(
         raise ValueError("reward: the model has no score head; call linnet.train.reward.add_score_head(model) first")
     if pairs_per_step < 1:
         raise ValueError("reward: pairs_per_step must be >= 1")
+    copies = copies_of(model, "reward", pipelines=True)
+    pipe = getattr(model, "pipe", None)
+    if pipe is not None and not pipe.last and model.score is not None:
+        raise ValueError("reward: a stage before the last holds a score head; add it after cutting the pipeline "
+                         "(add_score_head puts it on the last stage)")
     trained_parameters(model)
-    copies = copies_of(model, "reward")
     check_pairs(pairs)
+    ends = _answer_ends(model)
 
     def prepare(step: int, chunk: list) -> Work:
         batch = [p for _, p in chunk]
         (count,) = sum_across([float(len(batch))], copies)
         packed = list(rows(model, ((p.prompt, (p.chosen, p.rejected)) for p in batch), tokens))
 
-        def loss(_, row):
-            r = scores(model, row).view(-1, 2)
+        def head(i: int, row, h):
+            """The row's summed loss and statistics from the hidden states at its answers' ends."""
+            r = ends.head(i, row, h).view(-1, 2)
             gap = r[:, 0] - r[:, 1]
             return -F.logsigmoid(gap - margin).sum(), {"correct": float((gap > 0).sum()),
                                                        "gap": float(gap.detach().sum()),
@@ -124,8 +145,9 @@ def reward(
             return {"pairs": count, "accuracy": sums["correct"] / count, "margin": sums["gap"] / count,
                     "mean_reward": sums["total"] / (2 * count)}
 
-        return Work(packed, loss, count, sum(r.learned for r in packed), sum(r.real for r in packed),
-                    ("correct", "gap", "total"), metrics, group=copies)
+        return Work(packed, lambda i, row: head(i, row, model.hidden_packed(row, at=ends.positions(row))), count,
+                    sum(r.learned for r in packed), sum(r.real for r in packed), ("correct", "gap", "total"), metrics,
+                    group=copies, pipe=pipe, head=HiddenAt(ends.positions, head))
 
     return fit(model, itertools.cycle(enumerate(pairs)), prepare, per_step=pairs_per_step, optimizer=optimizer,
                steps=steps, clip=clip, schedule=schedule, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
@@ -138,7 +160,11 @@ def score_answers(model, groups: Sequence[tuple[Sequence[int], Sequence[int]]], 
     (consecutive answers to one prompt share it, as many as fit a row)."""
     was_training = model.training
     model.eval()
-    out = [scores(model, row).double().cpu() for row in matched(list(rows(model, _runs(groups, tokens), tokens)), model)]
+    packed = list(rows(model, _runs(groups, tokens), tokens))
+    if getattr(model, "pipe", None) is not None:  # through the stages, every stage getting the last's
+        out = [v.cpu() for v in model.pipe.values(packed, _answer_ends(model), [row.examples for row in packed])]
+    else:
+        out = [scores(model, row).double().cpu() for row in matched(packed, model)]
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros(0)
 
@@ -199,8 +225,9 @@ def load_reward_model(directory: str | os.PathLike, **load: object):
     for file in weight_files(directory):
         with safe_open(file, "pt", device="cpu") as f:
             if "score.weight" in f.keys():
-                with torch.no_grad():
-                    model.score.weight.copy_(f.get_tensor("score.weight"))
+                if model.score is not None:  # None: a pipeline stage before the last
+                    with torch.no_grad():
+                        model.score.weight.copy_(f.get_tensor("score.weight"))
                 return model
     raise ValueError(f"{directory}: no score.weight; not a reward model (save one with save_reward_model)")
 
