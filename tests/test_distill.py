@@ -181,7 +181,7 @@ def test_linnet_distill_brings_the_student_closer(distill_workspace, tmp_path, m
     assert (tmp_path / mode / "final" / "model.safetensors").is_file()
 
 
-def test_a_teacher_with_another_tokenizer_is_refused(distill_workspace, tmp_path):
+def test_a_teacher_with_another_tokenizer_and_a_pipelined_on_policy_student_are_refused(distill_workspace, tmp_path):
     from linnet.commands.distill import run
     from tests.conftest import word_tokenizer
 
@@ -190,14 +190,18 @@ def test_a_teacher_with_another_tokenizer_is_refused(distill_workspace, tmp_path
     word_tokenizer(other / "tokenizer.json")  # another vocabulary
     with pytest.raises(ValueError, match="must use the student's tokenizer"):
         run(_distill_config(distill_workspace, tmp_path / "run", f"distill.teacher={other}"))
+    with pytest.raises(ValueError, match="distill.mode=on_policy with training.pipeline=2 is not supported"):
+        _distill_config(distill_workspace, tmp_path / "run", "distill.mode=on_policy", "training.pipeline=2")
 
 
-def _split_student(rank, divergence, beta, on_policy):
-    """Steps (loss, norm) and final weights of a student split over the two processes."""
+def _parallel_student(rank, mode, divergence, beta, on_policy):
+    """Steps (loss, norm) and final weights of a student split over the two processes, or
+    cut into two pipeline stages."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
-    return _distilled(nest.load(CARD, weights="random", trainable=True, seed=0, tensor_parallel=mesh),
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(mode,))
+    parallel = dict(tensor_parallel=mesh) if mode == "split" else dict(pipeline=mesh, pipeline_schedule="1f1b")
+    return _distilled(nest.load(CARD, weights="random", trainable=True, seed=0, **parallel),
                       divergence, beta, on_policy, engine_seed=rank)
 
 
@@ -224,19 +228,24 @@ def _nudge(model, seed):
             model.lm_head.weight.add_(torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(7)))
 
 
-@pytest.mark.parametrize("divergence, beta, on_policy", [("forward_kl", 0.5, False), ("reverse_kl", 0.5, True),
-                                                         ("jsd", 0.3, False)])
-def test_a_split_student_distils_like_one_process(divergence, beta, on_policy):
+@pytest.mark.parametrize("mode, divergence, beta, on_policy", [
+    ("split", "forward_kl", 0.5, False), ("split", "reverse_kl", 0.5, True), ("split", "jsd", 0.3, False),
+    ("pipeline", "jsd", 0.3, False)])
+def test_a_split_or_pipelined_student_distils_like_one_process(mode, divergence, beta, on_policy):
     """A student split over two processes (tensor parallel, its head by vocabulary) takes one
     process's distillation steps: each divergence's sums over the vocabulary combine across
     the split, and the hidden states' gradient adds both halves of the head's. On-policy, the
-    split learns from its first process's samples (the second's engine here draws others)."""
+    split learns from its first process's samples (the second's engine here draws others).
+    Cut into two pipeline stages, the last computes the divergences with the teacher there."""
     from tests.conftest import in_processes
 
-    (steps, weights), (steps1, _) = in_processes(_split_student, divergence, beta, on_policy)
+    (steps, weights), (steps1, weights1) = in_processes(_parallel_student, mode, divergence, beta, on_policy)
     assert steps == steps1
+    if mode == "pipeline":  # each stage holds its own blocks
+        assert not weights.keys() & weights1.keys()
+        weights = {**weights, **weights1}
     whole = nest.load(CARD, weights="random", trainable=True, seed=0)
-    whole.untie_head()  # a split unties a tied head
+    whole.untie_head()  # a split or a cut unties a tied head
     ref_steps, ref_weights = _distilled(whole, divergence, beta, on_policy)
     for (loss, norm), (ref_loss, ref_norm) in zip(steps, ref_steps, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
@@ -251,17 +260,21 @@ def _distill_process(rank, root, out, *extra):
     return rank
 
 
-@pytest.mark.parametrize("mode", ["logit", "on_policy"])
-def test_linnet_distill_with_a_split_student_takes_one_process_steps(distill_workspace, tmp_path, mode):
-    """`linnet distill` with training.split=2: two processes split the student (LoRA) and take
-    the same rows (on-policy, the first process's completions), with the losses, held-out
-    divergences and adapters of one process."""
+@pytest.mark.parametrize("mode, parallel", [("logit", "split"), ("on_policy", "split"), ("logit", "pipeline"),
+                                            ("sequence", "pipeline")])
+def test_linnet_distill_with_a_split_or_pipelined_student_takes_one_process_steps(distill_workspace, tmp_path, mode,
+                                                                                 parallel):
+    """`linnet distill` with training.split=2 (two processes split the student, LoRA) or
+    training.pipeline=2 (two stages, the last computing the divergences): both take the
+    same rows (on-policy and sequence-level, the first process's completions), with the
+    losses, held-out divergences and adapters of one process."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
 
     extra = (f"distill.mode={mode}", "lora.enabled=true", "lora.rank=4", "training.steps=4", "evaluation.every=2")
-    assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra, "training.split=2") == [0, 1]
+    assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra,
+                        f"training.{parallel}=2") == [0, 1]
     _distill_process(0, distill_workspace, tmp_path / "one", *extra)
     two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("two", "one"))

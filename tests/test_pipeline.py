@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from linnet import nest
 from linnet.torch.pipeline import pipeline
+from linnet.torch.sharding import copy_first
 from linnet.train import train
 from linnet.train.evaluation import held_out_loss
 from tests.conftest import gathered, in_processes
@@ -222,7 +223,7 @@ def _first_two(rank, out):
 
 
 def _refusals(rank):
-    from linnet.train.distill import distill
+    from linnet.train.distill import on_policy_distill
 
     with pytest.raises(ValueError, match="with tensor_parallel=, pass the stages' mesh too"):
         pipeline(_model(False, False), tensor_parallel=object())
@@ -238,8 +239,8 @@ def _refusals(rank):
         model.loss_packed(_rows()[0])
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model.log_probs_packed(_rows()[0])
-    with pytest.raises(ValueError, match="distill does not train pipelined models yet"):
-        distill(model, _model(False, False), _rows(), optimizer=opt, steps=1)
+    with pytest.raises(ValueError, match="on_policy_distill does not train pipelined models yet"):
+        on_policy_distill(model, _model(False, False), None, [[3, 4]], optimizer=opt, steps=1)
     return True
 
 
@@ -258,20 +259,24 @@ def _split_stages(rank, lora, out):
     if lora:
         torch.manual_seed(0)  # A is drawn whole on the split's first process and sent to the other
         model.add_lora("*_proj.weight", rank=4)
-    return _run(model, _rows(), 2, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
+    first = copy_first(model, lambda: rank)  # what the copy's first process (stage 0, split 0) computed
+    return [first] + _run(model, _rows(), 2, save_to=out / "final", checkpoint=out / "ckpt", checkpoint_every=2)
 
 
 def test_split_stages_train_like_one_process(tmp_path):
     """Two stages, each split over two processes (tensor parallel inside a stage: four
     processes), take one process's steps over the same rows and write its weights; the
     checkpoint of their parts resumes whole in one process. Adapters added after the cut
-    and split train alike on every process and save whole."""
+    and split train alike on every process and save whole. `copy_first` hands every
+    process the first one's value."""
     adapted = in_processes(_split_stages, True, tmp_path / "lora", processes=4)
-    assert all(r == adapted[0] for r in adapted) and adapted[0][-1][0] < adapted[0][0][0]
+    assert all(r == adapted[0] for r in adapted) and adapted[0][0] == 0
+    adapted = [r[1:] for r in adapted]
+    assert adapted[0][-1][0] < adapted[0][0][0]
     saved = load_file(str(tmp_path / "lora" / "final" / "adapter_model.safetensors"))
     assert len(saved) == 2 * 7 * CARD.layers
     out = tmp_path / "split"
-    results = in_processes(_split_stages, False, out, processes=4)
+    results = [r[1:] for r in in_processes(_split_stages, False, out, processes=4)]
     assert all(r == results[0] for r in results)
     reference = _run(_model(False, False), _rows(), 2, save_to=tmp_path / "one")
     _same_steps(results[0], reference)

@@ -52,7 +52,7 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.packing import pack
     from linnet.serve import Engine
     from linnet.train import train
-    from linnet.train.distill import distill, on_policy_distill, row_divergence, teacher_completions
+    from linnet.train.distill import distill, held_out_divergence, on_policy_distill, teacher_completions
     from linnet.train.evaluation import held_out_loss
 
     prepared = sft.prepare(config)  # data errors before anything is written
@@ -67,10 +67,10 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
     steps = prepared.steps
     if d.mode == "sequence":  # the teacher's completions become the training examples
         from linnet.packing import count_rows
-        from linnet.torch.sharding import split_first
+        from linnet.torch.sharding import copy_first
 
-        # a split's processes train on the same completions: its first process's
-        prepared.train_examples = split_first(student, lambda: teacher_completions(
+        # a split's or a pipeline's processes train on the same completions: its first process's
+        prepared.train_examples = copy_first(student, lambda: teacher_completions(
             Engine(teacher), [_prompt(e) for e in prepared.train_examples], max_new_tokens=d.max_new_tokens,
             stop=stop, seed=config.runtime.seed))
         steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
@@ -86,9 +86,9 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
         import torch
 
         with torch.no_grad():
-            learned = sum(float(np.asarray(r.weights).sum()) for r in eval_rows)
-            gap = sum(float(row_divergence(student, teacher, r, **options)) for r in eval_rows) / learned
-        return {"held_out_loss": held_out_loss(student, eval_rows), "held_out_divergence": gap}
+            loss = held_out_loss(student, eval_rows)
+        return {"held_out_loss": loss, "held_out_divergence": held_out_divergence(student, teacher, eval_rows,
+                                                                                  **options)}
 
     common = dict(optimizer=optimizer, steps=steps, clip=config.optimizer.grad_clip, schedule=schedule,
                   checkpoint_every=t.checkpoint_every, keep=t.keep)

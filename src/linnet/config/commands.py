@@ -139,6 +139,10 @@ class DistillConfig(FineTuningConfig):
         super().__post_init__()
         if not self.distill.teacher:
             raise ValueError("config: distill.teacher is required (a card name or a model directory)")
+        if self.training.pipeline > 1 and self.distill.mode == "on_policy":
+            raise ValueError(f"config: distill.mode=on_policy with training.pipeline={self.training.pipeline} is not "
+                             "supported yet (the engine samples from the whole student); use distill.mode=logit or "
+                             "sequence, or training.split")
 
 
 @dataclass

@@ -12,9 +12,10 @@ one weight.
 
 The processes of a pipeline take the same batches; a step's `accumulate` packed rows are
 its micro-batches (1F1B wants at least as many as stages: a step with fewer runs GPipe);
-`dpo`, `kto` and `reward` pass their rows so, the last stage computing their losses
-(`Pipe.run`'s `head`: from each row's log-probabilities, or with `HiddenAt` from its final
-hidden states at some positions, a reward model's answer ends).
+`dpo`, `kto`, `reward` and `distill` pass their rows so, the last stage computing their
+losses (`Pipe.run`'s `head`: from each row's log-probabilities, or with `HiddenAt` from its
+final hidden states at some positions: a reward model's answer ends, a student's learned
+positions).
 Each micro-batch's summed loss
 is divided by the step's count of learned positions on the last stage before its
 backward, so gradients equal one process's over the same rows; `train` then adds each

@@ -197,14 +197,19 @@ def copies_group(*meshes):
     return groups[place]
 
 
-def split_first(model, compute):
-    """compute() on the first process of `model`'s split (tensor parallel) alone, its value
-    on every process of the split, which must compute on the same rows: what one samples,
-    say, when engines on several devices need not draw alike. compute() itself for a model
-    not split."""
+def copy_first(model, compute):
+    """compute() on the first process of `model`'s copy alone (the first of a split, of a
+    pipeline's first stage), its value on every process of the copy, which must all train
+    on the same rows: what one samples, say, when engines on several devices need not draw
+    alike. compute() itself for a model neither split nor pipelined."""
     if getattr(model, "copies", None) is None:
         return compute()
-    mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
-    box = [compute() if mesh.get_local_rank() == 0 else None]
-    dist.broadcast_object_list(box, group=mesh.get_group(), group_src=0)
+    split = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    pipe = getattr(model, "pipe", None)
+    first = (split is None or split.get_local_rank() == 0) and (pipe is None or pipe.first)
+    box = [compute() if first else None]
+    if split is not None:  # across each stage's split: the first stage's value, None on the others
+        dist.broadcast_object_list(box, group=split.get_group(), group_src=0)
+    if pipe is not None:  # along each pipeline from its first stage
+        dist.broadcast_object_list(box, group=pipe.group, group_src=0)
     return box[0]

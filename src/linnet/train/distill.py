@@ -40,7 +40,8 @@ from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
-from linnet.torch.sharding import split_first, split_input, split_sum
+from linnet.torch.pipeline import HiddenAt
+from linnet.torch.sharding import copy_first, split_input, split_sum
 from linnet.train.loop import Work, copies_of, fit, trained_parameters
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -124,14 +125,37 @@ def check_teacher(student, teacher) -> None:
 def row_divergence(student, teacher, row, **options) -> torch.Tensor:
     """Summed divergence over a packed row's learned positions (both models' heads and
     last MLPs run on those alone)."""
-    at = np.flatnonzero(np.asarray(row.weights))
-    h_s = student.hidden_packed(row, at=at)
+    at = _learned_at(row)
+    return _divergence_from(student, teacher, row, student.hidden_packed(row, at=at), options)
+
+
+def _learned_at(row) -> np.ndarray:
+    return np.flatnonzero(np.asarray(row.weights))
+
+
+def _divergence_from(student, teacher, row, h_s, options: dict) -> torch.Tensor:
+    """`row_divergence` from the student's final hidden states at the row's learned
+    positions: what a pipelined student's last stage computes (the teacher whole there)."""
+    at = _learned_at(row)
     with torch.no_grad():
         h_t = teacher.hidden_packed(row, at=at)
     weights = torch.as_tensor(np.asarray(row.weights)[at], device=h_s.device)
     split = student.split_head()
     head, split = (student.head_weight, None) if split is None else split
     return linear_divergence(h_s, head, h_t, teacher.head_weight, weights, split=split, **options)
+
+
+@torch.no_grad()
+def held_out_divergence(student, teacher, rows: Sequence, **options) -> float:
+    """The mean divergence per learned position over `rows` (a pipelined student's through
+    its stages, every stage getting the last's)."""
+    learned = sum(float(np.asarray(r.weights).sum()) for r in rows)
+    if getattr(student, "pipe", None) is not None:
+        head = HiddenAt(_learned_at, lambda _, row, h: _divergence_from(student, teacher, row, h, options)[None])
+        total = sum(float(v) for v in student.pipe.values(rows, head, [1] * len(rows)))
+    else:
+        total = sum(float(row_divergence(student, teacher, r, **options)) for r in rows)
+    return total / learned
 
 
 def distill(
@@ -155,9 +179,11 @@ def distill(
 ) -> History:
     """Logit distillation on packed rows (`linnet.packing.pack` of Examples: their learned
     positions are distilled), `accumulate` rows a step. Each Step's metrics hold the mean
-    divergence per learned token (`divergence`, the loss)."""
+    divergence per learned token (`divergence`, the loss). A student cut into pipeline
+    stages computes the divergences on its last stage, where the teacher runs."""
     options = _prepare(student, teacher, divergence, beta, temperature)
-    copies = copies_of(student, "distill")
+    copies = copies_of(student, "distill", pipelines=True)
+    head = HiddenAt(_learned_at, lambda _, row, h: (_divergence_from(student, teacher, row, h, options), {}))
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
@@ -165,7 +191,7 @@ def distill(
         if count == 0:
             raise ValueError(f"distill: step {step}'s rows hold no learned position")
         return Work(micro, lambda _, row: (row_divergence(student, teacher, row, **options), {}), count, learned,
-                    sum(float(b.real) for b in micro), group=copies)
+                    sum(float(b.real) for b in micro), group=copies, pipe=getattr(student, "pipe", None), head=head)
 
     return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
@@ -233,7 +259,7 @@ def on_policy_distill(
         engine.load_weights(student)
         mine = [list(p) for _, p in chunk]
         # a split's processes learn from the same completions: its first process's
-        done = split_first(student, lambda: engine.sample(mine, max_new_tokens=max_new_tokens,
+        done = copy_first(student, lambda: engine.sample(mine, max_new_tokens=max_new_tokens,
                                                           temperature=sample_temperature, stop=stop,
                                                           seed=seed * 1_000_003 + step))
         groups = [(mine[c.prompt], [c.tokens]) for c in done if c.tokens]

@@ -51,7 +51,7 @@ from linnet.rollouts import (
 )
 from linnet.tables import print_table
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
-from linnet.torch.sharding import split_first
+from linnet.torch.sharding import copy_first
 from linnet.train.grpo_loss import grpo_loss
 from linnet.train.loop import Work, copies_of, fit
 
@@ -207,7 +207,7 @@ def grpo(
             return chunk, scored, rounds
 
         # a split's processes train on the same samples: its first process's
-        chunk, scored, rounds = split_first(policy, lambda: drawn(chunk))
+        chunk, scored, rounds = copy_first(policy, lambda: drawn(chunk))
         per_sequence = sequence_level or sequence_mean
         trained = to_train(scored, beta)
         rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
