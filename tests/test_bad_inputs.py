@@ -237,6 +237,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("grpo-engine-dtype-vllm", GRPO("grpo.engine=vllm", "grpo.engine_dtype=bfloat16"),
      r"grpo.engine_dtype=bfloat16 is read with grpo.engine=builtin only"),
     ("grpo-engine-dtype", GRPO("grpo.engine_dtype=float16"), r"grpo.engine_dtype: 'float16' is not one of"),
+    ("grpo-vllm-pipeline", GRPO("grpo.engine=vllm", "training.pipeline=2"),
+     r"grpo.engine=vllm with training.pipeline=2 is not supported yet .*use grpo.engine=builtin"),
     # jax, inspect, generate, quickstart, plan, plot, info
     ("jax-pytorch-field", lambda ws: ["jax", *SFT("training.shard=fsdp")(ws)[1:]], r"training.shard='fsdp' is for the PyTorch backend"),
     ("inspect-bad-data", lambda ws: ["inspect", *SFT("data.path=/nonexistent.jsonl")(ws)[1:]], r"no such file"),

@@ -223,8 +223,6 @@ def _first_two(rank, out):
 
 
 def _refusals(rank):
-    from linnet.train.distill import on_policy_distill
-
     with pytest.raises(ValueError, match="with tensor_parallel=, pass the stages' mesh too"):
         pipeline(_model(False, False), tensor_parallel=object())
     with pytest.raises(ValueError, match="schedule='zb'"):
@@ -234,13 +232,10 @@ def _refusals(rank):
     model = pipeline(_model(False, False))
     with pytest.raises(ValueError, match="already cut"):
         pipeline(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with pytest.raises(RuntimeError, match="under torch.no_grad"):
         model.loss_packed(_rows()[0])
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model.log_probs_packed(_rows()[0])
-    with pytest.raises(ValueError, match="on_policy_distill does not train pipelined models yet"):
-        on_policy_distill(model, _model(False, False), None, [[3, 4]], optimizer=opt, steps=1)
     return True
 
 

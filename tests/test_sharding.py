@@ -246,31 +246,38 @@ def test_split_and_pipelined_models_train_preferences_like_one_process(name, mod
 
 
 
-def _grpo_steps(policy, seed: int) -> list[float]:
+def _grpo_steps(policy, seed: int, mode: str = "split") -> list[float]:
+    """Two GRPO steps; a pipelined policy's with two iterations a step and a KL term
+    against a whole reference on every process (the last stage computes it)."""
     from linnet.serve import Engine
 
     engine = Engine(nest.load(CARD, weights="random", seed=0))
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    more = dict(iterations=2, beta=0.1, reference=nest.load(CARD, weights="random", seed=0)) if mode == "pipeline" \
+        else {}
     history = grpo(policy, engine, [Prompt([3, 4, 5]), Prompt([6, 7])], lambda p, c: float(sum(c) % 5),
                    optimizer=opt, steps=2, group=4, prompts_per_step=2, max_new_tokens=4, tokens=32, seed=seed,
-                   verbose=False)
-    return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["reward"])]
+                   verbose=False, **more)
+    return [x for s in history.steps for x in (s.loss, s.grad_norm, s.metrics["reward"], s.metrics["kl"])]
 
 
-def _split_grpo(rank):
+def _parallel_grpo(rank, mode):
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
-    return _grpo_steps(_objective_model("grpo", tensor_parallel=mesh), seed=rank)  # each process would sample its own
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(mode,))
+    parallel = dict(tensor_parallel=mesh) if mode == "split" else dict(pipeline=mesh, pipeline_schedule="1f1b")
+    return _grpo_steps(_objective_model("grpo", **parallel), seed=rank, mode=mode)  # each process would sample its own
 
 
-def test_split_grpo_trains_on_the_first_processs_samples_like_one_process():
-    """GRPO on a model split over two processes whose engines draw differently (seeds 0 and
-    1): both train on the first process's completions, and take one process's steps with
-    seed 0."""
-    steps = in_processes(_split_grpo)
+@pytest.mark.parametrize("mode", ["split", "pipeline"])
+def test_split_or_pipelined_grpo_trains_on_the_first_processs_samples_like_one_process(mode):
+    """GRPO on a model split over two processes, or cut into two pipeline stages (every
+    stage's engine taking the whole policy from the stages, the last stage computing the
+    losses and the KL term), whose engines draw differently (seeds 0 and 1): both train on
+    the first process's completions, and take one process's steps with seed 0."""
+    steps = in_processes(_parallel_grpo, mode)
     assert steps[0] == steps[1]
-    assert steps[0] == pytest.approx(_grpo_steps(_objective_model("grpo"), seed=0), rel=1e-5, abs=1e-6)
+    assert steps[0] == pytest.approx(_grpo_steps(_objective_model("grpo"), seed=0, mode=mode), rel=1e-5, abs=1e-6)
 
 def test_sharded_dpo_reads_and_writes_a_reference_cache(tmp_path):
     """dpo.reference_cache under fully_shard: each process's share gets the file one process

@@ -102,7 +102,7 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
         else:
             m = config.model
             engine = Engine(nest.load(prepared.card, device=student.device, dtype=m.dtype, weights=m.weights,
-                                      quantize=m.quantize))
+                                      quantize=runs.engine_quantize(config)))
             share, shares = data_share(t.per_copy)  # each copy its prompts; a split's processes the same ones
             prompts = [_prompt(e) for e in prepared.train_examples][share::shares]
             history = on_policy_distill(student, teacher, engine, prompts,

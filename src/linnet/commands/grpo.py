@@ -55,10 +55,8 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, max_len=t.context_length,
                             gpu_memory_utilization=g.vllm_gpu_memory_utilization, seed=rt.seed)
     else:
-        # with quantize, it samples from the policy's own NF4 base; from a policy split by fsdp it
-        # cannot share that, and takes the gathered, dequantized and merged weights instead
-        quantize = None if t.shard == "fsdp" else m.quantize
-        engine = Engine(nest.load(card, **{**base, "dtype": g.engine_dtype or m.dtype, "quantize": quantize}))
+        engine = Engine(nest.load(card, **{**base, "dtype": g.engine_dtype or m.dtype,
+                                           "quantize": runs.engine_quantize(config)}))
     reference = nest.load(card, **base) if g.beta else None
     optimizer, schedule = runs.optimizer_and_schedule(config, policy, steps)
     names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])

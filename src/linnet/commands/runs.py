@@ -74,6 +74,14 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
     return args, config
 
 
+def engine_quantize(config) -> str | None:
+    """An engine's `quantize=` for a run's policy: with it the engine samples from the
+    policy's own NF4 base; from a policy split by fsdp or cut into pipeline stages it cannot
+    share that, and takes the gathered, dequantized and merged weights instead."""
+    t = config.training
+    return None if t.shard == "fsdp" or t.pipeline > 1 else config.model.quantize
+
+
 def steps_factor(config, steps: int):
     """The learning-rate factor of `config`'s lr_schedule over `steps` (raises when the
     schedule cannot fit, before anything is written)."""

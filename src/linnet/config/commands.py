@@ -139,10 +139,6 @@ class DistillConfig(FineTuningConfig):
         super().__post_init__()
         if not self.distill.teacher:
             raise ValueError("config: distill.teacher is required (a card name or a model directory)")
-        if self.training.pipeline > 1 and self.distill.mode == "on_policy":
-            raise ValueError(f"config: distill.mode=on_policy with training.pipeline={self.training.pipeline} is not "
-                             "supported yet (the engine samples from the whole student); use distill.mode=logit or "
-                             "sequence, or training.split")
 
 
 @dataclass
@@ -153,6 +149,10 @@ class GRPOConfig(FineTuningConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.grpo.engine == "vllm" and self.training.pipeline > 1:
+            raise ValueError(f"config: grpo.engine=vllm with training.pipeline={self.training.pipeline} is not "
+                             "supported yet (vLLM takes a policy's weights from one process's model); use "
+                             "grpo.engine=builtin, whose engines take them from every stage")
         if self.grpo.engine_dtype is not None and self.model.quantize:
             raise ValueError(f"config: grpo.engine_dtype={self.grpo.engine_dtype} with model.quantize="
                              f"{self.model.quantize}: the engine samples from the policy's own 4-bit base, in its "

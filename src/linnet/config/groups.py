@@ -191,13 +191,13 @@ class TrainingConfig:
                            "processes that split every block between them (tensor parallel) and take the same rows; "
                            "the processes form copies of such splits",
                         only=("sft", "dpo", "reward", "grpo", "distill"))
-    pipeline: int = option(1, "under torchrun (sft, dpo, reward, distill: logit or sequence): stages that hold "
-                              "consecutive blocks of one model and pass each step's micro-batches (sft, distill: "
-                              "training.accumulation rows; dpo, reward: the step's packed pairs or answers) along on "
-                              "a 1F1B schedule (GPipe when there are fewer rows than stages); with training.split "
-                              "each stage is split too (pipeline x split processes a copy); the processes form copies "
-                              "of such pipelines",
-                           only=("sft", "dpo", "reward", "distill"))
+    pipeline: int = option(1, "under torchrun (sft, dpo, reward, distill, grpo): stages that hold consecutive "
+                              "blocks of one model and pass each step's micro-batches (sft, distill: "
+                              "training.accumulation rows; dpo, reward: the step's packed pairs or answers; grpo, "
+                              "on-policy distill: the packed completions) along on a 1F1B schedule (GPipe when there "
+                              "are fewer rows than stages); with training.split each stage is split too (pipeline x "
+                              "split processes a copy); the processes form copies of such pipelines",
+                           only=("sft", "dpo", "reward", "distill", "grpo"))
 
     @property
     def per_copy(self) -> int:

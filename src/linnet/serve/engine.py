@@ -148,15 +148,18 @@ class Engine:
         """Copy a policy's weights into the engine's (by parameter name, in place: no
         tensor is reallocated). LoRA adapters are merged on the way (W + scale * B @ A,
         in float32); the policy itself is not changed. A policy sharded by fully_shard is
-        gathered one tensor at a time (every process must call this together).
+        gathered one tensor at a time; a pipelined one's stages each copy their weights in
+        and pass them to the others, so every stage's engine holds the whole model (every
+        process must call this together).
 
         An engine loaded with quantize="nf4" samples from the policy's own NF4 base,
         shared rather than copied, with copies of its adapters beside it (unmerged: an NF4
         weight cannot take them), so it computes what the QLoRA policy computes."""
-        if self.model.quantized and is_sharded(policy):
-            raise ValueError("Engine.load_weights: the policy is split by fully_shard, so an NF4 engine cannot share "
-                             "its base; load the engine without quantize= (it takes the gathered, dequantized and "
-                             "merged weights)")
+        pipe = getattr(policy, "pipe", None)
+        if self.model.quantized and (is_sharded(policy) or pipe is not None):
+            how = "cut into pipeline stages" if pipe is not None else "split by fully_shard"
+            raise ValueError(f"Engine.load_weights: the policy is {how}, so an NF4 engine cannot share its base; load "
+                             "the engine without quantize= (it takes the gathered, dequantized and merged weights)")
         if self.card.tied_embeddings and not getattr(policy, "card", self.card).tied_embeddings:
             self.model.untie_head()  # a split policy's head trains apart from its embedding (tensor_parallel)
             self.card = self.model.card
@@ -181,6 +184,8 @@ class Engine:
                     f"{tuple(dst.shape)} in the engine; load the engine from the same card"
                 )
             dst.copy_(src)
+        if pipe is not None:
+            seen = self._pass_stages(pipe, seen)
         if self._head is not None:
             self._head = pack_head(self.model)
         missing = sorted(set(own) - seen)
@@ -189,6 +194,22 @@ class Engine:
                 f"Engine.load_weights: the policy has no {missing[0]!r} (and {len(missing) - 1} "
                 "more); load the engine from the same card as the policy"
             )
+
+    def _pass_stages(self, pipe, mine: set[str]) -> set[str]:
+        """Each stage of a pipelined policy has copied its own weights in: pass them to the
+        other stages' engines, a tensor at a time in place. Returns every stage's names."""
+        import torch.distributed as dist
+
+        names: list = [None] * pipe.stages
+        dist.all_gather_object(names, sorted(mine), group=pipe.group)
+        own = dict(self.model.named_parameters())
+        for stage, held in enumerate(names):
+            for name in held:
+                buffer = own[name].data.contiguous()  # the parameter itself unless laid out transposed
+                dist.broadcast(buffer, group=pipe.group, group_src=stage)
+                if buffer.data_ptr() != own[name].data_ptr():
+                    own[name].data.copy_(buffer)
+        return {name for held in names for name in held}
 
     def _share_quantized(self, name: str, source: Linear | None) -> None:
         """Point the engine's NF4 layer at the policy's NF4 codes and copy its adapters."""

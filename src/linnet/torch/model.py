@@ -286,9 +286,10 @@ class Decoder(nn.Module):
         MLP and norm then run on those alone (a reward model reads one position a
         sequence; DPO and GRPO rows skip their prompts)."""
         if self.pipe is not None:
-            raise RuntimeError("this model is cut into pipeline stages: it trains through linnet.train.train (or dpo) and "
-                               "evaluates through loss_packed under torch.no_grad(); for other entries load the "
-                               "saved weights whole (save_weights gathers the stages)")
+            raise RuntimeError("this model is cut into pipeline stages: it trains through linnet.train's functions "
+                               "(train, dpo, kto, reward, distill, grpo), whose steps and held-out passes run the "
+                               "stages, and evaluates through loss_packed under torch.no_grad(); for other entries "
+                               "load the saved weights whole (save_weights gathers the stages)")
         x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
         return self.model.norm(self._blocks(x, positions_P, bounds, prefix, keep))
 

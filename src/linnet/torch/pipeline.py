@@ -12,8 +12,8 @@ one weight.
 
 The processes of a pipeline take the same batches; a step's `accumulate` packed rows are
 its micro-batches (1F1B wants at least as many as stages: a step with fewer runs GPipe);
-`dpo`, `kto`, `reward` and `distill` pass their rows so, the last stage computing their
-losses (`Pipe.run`'s `head`: from each row's log-probabilities, or with `HiddenAt` from its
+every objective (`dpo`, `kto`, `reward`, `distill`, `grpo`) passes its rows so, the last
+stage computing their losses (`Pipe.run`'s `head`: from each row's log-probabilities, or with `HiddenAt` from its
 final hidden states at some positions: a reward model's answer ends, a student's learned
 positions).
 Each micro-batch's summed loss
@@ -166,8 +166,11 @@ class Pipe:
         (summed loss, {name: float} of `stats`), from the row's `log_probs_packed` on the
         last stage (or a `HiddenAt`'s, from hidden states). Returns the summed (undivided)
         loss and the summed stats, the same on every stage. 1F1B wants as many
-        micro-batches as stages: with fewer, GPipe runs them."""
+        micro-batches as stages: with fewer, GPipe runs them. No rows (a GRPO step whose
+        groups were all dropped, the same on every stage): nothing runs."""
         rows = list(rows)
+        if not rows:
+            return 0.0, [0.0] * len(stats)
         if any(len(r.tokens) != len(rows[0].tokens) for r in rows):
             raise ValueError("pipeline: a step's rows must have one length (pack them with one `tokens`)")
         total, summed, _ = self._flow(rows, count, backward=True, head=head, stats=stats)

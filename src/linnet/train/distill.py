@@ -182,8 +182,8 @@ def distill(
     divergence per learned token (`divergence`, the loss). A student cut into pipeline
     stages computes the divergences on its last stage, where the teacher runs."""
     options = _prepare(student, teacher, divergence, beta, temperature)
-    copies = copies_of(student, "distill", pipelines=True)
-    head = HiddenAt(_learned_at, lambda _, row, h: (_divergence_from(student, teacher, row, h, options), {}))
+    copies = copies_of(student)
+    head = _stage_head(student, teacher, options)
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
@@ -196,6 +196,11 @@ def distill(
     return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
                keep=keep, on_step=on_step, what="distill: the rows")
+
+
+def _stage_head(student, teacher, options: dict) -> HiddenAt:
+    """A pipelined student's last stage: a row's summed divergence from its hidden states."""
+    return HiddenAt(_learned_at, lambda _, row, h: (_divergence_from(student, teacher, row, h, options), {}))
 
 
 def _prepare(student, teacher, divergence: str, beta: float, temperature: float) -> dict:
@@ -253,12 +258,13 @@ def on_policy_distill(
     distillation usually takes). A sequence of prompts repeats as epochs."""
     trained_parameters(student)
     options = _prepare(student, teacher, divergence, beta, temperature)
-    copies = copies_of(student, "on_policy_distill")
+    copies = copies_of(student)
+    head = _stage_head(student, teacher, options)
 
     def prepare(step: int, chunk: list) -> Work:
         engine.load_weights(student)
         mine = [list(p) for _, p in chunk]
-        # a split's processes learn from the same completions: its first process's
+        # a split's or a pipeline's processes learn from the same completions: its first process's
         done = copy_first(student, lambda: engine.sample(mine, max_new_tokens=max_new_tokens,
                                                           temperature=sample_temperature, stop=stop,
                                                           seed=seed * 1_000_003 + step))
@@ -270,7 +276,7 @@ def on_policy_distill(
         return Work(rows, lambda _, row: (row_divergence(student, teacher, row, **options), {}), max(count, 1.0),
                     learned, sum(float(r.real) for r in rows),
                     metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0},
-                    group=copies)
+                    group=copies, pipe=getattr(student, "pipe", None), head=head)
 
     return fit(student, itertools.cycle(enumerate(prompts)), prepare, per_step=prompts_per_step, optimizer=optimizer,
                steps=steps, clip=clip, schedule=schedule, save_to=save_to, checkpoint=checkpoint,

@@ -176,7 +176,7 @@ def dpo(
     nll = 1.0 if loss_type == "orpo" else rpo_alpha
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
-    copies = copies_of(model, "dpo", pipelines=True)
+    copies = copies_of(model)
     pipe = getattr(model, "pipe", None)
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None

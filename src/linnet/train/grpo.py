@@ -96,8 +96,12 @@ def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, toke
 
 def _completion_log_probs(model, row) -> torch.Tensor:
     """Log-probabilities of the row's learned positions (its completion tokens, in order)."""
-    logp = model.log_probs_packed(row)
-    return logp[torch.as_tensor(np.flatnonzero(row.weights > 0), device=logp.device)]
+    return _completions(model.log_probs_packed(row), row)
+
+
+def _completions(logp_P: torch.Tensor, row) -> torch.Tensor:
+    """A row's per-position log-probabilities at its learned positions."""
+    return logp_P[torch.as_tensor(np.flatnonzero(row.weights > 0), device=logp_P.device)]
 
 
 def grpo(
@@ -161,7 +165,8 @@ def grpo(
         raise ValueError("grpo: group must be >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
-    copies = copies_of(policy, "grpo")
+    copies = copies_of(policy)
+    pipe = getattr(policy, "pipe", None)
     if dr_grpo and sequence_mean:
         raise ValueError("grpo: dr_grpo divides token sums by a constant and sequence_mean by each completion's "
                          "length; choose one")
@@ -206,7 +211,7 @@ def grpo(
                 chunk, scored = fill_groups(parts, len(chunk))
             return chunk, scored, rounds
 
-        # a split's processes train on the same samples: its first process's
+        # a split's or a pipeline's processes train on the same samples: its first process's
         chunk, scored, rounds = copy_first(policy, lambda: drawn(chunk))
         per_sequence = sequence_level or sequence_mean
         trained = to_train(scored, beta)
@@ -220,8 +225,9 @@ def grpo(
         old: dict[int, torch.Tensor] = {}  # the policy's log-probs before this step's first update
         mismatch: dict[int, float] = {}
 
-        def loss(r: int, row):
-            logp = _completion_log_probs(policy, row)
+        def head(r: int, row, positions: torch.Tensor):
+            """The row's summed loss and statistics from its per-position log-probabilities."""
+            logp = _completions(positions, row)
             dev = logp.device
             if r not in old:
                 old[r] = logp.detach()
@@ -248,8 +254,10 @@ def grpo(
             return out
 
         packed = time.perf_counter()
-        return Work(rows, loss, max(normaliser, 1.0), mine[1], mine[2], ("clipped", "kl", "mismatch", "checked"),
-                    metrics, idle=lambda: idle_passes(short, policy, judged), iterations=iterations, group=copies)
+        return Work(rows, lambda r, row: head(r, row, policy.log_probs_packed(row)), max(normaliser, 1.0), mine[1],
+                    mine[2], ("clipped", "kl", "mismatch", "checked"), metrics,
+                    idle=lambda: idle_passes(short, policy, judged), iterations=iterations, group=copies, pipe=pipe,
+                    head=head)
 
     return fit(policy, stream, prepare, per_step=prompts_per_step, optimizer=optimizer, steps=steps,
                clip=max_grad_norm, schedule=schedule, save_to=save_to, checkpoint=checkpoint,

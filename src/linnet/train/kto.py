@@ -114,7 +114,7 @@ def kto(
     if not beta > 0 or examples_per_step < 1 or desirable_weight < 0 or undesirable_weight < 0:
         raise ValueError("kto: beta must be > 0, examples_per_step >= 1 and the weights >= 0")
     trained_parameters(model)
-    copies = copies_of(model, "kto", pipelines=True)
+    copies = copies_of(model)
     pipe = getattr(model, "pipe", None)
     check_unpaired(examples)
     ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)

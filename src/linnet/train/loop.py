@@ -95,12 +95,9 @@ def resolve_device(name: str | None, where: str = "runtime.device") -> torch.dev
     return device
 
 
-def copies_of(model, who: str, *, pipelines: bool = False):
+def copies_of(model):
     """The processes whose sums make a step of `model` (None: every process): a split or
-    pipelined model's copies, each copy's processes taking the same batches. Objectives
-    that cannot run a pipeline's stages (`pipelines=False`) refuse one by name."""
-    if getattr(model, "pipe", None) is not None and not pipelines:
-        raise ValueError(f"{who} does not train pipelined models yet; use training.split or fully_shard")
+    pipelined model's copies, each copy's processes taking the same batches."""
     return getattr(model, "copies", None)
 
 

@@ -119,7 +119,7 @@ def reward(
         raise ValueError("reward: the model has no score head; call linnet.train.reward.add_score_head(model) first")
     if pairs_per_step < 1:
         raise ValueError("reward: pairs_per_step must be >= 1")
-    copies = copies_of(model, "reward", pipelines=True)
+    copies = copies_of(model)
     pipe = getattr(model, "pipe", None)
     if pipe is not None and not pipe.last and model.score is not None:
         raise ValueError("reward: a stage before the last holds a score head; add it after cutting the pipeline "
