@@ -305,3 +305,17 @@ def test_a_fully_sharded_student_distils_like_one_process_over_both_halves():
                       optimizer=torch.optim.AdamW(student.parameters(), lr=3e-3))
     for (loss, norm), step in zip(first, history.steps, strict=True):
         assert loss == pytest.approx(step.loss, rel=1e-5) and norm == pytest.approx(step.grad_norm, rel=1e-4)
+
+
+def test_linnet_distill_on_policy_with_a_fully_sharded_qlora_student(distill_workspace, tmp_path):
+    """On-policy distillation of an NF4 student split by training.shard=fsdp: the engine
+    cannot share a split base and takes the gathered, dequantized and merged weights (it
+    was loaded NF4 and refused them before)."""
+    pytest.importorskip("bitsandbytes", reason="model.quantize=nf4 needs bitsandbytes (the qlora extra)")
+    from tests.conftest import in_processes
+
+    extra = ("distill.mode=on_policy", "lora.enabled=true", "lora.rank=4", "model.quantize=nf4", "model.dtype=float32",
+             "training.shard=fsdp", "training.steps=2", "evaluation.every=2")
+    assert in_processes(_distill_process, distill_workspace, tmp_path / "run", *extra) == [0, 1]
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(np.isfinite(m["loss"]) for m in metrics)
