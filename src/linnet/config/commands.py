@@ -87,9 +87,8 @@ class FineTuningConfig:
                              "yet; quantized runs are eager")
         split, stages = getattr(self.training, "split", 1), getattr(self.training, "pipeline", 1)
         full_fsdp = self.training.shard == "fsdp" and not self.lora.enabled  # adapters keep whole 8-bit states
-        if self.optimizer.name != "adamw" and (full_fsdp or split > 1 or stages > 1):
+        if self.optimizer.name != "adamw" and (full_fsdp or split > 1):
             where, fix = ((f"training.split={split}", "optimizer.name=adamw") if split > 1 else
-                          (f"training.pipeline={stages}", "optimizer.name=adamw") if stages > 1 else
                           ("training.shard=fsdp and full fine-tuning",
                            "training.shard=zero to split 8-bit states, LoRA, or optimizer.name=adamw"))
             raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; "

@@ -221,7 +221,8 @@ class OptimizerConfig:
     name: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = option(
         "adamw", "AdamW (decoupled weight decay on matrices, none on norms, biases and DoRA magnitudes) with float32 "
                  "moments; adamw8bit: 8-bit moments (bitsandbytes, the qlora extra), 2 bytes a parameter instead of "
-                 "8 (split across processes by training.shard=zero; whole beside whole adapters under fsdp); "
+                 "8 (split across processes by training.shard=zero; whole beside whole adapters under fsdp; each "
+                 "stage its own with training.pipeline); "
                  "paged_adamw8bit: those, paged to host memory under pressure (CUDA)")
     lr: float = option(2e-4, "peak learning rate")
     betas: list[float] = option([0.9, 0.999], "AdamW betas")

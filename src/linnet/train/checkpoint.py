@@ -126,16 +126,14 @@ def _in_parts(model) -> bool:
     return is_sharded(model) or getattr(model, "pipe", None) is not None
 
 
-def _options(optimizer):
+def _options():
     """The state dicts' options: trained parameters only (`same_names` checks them, so
     loading need not insist on the frozen ones); optimizer state keyed by each parameter's
-    name, flattened (a pipeline's stages hold different parameters and param groups) except
-    bitsandbytes' 8-bit states, which nest their quantized tensors in a dict that the
-    flattening loses on the way back (8-bit states never run pipelined)."""
+    name, flattened (a pipeline's stages hold different parameters and param groups;
+    bitsandbytes' 8-bit states as linnet.train.optimizer builds them flatten too)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    nested = type(optimizer).__module__.startswith("bitsandbytes.")
-    return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=not nested, strict=False)
+    return StateDictOptions(ignore_frozen_params=True, flatten_optimizer_state_dict=True, strict=False)
 
 
 def _save_parts(path: Path, model, optimizer) -> None:
@@ -143,7 +141,7 @@ def _save_parts(path: Path, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    params, optim = get_state_dict(model, optimizer, options=_options(optimizer))
+    params, optim = get_state_dict(model, optimizer, options=_options())
     dcp.save({"model": params, "optimizer": optim}, checkpoint_id=path)
 
 
@@ -157,7 +155,7 @@ def _load_parts(path: Path, model, optimizer) -> None:
         set_state_dict,
     )
 
-    options = _options(optimizer)
+    options = _options()
     saved = dcp.FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
     trained = union_across(_trained(model)) if getattr(model, "pipe", None) else _trained(model)  # every stage's
     layout.same_names(path, {k.removeprefix("model.") for k in saved if k.startswith("model.")}, trained)

@@ -21,7 +21,7 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
     values keep float32 moments); shard="zero" splits those too, each parameter's states
     whole on one process, so the blocks quantize as in one process; under fully_shard the
     adapters (whole on every process, FSDP ignoring them) keep whole 8-bit states on every
-    process, as without sharding. "paged_adamw8bit" also lets CUDA page them out to CPU
+    process, as without sharding; a pipeline's stages each their own. "paged_adamw8bit" also lets CUDA page them out to CPU
     memory under pressure (PagedAdamW8bit; CUDA only)."""
     if kind not in KINDS:
         raise ValueError(f"adamw: kind={kind!r}; use one of {', '.join(KINDS)}")
@@ -60,4 +60,14 @@ def _eight_bit(*, paged: bool, params: list[torch.Tensor]) -> type[torch.optim.O
         raise ValueError(f"adamw: paged 8-bit states page CUDA memory out to the host; the model is on {device.type}: "
                          "use the 8-bit states unpaged")
     optim = bitsandbytes().optim
-    return optim.PagedAdamW8bit if paged else optim.AdamW8bit
+    return _plain_states(optim.PagedAdamW8bit if paged else optim.AdamW8bit)
+
+
+def _plain_states(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """bitsandbytes' optimizer whose state_dict keeps its quantization tensors beside the
+    other states, as torch's optimizers do: bitsandbytes nests them in a dict (for FSDP1's
+    gathering, which linnet does not use) that torch.distributed.checkpoint's flattening
+    loses; a pipeline's stages need that flattening (each holds other parameter groups).
+    load_state_dict reads either form."""
+    return type(cls.__name__, (cls,), {"state_dict": torch.optim.Optimizer.state_dict,
+                                       "__doc__": _plain_states.__doc__, "__module__": __name__})
