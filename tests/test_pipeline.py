@@ -62,13 +62,15 @@ def _same_steps(got, reference):
 
 
 @pytest.mark.parametrize("schedule, lora, tied, recompute",
-                         [("1f1b", False, True, False), ("gpipe", True, False, True)])
+                         [("1f1b", False, True, False), ("gpipe", True, False, True),
+                          ("interleaved", False, False, False)])
 def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute):
     """Two stages of two blocks each (the first with the embedding, the last with the norm
     and head) take the losses, gradient norms and learned counts of one process over the
     same rows, full fine-tuning on 1F1B (a tied head trains apart from the embedding, as
     an untied copy's does) and LoRA on GPipe with activation checkpointing (the adapters
-    added after the cut, as `linnet sft` adds them); the saved
+    added after the cut, as `linnet sft` adds them), and full fine-tuning on interleaved
+    1F1B (blocks 0 and 2 on the first process, 1 and 3 on the second); the saved
     weights and adapters, gathered from both, equal one process's; the held-out loss
     through the stages equals the whole model's; the checkpoint resumes in one process."""
     assert any(r.real < len(r.tokens) for r in _rows())  # rows with trailing padding pass stages whole
@@ -77,8 +79,9 @@ def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute
     (steps, first, held), (steps1, second, held1) = results
     assert steps == steps1 and held == held1
     assert "model.embed_tokens.weight" in first and "model.norm.weight" in second
-    assert {n.split(".")[2] for n in first if ".layers." in n} == {"0", "1"}
-    assert {n.split(".")[2] for n in second if ".layers." in n} == {"2", "3"}
+    interleaved = schedule == "interleaved"
+    assert {n.split(".")[2] for n in first if ".layers." in n} == ({"0", "2"} if interleaved else {"0", "1"})
+    assert {n.split(".")[2] for n in second if ".layers." in n} == ({"1", "3"} if interleaved else {"2", "3"})
     whole = _model(lora, tied)
     whole.untie_head()
     reference = _run(whole, _rows(), 2, save_to=tmp_path / "one")
@@ -174,6 +177,27 @@ def test_stages_train_dpo_like_one_process(tmp_path, lora):
         assert got == pytest.approx(want, rel=1e-5)
 
 
+def _interleaved(rank):
+    """Steps of 1, 4 and 5 rows (GPipe-like, interleaved 1F1B in two rounds, and in chunk
+    order when the rows do not divide into rounds), and DPO with its reference passes."""
+    runs = [_run(pipeline(_model(False, False), schedule="interleaved"), _rows(), m, steps=2) for m in (1, 4, 5)]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("stages",))
+    model = nest.load(CARD, weights="random", seed=0, trainable=True, pipeline=mesh, pipeline_schedule="interleaved")
+    return runs, _dpo(model, _dpo_pairs(), 4)
+
+
+def test_interleaved_stages_take_any_number_of_rows_like_one_process():
+    (runs, dpo), (runs1, dpo1) = in_processes(_interleaved)
+    assert runs == runs1 and dpo == dpo1
+    for got, m in zip(runs, (1, 4, 5), strict=True):
+        _same_steps(got, _run(_model(False, False), _rows(), m, steps=2))
+    whole = nest.load(CARD, weights="random", seed=0, trainable=True)
+    for got, want in zip(dpo, _dpo(whole, _dpo_pairs(), 4), strict=True):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
 def _one_row_a_step(rank):
     return _run(pipeline(_model(False, False), schedule="1f1b"), _rows(), 1, steps=2)
 
@@ -229,6 +253,8 @@ def _refusals(rank):
         pipeline(_model(False, False), schedule="zb")
     with pytest.raises(ValueError, match="1 layers, fewer than 2 stages"):
         pipeline(nest.load(CARD.replace(layers=1), weights="random", seed=0))
+    with pytest.raises(ValueError, match=r"3 layers, fewer than 4 chunks \(two a stage\)"):
+        pipeline(nest.load(CARD.replace(layers=3), weights="random", seed=0), schedule="interleaved")
     model = pipeline(_model(False, False))
     with pytest.raises(ValueError, match="already cut"):
         pipeline(model)

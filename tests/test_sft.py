@@ -177,7 +177,8 @@ def test_two_processes_splitting_a_model_train_its_adapters_like_one(workspace, 
         torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
 
 
-@pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split", "pipeline", "pipeline-8bit"])
+@pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split", "pipeline", "pipeline-8bit",
+                                   "pipeline-interleaved"])
 def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
     optimizer split (its 8-bit states too, against 8-bit AdamW in one process), or
@@ -185,7 +186,8 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     the accumulation: the same losses, held-out losses and final weights, written once.
     With training.split=2 the two processes split one model and take the same rows (with
     training.pipeline=2 each holds half its blocks, and the two rows of a step pass along
-    on a 1F1B schedule); its head, tied to the embedding, then trains apart from it, as the
+    on a 1F1B schedule, or interleaved 1F1B with two chunks a process, with 8-bit states
+    too, resuming); its head, tied to the embedding, then trains apart from it, as the
     head of an untied copy does in one process."""
     from safetensors.torch import load_file
 
@@ -198,7 +200,9 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     if eight_bit:
         pytest.importorskip("bitsandbytes", reason="8-bit AdamW needs bitsandbytes (the qlora extra)")
         common.append("optimizer.name=adamw8bit")
-        shard = shard.removesuffix("-8bit")
+    if shard.endswith("-interleaved"):
+        common.append("training.pipeline_schedule=interleaved")
+    shard = shard.split("-")[0]
     mode = [f"training.{shard}=2", "training.accumulation=2"] if shard in ("split", "pipeline") else \
         [f"training.shard={shard}", "training.accumulation=1"]
     two_args = common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]

@@ -73,7 +73,8 @@ def load(
     every weight whole and keeps its slice, never holding the whole model.
     pipeline: a one-dimension DeviceMesh (mesh["stages"]): build only this process's stage
     of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
-    `pipeline_schedule` "1f1b" or "gpipe"); with tensor_parallel too, the stage is split.
+    `pipeline_schedule` "1f1b", "gpipe" or "interleaved": two chunks of blocks a process);
+    with tensor_parallel too, the stage is split.
     fully_shard=True: shard the model over every process (linnet.torch.fully_shard) before
     its weights are read or drawn, each process keeping only its part (an NF4 base's codes
     too); for full fine-tuning (trainable=True) or adapters (lora=).

@@ -129,7 +129,8 @@ RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads
 
 # Fields added after runs were saved without them, with the value those runs trained with:
 # a run saved before a field existed resumes when the field still has that value.
-ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin", "grpo.engine_dtype": None, "grpo.reward_workers": 1}
+ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin", "grpo.engine_dtype": None, "grpo.reward_workers": 1,
+                "training.pipeline_schedule": "1f1b"}
 
 
 def recipe(config) -> dict[str, Any]:
@@ -289,7 +290,8 @@ def load_model(card, config):
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=mesh["split"] if split > 1 else None,
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
-                      pipeline_schedule="1f1b",  # GPipe for a step with fewer rows than stages
+                      # GPipe for a step with fewer rows than stages
+                      pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
                       fully_shard=t.shard == "fsdp" and processes > 1,  # no process ever holds the whole model
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,

@@ -173,7 +173,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if placed:
         add_lora(model, **lora)
     if pipeline is not None:
-        stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel))
+        stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel), pipeline_schedule)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 

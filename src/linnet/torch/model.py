@@ -293,9 +293,10 @@ class Decoder(nn.Module):
         x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
         return self.model.norm(self._blocks(x, positions_P, bounds, prefix, keep))
 
-    def _blocks(self, x_PD, positions_P, bounds: list[int], prefix: list[int] | None = None, keep=None):
-        """The blocks this model holds (a pipeline stage's alone) over hidden states [P, D];
-        `keep` as in `_trunk`, taken at the last of them."""
+    def _blocks(self, x_PD, positions_P, bounds: list[int], prefix: list[int] | None = None, keep=None, blocks=None):
+        """The blocks this model holds (a pipeline stage's alone), or `blocks` of them (one
+        chunk of an interleaved stage), over hidden states [P, D]; `keep` as in `_trunk`,
+        taken at the last of them."""
         attend = attention_paths.choose(self.attention, self.device)
         if prefix is not None:
             attend = functools.partial(attend, prefix=prefix)
@@ -303,9 +304,10 @@ class Decoder(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         recompute = self.checkpointing is not None and torch.is_grad_enabled()
-        last = len(self.model.layers) - 1
+        blocks = self.model.layers if blocks is None else blocks
+        last = len(blocks) - 1
         x = x_PD
-        for i, block in enumerate(self.model.layers):
+        for i, block in enumerate(blocks):
             # compiled blocks want one row length: they run whole, the positions taken after
             subset = keep if i == last and not self.compiled else None
             if recompute:  # keep the block's input, compute the rest again in backward

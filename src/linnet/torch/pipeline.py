@@ -46,7 +46,7 @@ from torch import nn
 from linnet.torch.distributed import sum_across
 from linnet.torch.sharding import copies_group, is_sharded
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
 class Blocks(nn.Module):
@@ -71,15 +71,18 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
     one-dimension DeviceMesh, e.g. mesh["stages"] of a ("copies", "stages") mesh; default:
     every process, one pipeline) and keep this process's stage, in place: consecutive
     blocks, as evenly as the layers divide. schedule: "1f1b" (a micro-batch's backward as
-    soon as the last stage has it: activations of at most `stages` micro-batches held) or
-    "gpipe" (every forward, then every backward). tensor_parallel: a one-dimension mesh
+    soon as the last stage has it: activations of at most `stages` micro-batches held),
+    "gpipe" (every forward, then every backward) or "interleaved" (interleaved 1F1B,
+    Narayanan et al. 2021: the blocks cut into two chunks a process, process i of P holding
+    chunks i and i + P, so a micro-batch passes each process twice and the pipeline's idle
+    start and end shrink by half, for twice the hand-offs). tensor_parallel: a one-dimension mesh
     (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
     stage's blocks and head as `nest.load(..., tensor_parallel=)` does. Adapters go on
     before or after (after, with tensor_parallel). Call before building the optimizer;
     returns the model. `nest.load(card, pipeline=mesh["stages"])` builds the stage alone
     instead, never holding the other stages' weights."""
     mesh = check(model, mesh, schedule, tensor_parallel)
-    cut(model, mesh)
+    cut(model, mesh, schedule)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 
@@ -104,21 +107,34 @@ def check(model, mesh, schedule: str, tensor_parallel):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(model.device.type, (dist.get_world_size(),), mesh_dim_names=("stages",))
-    if model.card.layers < mesh.size():
+    chunks = mesh.size() * _chunks(schedule)
+    if model.card.layers < chunks:
         raise ValueError(f"pipeline: card {model.card.name!r} has {model.card.layers} layers, fewer than "
-                         f"{mesh.size()} stages")
+                         f"{chunks} {'chunks (two a stage)' if chunks > mesh.size() else 'stages'}")
     return mesh
 
 
-def cut(model, mesh) -> None:
+def _chunks(schedule: str) -> int:
+    """Chunks of blocks a process holds under `schedule`."""
+    return 2 if schedule == "interleaved" else 1
+
+
+def held(index: int, stages: int, layers: int, schedule: str) -> list[range]:
+    """The blocks of process `index`'s chunks, a range a chunk: the layers cut into
+    stages x chunks runs as evenly as they divide, process i holding runs i, i + stages, ..."""
+    n = stages * _chunks(schedule)
+    return [range(c * layers // n, (c + 1) * layers // n) for c in range(index, n, stages)]
+
+
+def cut(model, mesh, schedule: str = "1f1b") -> None:
     """Keep this process's stage of `model` (its parameters may still be on meta): its
-    blocks, the embedding on the first stage, the final norm and the head (untied) on the
-    last."""
+    blocks (`held`), the embedding on the first stage, the final norm and the head (untied)
+    on the last."""
     stages, index, layers = mesh.size(), mesh.get_local_rank(), model.card.layers
     if model.card.tied_embeddings:
         model.untie_head()
-    held = range(index * layers // stages, (index + 1) * layers // stages)
-    model.model.layers = Blocks({i: model.model.layers[i] for i in held})
+    model.model.layers = Blocks({i: model.model.layers[i] for run in held(index, stages, layers, schedule)
+                                 for i in run})
     if index > 0:
         del model.model.embed_tokens
     if index < stages - 1:
@@ -210,41 +226,64 @@ class Pipe:
         key = (len(rows), len(rows[0].tokens), backward, kind)
         if key not in self._built:
             self._built[key] = self._schedule(*key)
-        schedule, stage = self._built[key]
-        stage.rows, stage.count, stage.summed, stage.head, stage.stats = rows, count, [], head, dict.fromkeys(stats, 0.0)
-        stage.values = [] if values else None
+        schedule, chunks = self._built[key]
+        for stage in chunks:
+            stage.rows, stage.count, stage.summed, stage.head = rows, count, [], head
+            stage.stats, stage.values = dict.fromkeys(stats, 0.0), [] if values else None
         tokens = (torch.stack([torch.as_tensor(r.tokens) for r in rows]).to(self.model.device),) if self.first else ()
         schedule.step(*tokens, mb=torch.arange(len(rows)), target=torch.zeros(len(rows)) if self.last else None,
                       return_outputs=False)
+        stage = chunks[-1]  # on the last stage, the chunk that computes the losses
         mine = [float(sum(stage.summed)), *stage.stats.values()] if self.last else [0.0] * (1 + len(stats))
         total, *summed = sum_across(mine, self.group)  # the last stage's, on every stage
         return total, summed, stage.values
 
     def _schedule(self, M: int, P: int, backward: bool, kind: str):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        """(PyTorch's schedule for M micro-batches of P positions, this process's _Stage
+        chunks in order)."""
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleLoopedBFS,
+        )
 
         m = self.model
-        hidden = torch.empty(1, P, m.card.hidden, dtype=m.dtype, device=m.device, requires_grad=True)  # gradients flow back
-        entering = torch.empty(1, P, dtype=torch.long, device=m.device) if self.first else hidden
-        leaving = torch.empty((), device=m.device) if self.last else hidden
-        stage = PipelineStage(_Stage(m), self.index, self.stages, m.device, input_args=entering, output_args=leaving,
-                              group=self.group)
-        if not backward:  # forward only: no loss function, every forward in turn
-            return ScheduleGPipe(stage, n_microbatches=M), stage.submod
-        order = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-        return order(stage, n_microbatches=M, loss_fn=lambda loss, _: loss, scale_grads=False), stage.submod
+        runs = held(self.index, self.stages, m.card.layers, self.schedule)
+        n = self.stages * len(runs)
+        stages = []
+        for j, run in enumerate(runs):
+            c = self.index + j * self.stages  # the chunk's place in the pipeline
+            chunk = _Stage(m, [getattr(m.model.layers, str(i)) for i in run], first=c == 0, last=c == n - 1)
+            hidden = torch.empty(1, P, m.card.hidden, dtype=m.dtype, device=m.device, requires_grad=True)
+            entering = torch.empty(1, P, dtype=torch.long, device=m.device) if chunk.first else hidden
+            leaving = torch.empty((), device=m.device) if chunk.last else hidden
+            stages.append(PipelineStage(chunk, c, n, m.device, input_args=entering, output_args=leaving,
+                                        group=self.group))
+        chunks = [s.submod for s in stages]
+        # forward only: no loss function, every forward in turn
+        loss = dict(loss_fn=lambda loss, _: loss, scale_grads=False) if backward else {}
+        if len(stages) == 1:
+            order = Schedule1F1B if backward and kind == "1f1b" else ScheduleGPipe
+            return order(stages[0], n_microbatches=M, **loss), chunks
+        # interleaved 1F1B takes its micro-batches in rounds of `stages`; else each chunk in turn
+        rounds = max(1, M // self.stages)
+        order = ScheduleInterleaved1F1B if backward and kind == "interleaved" and M % rounds == 0 else ScheduleLoopedBFS
+        return order(stages, n_microbatches=M, **loss), chunks
 
 
 class _Stage(nn.Module):
-    """The module a PipelineStage runs: micro-batch `mb` of the step's rows through this
-    process's part of the decoder. In: the row's tokens [1, P] on the first stage, else
-    the previous stage's hidden states [1, P, D]; out: hidden states [1, P, D] (a row's
-    trailing padding zeros), or on the last stage the row's summed loss over the step's
-    count, a scalar."""
+    """The module a PipelineStage runs: micro-batch `mb` of the step's rows through `blocks`,
+    this process's part of the decoder (one chunk of it, interleaved). In: the row's tokens
+    [1, P] on the first stage, else the previous stage's hidden states [1, P, D]; out:
+    hidden states [1, P, D] (a row's trailing padding zeros), or on the last stage the
+    row's summed loss over the step's count, a scalar."""
 
-    def __init__(self, model):
+    def __init__(self, model, blocks: list, first: bool, last: bool):
         super().__init__()
         self.model = model
+        self.blocks, self.first, self.last = blocks, first, last
         self.rows: list = []
         self.count = 1.0
         self.summed: list[torch.Tensor] = []
@@ -253,20 +292,20 @@ class _Stage(nn.Module):
         self.values: list[torch.Tensor] | None = None  # Pipe.values' per-row results
 
     def forward(self, x, mb):
-        m, pipe = self.model, self.model.pipe
+        m = self.model
         row = self.rows[int(mb)]
         tokens, positions, layout, targets, weights = m._fields(row)
         n = len(tokens)
-        if pipe.first:
+        if self.first:
             x = nn.functional.embedding(tokens, m.model.embed_tokens.weight).to(m.dtype)
         else:
             x = x[0, :n]
         hidden = isinstance(self.head, HiddenAt)
         keep = None
-        if pipe.last:  # the positions the head reads: the last block computes those alone
+        if self.last:  # the positions the head reads: the last block computes those alone
             keep = torch.as_tensor(self.head.positions(row), device=m.device) if hidden else m._learned(row, n)
-        h = m._blocks(x, positions, *layout, keep=keep)
-        if not pipe.last:
+        h = m._blocks(x, positions, *layout, keep=keep, blocks=self.blocks)
+        if not self.last:
             return m._padded(h, row)[None]
         if self.head is None:
             loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
