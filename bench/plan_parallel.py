@@ -8,14 +8,14 @@ Each row runs in fresh processes (two, or four for split stages; forked, one thr
 group), built as
 `linnet sft` builds them (`linnet.commands.runs.load_model`): a ("copies", "stages", "split")
 mesh, `nest.load(..., tensor_parallel=mesh["split"])` or `pipeline(model, mesh["stages"],
-schedule=1f1b when the step has as many micro-batches as stages, else gpipe)`, then LoRA
+schedule=1f1b when the step has as many micro-batches as stages, else gpipe; or interleaved)`, then LoRA
 (rank 16 on every projection) or every weight trained, AdamW, and
 `linnet.train.train(..., steps=2, accumulate=M)` on packed rows of `seq` random tokens.
 Each process measures the most bytes live in PyTorch's CPU allocator at once during step 2
 (the profiler's allocation events, from a baseline taken before the model is built:
 bench/plan_vs_measured.py's tensor peak), and its own states (the parameters it holds, their
 gradients and AdamW's moments, counted from the tensors). The planner is asked for the same
-run (`linnet.plan.estimate` with `split`, `pipeline` and `accumulation`) and its per-process
+run (`linnet.plan.estimate` with `split`, `pipeline`, `pipeline_schedule` and `accumulation`) and its per-process
 figures (`Plan.processes`) are set beside each process's.
 """
 
@@ -30,21 +30,24 @@ import time
 from _common import KEEP, command, machine, table, write_report
 from plan_vs_measured import CARDS, GB, LORA_PATTERNS, MARK, RANK, card, err, tensor_peaks, warm_up
 
-# (split, stages, micro-batches a step, method, checkpointing)
-CONFIGS = [(2, 1, 1, m, k) for m in ("full", "lora") for k in ("none", "full")] + \
-          [(1, 2, n, m, k) for n in (1, 2, 4) for m in ("full", "lora") for k in ("none", "full")] + \
-          [(2, 2, 2, m, k) for m, k in (("full", "none"), ("lora", "full"))]
+# (split, stages, micro-batches a step, method, checkpointing, pipeline schedule)
+CONFIGS = [(2, 1, 1, m, k, "1f1b") for m in ("full", "lora") for k in ("none", "full")] + \
+          [(1, 2, n, m, k, "1f1b") for n in (1, 2, 4) for m in ("full", "lora") for k in ("none", "full")] + \
+          [(2, 2, 2, m, k, "1f1b") for m, k in (("full", "none"), ("lora", "full"))] + \
+          [(1, 2, n, m, "none", "interleaved") for n in (2, 4) for m in ("full", "lora")] + \
+          [(1, 2, 4, "full", "full", "interleaved")]
 
 
-def settings(split, stages, micro, method, checkpointing, seq) -> dict:
+def settings(split, stages, micro, method, checkpointing, schedule, seq) -> dict:
     """`linnet plan` flags (by their Python names) for the run."""
     return {"method": method, "rank": RANK, "targets": "all-linear", "seq": seq, "micro_batch": 1,
             "checkpointing": checkpointing, "chunked_loss": True, "dtype": "f32", "device": "cpu",
-            "grad_dtype": "fp32", "accumulation": micro, "split": split, "pipeline": stages, "gpus": split * stages}
+            "grad_dtype": "fp32", "accumulation": micro, "split": split, "pipeline": stages, "gpus": split * stages,
+            "pipeline_schedule": schedule}
 
 
-def run_rank(rank: int, split: int, stages: int, micro: int, method: str, checkpointing: str, seq: int,
-             card_name: str) -> dict:
+def run_rank(rank: int, split: int, stages: int, micro: int, method: str, checkpointing: str, schedule: str,
+             seq: int, card_name: str) -> dict:
     import numpy as np
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -68,7 +71,7 @@ def run_rank(rank: int, split: int, stages: int, micro: int, method: str, checkp
                       activation_checkpointing=checkpointing == "full",
                       tensor_parallel=mesh["split"] if split > 1 and stages == 1 else None)
     if stages > 1:
-        pipeline(model, mesh["stages"], schedule="1f1b" if micro >= stages else "gpipe",
+        pipeline(model, mesh["stages"], schedule=schedule if micro >= stages else "gpipe",
                  tensor_parallel=mesh["split"] if split > 1 else None)
     if method != "full":
         model.add_lora(LORA_PATTERNS, rank=RANK)
@@ -104,10 +107,11 @@ def run_rank(rank: int, split: int, stages: int, micro: int, method: str, checkp
             "phases": peaks["steps"][1]["phases"] if peaks else None}
 
 
-def planned(split, stages, micro, method, checkpointing, seq, card_name) -> list[dict]:
+def planned(split, stages, micro, method, checkpointing, schedule, seq, card_name) -> list[dict]:
     from linnet import plan
 
-    p = plan.estimate(card(card_name), **plan.plan_inputs(settings(split, stages, micro, method, checkpointing, seq)))
+    p = plan.estimate(card(card_name), **plan.plan_inputs(settings(split, stages, micro, method, checkpointing,
+                                                                   schedule, seq)))
     return [{"name": part.name, "total": max(part.phases.values()), "states": part.states.total}
             for part in p.processes]
 
@@ -125,17 +129,19 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     rows, raw = [], []
     print(f"{machine()}; one thread a process", flush=True)
-    for split, stages, micro, method, checkpointing in CONFIGS:
+    for split, stages, micro, method, checkpointing, schedule in CONFIGS:
         t0 = time.perf_counter()
-        measured = in_processes(run_rank, split, stages, micro, method, checkpointing, args.seq, args.card,
+        measured = in_processes(run_rank, split, stages, micro, method, checkpointing, schedule, args.seq, args.card,
                                 processes=split * stages)
-        plans = planned(split, stages, micro, method, checkpointing, args.seq, args.card)
-        raw.append({"config": [split, stages, micro, method, checkpointing], "measured": measured, "planned": plans})
+        plans = planned(split, stages, micro, method, checkpointing, schedule, args.seq, args.card)
+        raw.append({"config": [split, stages, micro, method, checkpointing, schedule], "measured": measured,
+                    "planned": plans})
         for m in sorted(measured, key=lambda m: m["rank"]):
             p = plans[m["rank"] // split] if stages > 1 else plans[0]
             states = m["weights"] + m["gradients"] + m["optimizer"]
             run = ", ".join(([f"split {split}"] if split > 1 else [])
-                            + ([f"{stages} stages, {micro} micro-batch{'es' * (micro > 1)}"] if stages > 1 else []))
+                            + ([f"{stages} stages{' interleaved' * (schedule == 'interleaved')}, {micro} "
+                                 f"micro-batch{'es' * (micro > 1)}"] if stages > 1 else []))
             row = [run,
                    method, checkpointing, str(m["rank"]), p["name"], f"{p['states'] / GB:.4f}",
                    f"{states / GB:.4f}", err(p["states"], states), f"{p['total'] / GB:.3f}",

@@ -154,8 +154,9 @@ class Cluster:
     80 GB usable the arithmetic gives 16; any share from 0.882 to 0.933 gives 18).
     `mfu` defaults to 0.35, the low end of the 35-50% BF16 MFU that good large dense runs
     reach on H100; small models and adapters usually reach less. `split` GPUs split every
-    block (tensor parallel) and `pipeline` stages hold consecutive blocks: split x pipeline
-    GPUs hold one copy of the model, and `gpus` counts every copy's.
+    block (tensor parallel) and `pipeline` stages hold consecutive blocks (two runs a stage
+    with `pipeline_schedule` "interleaved"): split x pipeline GPUs hold one copy of the
+    model, and `gpus` counts every copy's.
     """
 
     gpu: Accelerator = ACCELERATORS["h100"]
@@ -163,6 +164,7 @@ class Cluster:
     shard: str = "none"
     split: int = 1
     pipeline: int = 1
+    pipeline_schedule: str = "1f1b"
     usable: float = 0.9
     precision: str = "bf16"
     mfu: float = 0.35
@@ -173,6 +175,8 @@ class Cluster:
         _require(
             self.shard in SHARDED_STATES, f"shard {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}"
         )
+        _require(self.pipeline_schedule in ("1f1b", "interleaved"),
+                 f"pipeline_schedule {self.pipeline_schedule!r}: use 1f1b or interleaved")
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"split and pipeline must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         per_copy = self.split * self.pipeline
@@ -353,7 +357,7 @@ def estimate(
              "qlora with split: linnet splits an NF4 base with shard fsdp, or cuts it into pipeline stages; plan it so")
     _require(not cut or batch.workers == 1, "packed workers with split or pipeline: each worker is a whole model")
     processes, modes = [], []
-    for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation):
+    for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation, cluster.pipeline_schedule):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
                 for mode in CHECKPOINTING}
         moments = step_moments(card, method, batch, acts[batch.checkpointing], part)

@@ -185,9 +185,11 @@ class Part:
     the head (the vocabulary divided by the split when it divides: its losses are then
     linnet.torch.losses' split ones, `split_head`). A head tied to the embedding stays one
     tensor only in a whole model. `in_flight`: micro-batches whose activations the part
-    keeps at once. A later stage `receives` its input, an earlier one `sends` its output
+    keeps at once (a fraction where an interleaved stage keeps some through one of its
+    chunks only). A later stage `receives` its input, an earlier one `sends` its output
     on, each through a buffer a micro-batch of the step (`micro_batches`) that the
-    pipeline keeps for the whole run."""
+    pipeline keeps for the whole run: as many of each as its chunks that do (interleaved,
+    two a stage)."""
 
     name: str
     card: cards.Card
@@ -195,9 +197,9 @@ class Part:
     head_rows: int = 0
     tied: bool = False
     split_head: bool = False
-    in_flight: int = 1
-    receives: bool = False
-    sends: bool = False
+    in_flight: float = 1
+    receives: int = 0
+    sends: int = 0
     micro_batches: int = 1
 
     def params(self) -> int:
@@ -214,36 +216,58 @@ def whole(card: cards.Card) -> Part:
     return Part("whole model", card, head_rows=card.vocab, tied=card.tied_embeddings)
 
 
-def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches: int = 1) -> list[Part]:
+def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches: int = 1,
+                schedule: str = "1f1b") -> list[Part]:
     """The part each process of one copy holds, stage by stage (the processes of a stage's
     split hold alike): linnet.torch.sharding.tensor_parallel and linnet.torch.pipeline,
-    as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P). `linnet sft`
-    runs 1F1B when the step has at least as many micro-batches as stages: stage i then
-    keeps at most P - i micro-batches' activations; with fewer, GPipe: every stage keeps
-    every micro-batch's until the backwards begin."""
+    as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
+    interleaved the runs i and i + P of the 2P runs [c L / 2P, (c + 1) L / 2P); what it
+    keeps in flight is `_in_flight`'s."""
     if split == stages == 1:
         return [whole(card)]
     for name in ("heads", "kv_heads", "intermediate"):
         _require(getattr(card, name) % split == 0,
                  f"split {split}: card {card.name!r} has {name}={getattr(card, name)}, which {split} processes "
                  "cannot split evenly")
-    _require(card.layers >= stages, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
-                                    "the stages")
+    _require(schedule in ("1f1b", "interleaved"), f"pipeline schedule {schedule!r}: use 1f1b or interleaved")
+    runs = stages * (2 if schedule == "interleaved" else 1)
+    _require(card.layers >= runs, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
+                                  f"the {'runs (two a stage)' if runs > stages else 'stages'}")
     share = card.replace(heads=card.heads // split, kv_heads=card.kv_heads // split,
                          intermediate=card.intermediate // split)
     split_head = split > 1 and card.vocab % split == 0
     parts = []
     for i in range(stages):
-        held = (i + 1) * card.layers // stages - i * card.layers // stages
+        mine = range(i, runs, stages)  # this stage's runs of blocks
+        held = sum((c + 1) * card.layers // runs - c * card.layers // runs for c in mine)
         last = i == stages - 1
-        in_flight = min(stages - i, micro_batches) if micro_batches >= stages else micro_batches
         name = f"stage {i + 1} of {stages}" if stages > 1 else "split"
         parts.append(Part(name + (f", 1/{split} of each block" if split > 1 and stages > 1 else ""),
                           share.replace(layers=held), embeds=i == 0,
                           head_rows=(card.vocab // split if split_head else card.vocab) if last else 0,
-                          split_head=split_head and last, in_flight=in_flight, receives=i > 0, sends=not last,
+                          split_head=split_head and last, in_flight=_in_flight(i, stages, micro_batches, len(mine)),
+                          receives=sum(c > 0 for c in mine), sends=sum(c < runs - 1 for c in mine),
                           micro_batches=micro_batches))
     return parts
+
+
+def _in_flight(i: int, stages: int, micro_batches: int, chunks: int) -> float:
+    """Micro-batches whose activations stage i keeps at once, a chunk's pass counting as
+    1/chunks of one. With fewer micro-batches than stages, GPipe: every one. 1F1B: P - i.
+    Interleaved 1F1B (PyTorch's ScheduleInterleaved1F1B): the forwards of its warm-up,
+    (chunks - 1) rounds' micro-batches and two a stage it is away from the last, and the
+    one in hand; where the micro-batches do not divide into rounds of P, each chunk takes
+    them all in turn (ScheduleLoopedBFS): every one."""
+    M, P = micro_batches, stages
+    if M < P:
+        return M
+    if chunks == 1:
+        return min(P - i, M)
+    rounds = max(1, M // P)
+    if M % rounds:
+        return M
+    passes = min((chunks - 1) * (M // rounds) + 2 * (P - 1 - i) + 1, chunks * M)
+    return passes / chunks
 
 
 # ---------------------------------------------------------------------------------------

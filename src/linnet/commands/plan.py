@@ -183,7 +183,15 @@ def _cut_assumption(cluster: Cluster) -> str:
                      "by input columns (their adapters alike), and with them its attention heads and MLP "
                      "activations; the head split by vocabulary rows (its loss combines the rows' sums, the "
                      "logits never gathered); the embedding, the norms and the block inputs whole on each GPU")
-    if cluster.pipeline > 1:
+    if cluster.pipeline > 1 and cluster.pipeline_schedule == "interleaved":
+        parts.append(f"--pipeline {cluster.pipeline} interleaved: the blocks cut into 2P runs, stage i holding runs i "
+                     "and i + P, the first the embedding, the last the final norm and the head (a tied head "
+                     "untied); with --accumulation at least the stages interleaved 1F1B, stage i keeping its "
+                     "warm-up's passes, a round of micro-batches through one run and 2 (P - 1 - i) more, and the one "
+                     "in hand (a pass through one run half a micro-batch's activations), else every micro-batch's; "
+                     "each run a receive buffer a micro-batch for the activations coming in and one for the "
+                     "gradients coming back")
+    elif cluster.pipeline > 1:
         parts.append(f"--pipeline {cluster.pipeline}: stage i holds blocks i·L/P to (i+1)·L/P, the first the "
                      "embedding, the last the final norm and the head (a tied head untied); with --accumulation "
                      "at least the stages 1F1B, stage i keeping at most P - i micro-batches' activations, else "
@@ -295,6 +303,9 @@ def _parser() -> argparse.ArgumentParser:
     hardware("--pipeline", type=int, metavar="N",
              help="pipeline stages, each GPU holding consecutive blocks (linnet's training.pipeline); the first the "
              f"embedding, the last the norm and head; --accumulation is the micro-batches (default {cluster.pipeline})")
+    hardware("--pipeline-schedule", choices=["1f1b", "interleaved"],
+             help="with --pipeline: 1f1b, or interleaved (two runs of blocks a stage, linnet's "
+                  f"training.pipeline_schedule) (default {cluster.pipeline_schedule})")
     hardware("--shard", choices=list(SHARDED_STATES),
              help=f"which states split over the GPUs: zero the optimizer state alone (ZeroRedundancyOptimizer, linnet's "
                   f"training.shard=zero), ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")
@@ -351,7 +362,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
     settings.update(card=model.card, micro_batch=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
     if split * stages > 1:  # one copy, unless --gpus says how many
-        settings.update(split=split, pipeline=stages, gpus=split * stages)
+        settings.update(split=split, pipeline=stages, gpus=split * stages,
+                        pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"))
     lora = config.lora
     if lora.enabled:
         if model.quantize and lora.dora:
