@@ -1,4 +1,4 @@
-"""Pipeline stages: each process holds a run of blocks (two, with the interleaved schedule),
+"""Pipeline stages: each process holds a chunk of blocks (two, with the interleaved schedule),
 and every objective passes its rows along them. SFT teaches the quickstart's task, then GRPO
 improves it with adapters, every stage's engine taking the whole policy from the stages.
 
@@ -52,7 +52,8 @@ model.set_trainable(False)
 model.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"], rank=16, alpha=32)
 engine = Engine(nest.load(quickstart.CARD, weights="random", device=device))
 problems = quickstart.problems(np.random.default_rng(1), 256, digits=2)
-prompts = [Prompt([quickstart.BOS] + quickstart.encode(p), quickstart.encode(a) + [quickstart.EOS]) for p, a in problems]
+prompts = [Prompt([quickstart.BOS] + quickstart.encode(p), quickstart.encode(a) + [quickstart.EOS])
+           for p, a in problems]
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 rl = grpo(model, engine, prompts, quickstart.exact_answer, optimizer=optimizer, steps=args.steps, group=8,
           prompts_per_step=8, max_new_tokens=4, tokens=256, save_to=args.out, verbose=rank == 0,

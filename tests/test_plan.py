@@ -749,14 +749,14 @@ def test_model_parts_divide_the_model_as_linnet_does():
     assert [p.in_flight for p in step_memory.model_parts(card, stages=4, micro_batches=2)] == [2, 2, 2, 2]
 
 
-def test_interleaved_stages_hold_two_runs_and_keep_their_warm_up_in_flight():
-    """Interleaved, 5 blocks over 2 stages are cut into 4 runs (1, 1, 1, 2 blocks): stage 1
-    holds runs 0 and 2 (2 blocks), stage 2 runs 1 and 3 (3). With 4 micro-batches (two
-    rounds of 2) stage i keeps PyTorch's warm-up, 2 passes of a round through one run and
+def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
+    """Interleaved, 5 blocks over 2 stages are cut into 4 chunks (1, 1, 1, 2 blocks): stage 1
+    holds chunks 0 and 2 (2 blocks), stage 2 chunks 1 and 3 (3). With 4 micro-batches (two
+    rounds of 2) stage i keeps PyTorch's warm-up, 2 passes of a round through one chunk and
     2 (P - 1 - i) more, and the one in hand, each half a micro-batch: 2.5 and 1.5. Micro-
-    batches that do not divide into rounds (5) pass each run in turn: all in flight; fewer
-    than the stages, GPipe. Each run that receives or sends has its buffers; the planner
-    and `linnet plan` take the schedule, and refuse a card with fewer layers than runs."""
+    batches that do not divide into rounds (5) pass each chunk in turn: all in flight; fewer
+    than the stages, GPipe. Each chunk that receives or sends has its buffers; the planner
+    and `linnet plan` take the schedule, and refuse a card with fewer layers than chunks."""
     card = PARTS_CARD
     parts = step_memory.model_parts(card, stages=2, micro_batches=4, schedule="interleaved")
     assert [p.card.layers for p in parts] == [2, 3] and [p.in_flight for p in parts] == [2.5, 1.5]
@@ -764,7 +764,7 @@ def test_interleaved_stages_hold_two_runs_and_keep_their_warm_up_in_flight():
     for m, flight in ((5, [5, 5]), (1, [1, 1])):
         assert [p.in_flight for p in step_memory.model_parts(card, stages=2, micro_batches=m,
                                                              schedule="interleaved")] == flight
-    with pytest.raises(ValueError, match="fewer than the runs"):
+    with pytest.raises(ValueError, match="fewer than the chunks"):
         step_memory.model_parts(card, stages=3, schedule="interleaved")
     settings = dict(seq=256, accumulation=4, gpus=2, pipeline=2)
     one, two = (plan.estimate(card, **plan.plan_inputs({**settings, "pipeline_schedule": s}))

@@ -154,7 +154,7 @@ class Cluster:
     80 GB usable the arithmetic gives 16; any share from 0.882 to 0.933 gives 18).
     `mfu` defaults to 0.35, the low end of the 35-50% BF16 MFU that good large dense runs
     reach on H100; small models and adapters usually reach less. `split` GPUs split every
-    block (tensor parallel) and `pipeline` stages hold consecutive blocks (two runs a stage
+    block (tensor parallel) and `pipeline` stages hold consecutive blocks (two chunks a stage
     with `pipeline_schedule` "interleaved"): split x pipeline GPUs hold one copy of the
     model, and `gpus` counts every copy's.
     """

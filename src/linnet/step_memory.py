@@ -221,7 +221,7 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
     """The part each process of one copy holds, stage by stage (the processes of a stage's
     split hold alike): linnet.torch.sharding.tensor_parallel and linnet.torch.pipeline,
     as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
-    interleaved the runs i and i + P of the 2P runs [c L / 2P, (c + 1) L / 2P); what it
+    interleaved the chunks i and i + P of the 2P chunks [c L / 2P, (c + 1) L / 2P); what it
     keeps in flight is `_in_flight`'s."""
     if split == stages == 1:
         return [whole(card)]
@@ -230,23 +230,23 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
                  f"split {split}: card {card.name!r} has {name}={getattr(card, name)}, which {split} processes "
                  "cannot split evenly")
     _require(schedule in ("1f1b", "interleaved"), f"pipeline schedule {schedule!r}: use 1f1b or interleaved")
-    runs = stages * (2 if schedule == "interleaved" else 1)
-    _require(card.layers >= runs, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
-                                  f"the {'runs (two a stage)' if runs > stages else 'stages'}")
+    chunks = stages * (2 if schedule == "interleaved" else 1)
+    _require(card.layers >= chunks, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
+                                    f"the {'chunks (two a stage)' if chunks > stages else 'stages'}")
     share = card.replace(heads=card.heads // split, kv_heads=card.kv_heads // split,
                          intermediate=card.intermediate // split)
     split_head = split > 1 and card.vocab % split == 0
     parts = []
     for i in range(stages):
-        mine = range(i, runs, stages)  # this stage's runs of blocks
-        held = sum((c + 1) * card.layers // runs - c * card.layers // runs for c in mine)
+        mine = range(i, chunks, stages)  # this stage's chunks of blocks
+        held = sum((c + 1) * card.layers // chunks - c * card.layers // chunks for c in mine)
         last = i == stages - 1
         name = f"stage {i + 1} of {stages}" if stages > 1 else "split"
         parts.append(Part(name + (f", 1/{split} of each block" if split > 1 and stages > 1 else ""),
                           share.replace(layers=held), embeds=i == 0,
                           head_rows=(card.vocab // split if split_head else card.vocab) if last else 0,
                           split_head=split_head and last, in_flight=_in_flight(i, stages, micro_batches, len(mine)),
-                          receives=sum(c > 0 for c in mine), sends=sum(c < runs - 1 for c in mine),
+                          receives=sum(c > 0 for c in mine), sends=sum(c < chunks - 1 for c in mine),
                           micro_batches=micro_batches))
     return parts
 

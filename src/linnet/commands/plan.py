@@ -184,12 +184,12 @@ def _cut_assumption(cluster: Cluster) -> str:
                      "activations; the head split by vocabulary rows (its loss combines the rows' sums, the "
                      "logits never gathered); the embedding, the norms and the block inputs whole on each GPU")
     if cluster.pipeline > 1 and cluster.pipeline_schedule == "interleaved":
-        parts.append(f"--pipeline {cluster.pipeline} interleaved: the blocks cut into 2P runs, stage i holding runs i "
+        parts.append(f"--pipeline {cluster.pipeline} interleaved: the blocks cut into 2P chunks, stage i holding chunks i "
                      "and i + P, the first the embedding, the last the final norm and the head (a tied head "
                      "untied); with --accumulation at least the stages interleaved 1F1B, stage i keeping its "
-                     "warm-up's passes, a round of micro-batches through one run and 2 (P - 1 - i) more, and the one "
-                     "in hand (a pass through one run half a micro-batch's activations), else every micro-batch's; "
-                     "each run a receive buffer a micro-batch for the activations coming in and one for the "
+                     "warm-up's passes, a round of micro-batches through one chunk and 2 (P - 1 - i) more, and the one "
+                     "in hand (a pass through one chunk half a micro-batch's activations), else every micro-batch's; "
+                     "each chunk a receive buffer a micro-batch for the activations coming in and one for the "
                      "gradients coming back")
     elif cluster.pipeline > 1:
         parts.append(f"--pipeline {cluster.pipeline}: stage i holds blocks i·L/P to (i+1)·L/P, the first the "
@@ -304,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
              help="pipeline stages, each GPU holding consecutive blocks (linnet's training.pipeline); the first the "
              f"embedding, the last the norm and head; --accumulation is the micro-batches (default {cluster.pipeline})")
     hardware("--pipeline-schedule", choices=["1f1b", "interleaved"],
-             help="with --pipeline: 1f1b, or interleaved (two runs of blocks a stage, linnet's "
+             help="with --pipeline: 1f1b, or interleaved (two chunks of blocks a stage, linnet's "
                   f"training.pipeline_schedule) (default {cluster.pipeline_schedule})")
     hardware("--shard", choices=list(SHARDED_STATES),
              help=f"which states split over the GPUs: zero the optimizer state alone (ZeroRedundancyOptimizer, linnet's "

@@ -199,8 +199,8 @@ class TrainingConfig:
                               "split processes a copy); the processes form copies of such pipelines",
                            only=("sft", "dpo", "reward", "distill", "grpo"))
     pipeline_schedule: Literal["1f1b", "interleaved"] = option(
-        "1f1b", "with training.pipeline: 1f1b (each process one run of consecutive blocks) or interleaved "
-                "(interleaved 1F1B: two runs a process, stage i of P holding runs i and i + P of 2P, so the "
+        "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks) or interleaved "
+                "(interleaved 1F1B: two chunks a process, stage i of P holding chunks i and i + P of 2P, so the "
                 "pipeline idles half as long at a step's start and end, for twice the hand-offs; needs at least "
                 "2P layers); a step with fewer rows than stages runs every forward first",
         only=("sft", "dpo", "reward", "distill", "grpo"))

@@ -13,14 +13,12 @@ one weight.
 The processes of a pipeline take the same batches; a step's `accumulate` packed rows are
 its micro-batches (1F1B wants at least as many as stages: a step with fewer runs GPipe);
 every objective (`dpo`, `kto`, `reward`, `distill`, `grpo`) passes its rows so, the last
-stage computing their losses (`Pipe.run`'s `head`: from each row's log-probabilities, or with `HiddenAt` from its
-final hidden states at some positions: a reward model's answer ends, a student's learned
-positions).
-Each micro-batch's summed loss
-is divided by the step's count of learned positions on the last stage before its
-backward, so gradients equal one process's over the same rows; `train` then adds each
-stage's squared gradient norm across the pipeline for clipping and reports the last
-stage's loss on every process. With several pipelines (`mesh` one dimension of a
+stage computing their losses (`Pipe.run`'s `head`: from each row's log-probabilities, or
+with `HiddenAt` from its final hidden states at some positions: a reward model's answer
+ends, a student's learned positions). Each micro-batch's summed loss is divided by the
+step's count of learned positions on the last stage before its backward, so gradients
+equal one process's over the same rows; `train` then adds each stage's squared gradient
+norm across the pipeline for clipping and reports the last stage's loss on every process. With several pipelines (`mesh` one dimension of a
 ("copies", "stages") mesh), each stage's gradients are summed across its copies, as a
 split model's are.
 
@@ -121,7 +119,8 @@ def _chunks(schedule: str) -> int:
 
 def held(index: int, stages: int, layers: int, schedule: str) -> list[range]:
     """The blocks of process `index`'s chunks, a range a chunk: the layers cut into
-    stages x chunks runs as evenly as they divide, process i holding runs i, i + stages, ..."""
+    stages x chunks-a-stage chunks as evenly as they divide, process i holding chunks i,
+    i + stages, ..."""
     n = stages * _chunks(schedule)
     return [range(c * layers // n, (c + 1) * layers // n) for c in range(index, n, stages)]
 

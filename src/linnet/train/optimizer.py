@@ -21,8 +21,8 @@ def adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float =
     values keep float32 moments); shard="zero" splits those too, each parameter's states
     whole on one process, so the blocks quantize as in one process; under fully_shard the
     adapters (whole on every process, FSDP ignoring them) keep whole 8-bit states on every
-    process, as without sharding; a pipeline's stages each their own. "paged_adamw8bit" also lets CUDA page them out to CPU
-    memory under pressure (PagedAdamW8bit; CUDA only)."""
+    process, as without sharding; a pipeline's stages each their own. "paged_adamw8bit"
+    also lets CUDA page them out to CPU memory under pressure (PagedAdamW8bit; CUDA only)."""
     if kind not in KINDS:
         raise ValueError(f"adamw: kind={kind!r}; use one of {', '.join(KINDS)}")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
