@@ -262,6 +262,12 @@ def _refusals(rank):
         model.loss_packed(_rows()[0])
     with pytest.raises(RuntimeError, match="cut into pipeline stages"):
         model.log_probs_packed(_rows()[0])
+    if rank == 0:  # a score head put on the first stage by hand: refused before any pass
+        from linnet.train.reward import reward
+
+        model.score = torch.nn.Linear(CARD.hidden, 1, bias=False)
+        with pytest.raises(ValueError, match="a stage before the last holds a score head"):
+            reward(model, _dpo_pairs(), optimizer=torch.optim.SGD(model.parameters(), lr=0.0), steps=1)
     return True
 
 
