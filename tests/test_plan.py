@@ -561,10 +561,13 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
     blocks = card.layers * sum(o * i for o, i in card.linear_shapes().values())
     assert data["method"]["name"] == "qlora"
     assert data["sampling"]["weights_bytes"] == (card.params() - blocks) * 2 + data["trainable"] * 4
-    # split by fsdp, the base is the policy's parts: the engine holds every weight, dequantized and merged
-    config.write_text(config.read_text().replace("context_length: 1024", "context_length: 1024, shard: fsdp"))
-    assert plan_command.main(["--config", str(config), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["sampling"]["weights_bytes"] == card.params() * 2
+    # split by fsdp or cut into stages, the base is the policy's parts: the engine holds every weight,
+    # dequantized and merged
+    qlora = config.read_text()
+    for cut in ("shard: fsdp", "pipeline: 2"):
+        config.write_text(qlora.replace("context_length: 1024", f"context_length: 1024, {cut}"))
+        assert plan_command.main(["--config", str(config), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["sampling"]["weights_bytes"] == card.params() * 2, cut
 
 
 @pytest.mark.parametrize("share, usable", [("", 0.6), (", vllm_gpu_memory_utilization: 0.4", 0.5)])

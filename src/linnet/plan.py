@@ -467,8 +467,9 @@ def sampling_memory(card: cards.Card, rows: int, slots: int, dtype: str = "bf16"
     its dtype (the policy's, or grpo.engine_dtype), and a KV cache of `rows` completions x
     `slots` positions (keys and values, every layer, in that dtype). Under QLoRA it shares
     the policy's NF4 block weights and holds f32 copies of the adapters instead
-    (`Engine.load_weights`), unless the policy is split by FSDP (shares_base=False): then it
-    holds every weight, dequantized and merged. Not part of `estimate`'s totals."""
+    (`Engine.load_weights`), unless the policy is split by FSDP or cut into pipeline stages
+    (shares_base=False): then it holds every weight, dequantized and merged (every stage's
+    engine the whole model). Not part of `estimate`'s totals."""
     size = DTYPES[dtype]
     shared = quantized_params(card, method) if shares_base else 0
     weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0)

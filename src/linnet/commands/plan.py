@@ -473,7 +473,8 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
                          f"{gb(extras['teacher']['bytes'])}).")
     if beside.get("rows"):
         # a completion and its prompt fit one packed row, so the cache needs at most seq slots
-        shares = method.name == "qlora" and inputs["cluster"].shard != "fsdp"  # a split base is not shared
+        cluster = inputs["cluster"]  # a base split by fsdp or cut into stages is not shared (runs.engine_quantize)
+        shares = method.name == "qlora" and cluster.shard != "fsdp" and cluster.pipeline == 1
         sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["batch"].seq, dtype, method,
                                                         shares)
         weights = "the weights outside the NF4 blocks it shares, with f32 adapters" if shares else "the weights"
