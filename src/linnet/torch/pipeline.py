@@ -195,8 +195,8 @@ class Pipe:
         """`loss_packed` of one row through the stages, forward only (held-out loss): every
         stage of the pipeline calls it together and gets the summed loss and count."""
         if torch.is_grad_enabled():
-            raise RuntimeError("a pipelined model computes losses with gradients only inside linnet.train.train's "
-                               "step (its schedule); call loss_packed under torch.no_grad() to evaluate")
+            raise RuntimeError("a pipelined model computes losses with gradients only inside a linnet.train step "
+                               "(its schedule); call loss_packed under torch.no_grad() to evaluate")
         total, _, _ = self._flow([row], 1.0, backward=False)
         device = self.model.device
         return torch.tensor(total, dtype=torch.float32, device=device), torch.as_tensor(row.weights).to(device).float().sum()
@@ -286,7 +286,7 @@ class _Stage(nn.Module):
         self.rows: list = []
         self.count = 1.0
         self.summed: list[torch.Tensor] = []
-        self.head = None  # an objective's loss from a row's log-probabilities (Pipe.run)
+        self.head = None  # an objective's loss from a row's log-probabilities or a HiddenAt (Pipe.run)
         self.stats: dict[str, float] = {}
         self.values: list[torch.Tensor] | None = None  # Pipe.values' per-row results
 

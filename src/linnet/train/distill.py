@@ -42,7 +42,7 @@ from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
 from linnet.torch.pipeline import HiddenAt
 from linnet.torch.sharding import copy_first, split_input, split_sum
-from linnet.train.loop import Work, copies_of, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -150,12 +150,8 @@ def held_out_divergence(student, teacher, rows: Sequence, **options) -> float:
     """The mean divergence per learned position over `rows` (a pipelined student's through
     its stages, every stage getting the last's)."""
     learned = sum(float(np.asarray(r.weights).sum()) for r in rows)
-    if getattr(student, "pipe", None) is not None:
-        head = HiddenAt(_learned_at, lambda _, row, h: _divergence_from(student, teacher, row, h, options)[None])
-        total = sum(float(v) for v in student.pipe.values(rows, head, [1] * len(rows)))
-    else:
-        total = sum(float(row_divergence(student, teacher, r, **options)) for r in rows)
-    return total / learned
+    head = HiddenAt(_learned_at, lambda _, row, h: _divergence_from(student, teacher, row, h, options)[None])
+    return sum(float(v) for v in head_values(student, rows, head, [1] * len(rows))) / learned
 
 
 def distill(
@@ -190,8 +186,8 @@ def distill(
         (count,) = sum_across([learned], copies)
         if count == 0:
             raise ValueError(f"distill: step {step}'s rows hold no learned position")
-        return Work(micro, lambda _, row: (row_divergence(student, teacher, row, **options), {}), count, learned,
-                    sum(float(b.real) for b in micro), group=copies, pipe=getattr(student, "pipe", None), head=head)
+        return Work(micro, head_loss(student, head), count, learned, sum(float(b.real) for b in micro), group=copies,
+                    head=head)
 
     return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
@@ -273,10 +269,9 @@ def on_policy_distill(
         learned = sum(float(np.asarray(r.weights).sum()) for r in rows)
         (count,) = sum_across([learned], copies)
         lengths = [len(c.tokens) for c in done]
-        return Work(rows, lambda _, row: (row_divergence(student, teacher, row, **options), {}), max(count, 1.0),
-                    learned, sum(float(r.real) for r in rows),
+        return Work(rows, head_loss(student, head), max(count, 1.0), learned, sum(float(r.real) for r in rows),
                     metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0},
-                    group=copies, pipe=getattr(student, "pipe", None), head=head)
+                    group=copies, head=head)
 
     return fit(student, itertools.cycle(enumerate(prompts)), prepare, per_step=prompts_per_step, optimizer=optimizer,
                steps=steps, clip=clip, schedule=schedule, save_to=save_to, checkpoint=checkpoint,

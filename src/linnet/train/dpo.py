@@ -29,9 +29,9 @@ import torch
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
-from linnet.torch.distributed import idle_passes, matched, most_across, passes_short, sum_across
+from linnet.torch.distributed import idle_passes, most_across, passes_short, sum_across
 from linnet.torch.sharding import full, is_sharded
-from linnet.train.loop import Work, copies_of, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
 from linnet.train.preference_loss import LOSS_TYPES, PER_TOKEN, REFERENCE_FREE, pair_losses
 
 # Step metrics under TRL's names, so dashboards built for TRL read linnet runs
@@ -73,14 +73,10 @@ def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> 
     return torch.cat(out).view(-1, 2).numpy() if out else np.zeros((0, 2))
 
 
-@torch.no_grad()
 def rows_answer_log_probs(model, rows) -> list[torch.Tensor]:
     """Each row's [answers] summed log-probabilities (float64, on the CPU), without
     gradients: a pipelined model's through its stages, every stage getting the last's."""
-    if getattr(model, "pipe", None) is not None:
-        values = model.pipe.values(rows, lambda _, row, logp: answer_sums(logp, row), [row.examples for row in rows])
-        return [v.cpu() for v in values]
-    return [answer_log_probs(model, row).double().cpu() for row in matched(rows, model)]
+    return head_values(model, rows, lambda _, row, logp: answer_sums(logp, row), [row.examples for row in rows])
 
 
 def cache_key(reference, pairs: Sequence[Pair]) -> str:
@@ -177,7 +173,6 @@ def dpo(
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
     copies = copies_of(model)
-    pipe = getattr(model, "pipe", None)
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
     if not free and (reference is None or reference_cache is not None):
@@ -232,11 +227,9 @@ def dpo(
                                                  "logp_rejected")]
             return {"pairs": count, **dict(zip(METRICS, means))}
 
-        return Work(rows, lambda r, row: head(r, row, model.log_probs_packed(row)), count,
-                    sum(r.learned for r in rows), sum(r.real for r in rows),
+        return Work(rows, head_loss(model, head), count, sum(r.learned for r in rows), sum(r.real for r in rows),
                     ("correct", "margin", "chosen", "rejected", "logp_chosen", "logp_rejected"), metrics,
-                    idle=None if pipe is not None else lambda: idle_passes(short, model, live_reference, row=rows[0]),
-                    group=copies, pipe=pipe, head=head)
+                    idle=lambda: idle_passes(short, model, live_reference, row=rows[0]), group=copies, head=head)
 
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)

@@ -53,7 +53,7 @@ from linnet.tables import print_table
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 from linnet.torch.sharding import copy_first
 from linnet.train.grpo_loss import grpo_loss
-from linnet.train.loop import Work, copies_of, fit
+from linnet.train.loop import Work, copies_of, fit, head_loss
 
 __all__ = ["Prompt", "evaluate", "grpo", "grpo_loss", "pass_at_k"]
 
@@ -166,7 +166,6 @@ def grpo(
     if beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
     copies = copies_of(policy)
-    pipe = getattr(policy, "pipe", None)
     if dr_grpo and sequence_mean:
         raise ValueError("grpo: dr_grpo divides token sums by a constant and sequence_mean by each completion's "
                          "length; choose one")
@@ -254,10 +253,9 @@ def grpo(
             return out
 
         packed = time.perf_counter()
-        return Work(rows, lambda r, row: head(r, row, policy.log_probs_packed(row)), max(normaliser, 1.0), mine[1],
-                    mine[2], ("clipped", "kl", "mismatch", "checked"), metrics,
-                    idle=lambda: idle_passes(short, policy, judged), iterations=iterations, group=copies, pipe=pipe,
-                    head=head)
+        return Work(rows, head_loss(policy, head), max(normaliser, 1.0), mine[1], mine[2],
+                    ("clipped", "kl", "mismatch", "checked"), metrics, idle=lambda: idle_passes(short, policy, judged),
+                    iterations=iterations, group=copies, head=head)
 
     return fit(policy, stream, prepare, per_step=prompts_per_step, optimizer=optimizer, steps=steps,
                clip=max_grad_norm, schedule=schedule, save_to=save_to, checkpoint=checkpoint,

@@ -28,7 +28,7 @@ from linnet.history import History, Step
 from linnet.packing import Unpaired, pack_prompted
 from linnet.torch.distributed import sum_across
 from linnet.train.dpo import answer_sums, rows_answer_log_probs
-from linnet.train.loop import Work, copies_of, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, head_loss, trained_parameters
 from linnet.train.preference_loss import kto_losses
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
@@ -115,7 +115,6 @@ def kto(
         raise ValueError("kto: beta must be > 0, examples_per_step >= 1 and the weights >= 0")
     trained_parameters(model)
     copies = copies_of(model)
-    pipe = getattr(model, "pipe", None)
     check_unpaired(examples)
     ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)
 
@@ -151,10 +150,8 @@ def kto(
                     "logps/chosen": sums["logp_good"] / good if good else float("nan"),
                     "logps/rejected": sums["logp_bad"] / bad if bad else float("nan"), "kl": z}
 
-        return Work(rows, lambda r, row: head(r, row, model.log_probs_packed(row)), count,
-                    sum(r.learned for r in rows), sum(r.real for r in rows),
-                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics, group=copies,
-                    pipe=pipe, head=head)
+        return Work(rows, head_loss(model, head), count, sum(r.learned for r in rows), sum(r.real for r in rows),
+                    ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics, group=copies, head=head)
 
     stream = itertools.cycle(enumerate(examples))
     return fit(model, stream, prepare, per_step=examples_per_step, optimizer=optimizer, steps=steps, clip=clip,

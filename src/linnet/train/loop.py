@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from linnet.history import History, Step, due, step_items
-from linnet.torch.distributed import clip_gradients, idle_passes, passes_short, reduce_gradients, sum_across
+from linnet.torch.distributed import clip_gradients, idle_passes, matched, passes_short, reduce_gradients, sum_across
+from linnet.torch.pipeline import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -51,9 +52,10 @@ class Work:
                 batches, `fit` makes them with the objective's own loss times zero
     iterations  optimizer steps on the same batches (GRPO reuses its samples)
     group       the processes to sum over (a split or pipelined model's copies); None: every one
-    pipe        a pipelined model's stage (linnet.torch.pipeline): its schedule runs every
-                batch's forward and backward at once, in place of `loss`, and the
-                gradient's norm adds every stage's squares
+    pipe        a pipelined model's stage (linnet.torch.pipeline), which `fit` takes from
+                the model: its schedule runs every batch's forward and backward at once, in
+                place of `loss` and of idle passes, and the gradient's norm adds every
+                stage's squares
     head        for a pipelined model, the objective's loss from a batch's log-probabilities
                 (index, batch, log_probs) -> as `loss`, on the last stage, or a
                 linnet.torch.pipeline.HiddenAt (from hidden states); None: loss_packed's
@@ -213,12 +215,35 @@ def fit(model, items: Iterable[Any], prepare: Callable[[int, list], Work], *, pe
     return history
 
 
+def head_loss(model, head) -> Callable[[int, Any], tuple[torch.Tensor, dict[str, float]]]:
+    """An objective's per-batch loss (Work.loss) from its last-stage `head` (Work.head), for
+    a model in one piece: the head of the batch's log-probabilities, or of its final hidden
+    states at a HiddenAt's positions."""
+    if isinstance(head, HiddenAt):
+        return lambda index, batch: head.head(index, batch, model.hidden_packed(batch, at=head.positions(batch)))
+    return lambda index, batch: head(index, batch, model.log_probs_packed(batch))
+
+
+@torch.no_grad()
+def head_values(model, rows: Sequence, head, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """Forward only: what `head` (as Work.head) returns for each row, `sizes[i]` values for
+    row i, float64 on the CPU: through a pipelined model's stages (Pipe.values, every stage
+    getting the last's), else row by row (a sharded model's idle passes after)."""
+    if getattr(model, "pipe", None) is not None:
+        return [v.cpu() for v in model.pipe.values(rows, head, sizes)]
+    values = head_loss(model, head)
+    return [values(i, row).double().cpu() for i, row in enumerate(matched(rows, model))]
+
+
 def _matched(model, work: Work) -> Work:
-    """`work` with the idle passes that bring this process to the busiest process's count
-    of passes, when the model is sharded (every forward and backward a collective) and
-    the objective names none: its own loss on its first batch, times zero (the same
-    entries and gradients as a real pass), or a short row with no batch at all."""
-    if work.idle is not None or work.pipe is not None or not isinstance(work.batches, Sequence):
+    """`work` as `model` runs it: through a pipelined model's stages (`Work.pipe`), else with
+    the idle passes that bring this process to the busiest process's count of passes, when
+    the model is sharded (every forward and backward a collective) and the objective names
+    none: its own loss on its first batch, times zero (the same entries and gradients as a
+    real pass), or a short row with no batch at all."""
+    if getattr(model, "pipe", None) is not None:
+        return dataclasses.replace(work, pipe=model.pipe, idle=None)
+    if work.idle is not None or not isinstance(work.batches, Sequence):
         return work
     short = passes_short(len(work.batches), model)
 
@@ -258,7 +283,7 @@ def train(
     warning, when the batches run out."""
     if accumulate < 1 or steps < 0 or checkpoint_every < 1:
         raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
-    copies = getattr(model, "copies", None)  # split or pipelined: the processes of a copy share batches
+    copies = copies_of(model)  # split or pipelined: the processes of a copy share batches
 
     def prepare(step: int, micro: list) -> Work:
         learned = sum(_weights(b) for b in micro)
@@ -266,7 +291,7 @@ def train(
         if count == 0:
             raise ValueError(f"step {step}: its {len(micro)} batches hold no learned position")
         return Work(micro, lambda _, batch: (model.loss_packed(batch)[0], {}), count, learned,
-                    sum(float(b.real) for b in micro), group=copies, pipe=getattr(model, "pipe", None))
+                    sum(float(b.real) for b in micro), group=copies)
 
     return fit(model, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
                schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,

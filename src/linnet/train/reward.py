@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
-from linnet.torch.distributed import matched, sum_across, world
+from linnet.torch.distributed import sum_across, world
 from linnet.torch.pipeline import HiddenAt
-from linnet.train.loop import Work, copies_of, fit, trained_parameters
+from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
                  "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
@@ -145,9 +145,9 @@ def reward(
             return {"pairs": count, "accuracy": sums["correct"] / count, "margin": sums["gap"] / count,
                     "mean_reward": sums["total"] / (2 * count)}
 
-        return Work(packed, lambda i, row: head(i, row, model.hidden_packed(row, at=ends.positions(row))), count,
-                    sum(r.learned for r in packed), sum(r.real for r in packed), ("correct", "gap", "total"), metrics,
-                    group=copies, pipe=pipe, head=HiddenAt(ends.positions, head))
+        stage = HiddenAt(ends.positions, head)
+        return Work(packed, head_loss(model, stage), count, sum(r.learned for r in packed),
+                    sum(r.real for r in packed), ("correct", "gap", "total"), metrics, group=copies, head=stage)
 
     return fit(model, itertools.cycle(enumerate(pairs)), prepare, per_step=pairs_per_step, optimizer=optimizer,
                steps=steps, clip=clip, schedule=schedule, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
@@ -161,10 +161,7 @@ def score_answers(model, groups: Sequence[tuple[Sequence[int], Sequence[int]]], 
     was_training = model.training
     model.eval()
     packed = list(rows(model, _runs(groups, tokens), tokens))
-    if getattr(model, "pipe", None) is not None:  # through the stages, every stage getting the last's
-        out = [v.cpu() for v in model.pipe.values(packed, _answer_ends(model), [row.examples for row in packed])]
-    else:
-        out = [scores(model, row).double().cpu() for row in matched(packed, model)]
+    out = head_values(model, packed, _answer_ends(model), [row.examples for row in packed])  # a pipeline's: its stages
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros(0)
 
