@@ -15,6 +15,7 @@ from linnet import nest
 from linnet.torch.pipeline import pipeline
 from linnet.torch.sharding import copy_first
 from linnet.train import train
+from linnet.train.checkpoint import load_checkpoint
 from linnet.train.evaluation import held_out_loss
 from tests.conftest import gathered, in_processes
 from tests.test_sharding import STEPS, _dpo, _pairs, _rows  # eight rows of unequal learned counts; DPO pairs
@@ -233,6 +234,72 @@ def test_two_pipelines_train_like_one_and_resume_as_stages(tmp_path):
     resumed = in_processes(_resumed, out)
     assert resumed[0] == resumed[1]
     _same_steps(resumed[0], whole[2:])
+
+
+SHARES = ([0, 2, 4, 6], [1, 3, 5])  # each copy's rows: the second's last step has one row, the first's two
+
+
+def _sharded_stages(rank, lora, out):
+    """Two copies of a two-stage pipeline (rank = 2 x copy + stage), each stage's blocks
+    sharded over its two copies as they load: SFT on each copy's rows (SHARES) and a
+    held-out loss over three rows, or with LoRA DPO on _pairs (two rows a step against
+    one). Returns the sharded parameters' local shapes and what the run reported."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("copies", "stages"))
+    copy = mesh.get_local_rank("copies")
+    torch.manual_seed(0)
+    model = nest.load(CARD, weights="random", seed=0, trainable=not lora, pipeline=mesh["stages"], fully_shard=True,
+                      lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
+    parts = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    if lora:
+        return parts, _dpo(model, [p for s in range(2) for p in _pairs(copy, s)], 2)
+    steps = _run(model, [_rows()[i] for i in SHARES[copy]], 2, steps=2, save_to=out / "final",
+                 checkpoint=out / "ckpt")
+    with torch.no_grad():
+        held = held_out_loss(model, _rows()[:3], share=copy, shares=2)
+    return parts, steps, held
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_stages_sharded_over_their_copies_train_like_one_process(tmp_path, lora):
+    """Pipeline stages sharded over their copies (`nest.load(pipeline=, fully_shard=True)`):
+    each process holds half of each of its stage's block weights (the embedding, norm and
+    head whole), and a copy with fewer rows in a step (SFT) or fewer rows of pairs (DPO,
+    its reference log-probabilities through the stages) passes rows that learn nothing, so
+    the copies' gathers meet; the steps equal one process's over every row, the held-out
+    loss (a copy with one row of three) the whole model's, and the saved weights and the
+    checkpoint one process's trained weights."""
+    out = tmp_path / "staged"
+    results = in_processes(_sharded_stages, lora, out, processes=4)
+    q = "model.layers.{}.self_attn.q_proj.weight"
+    for rank, (parts, *_) in enumerate(results):
+        assert all(".layers." in n for n in parts)  # the embedding, norm and head stay whole
+        assert parts[q.format(2 * (rank % 2))] == (CARD.heads * CARD.head_dim // 2, CARD.hidden)
+    assert all(r[1:] == results[0][1:] for r in results)
+    torch.manual_seed(0)
+    whole = nest.load(CARD, weights="random", seed=0, trainable=not lora,
+                      lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
+    if lora:
+        reference = _dpo(whole, [p for s in range(2) for r in range(2) for p in _pairs(r, s)], 4)
+        for got, want in zip(results[0][1], reference, strict=True):
+            assert got == pytest.approx(want, rel=1e-5)
+        return
+    _, steps, held = results[0]
+    _same_steps(steps, _run(whole, [_rows()[i] for i in (0, 2, 1, 3, 4, 6, 5)], 4, steps=2, save_to=tmp_path / "one"))
+    with torch.no_grad():
+        assert held == pytest.approx(held_out_loss(whole, _rows()[:3]), rel=1e-6)
+    saved = load_file(str(out / "final" / "model.safetensors"))
+    restored = _model(False, False)
+    load_checkpoint(out / "ckpt", model=restored)
+    trained = {n: p.detach() for n, p in whole.named_parameters()}
+    for name, value in restored.named_parameters():
+        torch.testing.assert_close(value.detach(), trained[name], atol=3e-5, rtol=0, msg=name)
+    one = load_file(str(tmp_path / "one" / "model.safetensors"))
+    assert saved.keys() == one.keys()
+    for key in one:
+        torch.testing.assert_close(saved[key], one[key], atol=3e-5, rtol=0, msg=key)
 
 
 def _checkpoint_at_two(tmp_path):

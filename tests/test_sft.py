@@ -178,7 +178,7 @@ def test_two_processes_splitting_a_model_train_its_adapters_like_one(workspace, 
 
 
 @pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split", "pipeline", "pipeline-8bit",
-                                   "pipeline-interleaved"])
+                                   "pipeline-interleaved", "pipeline-fsdp"])
 def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
     optimizer split (its 8-bit states too, against 8-bit AdamW in one process), or
@@ -188,7 +188,9 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     training.pipeline=2 each holds half its blocks, and the two rows of a step pass along
     on a 1F1B schedule, or interleaved 1F1B with two chunks a process, with 8-bit states
     too, resuming); its head, tied to the embedding, then trains apart from it, as the
-    head of an untied copy does in one process."""
+    head of an untied copy does in one process. With training.shard=fsdp too, four
+    processes make two copies of the pipeline, each stage's blocks sharded over its
+    copies, and take the steps of one process with four rows a step, resuming alike."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
@@ -202,17 +204,21 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
         common.append("optimizer.name=adamw8bit")
     if shard.endswith("-interleaved"):
         common.append("training.pipeline_schedule=interleaved")
+    copies = 2 if shard.endswith("-fsdp") else 1  # of a two-stage pipeline, its stages sharded over them
     shard = shard.split("-")[0]
     mode = [f"training.{shard}=2", "training.accumulation=2"] if shard in ("split", "pipeline") else \
         [f"training.shard={shard}", "training.accumulation=1"]
+    if copies > 1:
+        mode.append("training.shard=fsdp")
     two_args = common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]
-    assert in_processes(_sft_process, two_args) == [0, 0]
+    assert in_processes(_sft_process, two_args, processes=2 * copies) == [0] * 2 * copies
     if shard in ("split", "pipeline"):
         whole = nest.load(workspace / "model")
         whole.untie_head()
         whole.save_weights(tmp_path / "untied")
         common[0] = f"model.card={tmp_path / 'untied'}"
-    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}", "training.accumulation=2"]))
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}",
+                                        f"training.accumulation={2 * copies}"]))
     two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("two", "one"))
     assert len(two) == len(one) == 6
@@ -225,13 +231,19 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     for key in y:  # AdamW magnifies rounding where a gradient is tiny (a split sums its products apart)
         torch.testing.assert_close(x[key], y[key], atol=1e-5 if shard != "split" else 3e-4, rtol=0, msg=key)
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
-    if shard == "fsdp" or eight_bit and shard == "pipeline":
+    if copies > 1:  # each block weight was written in two parts, one by each copy of its stage
+        from torch.distributed.checkpoint import FileSystemReader
+
+        stored = FileSystemReader(tmp_path / "two" / "checkpoints" / "step-00000006" / "sharded").read_metadata()
+        parts = {k: len(v.chunks) for k, v in stored.state_dict_metadata.items() if k.endswith("q_proj.weight")}
+        assert parts and set(parts.values()) == {2}, parts
+    if shard == "fsdp" or copies > 1 or eight_bit and shard == "pipeline":
         # killed after step 4: step 3's parts (a pipeline's 8-bit states too) and three metrics lines
         # remain; --resume finishes alike
         shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-00000006")
         (tmp_path / "two" / "summary.json").unlink()
         metrics = tmp_path / "two" / "metrics.jsonl"
         metrics.write_text("\n".join(metrics.read_text().splitlines()[:3]) + "\n")
-        assert in_processes(_sft_process, two_args, "--resume") == [0, 0]
+        assert in_processes(_sft_process, two_args, "--resume", processes=2 * copies) == [0] * 2 * copies
         again = [json.loads(x) for x in metrics.read_text().splitlines()]
         assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in two], rel=1e-6)

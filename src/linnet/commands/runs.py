@@ -292,7 +292,8 @@ def load_model(card, config):
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
                       # GPipe for a step with fewer rows than stages
                       pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
-                      fully_shard=t.shard == "fsdp" and processes > 1,  # no process ever holds the whole model
+                      # no process ever holds the whole model (a stage's blocks: over copies of the pipeline)
+                      fully_shard=t.shard == "fsdp" and processes > split * stages,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
                       lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,

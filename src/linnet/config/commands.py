@@ -99,9 +99,9 @@ class FineTuningConfig:
         if split > 1 and self.model.quantize:
             raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={split} is not "
                              "supported yet; an NF4 base splits with training.shard=fsdp")
-        if stages > 1 and self.training.shard != "none":
-            raise ValueError(f"config: training.pipeline={stages} with training.shard={self.training.shard} is not "
-                             "supported yet; pipeline stages hold their blocks whole (or split by training.split)")
+        if stages > 1 and self.training.shard == "zero":
+            raise ValueError(f"config: training.pipeline={stages} with training.shard=zero is not supported yet; "
+                             "use training.shard=fsdp to shard each stage over its copies, or none")
         if self.command != "sft" and self.data.prompt is not None and len(self.data.prompt) != 1:
             raise ValueError(f"config: data.prompt={self.data.prompt}; `linnet {self.command}` reads one prompt "
                              "field")

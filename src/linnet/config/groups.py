@@ -186,7 +186,8 @@ class TrainingConfig:
                "jax` recomputes whole layers whatever this says, unless --no-remat")
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
-                "fsdp (weights, gradients and optimizer state split: fully_shard)", only=FINE_TUNING + PRETRAINING)
+                "fsdp (weights, gradients and optimizer state split: fully_shard; with training.pipeline, each "
+                "stage's blocks over the processes holding that stage)", only=FINE_TUNING + PRETRAINING)
     split: int = option(1, "under torchrun (sft, dpo, reward, grpo, distill: full fine-tuning, LoRA or DoRA): "
                            "processes that split every block between them (tensor parallel) and take the same rows; "
                            "the processes form copies of such splits",
@@ -196,7 +197,8 @@ class TrainingConfig:
                               "training.accumulation rows; dpo, reward: the step's packed pairs or answers; grpo, "
                               "on-policy distill: the packed completions) along on a 1F1B schedule (GPipe when there "
                               "are fewer rows than stages); with training.split each stage is split too (pipeline x "
-                              "split processes a copy); the processes form copies of such pipelines",
+                              "split processes a copy); the processes form copies of such pipelines, and with "
+                              "training.shard=fsdp each stage's blocks are sharded over its copies",
                            only=("sft", "dpo", "reward", "distill", "grpo"))
     pipeline_schedule: Literal["1f1b", "interleaved"] = option(
         "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks) or interleaved "

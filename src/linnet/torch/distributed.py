@@ -124,12 +124,12 @@ def union_across(names: set) -> set:
     return set().union(*every)
 
 
-def most_across(value: int) -> int:
-    """The largest `value` of any process."""
+def most_across(value: int, group=None) -> int:
+    """The largest `value` of any process (of `group`)."""
     if world()[1] == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t)
 
 
@@ -166,6 +166,9 @@ def idle_passes(count: int, *models, row=None) -> None:
         for m in models:
             if m is None:
                 continue
+            if getattr(m, "pipe", None) is not None:  # its stages together, forward only (a held-out pass)
+                m.pipe.loss(row)
+                continue
             out = m.log_probs_packed(row)
             if out.requires_grad:
                 (out.sum() * 0).backward()
@@ -182,14 +185,16 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     the mean over every token of the step. A parameter without a gradient counts as zero.
     Without `group`, over every process, skipping sharded parameters (fully_shard has
     reduced them already); with it (a split or pipelined model's copies), over the group,
+    skipping those fully_shard split over the group itself (a pipeline's sharded stages),
     each process summing its own part of a split parameter (a whole adapter's partial
     sums joined across its split first); no sum when the group is this process alone."""
     if world()[1] == 1:
         return
     alone = group is not None and dist.get_world_size(group) == 1
+    over = None if group is None else dist.get_process_group_ranks(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
-        if isinstance(p, DTensor) and group is None:
+        if isinstance(p, DTensor) and (group is None or _ranks(p.device_mesh) == over):
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -211,6 +216,11 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             bucket.append(g)
         if bucket:
             _reduce_flat(bucket, group)
+
+
+def _ranks(mesh) -> list[int] | None:
+    """The ranks of a one-dimension mesh's group (None for more dimensions)."""
+    return dist.get_process_group_ranks(mesh.get_group()) if mesh.ndim == 1 else None
 
 
 def _reduce_flat(grads: list[torch.Tensor], group) -> None:

@@ -145,9 +145,9 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
-    if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None or pipeline is not None):
+    if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None):
         raise ValueError("nest.load(fully_shard=True) shards a model that trains (trainable=True, or adapters "
-                         "through lora=), neither split nor cut")
+                         "through lora=), whole or cut into pipeline stages, not split")
     device = torch.device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     attention_paths.choose(attention, device)  # reject a bad path before any work
@@ -172,13 +172,18 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     placed = lora and (fully_shard or (pipeline is not None and tensor_parallel is None))
     if placed:
         add_lora(model, **lora)
+    copies = None
     if pipeline is not None:
-        stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel), pipeline_schedule)
+        stages.cut(model, stages.check(model, pipeline, pipeline_schedule, tensor_parallel, fully_shard),
+                   pipeline_schedule)
+        copies = stages.stage_copies(pipeline, tensor_parallel)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)
-    if fully_shard:  # a tied head is the embedding's own parameter: one part
+    if fully_shard and pipeline is not None:  # each stage's blocks over its copies
+        stages.shard_stage(model, copies, device.type)
+    elif fully_shard:  # a tied head is the embedding's own parameter: one part
         from linnet.torch.sharding import fully_shard as shard
 
         also = None
@@ -190,7 +195,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     _fill(model, values, device, also)
     model.inv_freq = rope_frequencies(card).to(device)
     if pipeline is not None:
-        stages.staged(model, pipeline, pipeline_schedule, tensor_parallel)
+        stages.staged(model, pipeline, pipeline_schedule, copies)
     if placed:
         draw_adapters(model, device)
     elif lora:  # whole, or split by tensor_parallel (A drawn whole, then split)

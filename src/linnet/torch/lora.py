@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, check_adapter_options, write_peft
@@ -42,6 +43,9 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     output row (Liu et al. 2024, arXiv:2402.09353), starting at each row's norm. Returns
     the adapted layer paths."""
     check_adapter_options(rank=rank, dropout=dropout)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("add_lora: this model is sharded (fully_shard), which wants its adapters first; add them "
+                         "before sharding, or load with nest.load(..., lora=dict(patterns=...), fully_shard=True)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
     chosen = adapted_layers(list(linears), patterns)
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
@@ -50,7 +54,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
         if layer.lora_a is not None:
             raise ValueError(f"add_lora: {name} already has an adapter; merge_lora() first")
         a, b = _draw((layer.out_features, layer.in_features), rank, layer.weight.device)
-        # split by tensor_parallel (a pipeline's stages also have copies, but whole weights)
+        # split by tensor_parallel (a pipeline's stages also have copies, but whole weights; sharded ones refused above)
         split = getattr(model, "copies", None) is not None and isinstance(layer.weight, DTensor)
         if split:
             a, b = _split_like(layer.weight, a, b)

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from linnet.torch.distributed import sum_across
+from linnet.torch.distributed import most_across, sum_across
 from linnet.torch.sharding import copies_group, is_sharded
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -64,7 +65,7 @@ class Blocks(nn.Module):
         return len(self._modules)
 
 
-def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
+def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None, fully_shard: bool = False):
     """Cut `model` (a linnet Decoder, loaded whole) into one stage a process of `mesh` (a
     one-dimension DeviceMesh, e.g. mesh["stages"] of a ("copies", "stages") mesh; default:
     every process, one pipeline) and keep this process's stage, in place: consecutive
@@ -75,23 +76,31 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None):
     chunks i and i + P, so a micro-batch passes each process twice and the pipeline's idle
     start and end shrink by half, for twice the hand-offs). tensor_parallel: a one-dimension mesh
     (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
-    stage's blocks and head as `nest.load(..., tensor_parallel=)` does. Adapters go on
-    before or after (after, with tensor_parallel). Call before building the optimizer;
-    returns the model. `nest.load(card, pipeline=mesh["stages"])` builds the stage alone
-    instead, never holding the other stages' weights."""
-    mesh = check(model, mesh, schedule, tensor_parallel)
+    stage's blocks and head as `nest.load(..., tensor_parallel=)` does. fully_shard=True:
+    shard each stage's blocks over its copies (the processes holding the same stage in the
+    other pipelines; FSDP, `linnet.torch.fully_shard`), the embedding, final norm and head
+    staying whole. Adapters go on before (after, with tensor_parallel). Call before
+    building the optimizer; returns the model. `nest.load(card, pipeline=mesh["stages"])`
+    builds the stage alone instead, never holding the other stages' weights."""
+    mesh = check(model, mesh, schedule, tensor_parallel, fully_shard)
     cut(model, mesh, schedule)
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)
-    return staged(model, mesh, schedule, tensor_parallel)
+    copies = stage_copies(mesh, tensor_parallel)
+    if fully_shard:
+        shard_stage(model, copies, model.device.type)
+    return staged(model, mesh, schedule, copies)
 
 
-def check(model, mesh, schedule: str, tensor_parallel):
+def check(model, mesh, schedule: str, tensor_parallel, fully_shard: bool = False):
     """Refuse what `pipeline` cannot do; the stages' mesh (every process's, by default)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if fully_shard and tensor_parallel is not None:
+        raise ValueError("pipeline: fully_shard with tensor_parallel is not supported yet; shard the stages or "
+                         "split them")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pipeline needs a process group: run under torchrun and call "
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
@@ -141,10 +150,29 @@ def cut(model, mesh, schedule: str = "1f1b") -> None:
         del model.lm_head
 
 
-def staged(model, mesh, schedule: str, tensor_parallel):
-    """Make the cut (and, over `tensor_parallel`, split) `model` a stage: its copies group
-    and its Pipe."""
-    model.copies = copies_group(mesh, *(() if tensor_parallel is None else (tensor_parallel,)))
+def stage_copies(mesh, tensor_parallel):
+    """The group of the processes holding this process's part of the model in the other
+    pipelines (its stage, and its part of the split): the group its gradients sum over. A
+    collective: every process makes every group."""
+    return copies_group(mesh, *(() if tensor_parallel is None else (tensor_parallel,)))
+
+
+def shard_stage(model, copies, device_type: str) -> None:
+    """Shard the cut `model`'s blocks over `copies` (its stage's processes in the other
+    pipelines), the root (embedding, final norm, head) left whole: the stage's schedule
+    reads those outside the entries FSDP hooks, and `train` sums their gradients across
+    the copies as it does an unsharded stage's."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from linnet.torch.sharding import fully_shard
+
+    fully_shard(model, mesh=DeviceMesh.from_group(copies, device_type, mesh_dim_names=("copies",)), blocks_only=True)
+
+
+def staged(model, mesh, schedule: str, copies):
+    """Make the cut (and perhaps split or sharded) `model` a stage: its `copies` group and
+    its Pipe."""
+    model.copies = copies
     model.pipe = Pipe(model, mesh.get_group(), mesh.get_local_rank(), mesh.size(), schedule)
     return model
 
@@ -169,6 +197,8 @@ class Pipe:
     def __init__(self, model, group, index: int, stages: int, schedule: str):
         self.model, self.group, self.index, self.stages, self.schedule = model, group, index, stages, schedule
         self.first, self.last = index == 0, index == stages - 1
+        # blocks sharded over the copies (shard_stage): each pass gathers across them, so every copy makes as many
+        self.matched = any(isinstance(block, FSDPModule) for block in model.model.layers)
         self._built: dict[tuple, tuple] = {}  # (micro-batches, row length, backward) -> (schedule, its _Stage)
 
     def __repr__(self) -> str:
@@ -182,10 +212,9 @@ class Pipe:
         last stage (or a `HiddenAt`'s, from hidden states). Returns the summed (undivided)
         loss and the summed stats, the same on every stage. 1F1B wants as many
         micro-batches as stages: with fewer, GPipe runs them. No rows (a GRPO step whose
-        groups were all dropped, the same on every stage): nothing runs."""
+        groups were all dropped, the same on every stage): nothing runs, unless another
+        copy of sharded stages has rows (`_blanks`)."""
         rows = list(rows)
-        if not rows:
-            return 0.0, [0.0] * len(stats)
         if any(len(r.tokens) != len(rows[0].tokens) for r in rows):
             raise ValueError("pipeline: a step's rows must have one length (pack them with one `tokens`)")
         total, summed, _ = self._flow(rows, count, backward=True, head=head, stats=stats)
@@ -206,11 +235,10 @@ class Pipe:
         sizes[index] values a row, computed on the last stage from each row's
         `log_probs_packed` (or a `HiddenAt`'s, from hidden states), and returned on every
         stage (float64)."""
-        rows = list(rows)
-        if not rows:
-            return []
         with torch.no_grad():
-            _, _, found = self._flow(rows, 1.0, backward=False, head=head, values=True)
+            _, _, found = self._flow(list(rows), 1.0, backward=False, head=head, values=True)
+        if not sizes:
+            return []
         flat = torch.zeros(sum(sizes), dtype=torch.float64, device=self.model.device)
         if self.last:
             flat.copy_(torch.cat([v.double() for v in found]))
@@ -221,13 +249,17 @@ class Pipe:
               values: bool = False) -> tuple[float, list[float], list[torch.Tensor] | None]:
         """The rows through the schedule: the last stage's summed loss and stats on every
         stage, and with `values` what `head` returned for each row there (else None)."""
+        real = len(rows)
+        rows = rows + self._blanks(rows)
+        if not rows:
+            return 0.0, [0.0] * len(stats), []
         kind = "gpipe" if not backward or len(rows) < self.stages else self.schedule
         key = (len(rows), len(rows[0].tokens), backward, kind)
         if key not in self._built:
             self._built[key] = self._schedule(*key)
         schedule, chunks = self._built[key]
         for stage in chunks:
-            stage.rows, stage.count, stage.summed, stage.head = rows, count, [], head
+            stage.rows, stage.real, stage.count, stage.summed, stage.head = rows, real, count, [], head
             stage.stats, stage.values = dict.fromkeys(stats, 0.0), [] if values else None
         tokens = (torch.stack([torch.as_tensor(r.tokens) for r in rows]).to(self.model.device),) if self.first else ()
         schedule.step(*tokens, mb=torch.arange(len(rows)), target=torch.zeros(len(rows)) if self.last else None,
@@ -236,6 +268,18 @@ class Pipe:
         mine = [float(sum(stage.summed)), *stage.stats.values()] if self.last else [0.0] * (1 + len(stats))
         total, *summed = sum_across(mine, self.group)  # the last stage's, on every stage
         return total, summed, stage.values
+
+    def _blanks(self, rows: list) -> list:
+        """Rows that learn nothing, enough to bring `rows` to the busiest copy's count when
+        the stages are sharded over the copies (their every pass a collective there); else none."""
+        if not self.matched:
+            return []
+        short = most_across(len(rows), self.model.copies) - len(rows)
+        if not short:
+            return []
+        from linnet.packing import Example, pack
+
+        return [next(pack([Example.plain([0, 0])], tokens=len(rows[0].tokens) if rows else 16))] * short
 
     def _schedule(self, M: int, P: int, backward: bool, kind: str):
         """(PyTorch's schedule for M micro-batches of P positions, this process's _Stage
@@ -284,6 +328,7 @@ class _Stage(nn.Module):
         self.model = model
         self.blocks, self.first, self.last = blocks, first, last
         self.rows: list = []
+        self.real = 0  # rows past it are Pipe._blanks: loss_packed's loss, times zero
         self.count = 1.0
         self.summed: list[torch.Tensor] = []
         self.head = None  # an objective's loss from a row's log-probabilities or a HiddenAt (Pipe.run)
@@ -292,26 +337,31 @@ class _Stage(nn.Module):
 
     def forward(self, x, mb):
         m = self.model
-        row = self.rows[int(mb)]
+        index = int(mb)
+        row = self.rows[index]
+        blank = index >= self.real
+        head = None if blank else self.head
         tokens, positions, layout, targets, weights = m._fields(row)
         n = len(tokens)
         if self.first:
             x = nn.functional.embedding(tokens, m.model.embed_tokens.weight).to(m.dtype)
         else:
             x = x[0, :n]
-        hidden = isinstance(self.head, HiddenAt)
+        hidden = isinstance(head, HiddenAt)
         keep = None
         if self.last:  # the positions the head reads: the last block computes those alone
-            keep = torch.as_tensor(self.head.positions(row), device=m.device) if hidden else m._learned(row, n)
+            keep = torch.as_tensor(head.positions(row), device=m.device) if hidden else m._learned(row, n)
         h = m._blocks(x, positions, *layout, keep=keep, blocks=self.blocks)
         if not self.last:
             return m._padded(h, row)[None]
-        if self.head is None:
+        if head is None:
             loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
+            if blank:
+                return loss * 0
         else:
             final = m.model.norm(h)
-            found = (self.head.head(int(mb), row, final) if hidden else
-                     self.head(int(mb), row, m.head_log_probs(final, targets, keep, row)))
+            found = (head.head(index, row, final) if hidden else
+                     head(index, row, m.head_log_probs(final, targets, keep, row)))
             if self.values is not None:
                 self.values.append(found.detach())
                 return found.new_zeros(())

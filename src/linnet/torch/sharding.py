@@ -34,10 +34,12 @@ from linnet.adapter_files import ADAPTER_SUFFIXES
 ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
 
 
-def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
+def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, blocks_only: bool = False):
     """Shard `model` (a linnet Decoder, adapters added first) over `mesh` (default: every
     process of the group). Call after add_lora and before building the optimizer;
-    returns the model, changed in place."""
+    returns the model, changed in place. blocks_only: shard the blocks alone and keep the
+    embedding, final norm and head whole (a pipeline stage's, sharded over its copies:
+    the stage runs them outside the entries FSDP hooks)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
     from torch.distributed.fsdp import fully_shard as fsdp
 
@@ -51,9 +53,10 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True):
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))
     for block in model.model.layers:
         fsdp(block, reshard_after_forward=reshard_after_forward, **options)
-    fsdp(model, **options)
-    for name in ENTRIES:
-        register_fsdp_forward_method(model, name)
+    if not blocks_only:
+        fsdp(model, **options)
+        for name in ENTRIES:
+            register_fsdp_forward_method(model, name)
     # FSDP moved its parts and the buffers to the mesh's device (a model loaded on the CPU to
     # its GPU); the adapters it ignores and an NF4 weight's quantization state go along
     for p in adapters:
@@ -197,6 +200,16 @@ def copies_group(*meshes):
     return groups[place]
 
 
+def split_mesh(model):
+    """The mesh over which tensor_parallel split `model`'s blocks, None when it is not
+    split (a pipeline's stages sharded over their copies are not a split: each copy takes
+    its own rows)."""
+    copies = dist.get_process_group_ranks(model.copies) if getattr(model, "copies", None) is not None else None
+    return next((p.device_mesh for p in model.parameters()
+                 if isinstance(p, DTensor) and dist.get_process_group_ranks(p.device_mesh.get_group()) != copies),
+                None)
+
+
 def copy_first(model, compute):
     """compute() on the first process of `model`'s copy alone (the first of a split, of a
     pipeline's first stage), its value on every process of the copy, which must all train
@@ -204,7 +217,7 @@ def copy_first(model, compute):
     alike. compute() itself for a model neither split nor pipelined."""
     if getattr(model, "copies", None) is None:
         return compute()
-    split = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    split = split_mesh(model)
     pipe = getattr(model, "pipe", None)
     first = (split is None or split.get_local_rank() == 0) and (pipe is None or pipe.first)
     box = [compute() if first else None]
