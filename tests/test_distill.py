@@ -260,21 +260,29 @@ def _distill_process(rank, root, out, *extra):
 
 
 @pytest.mark.parametrize("mode, parallel", [("logit", "split"), ("on_policy", "split"), ("logit", "pipeline"),
-                                            ("sequence", "pipeline"), ("on_policy", "pipeline")])
+                                            ("sequence", "pipeline"), ("on_policy", "pipeline"),
+                                            ("on_policy", "pipeline-fsdp")])
 def test_linnet_distill_with_a_split_or_pipelined_student_takes_one_process_steps(distill_workspace, tmp_path, mode,
                                                                                  parallel):
     """`linnet distill` with training.split=2 (two processes split the student, LoRA) or
     training.pipeline=2 (two stages, the last computing the divergences): both take the
     same rows (on-policy and sequence-level, the first process's completions), with the
-    losses, held-out divergences and adapters of one process."""
+    losses, held-out divergences and adapters of one process. With training.shard=fsdp too,
+    four processes (two copies of the stages, sharded over them, each copy's first stage
+    sampling its share) take the steps of two processes sharding the whole student."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
 
     extra = (f"distill.mode={mode}", "lora.enabled=true", "lora.rank=4", "training.steps=4", "evaluation.every=2")
-    assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra,
-                        f"training.{parallel}=2") == [0, 1]
-    _distill_process(0, distill_workspace, tmp_path / "one", *extra)
+    if parallel == "pipeline-fsdp":
+        assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra, "training.pipeline=2",
+                            "training.shard=fsdp", processes=4) == [0, 1, 2, 3]
+        in_processes(_distill_process, distill_workspace, tmp_path / "one", *extra, "training.shard=fsdp")
+    else:
+        assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra,
+                            f"training.{parallel}=2") == [0, 1]
+        _distill_process(0, distill_workspace, tmp_path / "one", *extra)
     two, one = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("two", "one"))
     for key in ("loss", "held_out_divergence"):

@@ -108,6 +108,23 @@ def test_two_processes_splitting_or_staging_the_policy_take_one_process_steps(wo
     same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "reward", "held_out_reward"), steps=2,
                  rel=1e-4, abs=1e-6)
 
+
+def test_two_copies_of_sharded_stages_take_the_steps_of_two_sharded_processes(workspace, tmp_path):
+    """`linnet grpo` with training.pipeline=2 and training.shard=fsdp in four processes:
+    two copies of a two-stage pipeline, each stage's blocks sharded over its copies, each
+    copy sampling its own share of the prompts on its first stage; the steps, rewards and
+    held-out metrics equal those of two processes sharding the whole policy
+    (training.shard=fsdp), whose processes take the same shares."""
+    from tests.conftest import in_processes
+
+    common = ["model.dtype=float32", "training.steps=2", "evaluation.every=2", "grpo.pass_k=0",
+              "grpo.pass_samples=null", "training.shard=fsdp"]
+    four = _overrides(workspace, tmp_path / "four", *common, "training.pipeline=2")
+    assert in_processes(_grpo_process, four, processes=4)[0] is not None
+    assert in_processes(_grpo_process, _overrides(workspace, tmp_path / "two", *common))[0] is not None
+    same_metrics(tmp_path / "four", tmp_path / "two", ("loss", "grad_norm", "reward", "held_out_reward"), steps=2,
+                 rel=1e-4, abs=1e-6)
+
 def test_builtin_rewards():
     tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)), eos_ids=(0,))
     prompt = SimpleNamespace(answer="Natalia sold 72 clips.\n#### 72")

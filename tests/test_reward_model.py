@@ -158,12 +158,14 @@ def _reward_process(rank, config):
     return run(config).get("held_out_accuracy")  # the first process writes the summary
 
 
-@pytest.mark.parametrize("mode", ["training.shard=fsdp", "training.split=2", "training.pipeline=2"])
+@pytest.mark.parametrize("mode", ["training.shard=fsdp", "training.split=2", "training.pipeline=2",
+                                  "training.pipeline=2 training.shard=fsdp"])
 def test_linnet_reward_over_two_processes_takes_one_process_steps(records, tmp_path, mode):
     """`linnet reward` in two processes, sharded (fsdp), split (tensor parallel) or cut into
-    two pipeline stages (the last holding the score head): one process's losses and
-    held-out accuracy, and the same merged reward model in final/ (under fsdp its end used
-    to fail: merging adapters into a sharded model is refused)."""
+    two pipeline stages (the last holding the score head), or in four, two copies of the
+    stages sharded over them: one process's losses and held-out accuracy, and the same
+    merged reward model in final/ (under fsdp its end used to fail: merging adapters into
+    a sharded model is refused)."""
 
     from safetensors.torch import load_file
 
@@ -171,13 +173,15 @@ def test_linnet_reward_over_two_processes_takes_one_process_steps(records, tmp_p
     from tests.conftest import in_processes
 
     short = ["training.steps=4", "evaluation.every=2"]
-    assert in_processes(_reward_process, _reward_config(records, tmp_path / "two", *short, mode))[0]
+    modes = mode.split()
+    assert in_processes(_reward_process, _reward_config(records, tmp_path / "two", *short, *modes),
+                        processes=2 * len(modes))[0]
     run(_reward_config(records, tmp_path / "one", *short))
     same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "held_out_accuracy"), steps=4, rel=1e-4)
     x, y = (load_file(str(tmp_path / d / "final" / "model.safetensors")) for d in ("two", "one"))
     # a split or pipelined model unties a tied head (the last stage or every split part predicts apart
     # from the embedding): its final/ also holds the head, a copy of the embedding a reward model ignores
-    untied = {"lm_head.weight"} if "fsdp" not in mode else set()
+    untied = {"lm_head.weight"} if "split" in mode or "pipeline" in mode else set()
     assert x.keys() - y.keys() == untied and y.keys() <= x.keys(), x.keys() ^ y.keys()
     assert "score.weight" in y and not any("lora" in k for k in y)
     for key in y:

@@ -20,7 +20,8 @@ step's count of learned positions on the last stage before its backward, so grad
 equal one process's over the same rows; `train` then adds each stage's squared gradient
 norm across the pipeline for clipping and reports the last stage's loss on every process. With several pipelines (`mesh` one dimension of a
 ("copies", "stages") mesh), each stage's gradients are summed across its copies, as a
-split model's are.
+split model's are; with fully_shard=True each stage's blocks are sharded over its copies
+instead (FSDP), and a copy with fewer micro-batches passes blank ones so their gathers meet.
 
 A head tied to the embedding is untied first (the first stage embeds, the last predicts):
 it starts as a copy of the embedding and trains apart from it, as under tensor_parallel.
