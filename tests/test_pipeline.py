@@ -417,6 +417,32 @@ def test_the_planner_counts_what_each_process_holds(split, stages, lora):
         assert (parts[stage].params, parts[stage].trainable) == (base, trained)
 
 
+def _sharded_held(rank):
+    """(stage, parameters this process holds) of two copies of two stages sharded over them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("copies", "stages"))
+    model = nest.load(CARD.replace(tied_embeddings=True), weights="random", seed=0, trainable=True,
+                      pipeline=mesh["stages"], fully_shard=True)
+    return mesh["stages"].get_local_rank(), sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                                for p in model.parameters())
+
+
+def test_the_planner_counts_what_sharded_stages_hold():
+    """`linnet plan --pipeline 2 --gpus 4 --shard fsdp`: each stage's states are those of its
+    blocks' halves and its whole embedding or head, parameter for parameter (mixed-precision
+    AdamW: 2 B of gradient, 4 of master copy, 8 of moments a parameter held)."""
+    from linnet import plan
+
+    settings = dict(method="full", pipeline=2, gpus=4, shard="fsdp")
+    parts = plan.estimate(CARD.replace(tied_embeddings=True), **plan.plan_inputs(settings)).processes
+    held = dict(in_processes(_sharded_held, processes=4))
+    assert held[0] < parts[0].params  # sharded: less than the stage
+    for stage, n in held.items():
+        states = parts[stage].states
+        assert (states.gradients, states.master, states.optimizer) == (2 * n, 4 * n, 8 * n)
+
+
 def _built(rank, weights, tied, stages, split):
     """This process's parameters built as its part alone, and cut and split from the whole
     model."""

@@ -790,7 +790,8 @@ def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
     (dict(split=3), "heads=4, which 3 processes cannot split evenly"),
     (dict(pipeline=6), "5 layers, fewer than the stages"),
     (dict(split=2, gpus=3), "use a multiple of 2 GPUs"),
-    (dict(split=2, gpus=2, shard="fsdp"), "linnet splits or cuts whole copies only"),
+    (dict(split=2, gpus=2, shard="fsdp"), "linnet splits whole copies only"),
+    (dict(pipeline=2, gpus=4, shard="zero"), "shards pipeline stages with fsdp alone"),
     (dict(split=2, gpus=2, method="qlora"), "qlora with split: linnet splits an NF4 base with shard fsdp"),
     (dict(pipeline=2, gpus=2, workers=2), "packed workers with split or pipeline"),
 ])

@@ -52,6 +52,8 @@ from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's publ
     loss_rows,
     model_parts,
     quantized_params,
+    sharded_states,
+    stage_root,
     state_bytes,
     step_moments,
     trainable_params,
@@ -182,8 +184,10 @@ class Cluster:
         per_copy = self.split * self.pipeline
         _require(self.gpus % per_copy == 0, f"gpus={self.gpus}: split {self.split} x pipeline {self.pipeline} = "
                  f"{per_copy} GPUs hold one copy of the model; use a multiple of {per_copy} GPUs")
-        _require(per_copy == 1 or self.shard == "none", f"shard {self.shard!r} with split {self.split} and pipeline "
-                 f"{self.pipeline}: linnet splits or cuts whole copies only (training.shard: none)")
+        _require(per_copy == 1 or self.shard == "none" or (self.split == 1 and self.shard == "fsdp"),
+                 f"shard {self.shard!r} with split {self.split} and pipeline {self.pipeline}: linnet splits whole "
+                 "copies only, and shards pipeline stages with fsdp alone (training.shard: none, or fsdp with "
+                 "pipeline stages)")
         _require(0 < self.usable <= 1, f"usable must be a fraction in (0, 1] of GPU memory, got {self.usable}")
         _require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
         _require(self.price is None or self.price >= 0, f"price must be >= 0 dollars per GPU-hour, got {self.price}")
@@ -357,19 +361,22 @@ def estimate(
              "qlora with split: linnet splits an NF4 base with shard fsdp, or cuts it into pipeline stages; plan it so")
     _require(not cut or batch.workers == 1, "packed workers with split or pipeline: each worker is a whole model")
     processes, modes = [], []
+    copies = cluster.gpus // (cluster.split * cluster.pipeline)  # what each part's states shard over
     for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation, cluster.pipeline_schedule):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
                 for mode in CHECKPOINTING}
         moments = step_moments(card, method, batch, acts[batch.checkpointing], part)
-        states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard,
-                             cluster.gpus, quantized_params(part.card, method))
+        states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard, copies,
+                             quantized_params(part.card, method))
+        root = stage_root(part, method) if cut and cluster.shard == "fsdp" else {}  # blocks sharded, root whole
+        states = sharded_states(states, copies, root)
         n = batch.workers
         if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
             moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
                        for phase, ms in moments.items()}
             acts = {mode: Activations(*(v * n for v in dataclasses.astuple(a))) for mode, a in acts.items()}
             states = States(*(v * n for v in dataclasses.astuple(states)))
-        phases = {phase: max(m.on(cluster.shard, cluster.gpus) for m in moments[phase]) for phase in PHASES}
+        phases = {phase: max(m.on(cluster.shard, copies, root) for m in moments[phase]) for phase in PHASES}
         processes.append(ProcessPlan(part.name, part.params(), trainable_params(card, method, part), states,
                                      acts[batch.checkpointing], phases))
         modes.append((acts, moments))

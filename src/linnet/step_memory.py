@@ -521,10 +521,26 @@ class Moment:
     states: dict[str, float]
     activations: float
 
-    def on(self, shard: str, gpus: int) -> float:
-        """Bytes per GPU with `shard` over `gpus` data-parallel ranks."""
-        split = SHARDED_STATES[shard]
-        return sum(v / gpus if k in split else v for k, v in self.states.items()) + self.activations
+    def on(self, shard: str, gpus: int, whole: dict[str, float] | None = None) -> float:
+        """Bytes per GPU with `shard` over `gpus` data-parallel ranks, the bytes of `whole`
+        (by kind) kept whole on each (a sharded stage's root: `stage_root`)."""
+        split, whole = SHARDED_STATES[shard], whole or {}
+        return sum((v - whole.get(k, 0)) / gpus + whole.get(k, 0) if k in split else v
+                   for k, v in self.states.items()) + self.activations
+
+
+def stage_root(part: Part, method: Method) -> dict[str, float]:
+    """A pipeline stage's states outside its blocks (the embedding, final norm and head), by
+    kind: whole on every GPU when the stage's blocks are sharded over its copies
+    (linnet.torch.pipeline.shard_stage); none of them trains under an adapter method."""
+    root = part.params() - part.card.layers * part.card.block_params()
+    return dataclasses.asdict(state_bytes(root, 0 if method.adapters else root, method))
+
+
+def sharded_states(states: States, gpus: int, whole: dict[str, float]) -> States:
+    """`states` split over `gpus` (state_bytes with them) with the bytes of `whole` (by
+    kind) kept whole after all."""
+    return States(**{k: v + whole.get(k, 0) * (1 - 1 / gpus) for k, v in dataclasses.asdict(states).items()})
 
 
 def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations,

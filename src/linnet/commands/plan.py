@@ -197,6 +197,10 @@ def _cut_assumption(cluster: Cluster) -> str:
                      "at least the stages 1F1B, stage i keeping at most P - i micro-batches' activations, else "
                      "GPipe keeping every one's; each stage a receive buffer a micro-batch for the activations "
                      "coming in and one for the gradients coming back")
+    if cluster.shard == "fsdp":
+        parts.append(f"--shard fsdp: each stage's blocks (their weights, gradients and optimizer state; adapters "
+                     f"whole) split over its {cluster.gpus // per_copy} copies, the embedding, final norm and head "
+                     "whole on their stages")
     return "; ".join(parts)
 
 
