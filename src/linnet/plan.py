@@ -365,18 +365,20 @@ def estimate(
     for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation, cluster.pipeline_schedule):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
                 for mode in CHECKPOINTING}
-        moments = step_moments(card, method, batch, acts[batch.checkpointing], part)
+        over = copies if cut and cluster.shard == "fsdp" else 1  # a stage's blocks sharded over its copies
+        moments = step_moments(card, method, batch, acts[batch.checkpointing], part, over)  # per GPU when over > 1
         states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard, copies,
                              quantized_params(part.card, method))
-        root = stage_root(part, method) if cut and cluster.shard == "fsdp" else {}  # blocks sharded, root whole
-        states = sharded_states(states, copies, root)
+        if over > 1:  # the root whole
+            states = sharded_states(states, over, stage_root(part, method))
         n = batch.workers
         if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
             moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
                        for phase, ms in moments.items()}
             acts = {mode: Activations(*(v * n for v in dataclasses.astuple(a))) for mode, a in acts.items()}
             states = States(*(v * n for v in dataclasses.astuple(states)))
-        phases = {phase: max(m.on(cluster.shard, copies, root) for m in moments[phase]) for phase in PHASES}
+        shard = "none" if over > 1 else cluster.shard
+        phases = {phase: max(m.on(shard, copies) for m in moments[phase]) for phase in PHASES}
         processes.append(ProcessPlan(part.name, part.params(), trainable_params(card, method, part), states,
                                      acts[batch.checkpointing], phases))
         modes.append((acts, moments))

@@ -297,8 +297,7 @@ def _largest_trainable(part: Part, method: Method) -> int:
     c = part.card
     if method.adapters:
         return method.rank * max(max(shape) for shape in _targeted(c, method))
-    return max(c.vocab * c.hidden if part.embeds else 0, part.head_rows * c.hidden,
-               *(o * i for o, i in c.linear_shapes().values()))
+    return max(_root_largest(part), *(o * i for o, i in c.linear_shapes().values()))
 
 
 def _targeted(card: cards.Card, method: Method) -> list[tuple[int, int]]:
@@ -521,20 +520,33 @@ class Moment:
     states: dict[str, float]
     activations: float
 
-    def on(self, shard: str, gpus: int, whole: dict[str, float] | None = None) -> float:
-        """Bytes per GPU with `shard` over `gpus` data-parallel ranks, the bytes of `whole`
-        (by kind) kept whole on each (a sharded stage's root: `stage_root`)."""
-        split, whole = SHARDED_STATES[shard], whole or {}
-        return sum((v - whole.get(k, 0)) / gpus + whole.get(k, 0) if k in split else v
-                   for k, v in self.states.items()) + self.activations
+    def on(self, shard: str, gpus: int) -> float:
+        """Bytes per GPU with `shard` over `gpus` data-parallel ranks."""
+        split = SHARDED_STATES[shard]
+        return sum(v / gpus if k in split else v for k, v in self.states.items()) + self.activations
+
+
+def _optimizer_temporary(method: Method, batch: Batch, largest: int, trainable: int) -> float:
+    """Bytes the optimizer step makes beside the states (see step_moments), its largest
+    trained tensor of `largest` values, `trainable` in all."""
+    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
+        return 0
+    if method.optimizer_bytes == 2:
+        return EIGHT_BIT_CPU_COPIES * 4 * largest
+    return 2 * 4 * largest if batch.device == "cpu" else 4 * trainable
 
 
 def stage_root(part: Part, method: Method) -> dict[str, float]:
     """A pipeline stage's states outside its blocks (the embedding, final norm and head), by
     kind: whole on every GPU when the stage's blocks are sharded over its copies
-    (linnet.torch.pipeline.shard_stage); none of them trains under an adapter method."""
+    (linnet.torch.pipeline.shard_stage). None of them trains under an adapter method."""
     root = part.params() - part.card.layers * part.card.block_params()
     return dataclasses.asdict(state_bytes(root, 0 if method.adapters else root, method))
+
+
+def _root_largest(part: Part) -> int:
+    """Values in the largest tensor outside a part's blocks (its embedding or head)."""
+    return max(part.card.vocab * part.card.hidden if part.embeds else 0, part.head_rows * part.card.hidden)
 
 
 def sharded_states(states: States, gpus: int, whole: dict[str, float]) -> States:
@@ -544,7 +556,7 @@ def sharded_states(states: States, gpus: int, whole: dict[str, float]) -> States
 
 
 def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations,
-                 part: Part | None = None) -> dict[str, list[Moment]]:
+                 part: Part | None = None, over: int = 1) -> dict[str, list[Moment]]:
     """For each phase of a training step, the moments that may hold its peak (whole states:
     one GPU, nothing sharded). linnet sets gradients to None after every optimizer step, so
     the first micro-step's forward holds no gradient but the head's, which the chunked loss
@@ -568,16 +580,33 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     A part (model_parts) holds its own states; a stage without the head starts its backward
     with the gradient of its output, received into a buffer; a head split by vocabulary
     makes the head's gradient and the hidden states' in backward, recomputing the logits.
+    `over` > 1: the part is a pipeline stage whose blocks are sharded over `over` copies
+    (linnet.torch.pipeline.shard_stage): the moments are then one GPU's, the blocks' states,
+    compute copies and optimizer temporaries split over the copies (a block gathered whole
+    as it runs), the embedding, norm and head, and their gradients, whole.
     """
     part = part or whole(card)
     trainable = trainable_params(card, method, part)
-    states = state_bytes(part.params(), trainable, method, quantized=quantized_params(part.card, method))
-    grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
-    copies = method.copy_bytes * trainable if method.master_bytes else 0
-    stored = states.weights - copies
+    quantized = quantized_params(part.card, method)
+    states = state_bytes(part.params(), trainable, method, quantized=quantized)
     blocks = part.card
+    held, largest = trainable, _largest_trainable(part, method)  # trained values this GPU holds; its largest tensor
+    if over > 1:
+        root = stage_root(part, method)
+        states = sharded_states(state_bytes(part.params(), trainable, method, "fsdp", over, quantized), over, root)
+        if not method.adapters:  # adapters stay whole
+            trained_root = part.params() - blocks.layers * blocks.block_params()
+            held = trained_root + (trainable - trained_root) / over
+            largest = max(_root_largest(part), max(o * i for o, i in blocks.linear_shapes().values()) / over)
+    grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
+    copies = method.copy_bytes * held if method.master_bytes else 0
+    stored = states.weights - copies
+    per_layer = 0
     if not method.adapters:  # the embedding and head are not copied by the blocks' linears
-        copies = method.copy_bytes * blocks.layers * blocks.block_params() if method.master_bytes else 0
+        per_layer = method.copy_bytes * blocks.block_params() if method.master_bytes else 0
+        copies = per_layer * blocks.layers / over
+    if over > 1:  # a sharded block is gathered whole in the compute dtype as it runs
+        per_layer = max(per_layer, method.compute_bytes * blocks.block_params())
     head = 0 if method.adapters else grad * part.head_rows * card.hidden
     embedding = 0 if method.adapters or part.tied or not part.embeds else grad * card.vocab * card.hidden
     in_forward = head if batch.chunked_loss and not part.split_head else 0
@@ -587,14 +616,7 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
         return Moment({"weights": stored + copies, "gradients": gradients, "master": states.master,
                        "optimizer": states.optimizer + temporary}, activations + acts.buffers)
 
-    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
-        temporary = 0
-    elif method.optimizer_bytes == 2:
-        temporary = EIGHT_BIT_CPU_COPIES * 4 * _largest_trainable(part, method)
-    elif batch.device == "cpu":
-        temporary = 2 * 4 * _largest_trainable(part, method)
-    else:
-        temporary = 4 * trainable
+    temporary = _optimizer_temporary(method, batch, largest, held)
     if part.split_head:  # the hidden states' gradient and the logits again, in backward
         start = acts.kept + c * card.hidden * tokens + acts.loss
     elif part.head_rows:
@@ -605,7 +627,7 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     live = states.gradients if batch.accumulation > 1 else 0  # new gradients add into these
     # beside every micro-batch in flight only once a backward came first: 1F1B past its warm-up
     earlier = live if batch.accumulation > part.in_flight else 0
-    per_layer = copies / blocks.layers
+    per_layer = per_layer or copies / blocks.layers  # one block's compute copies (gathered whole)
     moments = {
         "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies)],
         "backward": [moment(start, earlier + head + in_forward, kept_copies),
