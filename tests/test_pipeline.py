@@ -302,6 +302,30 @@ def test_stages_sharded_over_their_copies_train_like_one_process(tmp_path, lora)
         torch.testing.assert_close(saved[key], one[key], atol=3e-5, rtol=0, msg=key)
 
 
+def _sharded_quantized_stages(rank):
+    """QLoRA in two copies of two stages sharded over them: the steps, and whether this
+    process's NF4 codes are its half of each block's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("copies", "stages"))
+    torch.manual_seed(0)
+    model = nest.load(CARD, weights="random", seed=0, quantize="nf4", pipeline=mesh["stages"], fully_shard=True,
+                      lora=dict(patterns="*_proj.weight", rank=4))
+    codes = [m.weight for m in model.modules() if getattr(m, "quant_state", None) is not None]
+    halves = all(isinstance(w, DTensor) and w.to_local().shape[0] * 2 == w.shape[0] for w in codes)
+    return _run(model, [_rows()[i] for i in SHARES[mesh.get_local_rank("copies")]], 2, steps=2), bool(codes) and halves
+
+
+def test_an_nf4_base_in_stages_sharded_over_their_copies_trains_like_one_process():
+    """QLoRA (`nest.load(quantize="nf4", pipeline=, fully_shard=True, lora=)`): each process
+    quantizes and keeps half of its stage's NF4 codes, and the steps equal one process's
+    QLoRA over every row."""
+    results = in_processes(_sharded_quantized_stages, processes=4)
+    assert all(halves for _, halves in results) and all(r[0] == results[0][0] for r in results)
+    _same_steps(results[0][0], _run(_quantized_whole(), [_rows()[i] for i in (0, 2, 1, 3, 4, 6, 5)], 4, steps=2))
+
+
 def _checkpoint_at_two(tmp_path):
     in_processes(_first_two, tmp_path / "two")
     return tmp_path / "two" / "step-00000002"
