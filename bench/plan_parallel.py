@@ -39,6 +39,7 @@ CONFIGS = [(1, 2, 1, 1, m, k, "1f1b") for m in ("full", "lora") for k in ("none"
           [(1, 2, 2, 2, m, k, "1f1b") for m, k in (("full", "none"), ("lora", "full"))] + \
           [(1, 1, 2, n, m, "none", "interleaved") for n in (2, 4) for m in ("full", "lora")] + \
           [(1, 1, 2, 4, "full", "full", "interleaved")] + \
+          [(1, 1, 2, n, m, "none", "zero-bubble") for n in (2, 4) for m in ("full", "lora")] + \
           [(2, 1, 2, 2, m, k, "1f1b") for m, k in (("full", "none"), ("full", "full"), ("lora", "none"))]
 
 
@@ -145,7 +146,7 @@ def main(argv=None) -> None:
             p = plans[m["rank"] // split % stages] if stages > 1 else plans[0]
             states = m["weights"] + m["gradients"] + m["optimizer"]
             run = ", ".join(([f"split {split}"] if split > 1 else [])
-                            + ([f"{stages} stages{' interleaved' * (schedule == 'interleaved')}, {micro} "
+                            + ([f"{stages} stages{'' if schedule == '1f1b' else ' ' + schedule}, {micro} "
                                  f"micro-batch{'es' * (micro > 1)}"] if stages > 1 else [])
                             + ([f"sharded over {copies} copies"] if copies > 1 else []))
             row = [run,

@@ -27,7 +27,7 @@ from linnet.train import pack, train
 from linnet.train.grpo import Prompt, grpo
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-parser.add_argument("--schedule", default="interleaved", choices=["1f1b", "gpipe", "interleaved"])
+parser.add_argument("--schedule", default="interleaved", choices=["1f1b", "gpipe", "interleaved", "zero-bubble"])
 parser.add_argument("--sft-steps", type=int, default=300)
 parser.add_argument("--steps", type=int, default=30, help="GRPO steps")
 parser.add_argument("--out", default="runs/example-pipeline")

@@ -64,14 +64,16 @@ def _same_steps(got, reference):
 
 @pytest.mark.parametrize("schedule, lora, tied, recompute",
                          [("1f1b", False, True, False), ("gpipe", True, False, True),
-                          ("interleaved", False, False, False)])
+                          ("interleaved", False, False, False), ("zero-bubble", True, False, False)])
 def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute):
     """Two stages of two blocks each (the first with the embedding, the last with the norm
     and head) take the losses, gradient norms and learned counts of one process over the
     same rows, full fine-tuning on 1F1B (a tied head trains apart from the embedding, as
     an untied copy's does) and LoRA on GPipe with activation checkpointing (the adapters
     added after the cut, as `linnet sft` adds them), and full fine-tuning on interleaved
-    1F1B (blocks 0 and 2 on the first process, 1 and 3 on the second); the saved
+    1F1B (blocks 0 and 2 on the first process, 1 and 3 on the second), and LoRA on the
+    zero-bubble schedule (the same chunks, each backward split into the input's gradient
+    and the weights'); the saved
     weights and adapters, gathered from both, equal one process's; the held-out loss
     through the stages equals the whole model's; the checkpoint resumes in one process."""
     assert any(r.real < len(r.tokens) for r in _rows())  # rows with trailing padding pass stages whole
@@ -80,7 +82,7 @@ def test_stages_train_like_one_process(tmp_path, schedule, lora, tied, recompute
     (steps, first, held), (steps1, second, held1) = results
     assert steps == steps1 and held == held1
     assert "model.embed_tokens.weight" in first and "model.norm.weight" in second
-    interleaved = schedule == "interleaved"
+    interleaved = schedule in ("interleaved", "zero-bubble")
     assert {n.split(".")[2] for n in first if ".layers." in n} == ({"0", "2"} if interleaved else {"0", "1"})
     assert {n.split(".")[2] for n in second if ".layers." in n} == ({"1", "3"} if interleaved else {"2", "3"})
     whole = _model(lora, tied)
@@ -178,19 +180,21 @@ def test_stages_train_dpo_like_one_process(tmp_path, lora):
         assert got == pytest.approx(want, rel=1e-5)
 
 
-def _interleaved(rank):
-    """Steps of 1, 4 and 5 rows (GPipe-like, interleaved 1F1B in two rounds, and in chunk
-    order when the rows do not divide into rounds), and DPO with its reference passes."""
-    runs = [_run(pipeline(_model(False, False), schedule="interleaved"), _rows(), m, steps=2) for m in (1, 4, 5)]
+def _interleaved(rank, schedule):
+    """Steps of 1, 4 and 5 rows (GPipe-like, interleaved 1F1B or zero-bubble in two rounds,
+    and in chunk order when the rows do not divide into rounds), and DPO with its reference
+    passes."""
+    runs = [_run(pipeline(_model(False, False), schedule=schedule), _rows(), m, steps=2) for m in (1, 4, 5)]
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("stages",))
-    model = nest.load(CARD, weights="random", seed=0, trainable=True, pipeline=mesh, pipeline_schedule="interleaved")
+    model = nest.load(CARD, weights="random", seed=0, trainable=True, pipeline=mesh, pipeline_schedule=schedule)
     return runs, _dpo(model, _dpo_pairs(), 4)
 
 
-def test_interleaved_stages_take_any_number_of_rows_like_one_process():
-    (runs, dpo), (runs1, dpo1) = in_processes(_interleaved)
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
+def test_interleaved_stages_take_any_number_of_rows_like_one_process(schedule):
+    (runs, dpo), (runs1, dpo1) = in_processes(_interleaved, schedule)
     assert runs == runs1 and dpo == dpo1
     for got, m in zip(runs, (1, 4, 5), strict=True):
         _same_steps(got, _run(_model(False, False), _rows(), m, steps=2))
@@ -340,8 +344,12 @@ def _first_two(rank, out):
 def _refusals(rank):
     with pytest.raises(ValueError, match="with tensor_parallel=, pass the stages' mesh too"):
         pipeline(_model(False, False), tensor_parallel=object())
-    with pytest.raises(ValueError, match="schedule='zb'"):
-        pipeline(_model(False, False), schedule="zb")
+    with pytest.raises(ValueError, match="schedule='zbv'"):
+        pipeline(_model(False, False), schedule="zbv")
+    checkpointed = pipeline(_model(False, False), schedule="zero-bubble")
+    checkpointed.checkpoint_activations(True)
+    with pytest.raises(ValueError, match="'zero-bubble' with activation checkpointing is not supported"):
+        _run(checkpointed, _rows(), 2, steps=1)
     with pytest.raises(ValueError, match="1 layers, fewer than 2 stages"):
         pipeline(nest.load(CARD.replace(layers=1), weights="random", seed=0))
     with pytest.raises(ValueError, match=r"3 layers, fewer than 4 chunks \(two a stage\)"):
@@ -405,6 +413,23 @@ def test_split_stages_train_like_one_process(tmp_path):
     (tmp_path / "whole").mkdir()
     shutil.copytree(out / "ckpt" / "step-00000002", tmp_path / "whole" / "step-00000002")
     _same_steps(_run(_model(False, False), _rows(), 2, checkpoint=tmp_path / "whole"), reference[2:])
+
+
+def _split_zero_bubble(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("stages", "split"))
+    model = pipeline(nest.load(CARD, weights="random", seed=0, trainable=True), mesh["stages"],
+                     tensor_parallel=mesh["split"], schedule="zero-bubble")
+    return _run(model, _rows(), 2)
+
+
+def test_split_stages_on_the_zero_bubble_schedule_train_like_one_process():
+    """Two stages split two ways on the zero-bubble schedule (each split chunk's backward in
+    two halves): one process's steps."""
+    results = in_processes(_split_zero_bubble, processes=4)
+    assert all(r == results[0] for r in results)
+    _same_steps(results[0], _run(_model(False, False), _rows(), 2))
 
 
 def _held(rank, split, stages, lora):

@@ -792,6 +792,9 @@ def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
     (dict(split=2, gpus=3), "use a multiple of 2 GPUs"),
     (dict(split=2, gpus=2, shard="fsdp"), "linnet splits whole copies only"),
     (dict(pipeline=2, gpus=4, shard="zero"), "shards pipeline stages with fsdp alone"),
+    (dict(pipeline=2, pipeline_schedule="zero-bubble"), "zero-bubble with checkpointing: linnet refuses it"),
+    (dict(pipeline=2, gpus=4, shard="fsdp", pipeline_schedule="zero-bubble", checkpointing="none"),
+     "zero-bubble with shard fsdp"),
     (dict(split=2, gpus=2, method="qlora"), "qlora with split: linnet splits an NF4 base with shard fsdp"),
     (dict(pipeline=2, gpus=2, workers=2), "packed workers with split or pipeline"),
 ])

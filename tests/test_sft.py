@@ -98,6 +98,11 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["training.split=2", "training.shard=fsdp", "lora.enabled=false"], "training.split=2 splits every block"),
         (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
         (["training.pipeline=2", "training.shard=zero"], "training.pipeline=2 with training.shard=zero"),
+        (["training.pipeline=2", "training.shard=fsdp", "training.pipeline_schedule=zero-bubble"],
+         "zero-bubble with training.shard=fsdp is not supported yet"),
+        (["training.pipeline_schedule=interleaved"], "set training.pipeline to 2 or more stages"),
+        (["training.pipeline=2", "training.pipeline_schedule=zero-bubble", "training.activation_checkpointing=true"],
+         "zero-bubble with training.activation_checkpointing is not supported"),
         (["training.split=2", "optimizer.name=adamw8bit", "lora.enabled=false"], "adamw8bit with training.split=2"),
         (["training.shard=ddp"], "training.shard"),
     ],
@@ -178,7 +183,7 @@ def test_two_processes_splitting_a_model_train_its_adapters_like_one(workspace, 
 
 
 @pytest.mark.parametrize("shard", ["none", "zero", "zero-8bit", "fsdp", "split", "pipeline", "pipeline-8bit",
-                                   "pipeline-interleaved", "pipeline-fsdp"])
+                                   "pipeline-interleaved", "pipeline-zero-bubble", "pipeline-fsdp"])
 def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspace, tmp_path, shard):
     """`linnet sft` in two processes (each a share of the rows; a whole copy each, the
     optimizer split (its 8-bit states too, against 8-bit AdamW in one process), or
@@ -186,7 +191,7 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     the accumulation: the same losses, held-out losses and final weights, written once.
     With training.split=2 the two processes split one model and take the same rows (with
     training.pipeline=2 each holds half its blocks, and the two rows of a step pass along
-    on a 1F1B schedule, or interleaved 1F1B with two chunks a process, with 8-bit states
+    on a 1F1B schedule, or interleaved 1F1B or zero-bubble with two chunks a process, with 8-bit states
     too, resuming); its head, tied to the embedding, then trains apart from it, as the
     head of an untied copy does in one process. With training.shard=fsdp too, four
     processes make two copies of the pipeline, each stage's blocks sharded over its
@@ -202,15 +207,16 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
     if eight_bit:
         pytest.importorskip("bitsandbytes", reason="8-bit AdamW needs bitsandbytes (the qlora extra)")
         common.append("optimizer.name=adamw8bit")
-    if shard.endswith("-interleaved"):
-        common.append("training.pipeline_schedule=interleaved")
+    # the pipeline's schedule (one process has none)
+    schedule = [f"training.pipeline_schedule={shard.split('-', 1)[1]}"] if shard.endswith(("-interleaved",
+                                                                                           "-zero-bubble")) else []
     copies = 2 if shard.endswith("-fsdp") else 1  # of a two-stage pipeline, its stages sharded over them
     shard = shard.split("-")[0]
     mode = [f"training.{shard}=2", "training.accumulation=2"] if shard in ("split", "pipeline") else \
         [f"training.shard={shard}", "training.accumulation=1"]
     if copies > 1:
         mode.append("training.shard=fsdp")
-    two_args = common + [f"runtime.output_dir={tmp_path / 'two'}", *mode]
+    two_args = common + [f"runtime.output_dir={tmp_path / 'two'}", *mode, *schedule]
     assert in_processes(_sft_process, two_args, processes=2 * copies) == [0] * 2 * copies
     if shard in ("split", "pipeline"):
         whole = nest.load(workspace / "model")

@@ -38,6 +38,7 @@ from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's publ
     METHODS,
     NF4_BYTES,
     PHASES,
+    SCHEDULES,
     SHARDED_STATES,
     Activations,
     Batch,
@@ -177,8 +178,8 @@ class Cluster:
         _require(
             self.shard in SHARDED_STATES, f"shard {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}"
         )
-        _require(self.pipeline_schedule in ("1f1b", "interleaved"),
-                 f"pipeline_schedule {self.pipeline_schedule!r}: use 1f1b or interleaved")
+        _require(self.pipeline_schedule in SCHEDULES,
+                 f"pipeline_schedule {self.pipeline_schedule!r}: use one of {', '.join(SCHEDULES)}")
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"split and pipeline must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         per_copy = self.split * self.pipeline
@@ -360,6 +361,11 @@ def estimate(
     _require(not (cluster.split > 1 and method.name == "qlora"),
              "qlora with split: linnet splits an NF4 base with shard fsdp, or cuts it into pipeline stages; plan it so")
     _require(not cut or batch.workers == 1, "packed workers with split or pipeline: each worker is a whole model")
+    _require(cluster.pipeline == 1 or cluster.pipeline_schedule != "zero-bubble" or batch.checkpointing == "none",
+             "zero-bubble with checkpointing: linnet refuses it (the split backward keeps each recomputed block "
+             "until its weights' half); plan interleaved, or --no-checkpointing")
+    _require(not (cluster.shard == "fsdp" and cut and cluster.pipeline_schedule == "zero-bubble"),
+             "zero-bubble with shard fsdp: linnet refuses it; plan interleaved")
     processes, modes = [], []
     copies = cluster.gpus // (cluster.split * cluster.pipeline)  # what each part's states shard over
     for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation, cluster.pipeline_schedule):

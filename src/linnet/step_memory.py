@@ -172,6 +172,9 @@ SHARDED_STATES: dict[str, frozenset[str]] = {
 # ---------------------------------------------------------------------------------------
 # What one process holds
 
+# linnet's pipeline schedules (training.pipeline_schedule), the last two two chunks a stage
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+
 
 @dataclass(frozen=True)
 class Part:
@@ -186,8 +189,9 @@ class Part:
     linnet.torch.losses' split ones, `split_head`). A head tied to the embedding stays one
     tensor only in a whole model. `in_flight`: micro-batches whose activations the part
     keeps at once (a fraction where an interleaved stage keeps some through one of its
-    chunks only). A later stage `receives` its input, an earlier one `sends` its output
-    on, each through a buffer a micro-batch of the step (`micro_batches`) that the
+    chunks only); of those, `awaiting` passes through one of its `chunks` (of blocks)
+    whose backward for the weights waits, on the zero-bubble schedule, each keeping its
+    whole graph. A later stage `receives` its input, an earlier one `sends` its output on, each through a buffer a micro-batch of the step (`micro_batches`) that the
     pipeline keeps for the whole run: as many of each as its chunks that do (interleaved,
     two a stage)."""
 
@@ -198,6 +202,8 @@ class Part:
     tied: bool = False
     split_head: bool = False
     in_flight: float = 1
+    chunks: int = 1
+    awaiting: int = 0
     receives: int = 0
     sends: int = 0
     micro_batches: int = 1
@@ -229,8 +235,8 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
         _require(getattr(card, name) % split == 0,
                  f"split {split}: card {card.name!r} has {name}={getattr(card, name)}, which {split} processes "
                  "cannot split evenly")
-    _require(schedule in ("1f1b", "interleaved"), f"pipeline schedule {schedule!r}: use 1f1b or interleaved")
-    chunks = stages * (2 if schedule == "interleaved" else 1)
+    _require(schedule in SCHEDULES, f"pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    chunks = stages * (1 if schedule == "1f1b" else 2)
     _require(card.layers >= chunks, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
                                     f"the {'chunks (two a stage)' if chunks > stages else 'stages'}")
     share = card.replace(heads=card.heads // split, kv_heads=card.kv_heads // split,
@@ -245,19 +251,24 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
         parts.append(Part(name + (f", 1/{split} of each block" if split > 1 and stages > 1 else ""),
                           share.replace(layers=held), embeds=i == 0,
                           head_rows=(card.vocab // split if split_head else card.vocab) if last else 0,
-                          split_head=split_head and last, in_flight=_in_flight(i, stages, micro_batches, len(mine)),
+                          split_head=split_head and last,
+                          in_flight=_in_flight(i, stages, micro_batches, len(mine), schedule == "zero-bubble"),
+                          chunks=len(mine), awaiting=_awaiting(i, stages, micro_batches, schedule == "zero-bubble"),
                           receives=sum(c > 0 for c in mine), sends=sum(c < chunks - 1 for c in mine),
                           micro_batches=micro_batches))
     return parts
 
 
-def _in_flight(i: int, stages: int, micro_batches: int, chunks: int) -> float:
+def _in_flight(i: int, stages: int, micro_batches: int, chunks: int, zero_bubble: bool = False) -> float:
     """Micro-batches whose activations stage i keeps at once, a chunk's pass counting as
     1/chunks of one. With fewer micro-batches than stages, GPipe: every one. 1F1B: P - i.
     Interleaved 1F1B (PyTorch's ScheduleInterleaved1F1B): the forwards of its warm-up,
     (chunks - 1) rounds' micro-batches and two a stage it is away from the last, and the
     one in hand; where the micro-batches do not divide into rounds of P, each chunk takes
-    them all in turn (ScheduleLoopedBFS): every one."""
+    them all in turn (ScheduleLoopedBFS): every one. Zero bubble
+    (ScheduleInterleavedZeroBubble): a warm-up of (chunks - 1) rounds and one a stage from
+    the last, the one in hand, and the i passes whose weights' half of the backward waits
+    (a pass keeps its activations until then)."""
     M, P = micro_batches, stages
     if M < P:
         return M
@@ -266,8 +277,18 @@ def _in_flight(i: int, stages: int, micro_batches: int, chunks: int) -> float:
     rounds = max(1, M // P)
     if M % rounds:
         return M
-    passes = min((chunks - 1) * (M // rounds) + 2 * (P - 1 - i) + 1, chunks * M)
-    return passes / chunks
+    rounds_kept = (chunks - 1) * (M // rounds)
+    passes = rounds_kept + P if zero_bubble else rounds_kept + 2 * (P - 1 - i) + 1
+    return min(passes, chunks * M) / chunks
+
+
+def _awaiting(i: int, stages: int, micro_batches: int, zero_bubble: bool) -> int:
+    """Passes (through one chunk) of stage i whose backward for the weights waits when the
+    most are in flight, on the zero-bubble schedule: the i + 1 whose input's gradient has
+    gone back (ScheduleInterleavedZeroBubble defers stage i's weights by i passes); 0 on
+    the other schedules, or where the micro-batches fall back to each chunk in turn."""
+    M, P = micro_batches, stages
+    return i + 1 if zero_bubble and M >= P and M % max(1, M // P) == 0 else 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,9 +502,22 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch, part: Part 
         recompute += (3 + (c == 2)) * 4 * largest if method.name == "dora" else 0
     each = top + (_norm_bytes(d, c, not method.adapters) * tokens if part.head_rows else c * d * tokens)
     earlier = (part.in_flight - 1) * each  # the other micro-batches in flight
+    if part.awaiting:  # their whole graph: the blocks' activations unchecked, each trained matmul's output gradient
+        earlier += part.awaiting / part.chunks * card.layers * (block - per_block +
+                                                                 _output_gradients(card, method) * tokens)
     buffers = (part.receives + part.sends) * part.micro_batches * c * d * tokens
     return Activations(each + earlier, loss, recompute, 2 * c * card.intermediate * tokens, top + earlier,
                        per_block + rope - frozen_input + earlier, buffers, each)
+
+
+def _output_gradients(card: cards.Card, method: Method) -> int:
+    """Bytes a token of the gradients of a block's trained products' outputs (each matmul's
+    and a trained norm's), which a zero-bubble schedule keeps from a pass's backward for
+    its input to the one for its weights."""
+    c, shapes = method.compute_bytes, card.linear_shapes()
+    if method.adapters:
+        return c * sum(o + method.rank for path, (o, _) in shapes.items() if path.rsplit(".", 1)[-1] in method.targets)
+    return c * (sum(o for o, _ in shapes.values()) + 2 * card.hidden)
 
 
 def _packed_head(rows: int, d: int, c: int, batch: Batch) -> int:
@@ -609,7 +643,9 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
         per_layer = max(per_layer, method.compute_bytes * blocks.block_params())
     head = 0 if method.adapters else grad * part.head_rows * card.hidden
     embedding = 0 if method.adapters or part.tied or not part.embeds else grad * card.vocab * card.hidden
-    in_forward = head if batch.chunked_loss and not part.split_head else 0
+    # the head's gradient the chunked loss makes in its forward, one a pass until its backward (for the
+    # weights, on the zero-bubble schedule)
+    in_forward = head * max(1, part.awaiting) if batch.chunked_loss and not part.split_head else 0
     kept_copies = copies if batch.checkpointing == "none" else 0
 
     def moment(activations: float, gradients: float = 0, copies: float = 0, temporary: float = 0) -> Moment:

@@ -32,6 +32,7 @@ from linnet.plan import (
     METHODS,
     NF4_BYTES,
     PRECISIONS,
+    SCHEDULES,
     SHARDED_STATES,
     Batch,
     Cluster,
@@ -183,7 +184,13 @@ def _cut_assumption(cluster: Cluster) -> str:
                      "by input columns (their adapters alike), and with them its attention heads and MLP "
                      "activations; the head split by vocabulary rows (its loss combines the rows' sums, the "
                      "logits never gathered); the embedding, the norms and the block inputs whole on each GPU")
-    if cluster.pipeline > 1 and cluster.pipeline_schedule == "interleaved":
+    if cluster.pipeline > 1 and cluster.pipeline_schedule == "zero-bubble":
+        parts.append(f"--pipeline {cluster.pipeline} zero-bubble: the interleaved chunks (stage i holding chunks i and "
+                     "i + P of 2P); each backward split into the input's gradient and the weights', the weights' of "
+                     "stage i waiting i passes; with --accumulation at least the stages stage i keeping a round of "
+                     "micro-batches through one chunk and P passes more, the one in hand among them (a pass keeps "
+                     "its activations until its weights' half), else every micro-batch's")
+    elif cluster.pipeline > 1 and cluster.pipeline_schedule == "interleaved":
         parts.append(f"--pipeline {cluster.pipeline} interleaved: the blocks cut into 2P chunks, stage i holding chunks i "
                      "and i + P, the first the embedding, the last the final norm and the head (a tied head "
                      "untied); with --accumulation at least the stages interleaved 1F1B, stage i keeping its "
@@ -307,9 +314,10 @@ def _parser() -> argparse.ArgumentParser:
     hardware("--pipeline", type=int, metavar="N",
              help="pipeline stages, each GPU holding consecutive blocks (linnet's training.pipeline); the first the "
              f"embedding, the last the norm and head; --accumulation is the micro-batches (default {cluster.pipeline})")
-    hardware("--pipeline-schedule", choices=["1f1b", "interleaved"],
-             help="with --pipeline: 1f1b, or interleaved (two chunks of blocks a stage, linnet's "
-                  f"training.pipeline_schedule) (default {cluster.pipeline_schedule})")
+    hardware("--pipeline-schedule", choices=list(SCHEDULES),
+             help="with --pipeline: 1f1b, interleaved (two chunks of blocks a stage) or zero-bubble (those chunks, "
+                  "each backward split in two), linnet's training.pipeline_schedule "
+                  f"(default {cluster.pipeline_schedule})")
     hardware("--shard", choices=list(SHARDED_STATES),
              help=f"which states split over the GPUs: zero the optimizer state alone (ZeroRedundancyOptimizer, linnet's "
                   f"training.shard=zero), ZeRO-1, ZeRO-2 or FSDP (default {cluster.shard})")

@@ -99,6 +99,18 @@ class FineTuningConfig:
         if split > 1 and self.model.quantize:
             raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={split} is not "
                              "supported yet; an NF4 base splits with training.shard=fsdp")
+        schedule = getattr(self.training, "pipeline_schedule", "1f1b")
+        if stages == 1 and schedule != "1f1b":
+            raise ValueError(f"config: training.pipeline_schedule={schedule} orders the micro-batches of pipeline "
+                             "stages: set training.pipeline to 2 or more stages, or leave the schedule at 1f1b")
+        if stages > 1 and schedule == "zero-bubble" and self.training.activation_checkpointing:
+            raise ValueError("config: training.pipeline_schedule=zero-bubble with training.activation_checkpointing "
+                             "is not supported: the split backward keeps each recomputed block until its weights' "
+                             "half runs (measured: more memory than without); use interleaved, or no checkpointing")
+        if stages > 1 and self.training.shard == "fsdp" and schedule == "zero-bubble":
+            raise ValueError("config: training.pipeline_schedule=zero-bubble with training.shard=fsdp is not "
+                             "supported yet (FSDP reduces a block's gradients before the split backward makes its "
+                             "weights'); use training.pipeline_schedule=interleaved")
         if stages > 1 and self.training.shard == "zero":
             raise ValueError(f"config: training.pipeline={stages} with training.shard=zero is not supported yet; "
                              "use training.shard=fsdp to shard each stage over its copies, or none")

@@ -200,11 +200,13 @@ class TrainingConfig:
                               "split processes a copy); the processes form copies of such pipelines, and with "
                               "training.shard=fsdp each stage's blocks are sharded over its copies",
                            only=("sft", "dpo", "reward", "distill", "grpo"))
-    pipeline_schedule: Literal["1f1b", "interleaved"] = option(
-        "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks) or interleaved "
+    pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = option(
+        "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks), interleaved "
                 "(interleaved 1F1B: two chunks a process, stage i of P holding chunks i and i + P of 2P, so the "
                 "pipeline idles half as long at a step's start and end, for twice the hand-offs; needs at least "
-                "2P layers); a step with fewer rows than stages runs every forward first",
+                "2P layers) or zero-bubble (the interleaved chunks, each backward split into the input's gradient, "
+                "passed on at once, and the weights', done in the idle turns; not with training.shard=fsdp); a "
+                "step with fewer rows than stages runs every forward first",
         only=("sft", "dpo", "reward", "distill", "grpo"))
 
     @property

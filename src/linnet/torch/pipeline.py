@@ -1,8 +1,8 @@
 """Pipeline stages: each process holds a run of consecutive blocks (the first stage the
 embedding too, the last the final norm and the head), and a step's micro-batches flow
-through the stages on a schedule, PyTorch's own (`torch.distributed.pipelining`: GPipe
-or 1F1B), so a model too deep for one process trains over several without splitting any
-one weight.
+through the stages on a schedule, PyTorch's own (`torch.distributed.pipelining`: GPipe,
+1F1B, interleaved 1F1B or zero-bubble), so a model too deep for one process trains over
+several without splitting any one weight.
 
     parallel.join()                                     # under torchrun
     model = nest.load(card, device=..., trainable=True)   # add_lora before, if any
@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from linnet.torch.distributed import most_across, sum_across
 from linnet.torch.sharding import copies_group, is_sharded
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
 
 
 class Blocks(nn.Module):
@@ -75,7 +75,9 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None, 
     "gpipe" (every forward, then every backward) or "interleaved" (interleaved 1F1B,
     Narayanan et al. 2021: the blocks cut into two chunks a process, process i of P holding
     chunks i and i + P, so a micro-batch passes each process twice and the pipeline's idle
-    start and end shrink by half, for twice the hand-offs). tensor_parallel: a one-dimension mesh
+    start and end shrink by half, for twice the hand-offs) or "zero-bubble" (the interleaved
+    chunks, each backward split in two, Qi et al. 2023: the input's gradient first, passed
+    on at once, the weights' later, filling the idle turns). tensor_parallel: a one-dimension mesh
     (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
     stage's blocks and head as `nest.load(..., tensor_parallel=)` does. fully_shard=True:
     shard each stage's blocks over its copies (the processes holding the same stage in the
@@ -102,6 +104,9 @@ def check(model, mesh, schedule: str, tensor_parallel, fully_shard: bool = False
     if fully_shard and tensor_parallel is not None:
         raise ValueError("pipeline: fully_shard with tensor_parallel is not supported yet; shard the stages or "
                          "split them")
+    if fully_shard and schedule == "zero-bubble":
+        raise ValueError("pipeline: schedule='zero-bubble' with fully_shard is not supported yet (FSDP reduces a "
+                         "block's gradients before the split backward makes its weights'); use 'interleaved'")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pipeline needs a process group: run under torchrun and call "
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
@@ -124,7 +129,7 @@ def check(model, mesh, schedule: str, tensor_parallel, fully_shard: bool = False
 
 def _chunks(schedule: str) -> int:
     """Chunks of blocks a process holds under `schedule`."""
-    return 2 if schedule == "interleaved" else 1
+    return 2 if schedule in ("interleaved", "zero-bubble") else 1
 
 
 def held(index: int, stages: int, layers: int, schedule: str) -> list[range]:
@@ -290,10 +295,15 @@ class Pipe:
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
             ScheduleLoopedBFS,
         )
 
         m = self.model
+        if self.schedule == "zero-bubble" and m.checkpointing:
+            raise ValueError("pipeline: schedule='zero-bubble' with activation checkpointing is not supported: the "
+                             "split backward keeps each recomputed block until its weights' half runs (measured: "
+                             "more memory than without checkpointing); use 'interleaved', or no checkpointing")
         runs = held(self.index, self.stages, m.card.layers, self.schedule)
         n = self.stages * len(runs)
         stages = []
@@ -311,9 +321,11 @@ class Pipe:
         if len(stages) == 1:
             order = Schedule1F1B if backward and kind == "1f1b" else ScheduleGPipe
             return order(stages[0], n_microbatches=M, **loss), chunks
-        # interleaved 1F1B takes its micro-batches in rounds of `stages`; else each chunk in turn
+        # interleaved 1F1B and zero-bubble take their micro-batches in rounds of `stages`; else each chunk in turn
         rounds = max(1, M // self.stages)
-        order = ScheduleInterleaved1F1B if backward and kind == "interleaved" and M % rounds == 0 else ScheduleLoopedBFS
+        order = ScheduleLoopedBFS
+        if backward and kind != "gpipe" and M % rounds == 0:
+            order = ScheduleInterleavedZeroBubble if kind == "zero-bubble" else ScheduleInterleaved1F1B
         return order(stages, n_microbatches=M, **loss), chunks
 
 
@@ -354,7 +366,7 @@ class _Stage(nn.Module):
             keep = torch.as_tensor(head.positions(row), device=m.device) if hidden else m._learned(row, n)
         h = m._blocks(x, positions, *layout, keep=keep, blocks=self.blocks)
         if not self.last:
-            return m._padded(h, row)[None]
+            return m._padded(h, row).unsqueeze_(0)  # not a view: zero-bubble schedules detach it in place
         if head is None:
             loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
             if blank:
