@@ -10,7 +10,8 @@ packed rows a step:
   one process        accumulate 8, one thread (and again with two threads)
   two copies         two processes (torchrun), four rows each, gradients summed
   two stages         two processes, each half the blocks (`linnet.torch.pipeline`),
-                     the step's 8 rows as micro-batches on GPipe, then on 1F1B
+                     the step's 8 rows as micro-batches on GPipe, then on 1F1B, then
+                     on interleaved 1F1B and zero bubble (two chunks of blocks a process)
 
 Reported: the median seconds a step after a warm-up step, tokens a second, the bytes of
 parameters, gradients and AdamW state each process holds (counted from its tensors: the
@@ -27,14 +28,15 @@ import statistics
 import sys
 import time
 
-from _common import command, machine, peak_rss, reset_peak, run_child, send_result, table, write_report
+from _common import KEEP, command, machine, peak_rss, reset_peak, run_child, send_result, table, write_report
 
 HERE = os.path.abspath(__file__)
 SIZE = dict(hidden=256, intermediate=704, layers=8, heads=4, kv_heads=2, head_dim=64, vocab=8192)
 ROWS, TOKENS = 8, 256  # a step: 8 packed rows of 256 positions
 MODES = [("one process, 1 thread", 1, "one", 1), ("one process, 2 threads", 1, "one", 2),
          ("two copies (data parallel)", 2, "copies", 1), ("two stages, GPipe", 2, "gpipe", 1),
-         ("two stages, 1F1B", 2, "1f1b", 1)]
+         ("two stages, 1F1B", 2, "1f1b", 1), ("two stages, interleaved 1F1B", 2, "interleaved", 1),
+         ("two stages, zero bubble", 2, "zero-bubble", 1)]
 
 
 def _rows(steps: int):
@@ -65,7 +67,7 @@ def child(mode: str, steps: int, threads: int) -> None:
     rows, accumulate = _rows(steps), ROWS
     if mode == "copies":
         rows, accumulate = rows[rank::processes], ROWS // processes
-    elif mode in ("gpipe", "1f1b"):
+    elif mode != "one":
         pipeline(model, schedule=mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     reset_peak()
@@ -126,7 +128,7 @@ def main(argv=None) -> None:
         "",
         "The last loss is the same in every mode up to rounding: every mode takes the same steps.",
     ])
-    write_report(text, args.out)
+    write_report(text, args.out, keep=KEEP)
 
 
 if __name__ == "__main__":
