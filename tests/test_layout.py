@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parents[1] / "src" / "linnet"
 MAX_LINES = 650
 # Backend-neutral: no torch, no JAX when imported (the JAX backend, tokenizer workers and
 # the planner use them).
-NEUTRAL = ["cards", "hardware", "step_memory", "packing", "paths", "files", "history", "schedules", "checkpoint_layout", "rollouts",
+NEUTRAL = ["cards", "hardware", "step_memory", "plan_parts", "packing", "paths", "files", "history", "schedules", "checkpoint_layout", "rollouts",
            "adapter_files", "metrics", "tables", "progress", "plan", "config", "pretrain.recipe", "data.corpus",
            "pretrain.tokenize", "commands.plan"]
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from linnet import plan, step_memory
+from linnet import plan, plan_parts, step_memory
 from linnet.commands import plan as plan_command
 from linnet.plan import (
     ACCELERATORS,
@@ -744,12 +744,12 @@ def test_model_parts_divide_the_model_as_linnet_does():
     1F1B (micro-batches >= stages) keeps P - i in flight at stage i, GPipe every one; a
     split divides each block's projections and the head's rows, not the embedding or norms."""
     card = PARTS_CARD
-    parts = step_memory.model_parts(card, stages=2, micro_batches=8)
+    parts = plan_parts.model_parts(card, stages=2, micro_batches=8)
     assert [p.card.layers for p in parts] == [2, 3] and [p.embeds for p in parts] == [True, False]
     assert [p.head_rows for p in parts] == [0, 64] and not any(p.tied for p in parts)
     assert sum(p.params() for p in parts) == card.params() + card.vocab * card.hidden
-    assert [p.in_flight for p in step_memory.model_parts(card, stages=4, micro_batches=8)] == [4, 3, 2, 1]
-    assert [p.in_flight for p in step_memory.model_parts(card, stages=4, micro_batches=2)] == [2, 2, 2, 2]
+    assert [p.in_flight for p in plan_parts.model_parts(card, stages=4, micro_batches=8)] == [4, 3, 2, 1]
+    assert [p.in_flight for p in plan_parts.model_parts(card, stages=4, micro_batches=2)] == [2, 2, 2, 2]
 
 
 def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
@@ -761,25 +761,25 @@ def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
     than the stages, GPipe. Each chunk that receives or sends has its buffers; the planner
     and `linnet plan` take the schedule, and refuse a card with fewer layers than chunks."""
     card = PARTS_CARD
-    parts = step_memory.model_parts(card, stages=2, micro_batches=4, schedule="interleaved")
+    parts = plan_parts.model_parts(card, stages=2, micro_batches=4, schedule="interleaved")
     assert [p.card.layers for p in parts] == [2, 3] and [p.in_flight for p in parts] == [2.5, 1.5]
     assert [(p.receives, p.sends) for p in parts] == [(1, 2), (2, 1)]
     for m, flight in ((5, [5, 5]), (1, [1, 1])):
-        assert [p.in_flight for p in step_memory.model_parts(card, stages=2, micro_batches=m,
+        assert [p.in_flight for p in plan_parts.model_parts(card, stages=2, micro_batches=m,
                                                              schedule="interleaved")] == flight
     with pytest.raises(ValueError, match="fewer than the chunks"):
-        step_memory.model_parts(card, stages=3, schedule="interleaved")
+        plan_parts.model_parts(card, stages=3, schedule="interleaved")
     settings = dict(seq=256, accumulation=4, gpus=2, pipeline=2)
     one, two = (plan.estimate(card, **plan.plan_inputs({**settings, "pipeline_schedule": s}))
                 for s in ("1f1b", "interleaved"))
     # the first stage: more in flight (2.5 micro-batches against 2) and three buffers' worth against one
     assert max(two.processes[0].phases.values()) > max(one.processes[0].phases.values())
-    (split,) = step_memory.model_parts(card, split=2)
+    (split,) = plan_parts.model_parts(card, split=2)
     linears = sum(o * i for o, i in card.linear_shapes().values())
     norms = card.block_params() - linears
     assert split.params() == (card.vocab * card.hidden + card.vocab // 2 * card.hidden + card.hidden
                               + card.layers * (linears // 2 + norms))
-    assert split.split_head and step_memory.model_parts(card.replace(vocab=63), split=2)[0].head_rows == 63
+    assert split.split_head and plan_parts.model_parts(card.replace(vocab=63), split=2)[0].head_rows == 63
     lora = plan.Method("lora", rank=4)
     assert plan.trainable_params(card, lora, split) == plan.trainable_params(card, lora) - card.layers * 4 * sum(
         (o if name.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")) else i) // 2

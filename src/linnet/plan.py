@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from linnet import cards
+from linnet.plan_parts import SCHEDULES, Part, _require, model_parts, whole  # noqa: F401  (re-exported)
 from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's public names)
     CHECKPOINTING,
     COMPARED,
@@ -38,27 +39,22 @@ from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's publ
     METHODS,
     NF4_BYTES,
     PHASES,
-    SCHEDULES,
     SHARDED_STATES,
     Activations,
     Batch,
     Method,
     Moment,
-    Part,
     States,
-    _require,
     activation_bytes,
     block_activation_bytes,
     logits_bytes,
     loss_rows,
-    model_parts,
     quantized_params,
     sharded_states,
     stage_root,
     state_bytes,
     step_moments,
     trainable_params,
-    whole,
 )
 
 GB = 1e9

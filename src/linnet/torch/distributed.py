@@ -191,10 +191,9 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     if world()[1] == 1:
         return
     alone = group is not None and dist.get_world_size(group) == 1
-    over = None if group is None else dist.get_process_group_ranks(group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
-        if isinstance(p, DTensor) and (group is None or _ranks(p.device_mesh) == over):
+        if isinstance(p, DTensor) and (group is None or sharded_over(p, group)):
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -218,9 +217,11 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             _reduce_flat(bucket, group)
 
 
-def _ranks(mesh) -> list[int] | None:
-    """The ranks of a one-dimension mesh's group (None for more dimensions)."""
-    return dist.get_process_group_ranks(mesh.get_group()) if mesh.ndim == 1 else None
+def sharded_over(t: torch.Tensor, group) -> bool:
+    """Whether `t` is a DTensor split over exactly the processes of `group` (a pipeline
+    stage's parameter fully_shard split over its copies), not over a tensor-parallel split."""
+    return (isinstance(t, DTensor) and group is not None and t.device_mesh.ndim == 1
+            and dist.get_process_group_ranks(t.device_mesh.get_group()) == dist.get_process_group_ranks(group))
 
 
 def _reduce_flat(grads: list[torch.Tensor], group) -> None:

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import (
 from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
+from linnet.torch.distributed import sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
 from linnet.torch.sharding import dropout, full
@@ -423,9 +424,9 @@ class Decoder(nn.Module):
     def split_head(self):
         """(this process's rows of the head, {offset, group}) when tensor_parallel split the
         head by vocabulary; None for a whole head (FSDP's parts are not a vocabulary split:
-        its processes hold other rows of the batch)."""
+        its processes hold other rows of the batch, as do a sharded pipeline stage's copies)."""
         w = self.head_weight
-        if not isinstance(w, DTensor) or self.copies is None:
+        if not isinstance(w, DTensor) or self.copies is None or sharded_over(w, self.copies):
             return None
         local = w.to_local()
         return local, {"offset": w.device_mesh.get_local_rank() * local.shape[0], "group": w.device_mesh.get_group()}

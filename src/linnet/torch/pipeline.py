@@ -167,7 +167,9 @@ def shard_stage(model, copies, device_type: str) -> None:
     """Shard the cut `model`'s blocks over `copies` (its stage's processes in the other
     pipelines), the root (embedding, final norm, head) left whole: the stage's schedule
     reads those outside the entries FSDP hooks, and `train` sums their gradients across
-    the copies as it does an unsharded stage's."""
+    the copies as it does an unsharded stage's. (Sharding the root too, gathered around
+    each pass of the stage, made the copies' gathers in backward come in different
+    orders under PyTorch 2.13's FSDP2 and pipelining schedules: not done.)"""
     from torch.distributed.device_mesh import DeviceMesh
 
     from linnet.torch.sharding import fully_shard

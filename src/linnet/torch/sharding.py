@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from linnet.adapter_files import ADAPTER_SUFFIXES
+from linnet.torch.distributed import sharded_over
 
 # The methods trainers call in place of forward: each gathers the root unit's parameters.
 ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
@@ -204,9 +205,8 @@ def split_mesh(model):
     """The mesh over which tensor_parallel split `model`'s blocks, None when it is not
     split (a pipeline's stages sharded over their copies are not a split: each copy takes
     its own rows)."""
-    copies = dist.get_process_group_ranks(model.copies) if getattr(model, "copies", None) is not None else None
-    return next((p.device_mesh for p in model.parameters()
-                 if isinstance(p, DTensor) and dist.get_process_group_ranks(p.device_mesh.get_group()) != copies),
+    copies = getattr(model, "copies", None)
+    return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and not sharded_over(p, copies)),
                 None)
 
 
