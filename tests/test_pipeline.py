@@ -269,8 +269,8 @@ def _sharded_stages(rank, lora, out):
 @pytest.mark.parametrize("lora", [False, True])
 def test_stages_sharded_over_their_copies_train_like_one_process(tmp_path, lora):
     """Pipeline stages sharded over their copies (`nest.load(pipeline=, fully_shard=True)`):
-    each process holds half of each of its stage's block weights (the embedding, norm and
-    head whole), and a copy with fewer rows in a step (SFT) or fewer rows of pairs (DPO,
+    each process holds half of each of its stage's weights (the blocks, the embedding, the
+    norm and the head), and a copy with fewer rows in a step (SFT) or fewer rows of pairs (DPO,
     its reference log-probabilities through the stages) passes rows that learn nothing, so
     the copies' gathers meet; the steps equal one process's over every row, the held-out
     loss (a copy with one row of three) the whole model's, and the saved weights and the
@@ -279,8 +279,9 @@ def test_stages_sharded_over_their_copies_train_like_one_process(tmp_path, lora)
     results = in_processes(_sharded_stages, lora, out, processes=4)
     q = "model.layers.{}.self_attn.q_proj.weight"
     for rank, (parts, *_) in enumerate(results):
-        assert all(".layers." in n for n in parts)  # the embedding, norm and head stay whole
         assert parts[q.format(2 * (rank % 2))] == (CARD.heads * CARD.head_dim // 2, CARD.hidden)
+        root = "lm_head.weight" if rank % 2 else "model.embed_tokens.weight"
+        assert parts[root] == (CARD.vocab // 2, CARD.hidden)
     assert all(r[1:] == results[0][1:] for r in results)
     torch.manual_seed(0)
     whole = nest.load(CARD, weights="random", seed=0, trainable=not lora,
@@ -479,8 +480,8 @@ def _sharded_held(rank):
 
 def test_the_planner_counts_what_sharded_stages_hold():
     """`linnet plan --pipeline 2 --gpus 4 --shard fsdp`: each stage's states are those of its
-    blocks' halves and its whole embedding or head, parameter for parameter (mixed-precision
-    AdamW: 2 B of gradient, 4 of master copy, 8 of moments a parameter held)."""
+    half of the stage (blocks, embedding or head alike), parameter for parameter
+    (mixed-precision AdamW: 2 B of gradient, 4 of master copy, 8 of moments a parameter held)."""
     from linnet import plan
 
     settings = dict(method="full", pipeline=2, gpus=4, shard="fsdp")

@@ -78,8 +78,8 @@ def load(
     fully_shard=True: shard the model over every process (linnet.torch.fully_shard) before
     its weights are read or drawn, each process keeping only its part (an NF4 base's codes
     too); for full fine-tuning (trainable=True) or adapters (lora=). With pipeline, each
-    stage's blocks are sharded over its copies (the processes holding the same stage in
-    the other pipelines), its embedding, final norm and head kept whole.
+    stage is sharded over its copies (the processes holding the same stage in the other
+    pipelines).
     lora: adapters to add, as add_lora's arguments in a dict (`patterns` and any of rank,
     alpha, dropout, rslora, dora), e.g. dict(patterns="*_proj.weight", rank=16): the same
     model as model.add_lora(...) after loading, drawn from the same global RNG. With

@@ -50,8 +50,6 @@ from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's publ
     logits_bytes,
     loss_rows,
     quantized_params,
-    sharded_states,
-    stage_root,
     state_bytes,
     step_moments,
     trainable_params,
@@ -367,12 +365,10 @@ def estimate(
     for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation, cluster.pipeline_schedule):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
                 for mode in CHECKPOINTING}
-        over = copies if cut and cluster.shard == "fsdp" else 1  # a stage's blocks sharded over its copies
+        over = copies if cut and cluster.shard == "fsdp" else 1  # a stage sharded over its copies
         moments = step_moments(card, method, batch, acts[batch.checkpointing], part, over)  # per GPU when over > 1
         states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard, copies,
                              quantized_params(part.card, method))
-        if over > 1:  # the root whole
-            states = sharded_states(states, over, stage_root(part, method))
         n = batch.workers
         if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
             moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]

@@ -443,23 +443,9 @@ def _optimizer_temporary(method: Method, batch: Batch, largest: int, trainable: 
     return 2 * 4 * largest if batch.device == "cpu" else 4 * trainable
 
 
-def stage_root(part: Part, method: Method) -> dict[str, float]:
-    """A pipeline stage's states outside its blocks (the embedding, final norm and head), by
-    kind: whole on every GPU when the stage's blocks are sharded over its copies
-    (linnet.torch.pipeline.shard_stage). None of them trains under an adapter method."""
-    root = part.params() - part.card.layers * part.card.block_params()
-    return dataclasses.asdict(state_bytes(root, 0 if method.adapters else root, method))
-
-
 def _root_largest(part: Part) -> int:
     """Values in the largest tensor outside a part's blocks (its embedding or head)."""
     return max(part.card.vocab * part.card.hidden if part.embeds else 0, part.head_rows * part.card.hidden)
-
-
-def sharded_states(states: States, gpus: int, whole: dict[str, float]) -> States:
-    """`states` split over `gpus` (state_bytes with them) with the bytes of `whole` (by
-    kind) kept whole after all."""
-    return States(**{k: v + whole.get(k, 0) * (1 - 1 / gpus) for k, v in dataclasses.asdict(states).items()})
 
 
 def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations,
@@ -487,10 +473,12 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     A part (model_parts) holds its own states; a stage without the head starts its backward
     with the gradient of its output, received into a buffer; a head split by vocabulary
     makes the head's gradient and the hidden states' in backward, recomputing the logits.
-    `over` > 1: the part is a pipeline stage whose blocks are sharded over `over` copies
-    (linnet.torch.pipeline.shard_stage): the moments are then one GPU's, the blocks' states,
-    compute copies and optimizer temporaries split over the copies (a block gathered whole
-    as it runs), the embedding, norm and head, and their gradients, whole.
+    `over` > 1: the part is a pipeline stage sharded over `over` copies
+    (linnet.torch.pipeline.shard_stage): the moments are then one GPU's, every state, the
+    compute copies and the optimizer's temporaries split over the copies (adapters whole), a
+    block gathered whole as it runs, the root (embedding, final norm, head) gathered whole
+    through the step's passes (FSDP keeps a root unit from its forward to its backward), and
+    the head's and embedding's gradients made whole before they are reduced to parts.
     """
     part = part or whole(card)
     trainable = trainable_params(card, method, part)
@@ -499,13 +487,11 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     blocks = part.card
     held, largest = trainable, _largest_trainable(part, method)  # trained values this GPU holds; its largest tensor
     if over > 1:
-        root = stage_root(part, method)
-        states = sharded_states(state_bytes(part.params(), trainable, method, "fsdp", over, quantized), over, root)
+        states = state_bytes(part.params(), trainable, method, "fsdp", over, quantized)
         if not method.adapters:  # adapters stay whole
-            trained_root = part.params() - blocks.layers * blocks.block_params()
-            held = trained_root + (trainable - trained_root) / over
-            largest = max(_root_largest(part), max(o * i for o, i in blocks.linear_shapes().values()) / over)
+            held, largest = trainable / over, largest / over
     grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
+    gathered = c * (part.params() - blocks.layers * blocks.block_params()) if over > 1 else 0  # the root, whole
     copies = method.copy_bytes * held if method.master_bytes else 0
     stored = states.weights - copies
     per_layer = 0
@@ -538,13 +524,17 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     earlier = live if batch.accumulation > part.in_flight else 0
     per_layer = per_layer or copies / blocks.layers  # one block's compute copies (gathered whole)
     moments = {
-        "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies)],
-        "backward": [moment(start, earlier + head + in_forward, kept_copies),
-                     moment(acts.top + working, max(earlier, head), kept_copies or per_layer),
-                     moment(acts.bottom + working, max(earlier, states.gradients - embedding), per_layer)],
+        "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies + gathered)],
+        "backward": [moment(start, earlier + head + in_forward, kept_copies + gathered),
+                     moment(acts.top + working, max(earlier, head), (kept_copies or per_layer) + gathered),
+                     moment(acts.bottom + working, max(earlier, states.gradients - embedding / over),
+                            per_layer + gathered)],
         "optimizer": [moment(0, states.gradients, temporary=temporary)],
     }
+    if over > 1 and embedding:  # backward's end: the embedding's whole gradient beside every part, and its copy
+        # in the flat buffer it is reduced from, beside what the other micro-batches in flight keep
+        moments["backward"].append(moment(acts.kept - acts.each, states.gradients + 2 * embedding, gathered))
     if live and not earlier:  # every forward before the first backward: the later backwards hold one fewer
-        moments["backward"] += [moment(acts.top - acts.each + working, live, kept_copies or per_layer),
-                                moment(acts.bottom - acts.each + working, live, per_layer)]
+        moments["backward"] += [moment(acts.top - acts.each + working, live, (kept_copies or per_layer) + gathered),
+                                moment(acts.bottom - acts.each + working, live, per_layer + gathered)]
     return moments

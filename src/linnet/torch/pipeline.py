@@ -20,8 +20,8 @@ step's count of learned positions on the last stage before its backward, so grad
 equal one process's over the same rows; `train` then adds each stage's squared gradient
 norm across the pipeline for clipping and reports the last stage's loss on every process. With several pipelines (`mesh` one dimension of a
 ("copies", "stages") mesh), each stage's gradients are summed across its copies, as a
-split model's are; with fully_shard=True each stage's blocks are sharded over its copies
-instead (FSDP), and a copy with fewer micro-batches passes blank ones so their gathers meet.
+split model's are; with fully_shard=True each stage is sharded over its copies instead
+(FSDP), and a copy with fewer micro-batches passes blank ones so their gathers meet.
 
 A head tied to the embedding is untied first (the first stage embeds, the last predicts):
 it starts as a copy of the embedding and trains apart from it, as under tensor_parallel.
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import MethodType
 
 import torch
 import torch.distributed as dist
@@ -80,9 +81,9 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None, 
     on at once, the weights' later, filling the idle turns). tensor_parallel: a one-dimension mesh
     (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
     stage's blocks and head as `nest.load(..., tensor_parallel=)` does. fully_shard=True:
-    shard each stage's blocks over its copies (the processes holding the same stage in the
-    other pipelines; FSDP, `linnet.torch.fully_shard`), the embedding, final norm and head
-    staying whole. Adapters go on before (after, with tensor_parallel). Call before
+    shard each stage over its copies (the processes holding the same stage in the other
+    pipelines; FSDP, `linnet.torch.fully_shard`: a unit a block, and one for the embedding,
+    final norm and head). Adapters go on before (after, with tensor_parallel). Call before
     building the optimizer; returns the model. `nest.load(card, pipeline=mesh["stages"])`
     builds the stage alone instead, never holding the other stages' weights."""
     mesh = check(model, mesh, schedule, tensor_parallel, fully_shard)
@@ -147,6 +148,7 @@ def cut(model, mesh, schedule: str = "1f1b") -> None:
     stages, index, layers = mesh.size(), mesh.get_local_rank(), model.card.layers
     if model.card.tied_embeddings:
         model.untie_head()
+    model.stage_pass = MethodType(_stage_pass, model)
     model.model.layers = Blocks({i: model.model.layers[i] for run in held(index, stages, layers, schedule)
                                  for i in run})
     if index > 0:
@@ -164,17 +166,21 @@ def stage_copies(mesh, tensor_parallel):
 
 
 def shard_stage(model, copies, device_type: str) -> None:
-    """Shard the cut `model`'s blocks over `copies` (its stage's processes in the other
-    pipelines), the root (embedding, final norm, head) left whole: the stage's schedule
-    reads those outside the entries FSDP hooks, and `train` sums their gradients across
-    the copies as it does an unsharded stage's. (Sharding the root too, gathered around
-    each pass of the stage, made the copies' gathers in backward come in different
-    orders under PyTorch 2.13's FSDP2 and pipelining schedules: not done.)"""
+    """Shard the cut `model` over `copies` (its stage's processes in the other pipelines):
+    each block a unit, and the root (its embedding, final norm and head) one that
+    `stage_pass`, the method every pass of the stage runs through, gathers as a forward."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from linnet.torch.sharding import fully_shard
 
-    fully_shard(model, mesh=DeviceMesh.from_group(copies, device_type, mesh_dim_names=("copies",)), blocks_only=True)
+    fully_shard(model, mesh=DeviceMesh.from_group(copies, device_type, mesh_dim_names=("copies",)),
+                entries=("stage_pass",))
+
+
+def _stage_pass(model, run, *args):
+    """run(*args): one pass of a stage's chunk (`model.stage_pass`), a method of the model
+    so that fully_shard can gather the stage's root around it."""
+    return run(*args)
 
 
 def staged(model, mesh, schedule: str, copies):
@@ -351,6 +357,9 @@ class _Stage(nn.Module):
         self.values: list[torch.Tensor] | None = None  # Pipe.values' per-row results
 
     def forward(self, x, mb):
+        return self.model.stage_pass(self._pass, x, mb)
+
+    def _pass(self, x, mb):
         m = self.model
         index = int(mb)
         row = self.rows[index]
@@ -368,7 +377,9 @@ class _Stage(nn.Module):
             keep = torch.as_tensor(head.positions(row), device=m.device) if hidden else m._learned(row, n)
         h = m._blocks(x, positions, *layout, keep=keep, blocks=self.blocks)
         if not self.last:
-            return m._padded(h, row).unsqueeze_(0)  # not a view: zero-bubble schedules detach it in place
+            # a tensor of its own: zero-bubble schedules detach it in place, and a sharded root's backward
+            # hook on it then fires before the last block's, whatever the row's padding
+            return m._padded(h, row).unsqueeze(0).clone()
         if head is None:
             loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
             if blank:

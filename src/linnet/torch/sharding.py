@@ -35,12 +35,11 @@ from linnet.torch.distributed import sharded_over
 ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
 
 
-def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, blocks_only: bool = False):
+def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, entries: tuple[str, ...] = ENTRIES):
     """Shard `model` (a linnet Decoder, adapters added first) over `mesh` (default: every
     process of the group). Call after add_lora and before building the optimizer;
-    returns the model, changed in place. blocks_only: shard the blocks alone and keep the
-    embedding, final norm and head whole (a pipeline stage's, sharded over its copies:
-    the stage runs them outside the entries FSDP hooks)."""
+    returns the model, changed in place. `entries`: the methods that gather the root unit
+    (embedding, final norm, head) as `forward` would (a pipeline stage's `stage_pass`)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, register_fsdp_forward_method
     from torch.distributed.fsdp import fully_shard as fsdp
 
@@ -54,10 +53,9 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, blocks_
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))
     for block in model.model.layers:
         fsdp(block, reshard_after_forward=reshard_after_forward, **options)
-    if not blocks_only:
-        fsdp(model, **options)
-        for name in ENTRIES:
-            register_fsdp_forward_method(model, name)
+    fsdp(model, **options)
+    for name in entries:
+        register_fsdp_forward_method(model, name)
     # FSDP moved its parts and the buffers to the mesh's device (a model loaded on the CPU to
     # its GPU); the adapters it ignores and an NF4 weight's quantization state go along
     for p in adapters:
