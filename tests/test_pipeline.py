@@ -243,7 +243,7 @@ def test_two_pipelines_train_like_one_and_resume_as_stages(tmp_path):
 SHARES = ([0, 2, 4, 6], [1, 3, 5])  # each copy's rows: the second's last step has one row, the first's two
 
 
-def _sharded_stages(rank, lora, out):
+def _sharded_stages(rank, lora, schedule, out):
     """Two copies of a two-stage pipeline (rank = 2 x copy + stage), each stage's blocks
     sharded over its two copies as they load: SFT on each copy's rows (SHARES) and a
     held-out loss over three rows, or with LoRA DPO on _pairs (two rows a step against
@@ -255,7 +255,7 @@ def _sharded_stages(rank, lora, out):
     copy = mesh.get_local_rank("copies")
     torch.manual_seed(0)
     model = nest.load(CARD, weights="random", seed=0, trainable=not lora, pipeline=mesh["stages"], fully_shard=True,
-                      lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
+                      pipeline_schedule=schedule, lora=dict(patterns="*_proj.weight", rank=4) if lora else None)
     parts = {n: tuple(p.to_local().shape) for n, p in model.named_parameters() if isinstance(p, DTensor)}
     if lora:
         return parts, _dpo(model, [p for s in range(2) for p in _pairs(copy, s)], 2)
@@ -266,20 +266,22 @@ def _sharded_stages(rank, lora, out):
     return parts, steps, held
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_stages_sharded_over_their_copies_train_like_one_process(tmp_path, lora):
+@pytest.mark.parametrize("lora, schedule", [(False, "1f1b"), (True, "1f1b"), (False, "interleaved")])
+def test_stages_sharded_over_their_copies_train_like_one_process(tmp_path, lora, schedule):
     """Pipeline stages sharded over their copies (`nest.load(pipeline=, fully_shard=True)`):
     each process holds half of each of its stage's weights (the blocks, the embedding, the
     norm and the head), and a copy with fewer rows in a step (SFT) or fewer rows of pairs (DPO,
     its reference log-probabilities through the stages) passes rows that learn nothing, so
     the copies' gathers meet; the steps equal one process's over every row, the held-out
     loss (a copy with one row of three) the whole model's, and the saved weights and the
-    checkpoint one process's trained weights."""
+    checkpoint one process's trained weights; and so on the interleaved schedule (blocks 0
+    and 2 on the first stage)."""
     out = tmp_path / "staged"
-    results = in_processes(_sharded_stages, lora, out, processes=4)
+    results = in_processes(_sharded_stages, lora, schedule, out, processes=4)
     q = "model.layers.{}.self_attn.q_proj.weight"
     for rank, (parts, *_) in enumerate(results):
-        assert parts[q.format(2 * (rank % 2))] == (CARD.heads * CARD.head_dim // 2, CARD.hidden)
+        assert parts[q.format(rank % 2 if schedule == "interleaved" else 2 * (rank % 2))] == \
+            (CARD.heads * CARD.head_dim // 2, CARD.hidden)
         root = "lm_head.weight" if rank % 2 else "model.embed_tokens.weight"
         assert parts[root] == (CARD.vocab // 2, CARD.hidden)
     assert all(r[1:] == results[0][1:] for r in results)
