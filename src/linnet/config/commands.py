@@ -109,8 +109,9 @@ class FineTuningConfig:
                              "half runs (measured: more memory than without); use interleaved, or no checkpointing")
         if stages > 1 and self.training.shard == "fsdp" and schedule == "zero-bubble":
             raise ValueError("config: training.pipeline_schedule=zero-bubble with training.shard=fsdp is not "
-                             "supported yet (FSDP reduces a block's gradients before the split backward makes its "
-                             "weights'); use training.pipeline_schedule=interleaved")
+                             "supported yet (FSDP reshards a block after its forward and reduces its gradients when its "
+                             "backward ends, so the weights' half finds nothing to compute); use "
+                             "training.pipeline_schedule=interleaved")
         if stages > 1 and self.training.shard == "zero":
             raise ValueError(f"config: training.pipeline={stages} with training.shard=zero is not supported yet; "
                              "use training.shard=fsdp to shard each stage over its copies, or none")

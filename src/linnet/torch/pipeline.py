@@ -106,8 +106,9 @@ def check(model, mesh, schedule: str, tensor_parallel, fully_shard: bool = False
         raise ValueError("pipeline: fully_shard with tensor_parallel is not supported yet; shard the stages or "
                          "split them")
     if fully_shard and schedule == "zero-bubble":
-        raise ValueError("pipeline: schedule='zero-bubble' with fully_shard is not supported yet (FSDP reduces a "
-                         "block's gradients before the split backward makes its weights'); use 'interleaved'")
+        raise ValueError("pipeline: schedule='zero-bubble' with fully_shard is not supported yet (FSDP reshards a "
+                         "block after its forward and reduces its gradients when its backward ends, so the weights' "
+                         "half finds nothing to compute); use 'interleaved'")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("pipeline needs a process group: run under torchrun and call "
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
