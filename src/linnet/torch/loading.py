@@ -181,7 +181,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         from linnet.torch.sharding import tensor_parallel as split
 
         split(model, tensor_parallel)
-    if fully_shard and pipeline is not None:  # each stage's blocks over its copies
+    if fully_shard and pipeline is not None:  # each stage over its copies
         stages.shard_stage(model, copies, device.type)
     elif fully_shard:  # a tied head is the embedding's own parameter: one part
         from linnet.torch.sharding import fully_shard as shard
