@@ -191,7 +191,8 @@ def _largest_trainable(part: Part, method: Method) -> int:
     c = part.card
     if method.adapters:
         return method.rank * max(max(shape) for shape in _targeted(c, method))
-    return max(_root_largest(part), *(o * i for o, i in c.linear_shapes().values()))
+    return max(c.vocab * c.hidden if part.embeds else 0, part.head_rows * c.hidden,
+               *(o * i for o, i in c.linear_shapes().values()))
 
 
 def _targeted(card: cards.Card, method: Method) -> list[tuple[int, int]]:
@@ -433,21 +434,6 @@ class Moment:
         return sum(v / gpus if k in split else v for k, v in self.states.items()) + self.activations
 
 
-def _optimizer_temporary(method: Method, batch: Batch, largest: int, trainable: int) -> float:
-    """Bytes the optimizer step makes beside the states (see step_moments), its largest
-    trained tensor of `largest` values, `trainable` in all."""
-    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
-        return 0
-    if method.optimizer_bytes == 2:
-        return EIGHT_BIT_CPU_COPIES * 4 * largest
-    return 2 * 4 * largest if batch.device == "cpu" else 4 * trainable
-
-
-def _root_largest(part: Part) -> int:
-    """Values in the largest tensor outside a part's blocks (its embedding or head)."""
-    return max(part.card.vocab * part.card.hidden if part.embeds else 0, part.head_rows * part.card.hidden)
-
-
 def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations,
                  part: Part | None = None, over: int = 1) -> dict[str, list[Moment]]:
     """For each phase of a training step, the moments that may hold its peak (whole states:
@@ -482,24 +468,23 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     """
     part = part or whole(card)
     trainable = trainable_params(card, method, part)
-    quantized = quantized_params(part.card, method)
-    states = state_bytes(part.params(), trainable, method, quantized=quantized)
+    states = state_bytes(part.params(), trainable, method, "fsdp" if over > 1 else "none", over,
+                         quantized_params(part.card, method))
     blocks = part.card
     held, largest = trainable, _largest_trainable(part, method)  # trained values this GPU holds; its largest tensor
-    if over > 1:
-        states = state_bytes(part.params(), trainable, method, "fsdp", over, quantized)
-        if not method.adapters:  # adapters stay whole
-            held, largest = trainable / over, largest / over
+    if over > 1 and not method.adapters:  # adapters stay whole
+        held, largest = trainable / over, largest / over
     grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
     gathered = c * (part.params() - blocks.layers * blocks.block_params()) if over > 1 else 0  # the root, whole
     copies = method.copy_bytes * held if method.master_bytes else 0
     stored = states.weights - copies
-    per_layer = 0
-    if not method.adapters:  # the embedding and head are not copied by the blocks' linears
+    if method.adapters:
+        per_layer = copies / blocks.layers  # one block's compute copies
+    else:  # the embedding and head are not copied by the blocks' linears
         per_layer = method.copy_bytes * blocks.block_params() if method.master_bytes else 0
         copies = per_layer * blocks.layers / over
     if over > 1:  # a sharded block is gathered whole in the compute dtype as it runs
-        per_layer = max(per_layer, method.compute_bytes * blocks.block_params())
+        per_layer = max(per_layer, c * blocks.block_params())
     head = 0 if method.adapters else grad * part.head_rows * card.hidden
     embedding = 0 if method.adapters or part.tied or not part.embeds else grad * card.vocab * card.hidden
     # the head's gradient the chunked loss makes in its forward, one a pass until its backward (for the
@@ -511,7 +496,14 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
         return Moment({"weights": stored + copies, "gradients": gradients, "master": states.master,
                        "optimizer": states.optimizer + temporary}, activations + acts.buffers)
 
-    temporary = _optimizer_temporary(method, batch, largest, held)
+    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
+        temporary = 0
+    elif method.optimizer_bytes == 2:
+        temporary = EIGHT_BIT_CPU_COPIES * 4 * largest
+    elif batch.device == "cpu":
+        temporary = 2 * 4 * largest
+    else:
+        temporary = 4 * held
     if part.split_head:  # the hidden states' gradient and the logits again, in backward
         start = acts.kept + c * card.hidden * tokens + acts.loss
     elif part.head_rows:
@@ -522,7 +514,6 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     live = states.gradients if batch.accumulation > 1 else 0  # new gradients add into these
     # beside every micro-batch in flight only once a backward came first: 1F1B past its warm-up
     earlier = live if batch.accumulation > part.in_flight else 0
-    per_layer = per_layer or copies / blocks.layers  # one block's compute copies (gathered whole)
     moments = {
         "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies + gathered)],
         "backward": [moment(start, earlier + head + in_forward, kept_copies + gathered),
