@@ -22,7 +22,7 @@ from linnet.train.distill import (
     teacher_completions,
     token_divergence,
 )
-from tests.conftest import gathered, quickstart_model
+from tests.conftest import gathered, quickstart_model, same_metrics
 
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
@@ -181,15 +181,141 @@ def test_linnet_distill_brings_the_student_closer(distill_workspace, tmp_path, m
     assert (tmp_path / mode / "final" / "model.safetensors").is_file()
 
 
-def test_a_teacher_with_another_tokenizer_is_refused(distill_workspace, tmp_path):
+@pytest.mark.parametrize("mode", ["logit", "on_policy"])
+def test_a_teacher_with_another_tokenizer_is_refused_for_token_level_modes(distill_workspace, tmp_path, mode):
     from linnet.commands.distill import run
     from tests.conftest import word_tokenizer
 
     other = tmp_path / "other"
     nest.load(CARD, weights="random").save_weights(other)
     word_tokenizer(other / "tokenizer.json")  # another vocabulary
-    with pytest.raises(ValueError, match="must use the student's tokenizer"):
-        run(_distill_config(distill_workspace, tmp_path / "run", f"distill.teacher={other}"))
+    with pytest.raises(ValueError, match=f"distill.mode={mode} compares .* or set distill.mode=sequence"):
+        run(_distill_config(distill_workspace, tmp_path / "run", f"distill.teacher={other}", f"distill.mode={mode}"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _stopping_teacher(teacher, out):
+    """The teacher with its stop token's (tied) embedding row scaled up, so that its greedy
+    answers stop wherever the last hidden state leans that way."""
+    import shutil
+
+    from linnet.commands import quickstart
+
+    model = nest.load(teacher)
+    model.model.embed_tokens.weight.data[quickstart.EOS] *= 30
+    model.save_weights(out)
+    shutil.copy(teacher / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+def _reordered_teacher(teacher, out):
+    """The teacher with its characters' ids reversed, in its tokenizer and its (tied)
+    embedding rows alike: the same function of the text, through other token ids."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from linnet.commands import quickstart
+
+    chars = [i for t, i in quickstart.VOCAB.items() if len(t) == 1]
+    order = list(range(len(quickstart.VOCAB)))
+    order[min(chars):max(chars) + 1] = chars[::-1]  # new id -> old id
+    model = nest.load(teacher)
+    model.model.embed_tokens.weight.data = model.model.embed_tokens.weight.data[order].clone()
+    model.save_weights(out)
+    vocab = {t: order.index(i) for t, i in quickstart.VOCAB.items()}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<pad>", "<s>", "</s>")])
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_sequence_distillation_through_text_from_a_teacher_with_another_tokenizer(distill_workspace, tmp_path):
+    """The reordered teacher's answers, decoded to text and tokenized again by the student's
+    tokenizer, are the original teacher's: the run takes the same steps as sequence
+    distillation from the original teacher, which passes token ids. 12 new tokens a
+    prompt, so some answers stop and some run out (both ways of ending an answer)."""
+    from linnet.commands.distill import run
+
+    teacher = _stopping_teacher(distill_workspace / "teacher", tmp_path / "teacher")
+    other = _reordered_teacher(teacher, tmp_path / "reordered")
+    common = ("distill.mode=sequence", "distill.max_new_tokens=12")
+    run(_distill_config(distill_workspace, tmp_path / "ids", *common, f"distill.teacher={teacher}"))
+    run(_distill_config(distill_workspace, tmp_path / "text", *common, f"distill.teacher={other}"))
+    same_metrics(tmp_path / "text", tmp_path / "ids", ["loss", "grad_norm", "held_out_loss"], steps=10)
+    rows = [json.loads(x) for x in (tmp_path / "text" / "metrics.jsonl").read_text().splitlines()]
+    assert any("held_out_loss" in r for r in rows) and not any("held_out_divergence" in r for r in rows)
+
+
+def test_a_teacher_with_its_own_chat_template_answers_through_text(distill_workspace, tmp_path):
+    """Same vocabulary, another chat template: sequence distillation prompts the teacher in
+    its own template (through text); logit distillation warns that it shows the teacher the
+    student's rendering."""
+    import shutil
+
+    from linnet.commands.distill import load_teacher
+    from linnet.data import load_tokenizer
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(distill_workspace / "teacher", teacher)
+    template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '</s>' }}{% endfor %}"
+    (teacher / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    student = nest.load(distill_workspace / "student")
+    tokenizer = load_tokenizer(distill_workspace / "student")
+
+    def load(mode):
+        config = _distill_config(distill_workspace, tmp_path / "run", f"distill.teacher={teacher}",
+                                 f"distill.mode={mode}")
+        return load_teacher(config, student, tokenizer)[1]
+
+    assert load("sequence").chat_template == template
+    with pytest.warns(UserWarning, match="its chat template is not the student's; distill.mode=logit shows"):
+        assert load("logit") is None
+    assert load_teacher(_distill_config(distill_workspace, tmp_path / "run", "distill.mode=sequence"), student,
+                        tokenizer)[1] is None
+
+
+class _Teacher:
+    """An engine stand-in: records the prompts it is given and answers each with `words`,
+    stopped (its stop token last) for even prompts and run out for odd ones."""
+
+    def __init__(self, tokenizer, words: str):
+        self.card = CARD.replace(eos_token_ids=tokenizer.eos_ids)
+        self.tokenizer, self.words, self.prompts = tokenizer, words, []
+
+    def sample(self, prompts, **options):
+        from linnet.rollouts import Completion
+
+        self.prompts = prompts
+        answer = self.tokenizer.encode(self.words)
+        return [Completion(i, answer + [self.card.eos_token_ids[0]] * (i % 2 == 0), None, i % 2 == 0)
+                for i in range(len(prompts))]
+
+
+def test_answers_through_text_prompt_the_teacher_in_its_template_and_teach_the_students(tmp_path):
+    """A ChatML teacher answers Llama 3 chats: it is prompted in ChatML up to the first
+    assistant turn, and the student learns its answer in Llama 3's format, ending with
+    <|eot_id|> where the teacher stopped and with no stop where it ran out."""
+    from linnet.commands.distill import answers_through_text
+    from linnet.config import DistillConfig, load
+    from tests.test_data import CHAT, chatml, llama3
+
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(2)) + "\n")
+    config = load(DistillConfig, None, ["model.card=debug", "distill.teacher=debug", f"data.path={tmp_path}/chats.jsonl",
+                                        "data.eval_share=0"])
+    student, theirs = llama3(eos=("<|end_of_text|>", "<|eot_id|>")), chatml()  # the turn ends with the second
+    teacher = _Teacher(theirs, "Hello.")
+    examples = answers_through_text(config, student, teacher, theirs)
+    assert [theirs.decode(p) for p in teacher.prompts] == [
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nCapital of France?<|im_end|>\n"
+        "<|im_start|>assistant\n"] * 2
+    prompt = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+              "<|start_header_id|>user<|end_header_id|>\n\nCapital of France?<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    for example, end in zip(examples, ["Hello.<|eot_id|>", "Hello."], strict=True):
+        first = int(np.argmax(example.learned))
+        assert student.decode(example.tokens[:first]) == prompt and example.learned[first:].all()
+        assert student.decode(example.tokens[first:]) == end
 
 
 def _parallel_student(rank, mode, divergence, beta, on_policy):

@@ -8,7 +8,9 @@ distill.mode: logit (the teacher's distributions on the records' completions, bl
 over positions), sequence (SFT on the teacher's greedy completions of the records'
 prompts) or on_policy (the student completes the prompts each step; it learns the
 teacher's distributions on its own completions). The data are read as `linnet sft` reads
-them; the teacher must share the student's tokenizer.
+them. Logit and on-policy distillation compare distributions token by token, so their
+teacher must share the student's tokenizer; sequence distillation takes a teacher with
+another tokenizer or chat template through text (`answers_through_text`).
 """
 
 from __future__ import annotations
@@ -23,27 +25,73 @@ from linnet.torch.distributed import data_share
 
 
 def load_teacher(config: DistillConfig, student, tokenizer):
-    """The frozen teacher, on the student's device, refused by name unless its tokenizer
-    is the student's (token-level distillation compares distributions over one vocabulary)."""
+    """(the frozen teacher on the student's device, its tokenizer where sequence
+    distillation must pass through text, else None). Text is the way when the teacher's
+    vocabulary or chat template is not the student's; logit and on-policy distillation
+    compare distributions over one vocabulary, so another one is refused by name for them."""
+    import warnings
+
     from linnet import nest
     from linnet.cards import resolve
     from linnet.data import load_tokenizer
 
-    card = resolve(config.distill.teacher)
+    d = config.distill
+    card = resolve(d.teacher)
     theirs = load_tokenizer(card)
-    if theirs.raw.get_vocab(with_added_tokens=True) != tokenizer.raw.get_vocab(with_added_tokens=True):
-        raise ValueError(f"distill.teacher={config.distill.teacher}: its tokenizer is not the student's ("
-                         f"{theirs.vocab_size} and {tokenizer.vocab_size} tokens, other ids); distillation compares "
-                         "distributions token by token, so the teacher must use the student's tokenizer")
+    vocab = theirs.raw.get_vocab(with_added_tokens=True) != tokenizer.raw.get_vocab(with_added_tokens=True)
+    template = theirs.chat_template != tokenizer.chat_template
+    if vocab and d.mode != "sequence":
+        raise ValueError(f"distill.teacher={d.teacher}: its tokenizer is not the student's ({theirs.vocab_size} and "
+                         f"{tokenizer.vocab_size} tokens, other ids); distill.mode={d.mode} compares distributions "
+                         "token by token, so the teacher must use the student's tokenizer, or set "
+                         "distill.mode=sequence (the teacher's answers pass as text)")
+    if template and d.mode != "sequence":
+        warnings.warn(f"distill.teacher={d.teacher}: its chat template is not the student's; distill.mode={d.mode} "
+                      "shows the teacher the records as the student's template renders them (distill.mode=sequence "
+                      "would prompt it in its own)", stacklevel=2)
     teacher = nest.load(card, device=student.device, dtype=config.model.dtype)
     teacher.eval()
-    return teacher
+    return teacher, theirs if d.mode == "sequence" and (vocab or template) else None
+
+
+def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> list:
+    """Sequence distillation with a teacher of another tokenizer or chat template: each
+    training record's prompt rendered by the teacher's tokenizer and template, the
+    teacher's greedy answer decoded to text, and that text learned after the prompt as the
+    student's tokenizer and template render it, with the student's stop token for the turn
+    where the teacher stopped (none where it ran out of distill.max_new_tokens)."""
+    import sys
+
+    from linnet.data import examples_from_records
+    from linnet.packing import Example
+
+    records = sft.split_records(config)[0]
+    whole = dict(max_tokens=sys.maxsize, **sft.record_fields(config))  # one example a record, none cut
+    ours = examples_from_records(records, tokenizer, **whole)
+    done = engine.sample([_prompt(e) for e in examples_from_records(records, theirs, **whole)],
+                         max_new_tokens=config.distill.max_new_tokens, temperature=0.0,
+                         stop=engine.card.eos_token_ids, seed=config.runtime.seed)
+    out = []
+    for c in done:
+        mine = ours[c.prompt]
+        answer = tokenizer.encode(theirs.decode(c.tokens[:-1] if c.stopped else c.tokens))
+        out.append(Example.prompted(_prompt(mine), answer + ([_stop(mine)] if c.stopped else [])))
+    return out
 
 
 def _prompt(example) -> list[int]:
     """The context before an example's first learned token."""
     first = int(np.flatnonzero(example.learned)[0])
     return example.tokens[:first].tolist()
+
+
+def _stop(example) -> int:
+    """The last token of an example's first learned span: the stop token ending its first
+    answer (as `examples_from_records` learns it)."""
+    learned = np.asarray(example.learned, bool)
+    first = int(np.argmax(learned))
+    after = np.flatnonzero(~learned[first:])  # the first unlearned position past it ends the span
+    return int(example.tokens[first + (after[0] if len(after) else len(learned) - first) - 1])
 
 
 def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
@@ -61,7 +109,7 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
     if run.complete is not None:
         return run.complete
     student = runs.load_model(prepared.card, config)
-    teacher = load_teacher(config, student, prepared.tokenizer)
+    teacher, theirs = load_teacher(config, student, prepared.tokenizer)
     options = dict(divergence=d.divergence, beta=d.beta, temperature=d.temperature)
     stop = list(prepared.card.eos_token_ids)
     steps = prepared.steps
@@ -72,7 +120,8 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
         # a split's or a pipeline's processes train on the same completions: its first process's
         prepared.train_examples = copy_first(student, lambda: teacher_completions(
             Engine(teacher), [_prompt(e) for e in prepared.train_examples], max_new_tokens=d.max_new_tokens,
-            stop=stop, seed=config.runtime.seed))
+            stop=stop, seed=config.runtime.seed) if theirs is None else answers_through_text(
+            config, prepared.tokenizer, Engine(teacher), theirs))
         steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
                                             / t.accumulation))
     elif d.mode == "on_policy":
@@ -87,6 +136,8 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
 
         with torch.no_grad():
             loss = held_out_loss(student, eval_rows)
+        if theirs is not None:  # the teacher reads other tokens (or another template)
+            return {"held_out_loss": loss}
         return {"held_out_loss": loss, "held_out_divergence": held_out_divergence(student, teacher, eval_rows,
                                                                                   **options)}
 

@@ -1,5 +1,5 @@
 """`linnet sft`: supervised fine-tuning from a YAML config. Every step here is a call into
-the library (nest.load, load_examples, pack, add_lora, train): the command adds the
+the library (nest.load, examples_from_records, pack, add_lora, train): the command adds the
 config, the run directory and the reporting.
 
     linnet sft --config run.yaml --set training.steps=200
@@ -37,25 +37,43 @@ def prepare(config: SFTConfig) -> Prepared:
     """Resolve the card and tokenizer, read, format and check all the data: every data
     error surfaces here, before a model is loaded."""
     from linnet.cards import resolve
-    from linnet.data import load_examples, load_tokenizer
+    from linnet.data import examples_from_records, load_tokenizer
     from linnet.packing import count_rows
 
     d, t = config.data, config.training
     card = resolve(config.model.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
-    read = dict(tokenizer=tokenizer, max_tokens=t.context_length, messages=d.messages, prompt=d.prompt,
-                completion=d.completion, chat=d.chat, truncate=d.truncate)
-    examples = load_examples(d.path, **read)
-    if d.eval_path:
-        held_out = load_examples(d.eval_path, **read)
-    else:
-        examples, held_out = runs.hold_out(examples, d.eval_share, config.runtime.seed)
-    if not examples:
-        raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
+    records, held_out = split_records(config)
+    read = dict(max_tokens=t.context_length, **record_fields(config), truncate=d.truncate)
+    examples = examples_from_records(records, tokenizer, **read)
+    held_out = examples_from_records(held_out, tokenizer, **read) if held_out else []
     rows = count_rows(examples, t.context_length)
     steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.per_copy)[1])))
     runs.steps_factor(config, steps)  # a schedule that cannot fit fails now
     return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
+
+
+def split_records(config: SFTConfig) -> tuple[list, list]:
+    """(training records, held-out records): data.eval_path's, else a seeded data.eval_share
+    of data.path's. Split before tokenizing, so another tokenizer (a distillation teacher's)
+    reads the same records."""
+    from linnet.data import read_records
+
+    d = config.data
+    records = read_records(d.path)
+    if d.eval_path:
+        held_out = read_records(d.eval_path)
+    else:
+        records, held_out = runs.hold_out(records, d.eval_share, config.runtime.seed)
+    if not records:
+        raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
+    return records, held_out
+
+
+def record_fields(config: SFTConfig) -> dict:
+    """Which fields of a record hold its text, and whether it goes through the chat template."""
+    d = config.data
+    return dict(messages=d.messages, prompt=d.prompt, completion=d.completion, chat=d.chat)
 
 
 def epochs_of_rows(prepared: Prepared):

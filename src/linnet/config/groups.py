@@ -341,8 +341,8 @@ class RewardSettings:
 
 @dataclass
 class DistillSettings:
-    teacher: str = option("", "the teacher: a registered card or a model directory (it must share the student's "
-                              "tokenizer)")
+    teacher: str = option("", "the teacher: a registered card or a model directory (logit and on_policy: with the "
+                              "student's tokenizer; sequence: any, its answers pass as text)")
     mode: Literal["logit", "sequence", "on_policy"] = option(
         "logit", "logit: the teacher's distributions on the records' completions; sequence: SFT on the teacher's "
                  "completions of the records' prompts; on_policy: the student completes the prompts each step and "
