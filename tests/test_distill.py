@@ -127,6 +127,9 @@ def test_sequence_level_and_on_policy_distillation():
     prompts = [np.random.default_rng(i).integers(3, 64, size=3).tolist() for i in range(16)]
     examples = teacher_completions(Engine(teacher), prompts, max_new_tokens=6, stop=[2])
     assert len(examples) == 16 and all(e.learned[3:].all() and not e.learned[:3].any() for e in examples)
+    engine = Engine(teacher)  # five prompts a call: a cache of five rows, the same answers in order
+    assert [e.tokens.tolist() for e in teacher_completions(engine, prompts, max_new_tokens=6, stop=[2], batch=5)] \
+        == [e.tokens.tolist() for e in examples] and engine._prompt_keys[0].shape[0] == 5
     student = nest.load(CARD, weights="random", trainable=True, seed=0)
     engine = Engine(nest.load(CARD, weights="random", seed=0))
     history = on_policy_distill(student, teacher, engine, prompts, optimizer=torch.optim.AdamW(student.parameters(),

@@ -64,19 +64,26 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
 
     from linnet.data import examples_from_records
     from linnet.packing import Example
+    from linnet.train.distill import teacher_answers
 
     records = sft.split_records(config)[0]
     whole = dict(max_tokens=sys.maxsize, **sft.record_fields(config))  # one example a record, none cut
     ours = examples_from_records(records, tokenizer, **whole)
-    done = engine.sample([_prompt(e) for e in examples_from_records(records, theirs, **whole)],
-                         max_new_tokens=config.distill.max_new_tokens, temperature=0.0,
-                         stop=engine.card.eos_token_ids, seed=config.runtime.seed)
+    done = teacher_answers(engine, [_prompt(e) for e in examples_from_records(records, theirs, **whole)],
+                           **_answering(config), stop=engine.card.eos_token_ids)
     out = []
     for c in done:
         mine = ours[c.prompt]
         answer = tokenizer.encode(theirs.decode(c.tokens[:-1] if c.stopped else c.tokens))
         out.append(Example.prompted(_prompt(mine), answer + ([_stop(mine)] if c.stopped else [])))
     return out
+
+
+def _answering(config: DistillConfig) -> dict:
+    """How the teacher answers the prompts in sequence distillation (`teacher_answers`)."""
+    d = config.distill
+    return dict(max_new_tokens=d.max_new_tokens, seed=config.runtime.seed, batch=d.teacher_batch,
+                progress=config.runtime.progress)
 
 
 def _prompt(example) -> list[int]:
@@ -119,9 +126,8 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
 
         # a split's or a pipeline's processes train on the same completions: its first process's
         prepared.train_examples = copy_first(student, lambda: teacher_completions(
-            Engine(teacher), [_prompt(e) for e in prepared.train_examples], max_new_tokens=d.max_new_tokens,
-            stop=stop, seed=config.runtime.seed) if theirs is None else answers_through_text(
-            config, prepared.tokenizer, Engine(teacher), theirs))
+            Engine(teacher), [_prompt(e) for e in prepared.train_examples], **_answering(config), stop=stop)
+            if theirs is None else answers_through_text(config, prepared.tokenizer, Engine(teacher), theirs))
         steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
                                             / t.accumulation))
     elif d.mode == "on_policy":

@@ -24,6 +24,7 @@ distributions on them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -38,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
+from linnet.rollouts import Completion
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
 from linnet.torch.pipeline import HiddenAt
@@ -214,13 +216,32 @@ def _prepare(student, teacher, divergence: str, beta: float, temperature: float)
     return dict(divergence=divergence, beta=beta, temperature=temperature)
 
 
-def teacher_completions(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
-                        temperature: float = 0.0, stop: Iterable[int] | None = None, seed: int = 0) -> list[Example]:
+def teacher_answers(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
+                    stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
+                    progress: bool = True) -> list[Completion]:
+    """The teacher's completion of each prompt (greedy by default), `batch` prompts an
+    engine call: its KV cache holds one batch, never the whole data set. A progress bar
+    on a terminal."""
+    from linnet.progress import Progress
+
+    bar = Progress(len(prompts), "teacher", unit="prompt") if progress else None
+    done = []
+    for start in range(0, len(prompts), batch):
+        part = engine.sample([list(p) for p in prompts[start : start + batch]], max_new_tokens=max_new_tokens,
+                             temperature=temperature, stop=stop, seed=seed + start)
+        done += [dataclasses.replace(c, prompt=start + c.prompt) for c in part]
+        if bar is not None:
+            bar.update(len(done))
+    if bar is not None:
+        bar.close()
+    return done
+
+
+def teacher_completions(engine, prompts: Sequence[Sequence[int]], **options) -> list[Example]:
     """Sequence-level distillation's data: the teacher's completion of each prompt
-    (greedy by default) as an Example learning the completion; train it with SFT."""
-    done = engine.sample([list(p) for p in prompts], max_new_tokens=max_new_tokens, temperature=temperature,
-                         stop=stop, seed=seed)
-    return [Example.prompted(prompts[c.prompt], c.tokens) for c in done if c.tokens]
+    (`teacher_answers`, its options) as an Example learning the completion; train it with SFT."""
+    return [Example.prompted(prompts[c.prompt], c.tokens) for c in teacher_answers(engine, prompts, **options)
+            if c.tokens]
 
 
 def on_policy_distill(
