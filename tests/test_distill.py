@@ -286,7 +286,7 @@ class _Teacher:
         self.card = CARD.replace(eos_token_ids=tokenizer.eos_ids)
         self.tokenizer, self.words, self.prompts = tokenizer, words, []
 
-    def sample(self, prompts, **options):
+    def sample(self, prompts, n=1, **options):
         from linnet.rollouts import Completion
 
         self.prompts = prompts

@@ -133,6 +133,26 @@ def test_evaluate_scores_greedy_pass_at_1_and_sampled_pass_at_k():
         evaluate("policy", engine, prompts, right, k=4, samples=3)
 
 
+def test_sample_in_batches_gives_one_calls_completions_from_a_cache_of_one_batch():
+    """Seven prompts three a call: the greedy completions of one call, in its order and with
+    its prompt indices; the engine's prompt cache never holds more than three; each batch
+    draws with the seed plus its first prompt's index."""
+    from linnet.rollouts import sample_in_batches
+
+    prompts = [p.ids for p in _prompts(7)]
+    whole = Engine(nest.load(CARD, weights="random", seed=3)).sample(prompts, 2, max_new_tokens=4, temperature=0.0)
+    engine = Engine(nest.load(CARD, weights="random", seed=3))
+    parts = sample_in_batches(engine, prompts, 2, batch=3, max_new_tokens=4, temperature=0.0)
+    assert [(c.prompt, c.tokens) for c in parts] == [(c.prompt, c.tokens) for c in whole]
+    assert engine._prompt_keys[0].shape[0] == 3
+    scripted = ScriptedEngine([[5, 2]] * 3, [[5, 2]] * 3)
+    scripted.replies.append([[5, 2]])
+    sample_in_batches(scripted, prompts, batch=3, seed=5, temperature=1.0)
+    assert scripted.calls == [(1, 1.0, 5), (1, 1.0, 8), (1, 1.0, 11)]
+    with pytest.raises(ValueError, match="batch=0"):
+        sample_in_batches(engine, prompts, batch=0)
+
+
 def test_evaluate_through_the_engine_sees_the_policy():
     """The answers are the policy's own most and least likely first tokens: the engine (built
     with other weights) must get the policy's to pass all, or none."""

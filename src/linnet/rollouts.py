@@ -129,6 +129,30 @@ class Scored:
     score_seconds: float = 0.0  # the rewards' time
 
 
+def sample_in_batches(engine, prompts: Sequence[Sequence[int]], n: int = 1, *, batch: int = 64,
+                      seed: int | None = None, label: str | None = None, **options) -> list[Completion]:
+    """`engine.sample(prompts, n, ...)` over `batch` prompts a call: an engine's KV cache
+    holds one call's prompts and completions, so a whole data set in one call could take
+    all the memory. Completions come prompt-major as from one call (completion j of
+    prompt i at i * n + j); a batch draws with `seed` plus its first prompt's index. A
+    progress bar named `label` on a terminal (none without a label)."""
+    from linnet.progress import Progress
+
+    if batch < 1:
+        raise ValueError(f"sample_in_batches: batch={batch}; sample at least one prompt a call")
+    bar = Progress(len(prompts), label, unit="prompt") if label else None
+    done: list[Completion] = []
+    for start in range(0, len(prompts), batch):
+        part = engine.sample([list(p) for p in prompts[start : start + batch]], n, seed=None if seed is None
+                             else seed + start, **options)
+        done += [dataclasses.replace(c, prompt=start + c.prompt) for c in part]
+        if bar is not None:
+            bar.update(min(start + batch, len(prompts)))
+    if bar is not None:
+        bar.close()
+    return done
+
+
 def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
                      temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool,
                      advantage: str = "group") -> Scored:

@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, help="completions sampled a prompt for pass@k (default k)")
     p.add_argument("--temperature", type=float, default=1.0, help="of the sampled completions")
     p.add_argument("--show", type=int, default=5, help="sample generations printed (default 5)")
+    p.add_argument("--batch", type=int, default=64,
+                   help="prompts sampled at once (default 64; the engine's KV cache holds one batch)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="tokenize prompts as raw text")
     p.add_argument("--tokens", type=int, default=4096, help="positions of a packed row for the loss")
     p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-evaluation-harness tasks")
@@ -66,7 +68,8 @@ def evaluate_file(model, tokenizer, args) -> dict:
         reward = resolve(args.reward, tokenizer, args.format_pattern)
         stop = list(tokenizer.eos_ids)
         found = evaluate(model, engine, prompts, reward, max_new_tokens=args.max_new_tokens, k=args.k,
-                         samples=args.samples, temperature=args.temperature, stop=stop)
+                         samples=args.samples, temperature=args.temperature, stop=stop, batch=args.batch,
+                         label="eval")
         results.update(found)
         shown = engine.sample([list(p.ids) for p in prompts[:args.show]], max_new_tokens=args.max_new_tokens,
                               temperature=0.0, stop=stop)
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("give --data FILE and/or --lm-eval TASKS")
     if args.k and args.k < 2:
         raise ValueError(f"--k {args.k}: pass@k needs k >= 2 (pass@1 is always reported)")
+    if args.batch < 1:
+        raise ValueError(f"--batch {args.batch}: sample at least one prompt at once")
     model, _ = load_trained(args.source)
     model.eval()
     tokenizer = load_tokenizer(model.card)

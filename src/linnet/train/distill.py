@@ -24,7 +24,6 @@ distributions on them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
@@ -39,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
-from linnet.rollouts import Completion
+from linnet.rollouts import Completion, sample_in_batches
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
 from linnet.torch.pipeline import HiddenAt
@@ -220,21 +219,10 @@ def teacher_answers(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens:
                     stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
                     progress: bool = True) -> list[Completion]:
     """The teacher's completion of each prompt (greedy by default), `batch` prompts an
-    engine call: its KV cache holds one batch, never the whole data set. A progress bar
-    on a terminal."""
-    from linnet.progress import Progress
-
-    bar = Progress(len(prompts), "teacher", unit="prompt") if progress else None
-    done = []
-    for start in range(0, len(prompts), batch):
-        part = engine.sample([list(p) for p in prompts[start : start + batch]], max_new_tokens=max_new_tokens,
-                             temperature=temperature, stop=stop, seed=seed + start)
-        done += [dataclasses.replace(c, prompt=start + c.prompt) for c in part]
-        if bar is not None:
-            bar.update(len(done))
-    if bar is not None:
-        bar.close()
-    return done
+    engine call (`sample_in_batches`: its KV cache holds one batch, never the whole data
+    set), with a progress bar on a terminal."""
+    return sample_in_batches(engine, prompts, batch=batch, seed=seed, label="teacher" if progress else None,
+                             max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
 
 
 def teacher_completions(engine, prompts: Sequence[Sequence[int]], **options) -> list[Example]:

@@ -45,6 +45,7 @@ from linnet.rollouts import (
     prompt_groups,
     reward_functions,
     sample_and_score,
+    sample_in_batches,
     score,
     step_metrics,
     to_train,
@@ -265,8 +266,10 @@ def grpo(
 def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,
              max_new_tokens: int = 256, k: int = 0, samples: int | None = None, passing: float | None = None,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             stop: Iterable[int] | None = None, seed: int = 0) -> dict[str, float]:
-    """Held-out metrics of `policy` (its weights are loaded into `engine` first):
+             stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
+             label: str | None = None) -> dict[str, float]:
+    """Held-out metrics of `policy` (its weights are loaded into `engine` first), sampled
+    `batch` prompts an engine call (`sample_in_batches`; a progress bar named `label`):
 
     reward   mean summed reward of the greedy completions
     pass@1   share of prompts whose greedy completion passes
@@ -291,11 +294,13 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
         return np.array([sum(values.values()) for values in found]).reshape(len(prompts), n)
 
     engine.load_weights(policy)
-    greedy = scores(engine.sample(ids, max_new_tokens=max_new_tokens, temperature=0.0, stop=stop), 1)[:, 0]
+    each = dict(batch=batch, max_new_tokens=max_new_tokens, stop=stop)
+    greedy = scores(sample_in_batches(engine, ids, temperature=0.0, label=label and f"{label} greedy", **each),
+                    1)[:, 0]
     out = {"reward": float(greedy.mean()), "pass@1": float(np.mean(greedy >= passing))}
     if k:
-        sampled = scores(engine.sample(ids, n=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       top_k=top_k, top_p=top_p, stop=stop, seed=seed), samples)
+        sampled = scores(sample_in_batches(engine, ids, samples, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           seed=seed, label=label and f"{label} pass@{k}", **each), samples)
         correct = (sampled >= passing).sum(axis=1)
         out[f"pass@{k}"] = float(np.mean([pass_at_k(samples, int(c), k) for c in correct]))
     return out
