@@ -64,13 +64,13 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
 
     from linnet.data import examples_from_records
     from linnet.packing import Example
-    from linnet.train.distill import teacher_answers
+    from linnet.rollouts import sample_in_batches
 
     records = sft.split_records(config)[0]
     whole = dict(max_tokens=sys.maxsize, **sft.record_fields(config))  # one example a record, none cut
     ours = examples_from_records(records, tokenizer, **whole)
-    done = teacher_answers(engine, [_prompt(e) for e in examples_from_records(records, theirs, **whole)],
-                           **_answering(config), stop=engine.card.eos_token_ids)
+    done = sample_in_batches(engine, [_prompt(e) for e in examples_from_records(records, theirs, **whole)],
+                             **_answering(config), stop=engine.card.eos_token_ids)
     out = []
     for c in done:
         mine = ours[c.prompt]
@@ -80,10 +80,11 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
 
 
 def _answering(config: DistillConfig) -> dict:
-    """How the teacher answers the prompts in sequence distillation (`teacher_answers`)."""
+    """How the teacher answers sequence distillation's prompts: greedy, distill.teacher_batch
+    prompts an engine call, behind a progress bar unless runtime.progress is off."""
     d = config.distill
-    return dict(max_new_tokens=d.max_new_tokens, seed=config.runtime.seed, batch=d.teacher_batch,
-                progress=config.runtime.progress)
+    return dict(max_new_tokens=d.max_new_tokens, temperature=0.0, seed=config.runtime.seed, batch=d.teacher_batch,
+                label="teacher" if config.runtime.progress else None)
 
 
 def _prompt(example) -> list[int]:

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
-from linnet.rollouts import Completion, sample_in_batches
+from linnet.rollouts import sample_in_batches
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
 from linnet.torch.pipeline import HiddenAt
@@ -215,21 +215,16 @@ def _prepare(student, teacher, divergence: str, beta: float, temperature: float)
     return dict(divergence=divergence, beta=beta, temperature=temperature)
 
 
-def teacher_answers(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256, temperature: float = 0.0,
-                    stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
-                    progress: bool = True) -> list[Completion]:
-    """The teacher's completion of each prompt (greedy by default), `batch` prompts an
-    engine call (`sample_in_batches`: its KV cache holds one batch, never the whole data
-    set), with a progress bar on a terminal."""
-    return sample_in_batches(engine, prompts, batch=batch, seed=seed, label="teacher" if progress else None,
-                             max_new_tokens=max_new_tokens, temperature=temperature, stop=stop)
-
-
-def teacher_completions(engine, prompts: Sequence[Sequence[int]], **options) -> list[Example]:
+def teacher_completions(engine, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
+                        temperature: float = 0.0, stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
+                        label: str | None = "teacher") -> list[Example]:
     """Sequence-level distillation's data: the teacher's completion of each prompt
-    (`teacher_answers`, its options) as an Example learning the completion; train it with SFT."""
-    return [Example.prompted(prompts[c.prompt], c.tokens) for c in teacher_answers(engine, prompts, **options)
-            if c.tokens]
+    (greedy by default) as an Example learning the completion; train it with SFT. The
+    prompts go `batch` an engine call (`sample_in_batches`: its KV cache holds one batch,
+    never the whole data set), behind a progress bar named `label` (None: no bar)."""
+    done = sample_in_batches(engine, prompts, batch=batch, seed=seed, label=label, max_new_tokens=max_new_tokens,
+                             temperature=temperature, stop=stop)
+    return [Example.prompted(prompts[c.prompt], c.tokens) for c in done if c.tokens]
 
 
 def on_policy_distill(
