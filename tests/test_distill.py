@@ -139,6 +139,56 @@ def test_sequence_level_and_on_policy_distillation():
                                                                 for s in history.steps)
 
 
+class _Answering:
+    """An engine stand-in that completes each prompt with its given answer (stopped), and
+    counts the weight loads (one a sampling step)."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.loads = answers, 0
+
+    def load_weights(self, policy):
+        self.loads += 1
+
+    def sample(self, prompts, n=1, **options):
+        from linnet.rollouts import Completion
+
+        return [Completion(i, list(self.answers[tuple(p)]), None, True) for i, p in enumerate(prompts)]
+
+
+def _gkd(on_policy, engine, answers=None, steps=6):
+    """Steps (loss, grad norm, on_policy) and final weights of on_policy_distill."""
+    teacher = nest.load(CARD, weights="random", seed=3)
+    student = nest.load(CARD, weights="random", trainable=True, seed=0)
+    prompts = [[3 + i, 4 + i, 5] for i in range(12)]
+    history = on_policy_distill(student, teacher, engine, prompts, optimizer=torch.optim.AdamW(
+        student.parameters(), lr=3e-3), steps=steps, prompts_per_step=4, max_new_tokens=6, stop=[2], tokens=64,
+        answers=answers, on_policy=on_policy, seed=1)
+    return [(s.loss, s.grad_norm, s.metrics["on_policy"]) for s in history.steps], gathered(student)
+
+
+def test_gkd_mixes_the_students_completions_with_the_datas_answers():
+    """on_policy=0 learns on the data's answers exactly as on the same tokens sampled
+    (an engine that answers with them); in between, a step samples (and loads the
+    student's weights) as its (seed, step) draw says, some steps each way."""
+    g = np.random.default_rng(0)
+    answers = [g.integers(3, 64, size=int(g.integers(1, 6))).tolist() + [2] for _ in range(12)]
+    by_prompt = {(3 + i, 4 + i, 5): a for i, a in enumerate(answers)}
+    sampled = _Answering(by_prompt)
+    offline = _Answering({})  # never asked
+    steps, weights = _gkd(0.0, offline, answers)
+    same_steps, same_weights = _gkd(1.0, sampled)
+    assert [s[:2] for s in steps] == [s[:2] for s in same_steps] and offline.loads == 0 and sampled.loads == 6
+    assert [s[2] for s in steps] == [0.0] * 6 and [s[2] for s in same_steps] == [1.0] * 6
+    for name, w in weights.items():
+        torch.testing.assert_close(w, same_weights[name], rtol=0, atol=0)
+    mixed = _Answering(by_prompt)
+    steps, _ = _gkd(0.5, mixed, answers, steps=10)
+    chosen = [s[2] for s in steps]
+    assert set(chosen) == {0.0, 1.0} and mixed.loads == sum(chosen)
+    with pytest.raises(ValueError, match="one answer a prompt"):
+        _gkd(0.5, mixed)
+
+
 @pytest.fixture(scope="module")
 def distill_workspace(tmp_path_factory):
     """Two randomly initialised models of the quickstart card (teacher and student, other
@@ -182,6 +232,16 @@ def test_linnet_distill_brings_the_student_closer(distill_workspace, tmp_path, m
     else:  # the teacher's distributions, on the held-out records
         assert gaps[-1] < gaps[0], gaps
     assert (tmp_path / mode / "final" / "model.safetensors").is_file()
+
+
+def test_linnet_distill_mixes_on_policy_steps_with_the_records_answers(distill_workspace, tmp_path):
+    from linnet.commands.distill import run
+
+    run(_distill_config(distill_workspace, tmp_path / "gkd", "distill.mode=on_policy", "distill.on_policy_share=0.5"))
+    rows = [json.loads(x) for x in (tmp_path / "gkd" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 10 and {r["on_policy"] for r in rows} == {0.0, 1.0}
+    with pytest.raises(ValueError, match="distill.on_policy_share=0.5 .* needs distill.mode=on_policy"):
+        _distill_config(distill_workspace, tmp_path / "x", "distill.mode=logit", "distill.on_policy_share=0.5")
 
 
 @pytest.mark.parametrize("mode", ["logit", "on_policy"])

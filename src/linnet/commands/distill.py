@@ -7,10 +7,11 @@ run directory every training command shares (linnet.train.distill has the object
 distill.mode: logit (the teacher's distributions on the records' completions, blockwise
 over positions), sequence (SFT on the teacher's greedy completions of the records'
 prompts) or on_policy (the student completes the prompts each step; it learns the
-teacher's distributions on its own completions). The data are read as `linnet sft` reads
-them. Logit and on-policy distillation compare distributions token by token, so their
-teacher must share the student's tokenizer; sequence distillation takes a teacher with
-another tokenizer or chat template through text (`answers_through_text`).
+teacher's distributions on its own completions, or with distill.on_policy_share below 1 on
+the records' answers in the other steps, as GKD mixes them). The data are read as
+`linnet sft` reads them. Logit and on-policy distillation compare distributions token by
+token, so their teacher must share the student's tokenizer; sequence distillation takes a
+teacher with another tokenizer or chat template through text (`answers_through_text`).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
     for c in done:
         mine = ours[c.prompt]
         answer = tokenizer.encode(theirs.decode(c.tokens[:-1] if c.stopped else c.tokens))
-        out.append(Example.prompted(_prompt(mine), answer + ([_stop(mine)] if c.stopped else [])))
+        out.append(Example.prompted(_prompt(mine), answer + ([_answer(mine)[-1]] if c.stopped else [])))
     return out
 
 
@@ -93,13 +94,13 @@ def _prompt(example) -> list[int]:
     return example.tokens[:first].tolist()
 
 
-def _stop(example) -> int:
-    """The last token of an example's first learned span: the stop token ending its first
-    answer (as `examples_from_records` learns it)."""
+def _answer(example) -> list[int]:
+    """An example's first learned span: its first answer, through the stop token that ends
+    it (as `examples_from_records` learns it)."""
     learned = np.asarray(example.learned, bool)
     first = int(np.argmax(learned))
     after = np.flatnonzero(~learned[first:])  # the first unlearned position past it ends the span
-    return int(example.tokens[first + (after[0] if len(after) else len(learned) - first) - 1])
+    return example.tokens[first : first + (after[0] if len(after) else len(learned) - first)].tolist()
 
 
 def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
@@ -162,10 +163,11 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
             engine = Engine(nest.load(prepared.card, device=student.device, dtype=m.dtype, weights=m.weights,
                                       quantize=runs.engine_quantize(config)))
             share, shares = data_share(t.per_copy)  # each copy its prompts; a split's processes the same ones
-            prompts = [_prompt(e) for e in prepared.train_examples][share::shares]
-            history = on_policy_distill(student, teacher, engine, prompts,
+            mine = prepared.train_examples[share::shares]
+            history = on_policy_distill(student, teacher, engine, [_prompt(e) for e in mine],
                                         prompts_per_step=d.prompts_per_step, max_new_tokens=d.max_new_tokens,
                                         sample_temperature=d.sample_temperature, stop=stop, tokens=t.context_length,
+                                        answers=[_answer(e) for e in mine], on_policy=d.on_policy_share,
                                         seed=config.runtime.seed, **options, **common, **files)
     return runs.summarize(run, history, log, card=prepared.card.name, steps=steps)
 

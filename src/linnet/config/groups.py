@@ -355,12 +355,19 @@ class DistillSettings:
     sample_temperature: float = option(1.0, "on_policy: the student's sampling temperature (sequence: the "
                                             "teacher's is 0, greedy)")
     prompts_per_step: int = option(8, "on_policy: prompts completed each step")
+    on_policy_share: float = option(1.0, "on_policy: the share of steps that sample the student; the others learn "
+                                         "on the records' answers (GKD's lambda, TRL's lmbda)")
     teacher_batch: int = option(64, "sequence: prompts the teacher answers at once (its KV cache holds this many)")
 
     def __post_init__(self):
         if not 0 <= self.beta <= 1 or not self.temperature > 0 or self.sample_temperature < 0:
             raise ValueError("config: distill.beta must be in [0, 1], distill.temperature > 0 and "
                              "distill.sample_temperature >= 0")
+        if not 0 <= self.on_policy_share <= 1:
+            raise ValueError(f"config: distill.on_policy_share={self.on_policy_share}; give a share in [0, 1]")
+        if self.on_policy_share != 1 and self.mode != "on_policy":
+            raise ValueError(f"config: distill.on_policy_share={self.on_policy_share} mixes on-policy steps with the "
+                             f"records' answers; it needs distill.mode=on_policy (it is {self.mode})")
         _positive(**{"distill.max_new_tokens": self.max_new_tokens, "distill.prompts_per_step": self.prompts_per_step,
                      "distill.teacher_batch": self.teacher_batch})
 

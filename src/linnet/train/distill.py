@@ -239,6 +239,8 @@ def on_policy_distill(
     max_new_tokens: int = 128,
     sample_temperature: float = 1.0,
     stop: Iterable[int] | None = None,
+    answers: Sequence[Sequence[int]] | None = None,
+    on_policy: float = 1.0,
     divergence: str = "reverse_kl",
     beta: float = 0.5,
     temperature: float = 1.0,
@@ -255,26 +257,40 @@ def on_policy_distill(
     """On-policy distillation: each step the student (through `engine`, loaded with its
     current weights) completes `prompts_per_step` prompts, and the student learns the
     teacher's distributions at every completion token (reverse KL by default, as on-policy
-    distillation usually takes). A sequence of prompts repeats as epochs."""
+    distillation usually takes). A sequence of prompts repeats as epochs.
+
+    on_policy < 1 mixes in the data's own `answers` (one a prompt) as GKD does (Agarwal et
+    al. 2024; TRL's `lmbda`): a step samples the student with that probability, drawn from
+    (seed, step) so that every process and a resumed run draw alike, and otherwise learns
+    the teacher's distributions on the answers. 0 is logit distillation on the answers."""
+    if not 0.0 <= on_policy <= 1.0 or (on_policy < 1.0 and (answers is None or len(answers) != len(prompts))):
+        raise ValueError(f"on_policy_distill: on_policy={on_policy}; give a share in [0, 1], and below 1 one answer a "
+                         "prompt (answers=) to learn on the other steps")
     trained_parameters(student)
     options = _prepare(student, teacher, divergence, beta, temperature)
     copies = copies_of(student)
     head = _stage_head(student, teacher, options)
 
     def prepare(step: int, chunk: list) -> Work:
-        engine.load_weights(student)
         mine = [list(p) for _, p in chunk]
-        # a split's or a pipeline's processes learn from the same completions: its first process's
-        done = copy_first(student, lambda: engine.sample(mine, max_new_tokens=max_new_tokens,
-                                                          temperature=sample_temperature, stop=stop,
-                                                          seed=seed * 1_000_003 + step))
-        groups = [(mine[c.prompt], [c.tokens]) for c in done if c.tokens]
+        sampled = on_policy == 1.0 or np.random.default_rng([seed, step]).random() < on_policy
+        if sampled:
+            engine.load_weights(student)
+            # a split's or a pipeline's processes learn from the same completions: its first process's
+            done = copy_first(student, lambda: engine.sample(mine, max_new_tokens=max_new_tokens,
+                                                              temperature=sample_temperature, stop=stop,
+                                                              seed=seed * 1_000_003 + step))
+            completions = [(c.prompt, c.tokens) for c in done]
+        else:
+            completions = [(j, list(answers[i])) for j, (i, _) in enumerate(chunk)]
+        groups = [(mine[j], [ids]) for j, ids in completions if ids]
         rows = list(pack_prompted(groups, tokens, share=False))
         learned = sum(float(np.asarray(r.weights).sum()) for r in rows)
         (count,) = sum_across([learned], copies)
-        lengths = [len(c.tokens) for c in done]
+        lengths = [len(ids) for _, ids in completions]
         return Work(rows, head_loss(student, head), max(count, 1.0), learned, sum(float(r.real) for r in rows),
-                    metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0},
+                    metrics=lambda _: {"completion_length": float(np.mean(lengths)) if lengths else 0.0,
+                                       "on_policy": float(sampled)},
                     group=copies, head=head)
 
     return fit(student, itertools.cycle(enumerate(prompts)), prepare, per_step=prompts_per_step, optimizer=optimizer,
