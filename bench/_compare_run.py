@@ -168,6 +168,20 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
              stop=(spec["eos"],), tokens=spec["tokens"], max_grad_norm=1.0, seed=spec["seed"], verbose=False,
              correction_cap=2.0 if engine_dtype != dtype else None, on_step=on_step)
         count_work(clock.metrics)
+    elif method == "distill":
+        from linnet.serve import Engine
+        from linnet.train.distill import on_policy_distill
+
+        teacher = nest.load(spec["teacher_dir"], dtype=dtype, device=device)
+        engine = Engine(nest.load(spec["model_dir"], dtype=dtype, device=device))
+        n = spec["steps"] * spec["prompts_per_step"]
+        clock.begin()
+        on_policy_distill(model, teacher, engine, data["prompt"][:n], optimizer=optimizer, steps=spec["steps"],
+                          prompts_per_step=spec["prompts_per_step"], max_new_tokens=spec["max_new_tokens"],
+                          sample_temperature=1.0, stop=(spec["eos"],), divergence="reverse_kl", temperature=1.0,
+                          tokens=spec["tokens"], clip=1.0, seed=spec["seed"], on_step=on_step)
+        clock.real = distill_tokens(data, spec, [m["completion_length"] * spec["prompts_per_step"]
+                                                 for m in clock.metrics])
     else:
         raise ValueError(method)
     extra["setup_seconds"] = clock.start - t_setup
@@ -356,6 +370,20 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
         trainer = GRPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=ds,
                               reward_funcs=lower_half, callbacks=[Timer()])
         extra["completion_tokens"] = lengths
+    elif method == "distill":
+        from trl import DistillationConfig, DistillationTrainer
+
+        n = spec["steps"] * spec["prompts_per_step"]
+        words = data["words"]
+        teacher = AutoModelForCausalLM.from_pretrained(spec["teacher_dir"], dtype=torch.float32,
+                                                       attn_implementation="sdpa")
+        ds = Dataset.from_dict({"prompt": [" ".join(words[t] for t in p) for p in data["prompt"][:n]]})
+        # reverse KL (beta=1) on the student's own completions, sampled at temperature 1, as linnet's run
+        args = DistillationConfig(**common, per_device_train_batch_size=spec["prompts_per_step"],
+                                  max_completion_length=spec["max_new_tokens"], temperature=1.0, top_k=0, top_p=1.0,
+                                  beta=1.0, shuffle_dataset=False, use_vllm=False)
+        trainer = DistillationTrainer(model=model, teacher_model=teacher, args=args, processing_class=tokenizer,
+                                      train_dataset=ds, callbacks=[Timer()])
     else:
         raise ValueError(method)
     extra["setup_seconds"] = time.perf_counter() - t_setup
@@ -363,6 +391,9 @@ def run_trl(spec: dict, data: dict, clock: Clock) -> dict:
     trainer.train()
     if method == "grpo":
         clock.real = grpo_tokens(data, spec, lengths)
+    if method == "distill":  # TRL logs each step's mean completion length
+        clock.real = distill_tokens(data, spec, [m["completions/mean_length"] * spec["prompts_per_step"]
+                                                 for m in clock.metrics])
     return extra
 
 
@@ -401,6 +432,12 @@ def grpo_tokens(data, spec, completion_tokens: list[int]) -> list[int]:
     k = spec["prompts_per_step"]
     return [spec["group"] * sum(len(p) for p in data["prompt"][s * k:(s + 1) * k]) + c
             for s, c in enumerate(completion_tokens)]
+
+
+def distill_tokens(data, spec, completion_tokens: list[float]) -> list[int]:
+    """Each step's real tokens: its prompts and their completions."""
+    k = spec["prompts_per_step"]
+    return [sum(len(p) for p in data["prompt"][s * k:(s + 1) * k]) + round(c) for s, c in enumerate(completion_tokens)]
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ tokens/s, peak memory, losses, and the linnet/TRL ratios.
     python bench/compare.py --method sft-lora --size 7m --dtype bf16
     python bench/compare.py --out -   # print only, write no markdown
     python bench/compare.py --smoke   # a tiny model, SFT-LoRA f32, 3 steps, print only: both sides run (~20 s)
+    python bench/compare.py --method distill --size 7m --dtype f32 --out bench/distill.md   # on-policy distillation
 
 The workload is built here, from seeds, into a temporary directory:
   models   Llama-architecture decoders (untied head, GQA, SwiGLU) of ~7M and ~58M
@@ -43,6 +44,12 @@ TRL's configuration (its fastest honest one on this CPU; see the RESULTS.md note
         forward x 4 accumulated (as fast as 32 a forward, 2.4x less memory);
         loss_type="dapo" (token mean over the step, as linnet), beta=0, one iteration,
         group 8 x 4 prompts, 64 new tokens, temperature 1, no top-k/top-p.
+  Distill  (--method distill) DistillationTrainer, on-policy: 8 prompts a step (GRPO's kind), one
+        completion each sampled by plain `generate` (64 new tokens, temperature 1, no top-k/top-p),
+        reverse KL to the teacher (beta=1, temperature 1); linnet's on_policy_distill with
+        divergence="reverse_kl" on the same. The teacher: the student's architecture with
+        other random weights (seed 1), frozen (linnet's in the run's dtype; TRL's float32, under
+        autocast in bf16 runs).
   All   AdamW (no weight decay), constant lr, clip 1.0, activation checkpointing off,
         f32: bf16=False; bf16: bf16=True (autocast over f32 weights), where linnet keeps
         frozen weights in bf16 and trainable ones as f32 masters cast on use.
@@ -77,11 +84,13 @@ SIZES = {
 METHODS = ("sft-lora", "sft-full", "dpo", "grpo")
 # preference objectives beyond DPO, on DPO's pairs: run with --method (bench/objectives.md)
 OBJECTIVES = ("simpo", "orpo", "kto", "reward")
+# on-policy distillation against TRL's DistillationTrainer: run with --method (bench/distill.md)
+DISTILL = ("distill",)
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 LR = {"sft-lora": 1e-3, "sft-full": 3e-4, "dpo": 5e-4, "grpo": 1e-3, "simpo": 5e-4, "orpo": 5e-4, "kto": 5e-4,
-      "reward": 5e-4}
+      "reward": 5e-4, "distill": 1e-3}
 TARGETS = {"sft-lora": 2.0, "sft-full": 1.3, "dpo": 2.5, "grpo": 5.0, "simpo": 2.5, "orpo": 2.5, "kto": 2.5,
-           "reward": 2.5}  # linnet/TRL real tokens/s
+           "reward": 2.5, "distill": 2.0}  # linnet/TRL real tokens/s (distill: our own bar, as SFT-LoRA's)
 SIZE_TARGETS = {("grpo", "60m"): 4.0}  # issue #19: GRPO-LoRA 5x TRL at 7M, 4x at 60M
 
 
@@ -94,6 +103,7 @@ TOKENS = 4096
 LINNET_TOKENS = {"dpo": 2048, "simpo": 2048, "orpo": 2048, "kto": 2048, "reward": 1536}
 PAIRS_PER_STEP = 8
 GROUP, PROMPTS_PER_STEP, MAX_NEW = 8, 4, 64
+DISTILL_PROMPTS = 8  # prompts a distillation step, one completion each
 # Left out of the default matrix to keep it near 15 minutes on 2 shared cores; --all runs them
 # (TRL takes ~20 s a step at 60M in bf16, more in f32).
 SLOW = {("60m", m, d) for m in METHODS for d in DTYPES} - {("60m", "sft-lora", "bf16")}
@@ -143,6 +153,17 @@ def build_model(size: str, root: Path) -> dict:
     model.add_lora(["model.layers.*_proj.weight"], rank=16, alpha=32)
     save_peft(model, adapter_dir, base_model=str(model_dir))
     return dict(model_dir=str(model_dir), adapter_dir=str(adapter_dir), params=c.params(), card=SIZES[size])
+
+
+def build_teacher(size: str, root: Path) -> str:
+    """A distillation teacher: the student's architecture, other random weights (seed 1)."""
+    from linnet import nest
+
+    c = card(size)
+    teacher_dir = root / f"teacher-{size}"
+    nest.load(c, weights="random", seed=1).save_weights(teacher_dir)
+    save_tokenizer(teacher_dir, c.vocab)
+    return str(teacher_dir)
 
 
 class Tokens:
@@ -204,11 +225,16 @@ def dpo_data(vocab: int, steps: int, seed: int) -> dict:
     return out
 
 
-def grpo_data(vocab: int, steps: int, seed: int) -> dict:
+def grpo_data(vocab: int, steps: int, seed: int, per_step: int = PROMPTS_PER_STEP) -> dict:
     rng = np.random.default_rng(seed + 2)
     draw = Tokens(rng, vocab)
-    n = steps * PROMPTS_PER_STEP
+    n = steps * per_step
     return dict(prompt=[[BOS] + draw(p - 1) for p in lognormal(rng, n, 60, 20, 200)], words=words(vocab))
+
+
+def distill_data(vocab: int, steps: int, seed: int) -> dict:
+    """GRPO's kind of prompts, DISTILL_PROMPTS a step."""
+    return grpo_data(vocab, steps, seed, DISTILL_PROMPTS)
 
 
 def data_kind(method: str) -> str:
@@ -218,9 +244,11 @@ def data_kind(method: str) -> str:
 
 def build_workload(root: Path, sizes, methods, steps: int, seed: int) -> dict:
     out = {}
-    makers = {"sft": sft_data, "dpo": dpo_data, "grpo": grpo_data}
+    makers = {"sft": sft_data, "dpo": dpo_data, "grpo": grpo_data, "distill": distill_data}
     for size in sizes:
         info = build_model(size, root)
+        if "distill" in methods:
+            info["teacher_dir"] = build_teacher(size, root)
         vocab = SIZES[size]["vocab"]
         info["data"] = {}
         for kind in sorted({data_kind(m) for m in methods}):
@@ -300,6 +328,12 @@ def summarise(results: list[dict]) -> dict:
 def alike(method: str, ours: dict, theirs: dict) -> str:
     """How closely the two trained: loss at the same step (SFT, DPO), DPO accuracy, and
     GRPO mean reward over the first and last three steps."""
+    if method == "distill":
+        def trend(side):
+            values = side["losses"]
+            return f"{np.mean(values[:3]):.3f}->{np.mean(values[-3:]):.3f}" if values else "?"
+
+        return f"divergence {trend(ours)} vs {trend(theirs)} (each on its own samples)"
     if method == "grpo":
         def reward(side):
             values = rewards(side)
@@ -319,7 +353,7 @@ def alike(method: str, ours: dict, theirs: dict) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--method", nargs="+", default=list(METHODS), choices=METHODS + OBJECTIVES)
+    ap.add_argument("--method", nargs="+", default=list(METHODS), choices=METHODS + OBJECTIVES + DISTILL)
     ap.add_argument("--size", nargs="+", default=["7m", "60m"], choices=list(SIZES))
     ap.add_argument("--dtype", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps a run (the first two are not timed)")
@@ -374,8 +408,10 @@ def main(argv=None) -> None:
                         threads=args.threads, device=args.device, tokens=LINNET_TOKENS.get(method, TOKENS),
                         model_dir=info["model_dir"],
                         adapter_dir=info["adapter_dir"], data=info["data"][data_kind(method)],
+                        teacher_dir=info.get("teacher_dir"),
                         vocab=SIZES[size]["vocab"], eos=EOS, pairs_per_step=PAIRS_PER_STEP, group=GROUP,
-                        prompts_per_step=PROMPTS_PER_STEP, max_new_tokens=MAX_NEW, compile_engine=args.compile_engine,
+                        prompts_per_step=DISTILL_PROMPTS if method == "distill" else PROMPTS_PER_STEP,
+                        max_new_tokens=MAX_NEW, compile_engine=args.compile_engine,
                         engine_dtype=DTYPES[args.engine_dtype] if args.engine_dtype else None,
                         uniform_groups=args.uniform_groups,
                         trl_micro={"dpo": args.trl_dpo_micro, "simpo": args.trl_dpo_micro, "orpo": args.trl_dpo_micro,
