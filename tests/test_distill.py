@@ -62,14 +62,17 @@ def test_each_divergence_equals_its_formula_and_trls(divergence, beta):
 
 
 def _peak_bytes(fn) -> int:
-    """The most bytes live in PyTorch's CPU allocator at once while fn runs."""
+    """The most bytes live in PyTorch's CPU allocator at once while fn runs: its every
+    allocation and free, in time order (an op's own tally would give a custom autograd
+    Function the frees of its inner ops' temporaries at the Function's start)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):  # each op's own allocations and frees
-        live += e.self_cpu_memory_usage
+    memory = (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    for e in sorted(memory, key=lambda e: e.start_ns()):
+        live += e.nbytes()
         peak = max(peak, live)
     return peak
 
@@ -81,9 +84,11 @@ def test_blockwise_equals_plain_and_holds_one_block():
     w_s = (torch.randn(V, D, generator=g) * 0.3).requires_grad_(True)
     h_t, w_t = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g) * 0.3
     weights = (torch.rand(N, generator=g) > 0.2).float()
-    for divergence in ("forward_kl", "reverse_kl", "jsd"):
-        blocked = linear_divergence(h_s, w_s, h_t, w_t, weights, divergence=divergence, block_rows=64)
-        plain = (token_divergence(h_s @ w_s.T, h_t @ w_t.T, divergence=divergence) * weights).sum()
+    for divergence, beta, temperature in (("forward_kl", 0.5, 1.0), ("reverse_kl", 0.5, 2.0), ("jsd", 0.5, 1.0),
+                                          ("jsd", 0.2, 0.7)):
+        options = dict(divergence=divergence, beta=beta, temperature=temperature)
+        blocked = linear_divergence(h_s, w_s, h_t, w_t, weights, **options, block_rows=64)
+        plain = (token_divergence(h_s @ w_s.T, h_t @ w_t.T, **options) * weights).sum()
         torch.testing.assert_close(blocked, plain, atol=1e-6 * float(plain.detach()), rtol=1e-6)
         gb = torch.autograd.grad(blocked, [h_s, w_s])
         gp = torch.autograd.grad(plain, [h_s, w_s])
@@ -96,6 +101,20 @@ def test_blockwise_equals_plain_and_holds_one_block():
     logits = N * V * 4  # one model's whole f32 logits
     blocked, whole = _peak_bytes(lambda: run(64)), _peak_bytes(lambda: run(N))
     assert blocked < logits < whole / 4, (blocked, logits, whole)  # blocks: less than one whole [N, V]
+
+
+@pytest.mark.parametrize("divergence,beta", [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3), ("jsd", 0.0),
+                                             ("jsd", 1.0)])
+def test_the_closed_form_gradient_of_a_block_passes_gradcheck(divergence, beta):
+    """linear_divergence's blocks take their gradient in closed form (_BlockDivergence):
+    checked against finite differences in float64, softened (temperature 2), weighted."""
+    from linnet.train.distill import _BlockDivergence
+
+    g = torch.Generator().manual_seed(2)
+    hs, ws, ht, wt = (torch.randn(n, 4, generator=g, dtype=torch.float64) for n in (6, 11, 6, 11))
+    weights = torch.tensor([1.0, 0.0, 2.0, 1.0, 1.0, 0.5], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: _BlockDivergence.apply(a, b, ht, wt, weights, divergence, beta, 2.0),
+                                    (hs.requires_grad_(), ws.requires_grad_()))
 
 
 def test_a_teacher_distilled_into_itself_has_zero_loss_and_gradient():
