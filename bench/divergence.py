@@ -10,8 +10,8 @@ each block through autograd under torch's non-reentrant checkpoint, so that back
 recomputes the block and differentiates log_softmax, kl_div and (JSD) the mixture's
 logsumexp op by op. linnet now takes each block's gradient in closed form
 (`_BlockDivergence`). Time: median of `--repeats` forward+backward calls after a warm-up,
-one thread. Peak: the most bytes live in PyTorch's CPU allocator during one call, from the
-profiler's allocation and free events in time order (inputs excluded).
+one thread. Peak: the resident set's high-water mark during one call above its size before
+it (inputs and the first call's allocations excluded; glibc maps large tensors on their own).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import statistics
 import time
 
 import torch
-from _common import KEEP, command, machine, table, write_report
+from _common import KEEP, command, machine, peak_rss, reset_peak, rss, table, write_report
 from torch.utils.checkpoint import checkpoint
 
 
@@ -54,16 +54,12 @@ def step(fn, h_s, w_s, *rest, **options) -> None:
 
 
 def peak_bytes(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    memory = (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    for e in sorted(memory, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
+    """The resident set's high-water mark while fn runs, above where it started (glibc maps
+    large tensors on their own and unmaps them when freed, so RSS follows live tensors)."""
+    before = rss()
+    reset_peak()
+    fn()
+    return peak_rss() - before
 
 
 def main(argv=None) -> None:
