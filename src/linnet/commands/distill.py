@@ -88,6 +88,18 @@ def _answering(config: DistillConfig) -> dict:
                 label="teacher" if config.runtime.progress else None)
 
 
+def _warn_unfinished(examples, stops: set[int], limit: int) -> None:
+    """Say how many of the teacher's answers ran out of new tokens before a stop token:
+    the student learns those cut, and never to stop where they end."""
+    import warnings
+
+    cut = sum(int(e.tokens[-1]) not in stops for e in examples)
+    if cut:
+        warnings.warn(f"distill: {cut} of {len(examples)} teacher answers reached distill.max_new_tokens={limit} "
+                      "without a stop token, and are learned cut there; raise distill.max_new_tokens if the "
+                      "answers are longer", stacklevel=2)
+
+
 def _prompt(example) -> list[int]:
     """The context before an example's first learned token."""
     first = int(np.flatnonzero(example.learned)[0])
@@ -130,6 +142,7 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
         prepared.train_examples = copy_first(student, lambda: teacher_completions(
             Engine(teacher), [_prompt(e) for e in prepared.train_examples], **_answering(config), stop=stop)
             if theirs is None else answers_through_text(config, prepared.tokenizer, Engine(teacher), theirs))
+        _warn_unfinished(prepared.train_examples, {*stop, *prepared.tokenizer.eos_ids}, d.max_new_tokens)
         steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
                                             / t.accumulation))
     elif d.mode == "on_policy":
