@@ -102,17 +102,21 @@ def _warn_unfinished(examples, stops: set[int], limit: int) -> None:
 
 def _prompt(example) -> list[int]:
     """The context before an example's first learned token."""
-    first = int(np.flatnonzero(example.learned)[0])
-    return example.tokens[:first].tolist()
+    return example.tokens[:_first_answer(example).start].tolist()
 
 
 def _answer(example) -> list[int]:
     """An example's first learned span: its first answer, through the stop token that ends
     it (as `examples_from_records` learns it)."""
+    return example.tokens[_first_answer(example)].tolist()
+
+
+def _first_answer(example) -> slice:
+    """Where an example's first run of learned positions lies."""
     learned = np.asarray(example.learned, bool)
     first = int(np.argmax(learned))
-    after = np.flatnonzero(~learned[first:])  # the first unlearned position past it ends the span
-    return example.tokens[first : first + (after[0] if len(after) else len(learned) - first)].tolist()
+    after = np.flatnonzero(~learned[first:])  # the first unlearned position past it ends the run
+    return slice(first, first + (int(after[0]) if len(after) else len(learned) - first))
 
 
 def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
