@@ -372,8 +372,8 @@ def test_a_pipelined_qlora_sft_run_takes_one_process_steps(workspace, tmp_path):
     same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm"), steps=8, rel=1e-5)
     x, y = (load_file(str(tmp_path / d / "final" / "adapter_model.safetensors")) for d in ("two", "one"))
     assert x.keys() == y.keys() and x
-    for key in y:
-        torch.testing.assert_close(x[key], y[key], atol=1e-5, rtol=0, msg=key)
+    for key in y:  # 1e-4: 1% of one Adam step at lr 1e-2, which rounding of a near-zero gradient can move
+        torch.testing.assert_close(x[key], y[key], atol=1e-4, rtol=0, msg=key)
 
 
 @pytest.mark.parametrize("overrides, message", [

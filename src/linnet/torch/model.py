@@ -67,16 +67,18 @@ class Linear(nn.Linear):
     def forward(self, x):
         if self.lora_magnitude is not None:
             return self._dora(x)
-        y = self._base(x, None if self.bias is None else self.bias.to(x.dtype))
         if self.lora_a is None:
-            return y
+            return self._base(x, None if self.bias is None else self.bias.to(x.dtype))
         z = dropout(x, self.lora_dropout) if self.lora_dropout and self.training else x
         za = F.linear(z, self.lora_a.to(x.dtype))
         # scale and sum folded into one addmm (no [P, out] multiply and add: 1.10x on SFT-LoRA),
         # in place on the base output, which no backward reads: no copy of it into a new tensor
-        # (a [P, out] tensor less at the peak; the time is the same)
-        y.view(-1, y.shape[-1]).addmm_(za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T, alpha=self.lora_scale)
-        return y
+        # (a [P, out] tensor less at the peak). On a 2-D output itself, not a view of it: an
+        # in-place op on a view makes backward clone and copy back the whole [P, out] gradient
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self._base(x2, None if self.bias is None else self.bias.to(x.dtype))
+        y.addmm_(za.reshape(-1, za.shape[-1]), self.lora_b.to(x.dtype).T, alpha=self.lora_scale)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _apply(self, fn, recurse=True):
         """model.to(device) moves an NF4 weight's quantization state with its codes."""
