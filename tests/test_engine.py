@@ -163,11 +163,14 @@ def test_inverse_cdf_lands_in_proportion_across_blocks():
     torch.testing.assert_close(freq, probs.double(), atol=2 / n, rtol=0)
 
 
-def test_group_prefix_is_computed_once(saved):
+def test_group_prefix_is_computed_once(saved, monkeypatch):
+    from linnet.serve import passes
+
     model = nest.load(saved("llama"))
     engine = Engine(model)
-    calls = []
-    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    calls, first, project = [], model.model.layers[0].self_attn, passes._project
+    monkeypatch.setattr(passes, "_project", lambda attn, h, *rest: (calls.append(len(h)) if attn is first else None)
+                        or project(attn, h, *rest))
     prompts = _prompts((4, 9))
     done = engine.sample(prompts, n=5, max_new_tokens=3, stop=(), seed=0)
     assert calls == [4 + 9, 10, 10]  # one prefill of both prompts; then 10 rows a step
@@ -198,8 +201,14 @@ def test_rows_stop_early_and_the_loop_ends(saved):
     assert engine.stats.decode_steps == 0  # all rows stopped on their first token
 
 
-def test_load_weights_merges_adapters_in_place(saved, monkeypatch):
+@pytest.mark.parametrize("packed_layers", [True, False])
+def test_load_weights_merges_adapters_in_place(saved, monkeypatch, packed_layers):
+    """packed_layers: the projections packed for oneDNN (an AVX-512 CPU) or laid out
+    transposed (AVX2); Qwen2's q/k/v biases go with the fused q/k/v product."""
+    from linnet import hardware
+
     monkeypatch.setattr(losses, "PACK_MIN_ELEMENTS", 0)  # pack even this tiny head for oneDNN
+    monkeypatch.setattr(hardware, "cpu_packs_projections", lambda: packed_layers)
     directory = saved("qwen2")
     policy = nest.load(directory)
     policy.add_lora(["*q_proj*", "*v_proj*", "*down_proj*"], rank=4, alpha=8)
@@ -215,10 +224,12 @@ def test_load_weights_merges_adapters_in_place(saved, monkeypatch):
     projections = [n for n, p in engine.model.named_parameters() if n.endswith("proj.weight")]
     engine.load_weights(policy)
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
-    # float32 projections stay stored transposed (x @ W.T reads a contiguous [in, out])
-    assert projections and all(engine.model.get_parameter(n).t().is_contiguous() for n in projections)
-    # and the head packed for oneDNN is packed again from the new weights (the log-probs below)
-    assert (engine._head is not None) == torch.backends.mkldnn.is_available()
+    # float32 projections stay packed, or stored transposed (x @ W.T reads a contiguous [in, out])
+    stored = [engine.model.get_parameter(n) for n in projections]
+    assert stored and all((w if packed_layers else w.t()).is_contiguous() for w in stored)
+    # and the weights packed for oneDNN are packed again from the new ones (the log-probs below)
+    if torch.backends.mkldnn.is_available():
+        assert engine._packed.head is not None and (engine._packed.layers is not None) == packed_layers
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # policy untouched
     assert policy.lora is not None
     prompts = _prompts((6, 3))

@@ -69,8 +69,8 @@ def test_float32_blocks_on_a_cpu_run_the_head_through_onednn(monkeypatch):
     """From PACK_MIN_ROWS rows a float32 head of PACK_MIN_ELEMENTS or more is packed for
     oneDNN once a call; values and gradients stay those of the plain product (float64)."""
     calls = []
-    product = losses.onednn_logits
-    monkeypatch.setattr(losses, "onednn_logits", lambda h, p: calls.append(len(h)) or product(h, p))
+    product = losses.onednn_linear
+    monkeypatch.setattr(losses, "onednn_linear", lambda h, p: calls.append(len(h)) or product(h, p))
     N, V, D = losses.PACK_MIN_ROWS + 44, 4096, 256  # a head of PACK_MIN_ELEMENTS
     h64, w64, t, wt = _case(N=N, D=D, V=V, seed=4)
     with torch.no_grad():  # logits of order one

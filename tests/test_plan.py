@@ -570,6 +570,26 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["sampling"]["weights_bytes"] == card.params() * 2, cut
 
 
+@pytest.mark.parametrize("projections", [True, False])
+def test_a_float32_engine_on_a_cpu_counts_its_weights_packed_for_onednn(tmp_path, capsys, monkeypatch, projections):
+    """The head packed again (Llama 3.2 1B's is over 2^20 weights), and on an AVX-512 CPU
+    every projection too (`Engine`, `linnet.serve.passes.pack_weights`)."""
+    from linnet import hardware
+
+    monkeypatch.setattr(hardware, "cpu_packs_projections", lambda: projections)
+    config = tmp_path / "grpo.yaml"
+    config.write_text("model: {card: llama-3.2-1b-instruct, dtype: float32}\ndata: {path: p.jsonl}\n"
+                      "runtime: {device: cpu}\ntraining: {context_length: 1024}\ngrpo: {group: 8, prompts_per_step: 4}\n")
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
+    sampling = json.loads(capsys.readouterr().out)["sampling"]
+    card = plan.cards.resolve("llama-3.2-1b-instruct")
+    blocks = card.layers * sum(o * i for o, i in card.linear_shapes().values())
+    assert sampling["packed_bytes"] == 4 * (card.vocab * card.hidden + (blocks if projections else 0))
+    assert sampling["weights_bytes"] == card.params() * 4 + sampling["packed_bytes"]
+    assert plan_command.main(["--config", str(config)]) == 0
+    assert "of them again packed for oneDNN" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("share, usable", [("", 0.6), (", vllm_gpu_memory_utilization: 0.4", 0.5)])
 def test_plan_of_a_grpo_config_with_vllm_leaves_vllms_share_to_it(tmp_path, capsys, share, usable):
     """vLLM takes its share of each GPU (0.3 unless the config says otherwise) for its

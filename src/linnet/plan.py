@@ -469,16 +469,28 @@ def _targets(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def sampling_memory(card: cards.Card, rows: int, slots: int, dtype: str = "bf16",
-                    method: Method = DEFAULT_METHOD, shares_base: bool = True) -> dict[str, Any]:
+                    method: Method = DEFAULT_METHOD, shares_base: bool = True, cpu: bool = False) -> dict[str, Any]:
     """Bytes GRPO's sampling engine holds beside training: its own copy of the weights in
     its dtype (the policy's, or grpo.engine_dtype), and a KV cache of `rows` completions x
     `slots` positions (keys and values, every layer, in that dtype). Under QLoRA it shares
     the policy's NF4 block weights and holds f32 copies of the adapters instead
     (`Engine.load_weights`), unless the policy is split by FSDP or cut into pipeline stages
     (shares_base=False): then it holds every weight, dequantized and merged (every stage's
-    engine the whole model). Not part of `estimate`'s totals."""
+    engine the whole model). A float32 engine on a CPU (`cpu`) also holds its head packed
+    for oneDNN (from 2^20 weights) and, where this CPU has AVX-512, its projections
+    (`hardware.cpu_packs_projections`): `packed_bytes`, within weights_bytes. Not part of
+    `estimate`'s totals."""
     size = DTYPES[dtype]
     shared = quantized_params(card, method) if shares_base else 0
-    weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0)
+    packed = 0
+    if cpu and dtype == "f32" and not shared:
+        from linnet import hardware
+
+        head = card.vocab * card.hidden
+        packed = 4 * ((head if head >= 1 << 20 else 0)  # linnet.torch.losses.PACK_MIN_ELEMENTS
+                      + (card.layers * sum(o * i for o, i in card.linear_shapes().values())
+                         if hardware.cpu_packs_projections() else 0))
+    weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0) + packed
     cache = rows * slots * card.layers * 2 * card.kv_heads * card.head_dim * size
-    return {"rows": rows, "slots": slots, "dtype": dtype, "weights_bytes": weights, "cache_bytes": cache}
+    return {"rows": rows, "slots": slots, "dtype": dtype, "weights_bytes": weights, "packed_bytes": packed,
+            "cache_bytes": cache}

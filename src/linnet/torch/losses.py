@@ -75,7 +75,7 @@ PACK_MIN_ELEMENTS = 1 << 20
 
 
 def onednn_pack(w_VD: torch.Tensor, rows: int):
-    """w in oneDNN's blocked layout for `onednn_logits` (`rows`: a product's rows, a hint
+    """w in oneDNN's blocked layout for `onednn_linear` (`rows`: a product's rows, a hint
     for the layout), or None where that does not pay or apply: a head under
     PACK_MIN_ELEMENTS, not a float32 CPU tensor, or a torch built without oneDNN."""
     if (w_VD.numel() < PACK_MIN_ELEMENTS or w_VD.device.type != "cpu" or w_VD.dtype != torch.float32
@@ -84,16 +84,16 @@ def onednn_pack(w_VD: torch.Tensor, rows: int):
     return torch.ops.mkldnn._reorder_linear_weight(w_VD.detach().contiguous(), rows)
 
 
-def onednn_logits(h_ND: torch.Tensor, packed) -> torch.Tensor:
-    """h @ w.T through oneDNN, w packed by `onednn_pack`."""
-    return torch.ops.mkldnn._linear_pointwise(h_ND, packed, None, "none", [], "")
+def onednn_linear(h_ND: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h @ w.T (+ bias) through oneDNN, w packed by `onednn_pack`."""
+    return torch.ops.mkldnn._linear_pointwise(h_ND, packed, bias, "none", [], "")
 
 
 def _block_logits(h_ND, w_VD, rows: int):
     """The f32 logits of a block of rows, `sl` -> h[sl] @ w.T: with the head packed once
     for oneDNN when the call has at least PACK_MIN_ROWS rows in float32 on a CPU."""
     if h_ND.shape[0] >= PACK_MIN_ROWS and (packed := onednn_pack(w_VD, min(rows, h_ND.shape[0]))) is not None:
-        return lambda sl: onednn_logits(h_ND[sl], packed)
+        return lambda sl: onednn_linear(h_ND[sl], packed)
     return lambda sl: _f32(h_ND[sl] @ w_VD.T)
 
 
