@@ -83,8 +83,8 @@ def pack_weights(model, layers: bool) -> Packed | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 32), bias  # 32: rows a decode step, typically
 
     blocks = [(pack(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), pack(b.self_attn.o_proj),
-               pack(b.mlp.gate_proj, b.mlp.up_proj), pack(b.mlp.down_proj)) for b in model.model.layers]
-    return Packed(blocks if layers else None, onednn_pack(model.head_weight, 32))
+               pack(b.mlp.gate_proj, b.mlp.up_proj), pack(b.mlp.down_proj)) for b in model.model.layers] if layers else None
+    return Packed(blocks, onednn_pack(model.head_weight, 32))
 
 
 def prefill_pass(model, tokens_P, positions_P, prompt_P, last, keys, values, cos_Sd, sin_Sd, attend, packed=None):
