@@ -40,7 +40,7 @@ def load_teacher(config: DistillConfig, student, tokenizer):
     card = resolve(d.teacher)
     theirs = load_tokenizer(card)
     vocab = theirs.raw.get_vocab(with_added_tokens=True) != tokenizer.raw.get_vocab(with_added_tokens=True)
-    template = theirs.chat_template != tokenizer.chat_template
+    template = config.data.chat and theirs.chat_template != tokenizer.chat_template  # unused with data.chat off
     if vocab and d.mode != "sequence":
         raise ValueError(f"distill.teacher={d.teacher}: its tokenizer is not the student's ({theirs.vocab_size} and "
                          f"{tokenizer.vocab_size} tokens, other ids); distill.mode={d.mode} compares distributions "
