@@ -24,13 +24,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from linnet import cards
+from linnet import cards, hardware
 from linnet.plan_parts import SCHEDULES, Part, _require, model_parts, whole  # noqa: F401  (re-exported)
 from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's public names)
     CHECKPOINTING,
     COMPARED,
     CPU_LOSS_BLOCK_BYTES,
     CPU_LOSS_MIN_ROWS,
+    CPU_PACK_MIN_ELEMENTS,
     DEVICES,
     DTYPES,
     GRADIENT_BYTES,
@@ -484,10 +485,8 @@ def sampling_memory(card: cards.Card, rows: int, slots: int, dtype: str = "bf16"
     shared = quantized_params(card, method) if shares_base else 0
     packed = 0
     if cpu and dtype == "f32" and not shared:
-        from linnet import hardware
-
         head = card.vocab * card.hidden
-        packed = 4 * ((head if head >= 1 << 20 else 0)  # linnet.torch.losses.PACK_MIN_ELEMENTS
+        packed = 4 * ((head if head >= CPU_PACK_MIN_ELEMENTS else 0)
                       + (card.layers * sum(o * i for o, i in card.linear_shapes().values())
                          if hardware.cpu_packs_projections() else 0))
     weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0) + packed
