@@ -89,22 +89,15 @@ DISTILL = ("distill",)
 DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 LR = {"sft-lora": 1e-3, "sft-full": 3e-4, "dpo": 5e-4, "grpo": 1e-3, "simpo": 5e-4, "orpo": 5e-4, "kto": 5e-4,
       "reward": 5e-4, "distill": 1e-3}
-TARGETS = {"sft-lora": 2.0, "sft-full": 1.3, "dpo": 2.5, "grpo": 5.0, "simpo": 2.5, "orpo": 2.5, "kto": 2.5,
-           "reward": 2.5, "distill": 2.0}  # linnet/TRL real tokens/s (distill: our own bar, as SFT-LoRA's)
-SIZE_TARGETS = {("grpo", "60m"): 4.0}  # issue #19: GRPO-LoRA 5x TRL at 7M, 4x at 60M
-# the ratio a target is set on: real tokens/s, but GRPO's on the step rate (issue #19: "5x TRL's
-# step rate"; both sides run the same steps, and TRL's step time follows the prompts' lengths
-# where linnet's hardly does, so the medians of per-step tokens/s pair different steps)
-TARGET_ON = {"grpo": "step_rate"}
+# the ratio the chart draws for a method: real tokens/s, but GRPO's step rate (both sides run the
+# same steps, and TRL's step time follows the prompts' lengths where linnet's hardly does, so the
+# medians of per-step tokens/s pair different steps)
+HEADLINE = {"grpo": "step_rate"}
 
 
-def target(method: str, size: str) -> float:
-    return SIZE_TARGETS.get((method, size), TARGETS[method])
-
-
-def target_on(method: str) -> str:
-    """The row key of the ratio a method's target is set on (TARGET_ON): "speed" or "step_rate"."""
-    return TARGET_ON.get(method, "speed")
+def headline(method: str) -> str:
+    """The row key of the ratio the chart draws for a method (HEADLINE): "speed" or "step_rate"."""
+    return HEADLINE.get(method, "speed")
 
 
 TOKENS = 4096
@@ -453,8 +446,8 @@ def main(argv=None) -> None:
                 row["gflops"] = {lib: per_token * row[lib]["tokens_per_s"] / 1e9 for lib in ("linnet", "trl")}
             rows.append(row)
             print(f"{method} {size} {dtype}: tokens/s {ours['tokens_per_s']:.0f} vs {theirs['tokens_per_s']:.0f} "
-                  f"= {row['speed']:.2f}x (by CPU time {row['speed_cpu']:.2f}x; step rate {row['step_rate']:.2f}x; "
-                  f"target {target(method, size)}x on {target_on(method)}); memory {row['memory']:.2f}x; "
+                  f"= {row['speed']:.2f}x (by CPU time {row['speed_cpu']:.2f}x; step rate {row['step_rate']:.2f}x); "
+                  f"memory {row['memory']:.2f}x; "
                   f"{row['alike']}",
                   flush=True)
     seconds = time.perf_counter() - t_all
@@ -488,13 +481,11 @@ def results_table(rows: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         a, b = r["linnet"], r["trl"]
-        on, aim = target_on(r["method"]), target(r["method"], r["size"])
-        goal = f" (target {aim}x, {'met' if r[on] >= aim else 'not met'})"
         mem = "" if r["memory"] <= 1.0 else " (higher)"
         cells.append([r["method"], r["size"], r["dtype"], f"{a['step']:.2f} s", f"{b['step']:.2f} s",
                       f"{a['tokens_per_s']:.0f}", f"{b['tokens_per_s']:.0f}",
-                      f"**{r['speed']:.2f}x**" + (goal if on == "speed" else ""),
-                      f"{r['step_rate']:.2f}x" + (goal if on == "step_rate" else ""),
+                      f"**{r['speed']:.2f}x**",
+                      f"{r['step_rate']:.2f}x",
                       f"{r['speed_cpu']:.2f}x",
                       fmt_mem(a["peak"]), fmt_mem(b["peak"]), f"**{r['memory']:.2f}x**{mem}",
                       f"{a['losses'][0]:.4f}→{a['losses'][-1]:.4f}", f"{b['losses'][0]:.4f}→{b['losses'][-1]:.4f}",
@@ -520,8 +511,8 @@ def report(rows, peaks, command, steps, args, seconds, plot: str) -> str:
         "the other in one invocation are the result.",
         f"- Steps: {steps} a run; step time = median after the first two; tok/s ratio = median of each side's "
         "real tokens/s over those steps; step-rate ratio = TRL's total time over them / linnet's (both sides run "
-        "the same steps); each target stands beside the ratio it is set on (GRPO's on the step rate, issue #19; "
-        f"the others' on tokens/s); {args.repeats} round(s) a case, libraries alternating. TRL micro-batches: DPO "
+        "the same steps; for GRPO the plainer comparison, since TRL's step time follows the prompts' lengths); "
+        f"{args.repeats} round(s) a case, libraries alternating. TRL micro-batches: DPO "
         f"{args.trl_dpo_micro} pair(s) a forward, GRPO {args.trl_grpo_micro} completions a forward, the rest of "
         "each step accumulated. linnet's GRPO engine: "
         + ("compiled (`--compile-engine`: Engine(compile=True), warmed up before the clock starts; TRL's "
@@ -575,16 +566,14 @@ def chart(rows: list[dict], path: Path) -> None:
     labels = [f"{r['method']}\n{r['size']} {r['dtype']}" for r in rows]
     x = np.arange(len(rows))
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(rows) + 2), 7), sharex=True)
-    speed = [r[target_on(r["method"])] for r in rows]  # the ratio each target is set on, beside it
-    ax1.bar(x, speed, color=["tab:green" if s >= target(r["method"], r["size"]) else "tab:orange"
-                             for s, r in zip(speed, rows)])
-    ax1.scatter(x, [target(r["method"], r["size"]) for r in rows], marker="_", s=400, color="black", zorder=3, label="target")
+    speed = [r[headline(r["method"])] for r in rows]  # real tokens/s; GRPO's step rate
+    ax1.bar(x, speed, color=["tab:green" if s >= 1 else "tab:orange" for s in speed])
     ax1.scatter(x, [r["speed_cpu"] for r in rows], marker="o", s=18, color="tab:blue", zorder=3,
                 label="ratio by CPU time")
     ax1.axhline(1.0, color="gray", lw=0.8)
-    by_rate = any(target_on(r["method"]) == "step_rate" for r in rows)
+    by_rate = any(headline(r["method"]) == "step_rate" for r in rows)
     ax1.set_ylabel("linnet / TRL: real tokens/s\n(GRPO: step rate)" if by_rate else "real tokens/s, linnet / TRL")
-    ax1.set_ylim(top=1.3 * max(speed + [target(r["method"], r["size"]) for r in rows]))  # room for the legend
+    ax1.set_ylim(top=1.3 * max(speed))  # room for the legend
     ax1.legend(loc="upper right")
     for i, s in enumerate(speed):
         ax1.text(i, s, f"{s:.2f}x", ha="center", va="bottom", fontsize=8)
