@@ -40,11 +40,11 @@ from _common import command, machine, revision, table, write_report
 KINDS = ("prepare", "sft", "dpo", "grpo", "pretrain")
 
 # Run in the child for a `write` trial: SIGKILL itself at the k-th checkpoint publish (after
-# its files are written, before the rename: linnet.checkpoint_layout hashes them then) or the
+# its files are written, before the rename: linnet.files.checkpoints hashes them then) or the
 # k-th os.replace (an atomic write's temporary file done, not yet in place), then the command.
 LAUNCH = """
 import os, signal, sys
-import linnet.checkpoint_layout as layout
+import linnet.files.checkpoints as layout
 from linnet import cli
 target, k = sys.argv[1], int(sys.argv[2])
 seen = {"publish": 0, "replace": 0}

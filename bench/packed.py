@@ -70,9 +70,9 @@ def measure(shape: tuple, args) -> list[str]:
 
     from linnet.cards import Card
     from linnet.pretrain.consensus import peer
+    from linnet.pretrain.decentralized import PackedLlama, local_mean_losses, ordinary
+    from linnet.pretrain.decentralized_optimizer import PackedAdamW
     from linnet.pretrain.loader import Rows
-    from linnet.pretrain.packed import PackedLlama, local_mean_losses, ordinary
-    from linnet.pretrain.packed_optimizer import PackedAdamW
     from linnet.torch.distributed import clip_gradients
     from linnet.train.optimizer import adamw
 

@@ -15,9 +15,10 @@ import itertools
 import numpy as np
 import torch
 
-from linnet import nest, rewards
+from linnet import nest
 from linnet.commands import quickstart
 from linnet.data import encode_prompt, load_tokenizer, read_records
+from linnet.rl import rewards
 from linnet.serve import Engine
 from linnet.train import pack, train
 from linnet.train.grpo import Prompt, grpo

@@ -59,8 +59,8 @@ def test_bf16_training_learns_and_compiled_blocks_match_eager():
 
 def test_packed_decentralized_workers_train_on_the_gpu():
     from linnet.config import PretrainConfig, load
-    from linnet.pretrain.packed import PackedLlama, local_mean_losses
-    from linnet.pretrain.packed_optimizer import PackedAdamW
+    from linnet.pretrain.decentralized import PackedLlama, local_mean_losses
+    from linnet.pretrain.decentralized_optimizer import PackedAdamW
 
     config = load(PretrainConfig, None, ["training.accumulation=1", "decentralized.num_models=4",
                                          "decentralized.topology=one_peer_ring"])

@@ -170,7 +170,7 @@ class _Answering:
         self.loads += 1
 
     def sample(self, prompts, n=1, **options):
-        from linnet.rollouts import Completion
+        from linnet.rl.rollouts import Completion
 
         return [Completion(i, list(self.answers[tuple(p)]), None, True) for i, p in enumerate(prompts)]
 
@@ -371,7 +371,7 @@ class _Teacher:
         self.tokenizer, self.words, self.prompts = tokenizer, words, []
 
     def sample(self, prompts, n=1, **options):
-        from linnet.rollouts import Completion
+        from linnet.rl.rollouts import Completion
 
         self.prompts = prompts
         answer = self.tokenizer.encode(self.words)

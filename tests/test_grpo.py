@@ -137,7 +137,7 @@ def test_sample_in_batches_gives_one_calls_completions_from_a_cache_of_one_batch
     """Seven prompts three a call: the greedy completions of one call, in its order and with
     its prompt indices; the engine's prompt cache never holds more than three; each batch
     draws with the seed plus its first prompt's index."""
-    from linnet.rollouts import sample_in_batches
+    from linnet.rl.rollouts import sample_in_batches
 
     prompts = [p.ids for p in _prompts(7)]
     whole = Engine(nest.load(CARD, weights="random", seed=3)).sample(prompts, 2, max_new_tokens=4, temperature=0.0)
@@ -169,7 +169,7 @@ def test_evaluate_through_the_engine_sees_the_policy():
 
 
 def test_rloo_advantages_are_leave_one_out_and_sum_to_zero():
-    from linnet.rollouts import group_advantages
+    from linnet.rl.rollouts import group_advantages
 
     rewards = np.random.default_rng(0).random((5, 4))
     rloo = group_advantages(rewards, kind="rloo")
@@ -191,7 +191,7 @@ def test_rloo_and_sequence_mean_learn():
 def test_sequence_mean_weighs_each_completion_alike():
     """sequence_mean: every completion's tokens weigh 1/|o_i| and the normaliser counts
     completions, so a long completion counts as much as a short one."""
-    from linnet.rollouts import Completion as Sample
+    from linnet.rl.rollouts import Completion as Sample
     from linnet.train.grpo import _rollout
 
     samples = [Sample(0, [5, 6, 7, 2], torch.zeros(4), True), Sample(0, [7, 2], torch.zeros(2), True)]
@@ -207,7 +207,7 @@ def uniform_half(prompt, completion):
 
 
 def test_to_train_leaves_out_zero_advantages_only_without_kl():
-    from linnet.rollouts import Scored, to_train
+    from linnet.rl.rollouts import Scored, to_train
 
     def scored(advantages, keep):
         n = len(advantages)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from linnet.rollouts import group_advantages
+from linnet.rl.rollouts import group_advantages
 from linnet.train.grpo_loss import clipped_surrogate, grpo_loss, k3_kl, token_ratios
 
 

@@ -367,7 +367,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
         remats.append(remat)
         seeds.append((model.lora and model.lora["dropout"], options["seed"]))
         if model.lora:  # the dropout run: what `linnet jax` hands the trainer is checked, not a second compile
-            from linnet.history import History
+            from linnet.report.history import History
 
             return model.params, History()
         return train(model, *args, remat=remat, **options)
@@ -587,7 +587,7 @@ def test_numerics_set_jax_matmul_precision_on_accelerators_only(jx):
     ("missing", "1 parameters of card 'debug' are missing (e.g. model.norm.weight)"),
 ])
 def test_both_backends_refuse_a_bad_checkpoint_alike(jx, tmp_path, damage, message):
-    """Both loaders locate a checkpoint's tensors through linnet.weight_files: a wrong shape,
+    """Both loaders locate a checkpoint's tensors through linnet.files.weights: a wrong shape,
     a tensor without a place and a missing parameter each stop either one, with the same
     message naming the file or directory and the tensor."""
     from safetensors.torch import load_file, save_file

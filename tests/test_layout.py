@@ -12,9 +12,9 @@ PACKAGE = Path(__file__).parents[1] / "src" / "linnet"
 MAX_LINES = 650
 # Backend-neutral: no torch, no JAX when imported (the JAX backend, tokenizer workers and
 # the planner use them).
-NEUTRAL = ["cards", "hardware", "step_memory", "plan_parts", "packing", "paths", "files", "history", "schedules", "checkpoint_layout", "rollouts",
-           "adapter_files", "metrics", "tables", "progress", "plan", "config", "pretrain.recipe", "data.corpus",
-           "pretrain.tokenize", "commands.plan"]
+NEUTRAL = ["cards", "hardware", "plan.memory", "plan.parts", "packing", "paths", "files.atomic", "report.history",
+           "schedules", "files.checkpoints", "rl.rollouts", "files.adapters", "report.metrics", "report.tables",
+           "report.progress", "plan", "config", "pretrain.recipe", "data.corpus", "pretrain.tokenize", "commands.plan"]
 
 
 def modules() -> dict[str, Path]:

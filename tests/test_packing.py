@@ -117,7 +117,7 @@ def test_pack_prompted_places_each_prompt_once():
 def test_grpo_splits_a_group_longer_than_a_row():
     from types import SimpleNamespace
 
-    from linnet.rollouts import prompt_groups
+    from linnet.rl.rollouts import prompt_groups
 
     prompts = [SimpleNamespace(ids=[1, 2, 3, 4])]
     samples = [SimpleNamespace(prompt=0, tokens=[5] * n) for n in (3, 3, 3)]

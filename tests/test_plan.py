@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from linnet import plan, plan_parts, step_memory
+from linnet import plan
 from linnet.commands import plan as plan_command
 from linnet.plan import (
     ACCELERATORS,
@@ -31,6 +31,8 @@ from linnet.plan import (
     train_tokens,
     training_flops,
 )
+from linnet.plan import memory as step_memory
+from linnet.plan import parts as plan_parts
 
 L8B, L70B = "llama-3.1-8b-instruct", "llama-3.1-70b-instruct"
 H100 = ACCELERATORS["h100"]
@@ -673,7 +675,7 @@ def test_cli_describes_a_cpu_run(capsys):
 
 
 def gb_text(value: float) -> str:
-    from linnet.tables import gb
+    from linnet.report.tables import gb
 
     return gb(value)
 

@@ -15,8 +15,8 @@ from linnet.cards import Card
 from linnet.config import PretrainConfig
 from linnet.config import load as load_config
 from linnet.pretrain.consensus import AdaptiveConsensus, mixing_matrix, peer
-from linnet.pretrain.packed import ALIGN, PackedLlama, local_mean_losses, ordinary
-from linnet.pretrain.packed_optimizer import PackedAdamW
+from linnet.pretrain.decentralized import ALIGN, PackedLlama, local_mean_losses, ordinary
+from linnet.pretrain.decentralized_optimizer import PackedAdamW
 from linnet.pretrain.runner import run
 from linnet.torch.distributed import clip_gradients
 from linnet.train.optimizer import adamw
@@ -297,7 +297,7 @@ def test_packed_resume_from_an_epoch_snapshot_is_bitwise(workspace, ring, tmp_pa
 
 
 def test_damaged_or_incomplete_snapshots_and_another_scheme_are_refused_by_name(workspace, ring, tmp_path):  # noqa: F811
-    from linnet.pretrain.packed_run import read_packed_state
+    from linnet.pretrain.decentralized_run import read_packed_state
 
     sets = (*PACKED, "decentralized.num_models=2", "decentralized.topology=one_peer_ring")
     source = ring / "checkpoints" / "step-00000016"
@@ -317,7 +317,7 @@ def test_damaged_or_incomplete_snapshots_and_another_scheme_are_refused_by_name(
     altered = copy("altered")  # a worker file replaced and the directory's checksums rewritten to match
     shutil.copy(ring / "checkpoints" / "step-00000008" / "node-000.pt", altered / "node-000.pt")
     sums = json.loads((altered / "checksums.json").read_text())
-    from linnet.files import sha256_file
+    from linnet.files.atomic import sha256_file
 
     files = sums["files"] if "files" in sums else sums
     files["node-000.pt"] = sha256_file(altered / "node-000.pt")
@@ -331,7 +331,7 @@ def test_damaged_or_incomplete_snapshots_and_another_scheme_are_refused_by_name(
 def test_a_worker_export_loads_in_linnet_and_transformers(ring, tmp_path):
     transformers = pytest.importorskip("transformers")
     from linnet import nest
-    from linnet.pretrain.packed import to_decoder
+    from linnet.pretrain.decentralized import to_decoder
 
     card = Card("w", "llama", 1024, 32, 64, 2, 2, 2, 16, tied_embeddings=True, eos_token_ids=(0,), pad_token_id=0)
     model = to_decoder(card, load_file(str(ring / "node-001" / "final.safetensors")))

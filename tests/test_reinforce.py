@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from linnet import cli, rewards
+from linnet import cli
 from linnet.commands import quickstart
 from linnet.commands.grpo import run
 from linnet.config import GRPOConfig, load
+from linnet.rl import rewards
 from tests.conftest import quickstart_model, same_metrics
 
 torch.set_num_threads(1)
@@ -135,7 +136,7 @@ def test_builtin_rewards():
     assert rewards.numeric(tok)(prompt, enc("The answer is 72.0")) == 1.0
     assert rewards.numeric(tok)(prompt, enc("no number")) == 0.0
     assert rewards.resolve("format", tok, r"####\s*\d+")(prompt, enc("x #### 3")) == 1.0
-    assert rewards.resolve("linnet.rewards:last_number", tok) is rewards.last_number
+    assert rewards.resolve("linnet.rl.rewards:last_number", tok) is rewards.last_number
     with pytest.raises(ValueError, match="module:function"):
         rewards.resolve("fuzzy", tok)
     with pytest.raises(ValueError, match="format_pattern"):

@@ -10,7 +10,7 @@ import torch
 
 from linnet import nest
 from linnet.packing import Pair
-from linnet.rollouts import Prompt
+from linnet.rl.rollouts import Prompt
 from linnet.train.reward import (
     RewardScorer,
     add_score_head,
@@ -138,8 +138,8 @@ def test_linnet_reward_end_to_end_and_as_a_grpo_reward(records, tmp_path):
     to a batched GRPO reward."""
     import json
 
-    from linnet import rewards
     from linnet.commands.reward import run
+    from linnet.rl import rewards
 
     config = _reward_config(records, tmp_path / "run")
     summary = run(config)

@@ -135,7 +135,7 @@ def test_a_python_trainers_on_step_logs_to_the_trackers(tmp_path):
 
     from linnet import nest
     from linnet.packing import Example, pack
-    from linnet.tracking import on_step
+    from linnet.report.tracking import on_step
     from linnet.train import train
 
     model = nest.load(nest.resolve("debug").replace(vocab=32, hidden=32, intermediate=64, heads=4, kv_heads=2,
@@ -153,7 +153,7 @@ def test_a_python_trainers_on_step_logs_to_the_trackers(tmp_path):
 def test_progress_bars_show_rate_and_eta_on_a_terminal_and_nothing_elsewhere(monkeypatch):
     import io
 
-    from linnet.progress import Progress
+    from linnet.report.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):

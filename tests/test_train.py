@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from linnet import nest
-from linnet.checkpoint_layout import checkpoints
+from linnet.files.checkpoints import checkpoints
 from linnet.packing import Example, pack
 from linnet.train import (
     constant_schedule,

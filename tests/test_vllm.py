@@ -24,7 +24,7 @@ import yaml
 
 from linnet import cli, nest
 from linnet.packing import Example, pack
-from linnet.rollouts import Prompt
+from linnet.rl.rollouts import Prompt
 from linnet.serve.vllm import VLLMEngine, check_usable
 from linnet.train.grpo import grpo
 from tests.conftest import quickstart_model

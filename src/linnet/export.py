@@ -111,7 +111,7 @@ def export_directory(model, out: str | os.PathLike, *, about: dict[str, Any], me
                      dtype: str | None = None) -> Path:
     """Write `out`: with merge (or no adapters) a whole Hugging Face model (weights in
     `dtype`, config.json, tokenizer, README.md); else the PEFT adapter and README.md."""
-    from linnet.files import write_text
+    from linnet.files.atomic import write_text
     from linnet.torch.lora import save_peft
 
     out = Path(out)
@@ -194,7 +194,7 @@ def write_gguf(model, path: str | os.PathLike, *, kind: str = "f16", tokenizer: 
     """A GGUF file of a (merged) Llama-family model for llama.cpp; see the module docstring."""
     import gguf
 
-    from linnet.files import atomic_path
+    from linnet.files.atomic import atomic_path
 
     if kind not in GGUF_KINDS:
         raise ValueError(f"--gguf {kind}: use one of {', '.join(GGUF_KINDS)}")

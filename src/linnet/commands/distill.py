@@ -65,7 +65,7 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
 
     from linnet.data import examples_from_records
     from linnet.packing import Example
-    from linnet.rollouts import sample_in_batches
+    from linnet.rl.rollouts import sample_in_batches
 
     records = sft.split_records(config)[0]
     whole = dict(max_tokens=sys.maxsize, **sft.record_fields(config))  # one example a record, none cut

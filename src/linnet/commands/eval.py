@@ -49,7 +49,7 @@ def evaluate_file(model, tokenizer, args) -> dict:
     """Loss/perplexity of the records that have completions; scores of those with answers."""
     from linnet.data import load_examples, prompts_from_records, read_records
     from linnet.packing import pack
-    from linnet.rewards import resolve, text_of
+    from linnet.rl.rewards import resolve, text_of
     from linnet.serve import Engine
     from linnet.train.evaluation import held_out_loss
     from linnet.train.grpo import evaluate
@@ -101,7 +101,7 @@ def lm_eval(model, tasks: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from linnet.data import load_tokenizer
     from linnet.export import load_trained
-    from linnet.tables import print_table
+    from linnet.report.tables import print_table
 
     args = parser().parse_args(argv)
     if args.data is None and args.lm_eval is None:

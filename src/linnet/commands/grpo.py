@@ -1,5 +1,5 @@
 """`linnet grpo`: GRPO from a YAML config, with the run directory and reporting every
-training command shares (linnet.commands.runs) and the rewards of linnet.rewards.
+training command shares (linnet.commands.runs) and the rewards of linnet.rl.rewards.
 
     linnet grpo --config grpo.yaml --set grpo.group=16
     linnet grpo --template > grpo.yaml
@@ -16,8 +16,9 @@ from linnet.torch.distributed import data_share, sum_across
 
 def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None) -> dict:
-    from linnet import nest, rewards
+    from linnet import nest
     from linnet.data import load_tokenizer, prompts_from_records, read_records
+    from linnet.rl import rewards
     from linnet.serve import Engine
     from linnet.serve.vllm import VLLMEngine, check_usable
     from linnet.train.grpo import evaluate, grpo

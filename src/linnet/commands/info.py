@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from linnet.tables import count, gib, print_table
+from linnet.report.tables import count, gib, print_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import sys
 from linnet.commands.runs import parse_command
 from linnet.commands.sft import batch_table, prepare
 from linnet.config import SFTConfig
-from linnet.tables import print_table
+from linnet.report.tables import print_table
 
 
 def highlight(tokenizer, example, color: bool) -> str:

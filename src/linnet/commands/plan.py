@@ -43,7 +43,7 @@ from linnet.plan import (
     plan_inputs,
     sampling_memory,
 )
-from linnet.tables import count, duration, gb, money, sci
+from linnet.report.tables import count, duration, gb, money, sci
 
 
 def _gpus(n: int) -> str:

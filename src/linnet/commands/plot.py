@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from linnet.metrics import read_metrics
-from linnet.plots import plot_metrics
+from linnet.report.metrics import read_metrics
+from linnet.report.plots import plot_metrics
 
 
 def main(argv: list[str] | None = None) -> int:

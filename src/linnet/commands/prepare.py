@@ -15,7 +15,7 @@ import warnings
 from linnet.config import PretrainConfig, load, template
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.prepare import prepare
-from linnet.tables import print_table
+from linnet.report.tables import print_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,10 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from linnet import checkpoint_layout as layout
 from linnet.config import PretrainConfig, load, template
+from linnet.files import checkpoints as layout
 from linnet.pretrain.runner import CHECKPOINTS, plan, run
-from linnet.tables import print_table
+from linnet.report.tables import print_table
 from linnet.torch.distributed import process_group, world
 
 

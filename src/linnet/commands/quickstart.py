@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from linnet import nest
-from linnet.files import SetAside, check_writable, remove_stale, write_text
+from linnet.files.atomic import SetAside, check_writable, remove_stale, write_text
 from linnet.packing import Example
-from linnet.plots import plot_metrics
-from linnet.progress import Progress
+from linnet.report.plots import plot_metrics
+from linnet.report.progress import Progress
 from linnet.train import cosine_schedule, pack, train
 from linnet.train.evaluation import held_out_loss
 

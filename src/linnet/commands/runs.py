@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet import checkpoint_layout as layout
 from linnet.config import load, template, to_dict
 from linnet.config.fields import differences, flatten, identity
-from linnet.files import (
+from linnet.files import checkpoints as layout
+from linnet.files.atomic import (
     SetAside,
     check_writable,
     fingerprint,
@@ -34,9 +34,9 @@ from linnet.files import (
     remove_leftovers,
     write_text,
 )
-from linnet.metrics import MetricsFile, keep_metrics
+from linnet.report.metrics import MetricsFile, keep_metrics
+from linnet.report.tables import print_table
 from linnet.schedules import lambda_schedule, schedule_factor
-from linnet.tables import print_table
 from linnet.torch.distributed import barrier, data_share, from_first, process_group, world
 from linnet.train.loop import resolve_device, start_runtime
 
@@ -68,7 +68,7 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
     if args.config is None and not args.set:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
     config = load(config_class, args.config, args.set)
-    from linnet.tracking import check
+    from linnet.report.tracking import check
 
     check(config.runtime.report_to)  # a missing tracker package is refused before anything is written
     return args, config
@@ -310,7 +310,7 @@ def load_model(card, config):
 def _trackers(config, path: Path, label: str):
     """The run's experiment trackers (runtime.report_to), None when there are none."""
     from linnet.config import to_dict
-    from linnet.tracking import open_trackers
+    from linnet.report.tracking import open_trackers
 
     report_to = config.runtime.report_to
     return open_trackers(report_to, path, name=f"{label}:{path.name}", config=to_dict(config)) if report_to else None
@@ -341,7 +341,7 @@ class MetricsLog:
             self.file.close()
 
     def __call__(self, step) -> None:
-        from linnet.history import due
+        from linnet.report.history import due
 
         row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
                "learned": step.learned, "tokens_per_second": step.tokens_per_second,
@@ -380,7 +380,7 @@ def interrupted(config) -> int:
 def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict:
     """summary.json from the whole metrics log (every session of a resumed run); the
     first process writes and returns it, the others return {}."""
-    from linnet.metrics import read_metrics
+    from linnet.report.metrics import read_metrics
 
     if world()[0] != 0:
         return {}

@@ -185,7 +185,7 @@ class PretrainConfig:
     evaluation: EvaluationConfig = group(EvaluationConfig, "validation")
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/pretrain")
     decentralized: DecentralizedConfig | None = option(
-        None, "packed decentralized training (linnet.pretrain.packed): num_models workers on one device that "
+        None, "packed decentralized training (linnet.pretrain.decentralized): num_models workers on one device that "
               "mix their parameters every update; null: one ordinary model")
 
     def __post_init__(self):

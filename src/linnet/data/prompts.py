@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from linnet.data.readers import Record
 from linnet.data.tokenizer import Tokenizer
-from linnet.rollouts import Prompt
+from linnet.rl.rollouts import Prompt
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:

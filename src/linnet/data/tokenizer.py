@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from linnet.cards import Card, local_directory, resolve
-from linnet.files import tokenizer_file
+from linnet.files.atomic import tokenizer_file
 
 BACKENDS = ("auto", "transformers", "tokenizers")
 UNKNOWN_REFUSED = 0.01  # data with more unknown tokens than this share is refused

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from linnet.history import History, Step
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import Pair, check_pairs, pack_prompted
+from linnet.report.history import History, Step
 
 
 def _rows(pairs: Sequence[Pair], tokens: int):

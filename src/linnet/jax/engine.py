@@ -32,7 +32,7 @@ import numpy as np
 
 from linnet.jax.lora import Params, linear, merge_lora
 from linnet.jax.model import JaxModel, cos_sin, head_weight, mlp, project, rms_norm
-from linnet.rollouts import Completion
+from linnet.rl.rollouts import Completion
 
 SLOTS = 64  # cache lengths round up to a multiple of this
 

@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.history import History, Step
 from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import pack_prompted
-from linnet.rollouts import (
+from linnet.report.history import History, Step
+from linnet.rl.rollouts import (
     Prompt,
     Reward,
     check_prompts,

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet import checkpoint_layout as layout
-from linnet.adapter_files import ADAPTERS, MAGNITUDES
-from linnet.history import History, Step, due, step_items
+from linnet.files import checkpoints as layout
+from linnet.files.adapters import ADAPTERS, MAGNITUDES
 from linnet.jax.lora import Params, save_peft
 from linnet.jax.model import JaxModel, part, save_weights
 from linnet.paths import select
+from linnet.report.history import History, Step, due, step_items
 
 
 @dataclass

@@ -2,7 +2,7 @@
 (linnet.torch.lora): a matching linear layer computes x @ W.T + (x @ A.T) @ B.T * scale,
 with A and B stored beside W as `<layer>.lora_a` [r, in] and `<layer>.lora_b` [out, r] (B
 zero, so a fresh adapter changes nothing). The adapters save in PEFT's format
-(linnet.adapter_files) and merge into the weights."""
+(linnet.files.adapters) and merge into the weights."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.adapter_files import ADAPTER_SUFFIXES, check_adapter_options, write_peft
+from linnet.files.adapters import ADAPTER_SUFFIXES, check_adapter_options, write_peft
 from linnet.paths import adapted_layers
 
 if TYPE_CHECKING:

@@ -293,8 +293,8 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
 
 def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """Every parameter from `source` in float32, checked as the PyTorch loader checks it."""
-    from linnet.files import safetensors_file
-    from linnet.weight_files import ignorable, locate_weights
+    from linnet.files.atomic import safetensors_file
+    from linnet.files.weights import ignorable, locate_weights
 
     found = locate_weights(source, shapes, card.name, skip=lambda name: ignorable(name, card.tied_embeddings))
     params: dict[str, np.ndarray] = {}
@@ -314,7 +314,7 @@ def save_weights(params: Params, path: str | os.PathLike, card: Card | None = No
 
     from safetensors.numpy import save_file
 
-    from linnet.files import atomic_path, write_text
+    from linnet.files.atomic import atomic_path, write_text
 
     path = Path(path)
     target = path if path.suffix == ".safetensors" else path / "model.safetensors"

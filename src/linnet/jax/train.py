@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.history import History, Step
 from linnet.jax.loop import State, Update, apply_gradients, fit
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, loss_packed, row_arrays
+from linnet.report.history import History, Step
 
 
 @functools.lru_cache(maxsize=8)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from linnet.files import sha256_file
+from linnet.files.atomic import sha256_file
 
 FORMAT = "linnet-token-cache"
 VERSION = 1

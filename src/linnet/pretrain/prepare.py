@@ -38,12 +38,12 @@ from typing import Any
 from linnet.config import PretrainConfig
 from linnet.config.groups import CorpusConfig
 from linnet.data.corpus import documents, source_files
-from linnet.files import check_writable, remove_stale, write_text
+from linnet.files.atomic import check_writable, remove_stale, write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
 from linnet.pretrain.shards import Writers
 from linnet.pretrain.tokenize import TRAINED_EOS, Batches, resolve_tokenizer, tokenize_pool, tokenize_serial
-from linnet.progress import Progress
+from linnet.report.progress import Progress
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ Running a config whose output directory holds an incomplete run resumes it from 
 latest checkpoint (the recipe identity must match); a complete run is left as it is.
 
 What trains is a trainee: `OrdinaryTrainee` (one Decoder and AdamW), or, with a
-`decentralized` group, `linnet.pretrain.packed_run.PackedTrainee` (N packed workers whose
+`decentralized` group, `linnet.pretrain.decentralized_run.PackedTrainee` (N packed workers whose
 average is validated and exported at the root, each worker under node-NNN/). Both give the
 step's `Work`, the model to evaluate, weight exports and training-state snapshots.
 """
@@ -53,12 +53,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet import checkpoint_layout as layout
 from linnet.config import PretrainConfig, checkpoint_epochs
 from linnet.config.fields import differences
 from linnet.config.fields import identity as recipe_identity
-from linnet.files import SetAside, check_writable, is_leftover, recover_set_aside, remove_leftovers, write_text
-from linnet.metrics import MetricsFile, keep_metrics, read_metrics
+from linnet.files import checkpoints as layout
+from linnet.files.atomic import SetAside, check_writable, is_leftover, recover_set_aside, remove_leftovers, write_text
 from linnet.pretrain.budget import Budget
 from linnet.pretrain.cache import TokenCache, open_cache
 from linnet.pretrain.recipe import (
@@ -67,6 +66,7 @@ from linnet.pretrain.recipe import (
     recipe_fields,
     to_yaml,
 )
+from linnet.report.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.schedules import lambda_schedule, schedule_factor
 from linnet.train.checkpoint import verify_checkpoint
 
@@ -134,7 +134,7 @@ def save_state(out: Path, *, trainee, schedule, loader, progress: Progress, kind
 
 class OrdinaryTrainee:
     """One Decoder and its AdamW: what an ordinary pretraining run trains (the packed
-    counterpart is linnet.pretrain.packed_run.PackedTrainee). `share`: this process's
+    counterpart is linnet.pretrain.decentralized_run.PackedTrainee). `share`: this process's
     micro-batches an update; `count`: the update's targets over every process."""
 
     def __init__(self, model, optimizer, share: int, count: int):
@@ -180,7 +180,7 @@ def _trainee(config: PretrainConfig, card, budget: Budget, device: torch.device,
 
     m, t, o = config.model, config.training, config.optimizer
     if config.decentralized is not None:
-        from linnet.pretrain.packed_run import PackedTrainee
+        from linnet.pretrain.decentralized_run import PackedTrainee
         from linnet.torch.loading import compute_dtype
 
         if m.compile or t.activation_checkpointing or o.name != "adamw":
@@ -329,9 +329,9 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     an incomplete run); returns the summary written to summary.json, on every process."""
     from linnet.config import to_dict
     from linnet.pretrain.loader import Loader, Validation
+    from linnet.report.tracking import check as check_trackers
+    from linnet.report.tracking import open_trackers
     from linnet.torch.distributed import barrier, from_first, world
-    from linnet.tracking import check as check_trackers
-    from linnet.tracking import open_trackers
     from linnet.train.evaluation import held_out_loss
     from linnet.train.loop import resolve_device, start_runtime, take_step
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from linnet.files import process_alive, tokenizer_file
+from linnet.files.atomic import process_alive, tokenizer_file
 
 if TYPE_CHECKING:
     from linnet.config.groups import CorpusConfig

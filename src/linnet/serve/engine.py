@@ -56,8 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from linnet import hardware
-from linnet.adapter_files import ADAPTER_SUFFIXES
-from linnet.rollouts import Completion
+from linnet.files.adapters import ADAPTER_SUFFIXES
+from linnet.rl.rollouts import Completion
 from linnet.serve.passes import Batch, decode_pass, pack_weights, prefill_pass
 from linnet.torch import attention as attention_paths
 from linnet.torch.lora import merged, policy_weights

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from linnet.cards import Card, resolve
-from linnet.rollouts import Completion
+from linnet.rl.rollouts import Completion
 from linnet.serve.engine import sampling_options, token_prompts
 from linnet.torch.lora import merged, policy_weights
 

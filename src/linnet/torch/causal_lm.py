@@ -60,7 +60,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
         "pip install transformers"
     ) from e
 
-from linnet.files import write_text
+from linnet.files.atomic import write_text
 from linnet.packing import Packed
 from linnet.torch.losses import linear_cross_entropy
 

@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from linnet import hardware
-from linnet.adapter_files import check_adapter_options
 from linnet.cards import Card
+from linnet.files.adapters import check_adapter_options
 from linnet.torch import attention as attention_paths
 from linnet.torch.model import Decoder, Linear, rope_frequencies
 from linnet.torch.quantize import QUANTIZE, nf4

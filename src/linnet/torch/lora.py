@@ -8,7 +8,7 @@ arXiv:2312.03732) scales by alpha / sqrt(rank) instead, which keeps the update's
 steady as the rank grows; DoRA (Liu et al. 2024, arXiv:2402.09353) adds a trained
 magnitude per output row.
 
-The adapters save in PEFT's format (`linnet.adapter_files`): an adapter directory written
+The adapters save in PEFT's format (`linnet.files.adapters`): an adapter directory written
 here loads with `peft.PeftModel.from_pretrained`, and one written by PEFT loads with
 `bind_weights`.
 """
@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from linnet.adapter_files import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, check_adapter_options, write_peft
+from linnet.files.adapters import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, check_adapter_options, write_peft
 from linnet.paths import adapted_layers
 from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import is_quantized

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from linnet.adapter_files import ADAPTER_SUFFIXES
+from linnet.files.adapters import ADAPTER_SUFFIXES
 from linnet.torch.distributed import sharded_over
 
 # The methods trainers call in place of forward: each gathers the root unit's parameters.

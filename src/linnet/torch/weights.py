@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from linnet.adapter_files import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
-from linnet.files import atomic_path, safetensors_file, write_text
+from linnet.files.adapters import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
+from linnet.files.atomic import atomic_path, safetensors_file, write_text
+from linnet.files.weights import ignorable, locate_weights
 from linnet.paths import select
 from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import dense, quant_states
 from linnet.torch.sharding import full
-from linnet.weight_files import ignorable, locate_weights
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")

@@ -8,8 +8,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from linnet import packing
-from linnet.history import History, Step
 from linnet.packing import Example, Packed
+from linnet.report.history import History, Step
 from linnet.schedules import constant_schedule, cosine_schedule, wsd_schedule
 from linnet.torch.distributed import clip_gradients, reduce_gradients
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint

@@ -1,7 +1,7 @@
 """PyTorch checkpoints a run resumes from: trained parameters, optimizer, step, schedule, RNG.
 
 A checkpoint (`<dir>/step-00000010/`, published atomically and checksummed by
-`linnet.checkpoint_layout`) holds trained.safetensors (the parameters that train, in
+`linnet.files.checkpoints`) holds trained.safetensors (the parameters that train, in
 float32: the adapters alone for a LoRA run), optimizer.pt and state.pt. A sharded, split
 or pipelined model's (fully_shard, tensor_parallel, pipeline) checkpoint has a `sharded/`
 directory instead of the first two, where each process writes its parts of the trained
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from linnet import checkpoint_layout as layout
+from linnet.files import checkpoints as layout
 from linnet.torch.distributed import barrier, from_first, union_across, world
 from linnet.torch.sharding import is_sharded
 
@@ -83,7 +83,7 @@ def write_state(tmp: Path, step: int, *, schedule=None, extra: dict[str, Any] | 
 
 
 def publish(directory: str | os.PathLike, step: int, write, *, keep: int = 2, every_process: bool = False) -> Path:
-    """`linnet.checkpoint_layout.publish` across this run's processes."""
+    """`linnet.files.checkpoints.publish` across this run's processes."""
     return layout.publish(directory, step, write, keep=keep, rank=world()[0], every_process=every_process,
                           agree=from_first, barrier=barrier)
 

@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from linnet.history import History, Step
 from linnet.packing import Example, pack_prompted
-from linnet.rollouts import sample_in_batches
+from linnet.report.history import History, Step
+from linnet.rl.rollouts import sample_in_batches
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
 from linnet.torch.pipeline import HiddenAt

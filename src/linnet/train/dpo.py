@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
+from linnet.report.history import History, Step
 from linnet.torch.distributed import idle_passes, most_across, passes_short, sum_across
 from linnet.torch.sharding import full, is_sharded
 from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
@@ -103,7 +103,7 @@ def cache_key(reference, pairs: Sequence[Pair]) -> str:
 def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os.PathLike, *, tokens: int = 4096) -> np.ndarray:
     """reference_log_probs, read from or written to `cache/<key>.npy` so later runs need
     no reference model in memory."""
-    from linnet.files import atomic_path
+    from linnet.files.atomic import atomic_path
 
     path = Path(cache) / f"dpo-reference-{cache_key(reference, pairs)}.npy"
     missing = not path.is_file()

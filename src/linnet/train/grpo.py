@@ -33,9 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from linnet.history import History, Step
 from linnet.packing import pack_prompted
-from linnet.rollouts import (
+from linnet.report.history import History, Step
+from linnet.report.tables import print_table
+from linnet.rl.rollouts import (
     Prompt,
     Reward,
     check_prompts,
@@ -50,7 +51,6 @@ from linnet.rollouts import (
     step_metrics,
     to_train,
 )
-from linnet.tables import print_table
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 from linnet.torch.sharding import copy_first
 from linnet.train.grpo_loss import grpo_loss

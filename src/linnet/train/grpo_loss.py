@@ -1,7 +1,7 @@
 """The GRPO objective as pure functions over flat per-token arrays.
 
 Group relative policy optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300):
-each completion's advantage is its reward's standing in its group (`linnet.rollouts.
+each completion's advantage is its reward's standing in its group (`linnet.rl.rollouts.
 group_advantages`), given to every one of its tokens; the update is PPO's clipped
 surrogate (Schulman et al. 2017, arXiv:1707.06347).
 

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from linnet.history import History, Step
 from linnet.packing import Unpaired, pack_prompted
+from linnet.report.history import History, Step
 from linnet.torch.distributed import sum_across
 from linnet.train.dpo import answer_sums, rows_answer_log_probs
 from linnet.train.loop import Work, copies_of, fit, head_loss, trained_parameters

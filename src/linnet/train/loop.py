@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet.history import History, Step, due, step_items
+from linnet.report.history import History, Step, due, step_items
 from linnet.torch.distributed import clip_gradients, idle_passes, matched, passes_short, reduce_gradients, sum_across
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint

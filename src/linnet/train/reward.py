@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from linnet.history import History, Step
 from linnet.packing import Pair, check_pairs, pack_prompted
+from linnet.report.history import History, Step
 from linnet.torch.distributed import sum_across, world
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
@@ -197,7 +197,7 @@ def save_reward_model(model, directory: str | os.PathLike, *, dtype=None) -> Non
     *ForSequenceClassification directory: weights, config.json (num_labels 1), tokenizer."""
     import json
 
-    from linnet.files import write_text
+    from linnet.files.atomic import write_text
 
     model.save_weights(directory, dtype=dtype, merged=True)
     if world()[0] != 0:
@@ -215,7 +215,7 @@ def load_reward_model(directory: str | os.PathLike, **load: object):
     from safetensors import safe_open
 
     from linnet import nest
-    from linnet.weight_files import weight_files
+    from linnet.files.weights import weight_files
 
     model = nest.load(directory, weights=directory, **load)
     add_score_head(model)

@@ -7,7 +7,7 @@
 
 Pure arithmetic over a card's shape: stdlib only, no torch, so it answers in well under a
 second on any machine. The memory of a step (states, the activations linnet's blocks keep,
-the chunked loss, the peak of each phase) is linnet.step_memory's, whose names this module
+the chunked loss, the peak of each phase) is linnet.plan.memory's, whose names this module
 re-exports; accelerators, clusters, FLOPs and cost are here. Every convention the numbers
 rest on is derived in the docstring of the function that uses it, and `linnet plan` lists
 the ones a plan used under its table.
@@ -25,8 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from linnet import cards, hardware
-from linnet.plan_parts import SCHEDULES, Part, _require, model_parts, whole  # noqa: F401  (re-exported)
-from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's public names)
+from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's public names)
     CHECKPOINTING,
     COMPARED,
     CPU_LOSS_BLOCK_BYTES,
@@ -55,6 +54,7 @@ from linnet.step_memory import (  # noqa: F401  (re-exported: the planner's publ
     step_moments,
     trainable_params,
 )
+from linnet.plan.parts import SCHEDULES, Part, _require, model_parts, whole  # noqa: F401  (re-exported)
 
 GB = 1e9
 DEFAULT_METHOD, DEFAULT_BATCH = Method(), Batch()  # frozen: safe as argument defaults

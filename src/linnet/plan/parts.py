@@ -1,5 +1,5 @@
 """How a run divides one copy of the model among its processes, as linnet builds it: the
-planner's parts (`linnet.plan` and `linnet.step_memory` count each part's memory).
+planner's parts (`linnet.plan` and `linnet.plan.memory` count each part's memory).
 
 A whole model is one part; a split (tensor parallel, `training.split`) gives each process
 1/T of every block; pipeline stages (`training.pipeline`) give each process consecutive

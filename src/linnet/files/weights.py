@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from linnet.files import safetensors_file
+from linnet.files.atomic import safetensors_file
 
 
 def weight_files(source: str | os.PathLike) -> list[Path]:

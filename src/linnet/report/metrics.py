@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from linnet.files import write_text
-from linnet.progress import Progress
+from linnet.files.atomic import write_text
+from linnet.report.progress import Progress
 
 FILE = "metrics.jsonl"
 
@@ -21,7 +21,7 @@ class MetricsFile:
     def __init__(self, path: str | os.PathLike, label: str, steps: int, *, progress: bool = True, trackers=None):
         self.file = open(path, "a")
         self.bar = Progress(steps, label) if progress else None
-        self.trackers = trackers  # linnet.tracking.Trackers: each row goes to them too
+        self.trackers = trackers  # linnet.report.tracking.Trackers: each row goes to them too
 
     def write(self, row: dict[str, Any], **shown: float) -> None:
         """Append `row` (it has a "step"); the bar shows `shown`."""

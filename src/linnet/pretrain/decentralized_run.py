@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from linnet import checkpoint_layout as layout
-from linnet.files import sha256_file
+from linnet.files import checkpoints as layout
+from linnet.files.atomic import sha256_file
 from linnet.pretrain.consensus import AdaptiveConsensus
-from linnet.pretrain.packed import PackedLlama, local_mean_losses, to_decoder
-from linnet.pretrain.packed_optimizer import PackedAdamW
+from linnet.pretrain.decentralized import PackedLlama, local_mean_losses, to_decoder
+from linnet.pretrain.decentralized_optimizer import PackedAdamW
 from linnet.schedules import schedule_factor
 from linnet.train.loop import Work
 

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from linnet.files import sha256_file
+from linnet.files.atomic import sha256_file
 
 PREFIX = "step-"
 CHECKSUMS = "checksums.json"

@@ -26,7 +26,7 @@ import math
 import torch
 
 from linnet.pretrain.consensus import AdaptiveConsensus
-from linnet.pretrain.packed import PackedLlama, mix_columns_
+from linnet.pretrain.decentralized import PackedLlama, mix_columns_
 
 SCHEMES = ("awc", "atc")
 BLOCK = 1 << 15  # arena columns an update step works on at once (N x 128 KiB in float32)

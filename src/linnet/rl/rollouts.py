@@ -136,7 +136,7 @@ def sample_in_batches(engine, prompts: Sequence[Sequence[int]], n: int = 1, *, b
     all the memory. Completions come prompt-major as from one call (completion j of
     prompt i at i * n + j); a batch draws with `seed` plus its first prompt's index. A
     progress bar named `label` on a terminal (none without a label)."""
-    from linnet.progress import Progress
+    from linnet.report.progress import Progress
 
     if batch < 1:
         raise ValueError(f"sample_in_batches: batch={batch}; sample at least one prompt a call")

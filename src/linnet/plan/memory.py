@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from linnet import cards
-from linnet.plan_parts import Part, _require, whole
+from linnet.plan.parts import Part, _require, whole
 
 METHODS = ("full", "lora", "qlora", "dora")
 COMPARED = ("full", "lora", "qlora")

@@ -54,7 +54,7 @@ def write_peft(directory: str | os.PathLike, adapters: dict[str, np.ndarray], in
     rslora, layers, dora)."""
     from safetensors.numpy import save_file
 
-    from linnet.files import atomic_path, write_text
+    from linnet.files.atomic import atomic_path, write_text
 
     tensors = {to_peft_name(n): np.ascontiguousarray(t) for n, t in adapters.items()}
     directory = Path(directory)
