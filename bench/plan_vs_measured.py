@@ -49,8 +49,7 @@ tensors live at the step-2 peak are split by where they were allocated.
 How the planner is asked: `linnet.plan.estimate` with the flags that describe this run
 (`plan_settings`; the report lists them): `--method M --rank 16 --targets all-linear --seq S
 --micro-batch 1 --checkpointing MODE --chunked-loss --dtype f32 --device cpu --grad-dtype
-fp32`. The 15% criterion of issue 15 is judged against the RSS peak; the error against the
-tensor peak is printed beside it.
+fp32`. The error is reported against the RSS peak, and against the tensor peak beside it.
 """
 
 from __future__ import annotations
