@@ -27,7 +27,7 @@ Variants:
   chunked/candidate*  a bench-local copy of the shipped algorithm (not shipped code) whose
              backward scales W's saved f32 gradient in place rather than allocating a
              second [V, D] f32 copy (the shipped backward keeps the saved one intact, so a
-             retained graph can run backward again). Session 1's candidate also freed
+             retained graph can run backward again). An earlier candidate also freed
              each block before the next and scaled grad_h in f32: both have shipped.
 
 Shapes: P positions, D hidden, V vocabulary.
@@ -365,7 +365,7 @@ def main(argv=None) -> None:
         "Trainers divide the loss sum by a token count before backward. The shipped backward scales the saved "
         "bf16 grad_h in f32 and rounds once: with a count of 3000, grad_h comes out scaled by "
         f"1{bias['shipped']['h']:+.2e} relative to W's gradient (whose scale stays f32: "
-        f"{bias['shipped']['w']:+.1e}), the rounding of one bf16 product. (Session 1's code rounded the scale "
+        f"{bias['shipped']['w']:+.1e}), the rounding of one bf16 product. (An earlier version rounded the scale "
         "itself to bf16 first: +1.40e-03, a systematic bias on every step with that count.)", "",
     ]
     lines += ["## Findings", ""] + findings + [""] + why
