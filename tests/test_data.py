@@ -179,14 +179,14 @@ def test_chat_message_errors_name_the_record_and_field():
 
 
 def test_prompt_completion_through_the_chat_template():
-    (ex,) = examples_from_records([{"prompt": "Say hi", "completion": "Hello"}], chatml(), max_tokens=64)
+    (ex,) = examples_from_records([{"prompt": "Say hi", "completion": "Hello"}], chatml(), tokens=64)
     assert ex.tokens[ex.learned].tolist() == ids("Hello", "<|im_end|>")
     assert ex.tokens.tolist()[:4] == ids("<|im_start|>", "user", "\n", "Say")
 
 
 def test_prompt_completion_as_raw_text_ends_with_a_learned_eos():
     tok = llama3()
-    (ex,) = examples_from_records([{"prompt": "2 + 3 =", "completion": " 5"}], tok, max_tokens=64, chat=False)
+    (ex,) = examples_from_records([{"prompt": "2 + 3 =", "completion": " 5"}], tok, tokens=64, chat=False)
     assert ex.tokens.tolist() == ids(
         "<|begin_of_text|>", "2", " ", "+", " ", "3", " ", "=", " ", "5", "<|eot_id|>"
     )
@@ -199,12 +199,12 @@ def test_alpaca_fields_found_and_mapped():
         {"instruction": "Say hi", "input": "a", "response": "Hello"},
         {"instruction": "Say hi", "input": "", "response": "Hello"},
     ]
-    a, b = examples_from_records(records, tok, max_tokens=64)
+    a, b = examples_from_records(records, tok, tokens=64)
     # the instruction and the input are joined by a blank line
     assert a.tokens.tolist() == ids("Say", " ", "hi", "\n", "\n", "a", "Hello", "<|endoftext|>")
     assert b.tokens.tolist() == ids("Say", " ", "hi", "Hello", "<|endoftext|>")  # empty input skipped
     (c,) = examples_from_records(
-        [{"q": "Say hi", "a": "Hello"}], tok, max_tokens=64, prompt="q", completion="a"
+        [{"q": "Say hi", "a": "Hello"}], tok, tokens=64, prompt="q", completion="a"
     )
     assert c.tokens.tolist() == b.tokens.tolist()
 
@@ -229,7 +229,7 @@ def test_jsonl_json_and_json_lines_named_json(tmp_path):
     assert [r.where for r in read_records(listed)] == [f"{listed} record 0", f"{listed} record 1"]
     lines_named_json = write_lines(tmp_path / "e.json", [json.dumps(r) for r in rows])
     assert [r.data for r in read_records(lines_named_json)] == rows
-    assert len(load_examples(jsonl, chatml(), max_tokens=64)) == 2
+    assert len(load_examples(jsonl, chatml(), tokens=64)) == 2
 
 
 def test_parquet(tmp_path):
@@ -240,7 +240,7 @@ def test_parquet(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"messages": CHAT}]), path)
     (record,) = read_records(path)
     assert record.where == f"{path} row 0" and record.data["messages"] == CHAT
-    (ex,) = load_examples(path, llama3(), max_tokens=128)
+    (ex,) = load_examples(path, llama3(), tokens=128)
     assert ex.tokens.tolist() == chat_example(CHAT, llama3()).tokens.tolist()
 
 
@@ -278,7 +278,7 @@ def test_datasets(tmp_path):
     ds = datasets.Dataset.from_list([{"prompt": "Say hi", "completion": "Hello"}])
     ds.save_to_disk(str(tmp_path / "saved"))
     for source in (ds, tmp_path / "saved"):
-        (ex,) = load_examples(source, chatml(), max_tokens=64)
+        (ex,) = load_examples(source, chatml(), tokens=64)
         assert ex.tokens[ex.learned].tolist() == ids("Hello", "<|im_end|>")
     datasets.DatasetDict(train=ds).save_to_disk(str(tmp_path / "splits"))
     with pytest.raises(ValueError, match="splits train; pass one split"):
@@ -319,7 +319,7 @@ def test_missing_field_names_file_line_field_and_fix(tmp_path):
         ['{"instruction": "a", "output": "b"}', '{"instruction": "a", "outptu": "b"}'],
     )
     with pytest.raises(ValueError) as e:
-        load_examples(path, chatml(), max_tokens=64)
+        load_examples(path, chatml(), tokens=64)
     message = str(e.value)
     assert f"{path} line 2: field 'output' is missing" in message
     assert "'instruction', 'outptu'" in message and "set data.completion" in message
@@ -327,12 +327,12 @@ def test_missing_field_names_file_line_field_and_fix(tmp_path):
     with pytest.raises(
         ValueError, match=r"line 1: cannot tell which fields.*'text'.*data\.prompt and data\.completion"
     ):
-        load_examples(path, chatml(), max_tokens=64)
+        load_examples(path, chatml(), tokens=64)
     write_lines(path, ['{"prompt": "a", "completion": 5}'])
     with pytest.raises(
         ValueError, match="line 1: field 'completion' holds a int; the completion must be text"
     ):
-        load_examples(path, chatml(), max_tokens=64)
+        load_examples(path, chatml(), tokens=64)
 
 
 def test_record_longer_than_the_row(tmp_path):
@@ -347,9 +347,9 @@ def test_record_longer_than_the_row(tmp_path):
         match=r"2 record\(s\) longer than a row of 12 tokens: .*d\.jsonl line 2 \(24 tokens\); "
         r".*line 3 \(24 tokens\)\. .*truncate",
     ):
-        load_examples(path, chatml(), max_tokens=12)
+        load_examples(path, chatml(), tokens=12)
     with pytest.warns(UserWarning, match=r"dropped 1 record.*first 12 tokens.*line 3"):
-        short, cut = load_examples(path, chatml(), max_tokens=12, truncate=True)
+        short, cut = load_examples(path, chatml(), tokens=12, truncate=True)
     assert len(short) == len(cut) == 12 and cut.tokens[cut.learned].tolist() == ids("a", " ", "b")
 
 
@@ -439,7 +439,7 @@ def test_real_alpaca_records(gpt2_chatml, name, answer):
     if not (SHARED / name).is_file():
         pytest.skip(f"real data not present ({SHARED / name})")
     records = read_records(SHARED / name)[:30]
-    examples = examples_from_records(records, gpt2_chatml, max_tokens=8192)
+    examples = examples_from_records(records, gpt2_chatml, tokens=8192)
     for record, ex in zip(records, examples, strict=True):
         assert gpt2_chatml.decode(ex.tokens[ex.learned].tolist()) == record.data[answer] + "<|im_end|>"
 
@@ -460,15 +460,15 @@ def test_sharegpt_and_openai_messages_learn_what_prompt_completion_records_learn
     for name, records in files.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-        got[name] = load_examples(path, tokenizer=tok, max_tokens=256)
+        got[name] = load_examples(path, tokenizer=tok, tokens=256)
     for a, b, c in zip(got["prompt_completion"], got["openai"], got["sharegpt"]):
         assert a.tokens.tolist() == b.tokens.tolist() == c.tokens.tolist()
         assert a.learned.tolist() == b.learned.tolist() == c.learned.tolist()
     system = [{"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Say hi"},
                                  {"from": "gpt", "value": "Hello."}]}]
     (tmp_path / "system.jsonl").write_text(json.dumps(system[0]) + "\n")
-    (example,) = load_examples(tmp_path / "system.jsonl", tokenizer=tok, max_tokens=256)
+    (example,) = load_examples(tmp_path / "system.jsonl", tokenizer=tok, tokens=256)
     assert tok.decode(example.tokens[example.learned].tolist()) == "Hello.<|im_end|>"
     (tmp_path / "odd.jsonl").write_text(json.dumps({"conversations": [{"from": "narrator", "value": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="turn 0 is from 'narrator'"):
-        load_examples(tmp_path / "odd.jsonl", tokenizer=tok, max_tokens=256)
+        load_examples(tmp_path / "odd.jsonl", tokenizer=tok, tokens=256)

@@ -267,7 +267,7 @@ def test_seed_stream_and_warmup(saved):
     cache = fresh._keys[0].data_ptr()
     assert [x.tokens for x in fresh.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)] == [x.tokens for x in a]
     assert fresh._keys[0].data_ptr() == cache  # no reallocation within the warmed size
-    preallocated = Engine(nest.load(saved("llama")), max_batch=4, max_seq=16)
+    preallocated = Engine(nest.load(saved("llama")), max_batch=4, tokens=16)
     cache = preallocated._keys[0].data_ptr()
     assert [x.tokens for x in preallocated.sample(prompts, n=2, max_new_tokens=8, stop=(), seed=3)] == [
         x.tokens for x in a]

@@ -140,7 +140,7 @@ def policy():
 
 
 def _engine(policy, **options):
-    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, max_len=96, **options)
+    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, tokens=96, **options)
     engine.load_weights(policy)
     return engine
 
@@ -149,7 +149,7 @@ PROMPTS = [[1, 40, 41, 42], [1, 50], [1, 60, 61]]
 
 
 def test_vllm_is_built_from_the_cards_config_with_raw_logprobs(fake_vllm):
-    VLLMEngine("debug", device="cuda:0", dtype=torch.bfloat16, max_len=96, seed=4)
+    VLLMEngine("debug", device="cuda:0", dtype=torch.bfloat16, tokens=96, seed=4)
     (llm,) = LLM.made
     assert llm.config == nest.resolve("debug").hf_config()
     assert llm.kwargs == dict(model=llm.kwargs["model"], skip_tokenizer_init=True, load_format="dummy",
@@ -174,14 +174,14 @@ def test_load_weights_passes_merged_weights_by_hf_name_then_resets_the_prefix_ca
 
 
 def test_a_vllm_weight_the_policy_lacks_is_named(fake_vllm, policy):
-    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, max_len=96)
+    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, tokens=96)
     engine.llm.model.names.append("model.layers.0.mlp.extra.weight")
     with pytest.raises(ValueError, match=r"no weight for vLLM's 'model.layers.0.mlp.extra.weight'"):
         engine.load_weights(policy)
 
 
 def test_sample_before_load_weights_is_refused(fake_vllm):
-    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, max_len=96)
+    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, tokens=96)
     with pytest.raises(ValueError, match=r"random weights until load_weights"):
         engine.sample(PROMPTS)
     with pytest.raises(ValueError, match=r"VLLMEngine.sample: prompt 1 is empty"):
@@ -234,7 +234,7 @@ def test_seeds_repeat_and_keep_prompts_and_steps_apart(fake_vllm, policy):
 
 
 def test_grpo_trains_through_it(fake_vllm, policy):
-    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, max_len=64)
+    engine = VLLMEngine("debug", device="cuda", dtype=torch.float32, tokens=64)
     prompts = [Prompt(p, answer=i) for i, p in enumerate(PROMPTS * 2)]
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     history = grpo(policy, engine, prompts, lambda prompt, c: float(5 in c), optimizer=opt, steps=2, group=4,
@@ -296,7 +296,7 @@ def test_real_vllm_samples_the_loaded_policy_and_reports_its_log_probs():
         for name, p in policy.named_parameters():
             if name.endswith(".lora_b"):
                 p.normal_(0, 0.5)
-    engine = VLLMEngine(GPU_CARD, device="cuda", dtype=policy.dtype, max_len=128, gpu_memory_utilization=0.3)
+    engine = VLLMEngine(GPU_CARD, device="cuda", dtype=policy.dtype, tokens=128, gpu_memory_utilization=0.3)
     prompts = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60]]
 
     def errors(reference_model):

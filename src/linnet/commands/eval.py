@@ -76,7 +76,7 @@ def evaluate_file(model, tokenizer, args) -> dict:
         results["samples"] = [{"prompt": r.data[args.prompt_field], "completion": text_of(tokenizer, c.tokens),
                                "answer": r.data[args.answer_field]} for r, c in zip(records, shown)]
     else:
-        examples = load_examples(args.data, tokenizer=tokenizer, max_tokens=args.tokens, chat=args.chat)
+        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.tokens, chat=args.chat)
         loss = held_out_loss(model, pack(examples, args.tokens, pad_id=tokenizer.pad_id))
         results.update(loss=loss, perplexity=math.exp(loss))
     return results

@@ -53,7 +53,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     policy = runs.load_model(card, config)
     base = dict(device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed, quantize=m.quantize)
     if g.engine == "vllm":
-        engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, max_len=t.context_length,
+        engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, tokens=t.context_length,
                             gpu_memory_utilization=g.vllm_gpu_memory_utilization, seed=rt.seed)
     else:
         engine = Engine(nest.load(card, **{**base, "dtype": g.engine_dtype or m.dtype,

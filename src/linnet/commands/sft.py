@@ -44,7 +44,7 @@ def prepare(config: SFTConfig) -> Prepared:
     card = resolve(config.model.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     records, held_out = split_records(config)
-    read = dict(max_tokens=t.context_length, **record_fields(config), truncate=d.truncate)
+    read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate)
     examples = examples_from_records(records, tokenizer, **read)
     held_out = examples_from_records(held_out, tokenizer, **read) if held_out else []
     rows = count_rows(examples, t.context_length)

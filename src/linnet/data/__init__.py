@@ -2,7 +2,7 @@
 for pretraining (`linnet.data.corpus`, which `linnet prepare` reads).
 
     tok = load_tokenizer(card)                                  # or a directory, or a tokenizers.Tokenizer
-    examples = load_examples("train.jsonl", tok, max_tokens=2048)   # read_records + examples_from_records
+    examples = load_examples("train.jsonl", tok, tokens=2048)   # read_records + examples_from_records
     rows = pack(examples, 2048, pad_id=tok.pad_id)              # linnet.packing
 
 Records are prompt/completion pairs (field names configurable; Alpaca's found by

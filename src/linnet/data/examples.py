@@ -58,7 +58,7 @@ def load_examples(
     source: str | os.PathLike | Any,
     tokenizer: Tokenizer,
     *,
-    max_tokens: int,
+    tokens: int,
     messages: str | None = None,
     prompt: str | Sequence[str] | None = None,
     completion: str | None = None,
@@ -69,7 +69,7 @@ def load_examples(
     return examples_from_records(
         read_records(source),
         tokenizer,
-        max_tokens=max_tokens,
+        tokens=tokens,
         messages=messages,
         prompt=prompt,
         completion=completion,
@@ -82,7 +82,7 @@ def examples_from_records(
     records: Iterable[Record | dict],
     tokenizer: Tokenizer,
     *,
-    max_tokens: int,
+    tokens: int,
     messages: str | None = None,
     prompt: str | Sequence[str] | None = None,
     completion: str | None = None,
@@ -99,11 +99,11 @@ def examples_from_records(
     PROMPT_FIELDS (with "input" after "instruction" when present) and COMPLETION_FIELDS
     that the first record has.
     chat: format prompt/completion records with the chat template (when there is one).
-    max_tokens: the row length; a longer record is an error naming it, unless `truncate`
+    tokens: the row length; a longer record is an error naming it, unless `truncate`
         cuts it to the row (one with nothing learned left is dropped, with a warning).
     """
-    if max_tokens < 2:
-        raise ValueError(f"max_tokens={max_tokens}; a row needs at least 2 positions")
+    if tokens < 2:
+        raise ValueError(f"tokens={tokens}; a row needs at least 2 positions")
     records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
     if not records:
         raise ValueError("examples_from_records: no records; the data holds nothing to learn")
@@ -118,30 +118,30 @@ def examples_from_records(
         encoded = iter(tokenizer.encode_batch([text for _, texts, _ in plans for text in texts]))
         for record, texts, build in plans:
             example = build([next(encoded) for _ in texts])
-            if len(example) > max_tokens:
+            if len(example) > tokens:
                 if not truncate:
                     long.append(f"{record.where} ({len(example)} tokens)")
                     continue
-                if not example.learned[1:max_tokens].any():
+                if not example.learned[1:tokens].any():
                     dropped.append(record.where)
                     continue
-                example = Example(example.tokens[:max_tokens], example.learned[:max_tokens])
+                example = Example(example.tokens[:tokens], example.learned[:tokens])
             examples.append(example)
     if long:
         more = f"; and {len(long) - 5} more" if len(long) > 5 else ""
         raise ValueError(
-            f"{len(long)} record(s) longer than a row of {max_tokens} tokens: "
-            f"{'; '.join(long[:5])}{more}. Raise the row length (max_tokens), shorten or drop these "
+            f"{len(long)} record(s) longer than a row of {tokens} tokens: "
+            f"{'; '.join(long[:5])}{more}. Raise the row length (tokens), shorten or drop these "
             "records, or set truncate to cut them to the row"
         )
     if dropped:
         warnings.warn(
-            f"dropped {len(dropped)} record(s) with nothing learned in their first {max_tokens} "
+            f"dropped {len(dropped)} record(s) with nothing learned in their first {tokens} "
             f"tokens, e.g. {dropped[0]}",
             stacklevel=2,
         )
     if not examples:
-        raise ValueError(f"no record has anything learned within {max_tokens} tokens; raise max_tokens")
+        raise ValueError(f"no record has anything learned within {tokens} tokens; raise tokens")
     tokenizer.check_known((ex.tokens for ex in examples), records[0].where.rsplit(" ", 2)[0])
     return examples
 

@@ -95,7 +95,7 @@ class Engine:
         compute dtype you want to sample in (bf16 on GPU). The engine takes it over: sets
         it to eval, turns its gradients off and merges any adapters into its weights.
         Don't pass the policy you train: load a second copy and `load_weights(policy)`.
-    max_batch, max_seq: allocate the caches up front (both or neither) for this many
+    max_batch, tokens: allocate the caches up front (both or neither) for this many
         prompts and completions, each up to this many tokens; without them they are
         allocated at the first call's size. A cache grows (reallocates) only when a call
         needs more rows or slots than it has.
@@ -103,14 +103,14 @@ class Engine:
         follows the model (`nest.load(..., compile=...)`, with its backend).
     """
 
-    def __init__(self, model: Decoder, *, max_batch: int | None = None, max_seq: int | None = None,
+    def __init__(self, model: Decoder, *, max_batch: int | None = None, tokens: int | None = None,
                  compile: bool | None = None):
         if not isinstance(model, Decoder):
             raise TypeError(
                 f"Engine: expected a linnet Decoder (nest.load(card)), got {type(model).__name__}"
             )
-        if (max_batch is None) != (max_seq is None):
-            raise ValueError("Engine: give both max_batch and max_seq to preallocate the cache, or neither")
+        if (max_batch is None) != (tokens is None):
+            raise ValueError("Engine: give both max_batch and tokens to preallocate the cache, or neither")
         if model.lora and not model.quantized:
             model.merge_lora()  # an NF4 base keeps its adapters beside it (see load_weights)
         model.eval()
@@ -142,7 +142,7 @@ class Engine:
         self.stop_every = 8 if model.device.type == "cuda" else 1
         self._packed = None if self.compiled else pack_weights(model, packed_layers)
         if max_batch is not None:
-            self._ensure_cache(max_batch, max_seq, max_batch, max_seq)
+            self._ensure_cache(max_batch, tokens, max_batch, tokens)
 
     # -- weights --------------------------------------------------------------------
 

@@ -4,7 +4,7 @@
     pip install 'linnet[vllm]'                                   # on a CUDA machine
     linnet grpo --config configs/grpo.yaml --set grpo.engine=vllm
 
-    engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, max_len=1024)
+    engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, tokens=1024)
     engine.load_weights(policy)        # first: vLLM starts from random weights
     done = engine.sample([ids_a, ids_b], n=8, max_new_tokens=256, temperature=1.0, seed=0)
 
@@ -87,14 +87,14 @@ class VLLMEngine:
 
     card: the policy's card (a Card, a registered name or a model directory).
     device: the policy's CUDA device. dtype: what vLLM computes in (the policy's).
-    max_len: the longest prompt + completion (GRPO's packed row, training.context_length).
+    tokens: the longest prompt + completion (GRPO's packed row, training.context_length).
     gpu_memory_utilization: the share of the GPU's memory vLLM takes for its weights and
         KV cache; the rest stays with training (None: GPU_SHARE).
     seed: vLLM's own seed (each `sample` call's seed decides the draws).
     """
 
     def __init__(self, card: Card | str, *, device: torch.device | str = "cuda", dtype: torch.dtype | str = "bfloat16",
-                 max_len: int = 2048, gpu_memory_utilization: float | None = None, seed: int = 0):
+                 tokens: int = 2048, gpu_memory_utilization: float | None = None, seed: int = 0):
         vllm = _vllm()
         self.card = resolve(card)
         self._sampling_params = vllm.SamplingParams
@@ -103,7 +103,7 @@ class VLLMEngine:
         _launcher_environment(torch.device(device))
         self.llm = vllm.LLM(
             model=self._config.name, skip_tokenizer_init=True, load_format="dummy",
-            dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
+            dtype=str(dtype).removeprefix("torch."), max_model_len=tokens,
             gpu_memory_utilization=GPU_SHARE if gpu_memory_utilization is None else gpu_memory_utilization,
             seed=seed, logprobs_mode="raw_logprobs", distributed_executor_backend="external_launcher",
         )
