@@ -20,7 +20,7 @@ Steps, each in its own process with its own time limit (a failure is recorded, t
   3. the Engine, eager and compiled, against transformers' `generate` (bench/generate.py
      --device cuda --compile), batch 32 x 64 new tokens.
 --dry-run swaps in tiny models, CPU and one step or case each, and writes nowhere (unless
---out is given): the test suite runs it to keep the script working between GPU sessions.
+--out is given): the test suite runs it to keep the script working between runs on a GPU.
 """
 
 from __future__ import annotations
