@@ -201,14 +201,14 @@ def test_rows_stop_early_and_the_loop_ends(saved):
     assert engine.stats.decode_steps == 0  # all rows stopped on their first token
 
 
-@pytest.mark.parametrize("packed_layers", [True, False])
-def test_load_weights_merges_adapters_in_place(saved, monkeypatch, packed_layers):
-    """packed_layers: the projections packed for oneDNN (an AVX-512 CPU) or laid out
+@pytest.mark.parametrize("reordered_layers", [True, False])
+def test_load_weights_merges_adapters_in_place(saved, monkeypatch, reordered_layers):
+    """reordered_layers: the projections reordered for oneDNN (an AVX-512 CPU) or laid out
     transposed (AVX2); Qwen2's q/k/v biases go with the fused q/k/v product."""
     from linnet import hardware
 
-    monkeypatch.setattr(losses, "PACK_MIN_ELEMENTS", 0)  # pack even this tiny head for oneDNN
-    monkeypatch.setattr(hardware, "cpu_packs_projections", lambda: packed_layers)
+    monkeypatch.setattr(losses, "REORDER_MIN_ELEMENTS", 0)  # reorder even this tiny head for oneDNN
+    monkeypatch.setattr(hardware, "cpu_reorders_projections", lambda: reordered_layers)
     directory = saved("qwen2")
     policy = nest.load(directory)
     policy.add_lora(["*q_proj*", "*v_proj*", "*down_proj*"], rank=4, alpha=8)
@@ -224,12 +224,12 @@ def test_load_weights_merges_adapters_in_place(saved, monkeypatch, packed_layers
     projections = [n for n, p in engine.model.named_parameters() if n.endswith("proj.weight")]
     engine.load_weights(policy)
     assert {n: p.data_ptr() for n, p in engine.model.named_parameters()} == pointers
-    # float32 projections stay packed, or stored transposed (x @ W.T reads a contiguous [in, out])
+    # float32 projections stay reordered, or stored transposed (x @ W.T reads a contiguous [in, out])
     stored = [engine.model.get_parameter(n) for n in projections]
-    assert stored and all((w if packed_layers else w.t()).is_contiguous() for w in stored)
-    # and the weights packed for oneDNN are packed again from the new ones (the log-probs below)
+    assert stored and all((w if reordered_layers else w.t()).is_contiguous() for w in stored)
+    # and the weights reordered for oneDNN are reordered again from the new ones (the log-probs below)
     if torch.backends.mkldnn.is_available():
-        assert engine._packed.head is not None and (engine._packed.layers is not None) == packed_layers
+        assert engine._reordered.head is not None and (engine._reordered.layers is not None) == reordered_layers
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())  # policy untouched
     assert policy.lora is not None
     prompts = _prompts((6, 3))

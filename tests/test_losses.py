@@ -66,12 +66,12 @@ def test_frozen_head_token_log_probs_matches_plain(rows):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 def test_float32_blocks_on_a_cpu_run_the_head_through_onednn(monkeypatch):
-    """From PACK_MIN_ROWS rows a float32 head of PACK_MIN_ELEMENTS or more is packed for
+    """From REORDER_MIN_ROWS rows a float32 head of REORDER_MIN_ELEMENTS or more is reordered for
     oneDNN once a call; values and gradients stay those of the plain product (float64)."""
     calls = []
     product = losses.onednn_linear
     monkeypatch.setattr(losses, "onednn_linear", lambda h, p: calls.append(len(h)) or product(h, p))
-    N, V, D = losses.PACK_MIN_ROWS + 44, 4096, 256  # a head of PACK_MIN_ELEMENTS
+    N, V, D = losses.REORDER_MIN_ROWS + 44, 4096, 256  # a head of REORDER_MIN_ELEMENTS
     h64, w64, t, wt = _case(N=N, D=D, V=V, seed=4)
     with torch.no_grad():  # logits of order one
         h64.mul_(0.25), w64.mul_(0.25)
@@ -96,8 +96,8 @@ def test_float32_blocks_on_a_cpu_run_the_head_through_onednn(monkeypatch):
                                    torch.autograd.grad(ref, h64, g, retain_graph=True)[0], **check)
         assert len(calls) == (6 if head.requires_grad else 3)  # the trained head's backward recomputes
     calls.clear()
-    losses.linear_token_log_probs(h[: losses.PACK_MIN_ROWS - 1], w, t[: losses.PACK_MIN_ROWS - 1])
-    assert calls == []  # too few rows for the packing to pay
+    losses.linear_token_log_probs(h[: losses.REORDER_MIN_ROWS - 1], w, t[: losses.REORDER_MIN_ROWS - 1])
+    assert calls == []  # too few rows for the reordering to pay
     losses.linear_token_log_probs(h, w[:1000], t % 1000)
     assert calls == []  # nor a head that fits in cache
 

@@ -159,7 +159,7 @@ def test_chunked_loss_holds_one_block_of_logits():
     cpu = Batch(seq=4096, chunked_loss=True, device="cpu")  # 16 MiB blocks, but at least 512 rows
     assert plan.loss_rows(128256, cpu) == 512 and plan.loss_rows(32000, cpu) == 512
     assert plan.loss_rows(2000, cpu) == 2**24 // (4 * 2000)
-    # in f32 on a CPU the loss also packs the head for oneDNN: one more copy of it
+    # in f32 on a CPU the loss also reorders the head for oneDNN: one more copy of it
     f32 = Method("lora", dtype="f32")
     on_cpu, on_gpu = (activation_bytes(plan.cards.resolve(L8B), f32, Batch(seq=4096, chunked_loss=True, device=d)) for d in ("cpu", "gpu"))
     rows = {"cpu": 512, "gpu": 2**30 // (4 * 128256)}
@@ -172,8 +172,8 @@ def test_loss_blocks_are_the_torch_losses_blocks():
 
     assert plan.LOSS_BLOCK_BYTES == losses.BLOCK_BYTES
     assert (plan.CPU_LOSS_BLOCK_BYTES, plan.CPU_LOSS_MIN_ROWS) == (losses.CPU_BLOCK_BYTES, losses.CPU_MIN_ROWS)
-    assert (step_memory.CPU_PACK_MIN_ROWS, step_memory.CPU_PACK_MIN_ELEMENTS) == \
-        (losses.PACK_MIN_ROWS, losses.PACK_MIN_ELEMENTS)
+    assert (step_memory.CPU_REORDER_MIN_ROWS, step_memory.CPU_REORDER_MIN_ELEMENTS) == \
+        (losses.REORDER_MIN_ROWS, losses.REORDER_MIN_ELEMENTS)
     for vocab, device in [(32000, "cpu"), (128256, "cuda"), (2000, "cpu"), (151936, "cuda")]:
         assert plan.loss_rows(vocab, Batch(seq=10**6, device="cpu" if device == "cpu" else "gpu")) == \
             losses.rows_per_block(vocab, __import__("torch").device(device))
@@ -573,12 +573,12 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("projections", [True, False])
-def test_a_float32_engine_on_a_cpu_counts_its_weights_packed_for_onednn(tmp_path, capsys, monkeypatch, projections):
-    """The head packed again (Llama 3.2 1B's is over 2^20 weights), and on an AVX-512 CPU
-    every projection too (`Engine`, `linnet.serve.passes.pack_weights`)."""
+def test_a_float32_engine_on_a_cpu_counts_its_weights_reordered_for_onednn(tmp_path, capsys, monkeypatch, projections):
+    """The head reordered again (Llama 3.2 1B's is over 2^20 weights), and on an AVX-512 CPU
+    every projection too (`Engine`, `linnet.serve.passes.reorder_weights`)."""
     from linnet import hardware
 
-    monkeypatch.setattr(hardware, "cpu_packs_projections", lambda: projections)
+    monkeypatch.setattr(hardware, "cpu_reorders_projections", lambda: projections)
     config = tmp_path / "grpo.yaml"
     config.write_text("model: {card: llama-3.2-1b-instruct, dtype: float32}\ndata: {path: p.jsonl}\n"
                       "runtime: {device: cpu}\ntraining: {context_length: 1024}\ngrpo: {group: 8, prompts_per_step: 4}\n")
@@ -586,10 +586,10 @@ def test_a_float32_engine_on_a_cpu_counts_its_weights_packed_for_onednn(tmp_path
     sampling = json.loads(capsys.readouterr().out)["sampling"]
     card = plan.cards.resolve("llama-3.2-1b-instruct")
     blocks = card.layers * sum(o * i for o, i in card.linear_shapes().values())
-    assert sampling["packed_bytes"] == 4 * (card.vocab * card.hidden + (blocks if projections else 0))
-    assert sampling["weights_bytes"] == card.params() * 4 + sampling["packed_bytes"]
+    assert sampling["reordered_bytes"] == 4 * (card.vocab * card.hidden + (blocks if projections else 0))
+    assert sampling["weights_bytes"] == card.params() * 4 + sampling["reordered_bytes"]
     assert plan_command.main(["--config", str(config)]) == 0
-    assert "of them again packed for oneDNN" in capsys.readouterr().out
+    assert "of them again reordered for oneDNN" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("share, usable", [("", 0.6), (", vllm_gpu_memory_utilization: 0.4", 0.5)])

@@ -36,11 +36,11 @@ def cpu_bf16_flag() -> str | None:
     return next((flag for flag in BF16_FLAGS if flag in cpu_flags()), None)
 
 
-def cpu_packs_projections() -> bool:
+def cpu_reorders_projections() -> bool:
     """Whether a float32 sampling engine on this CPU runs its projections through weights
-    packed for oneDNN (`linnet.serve.passes.pack_weights`): with AVX-512, where that was
+    reordered for oneDNN (`linnet.serve.passes.reorder_weights`): with AVX-512, where that was
     1.09x sampling 4 prompts x 8 x 64 at 7M (AMD EPYC Zen 4; the 60M model's fused
-    [32, 512] x [512, 3072] gate and up at 105 GFLOP/s packed against 64 plain); not with
+    [32, 512] x [512, 3072] gate and up at 105 GFLOP/s reordered against 64 plain); not with
     AVX2 alone (0.91-0.99x on an AVX2 EPYC, where weights laid out transposed gained)."""
     return platform.machine() in ("x86_64", "AMD64") and "avx512f" in cpu_flags()
 

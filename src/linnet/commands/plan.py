@@ -490,8 +490,8 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
         sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["batch"].seq, dtype, method,
                                                         shares, cpu=inputs["batch"].device == "cpu")
         weights = "the weights outside the NF4 blocks it shares, with f32 adapters" if shares else "the weights"
-        if sampling["packed_bytes"]:
-            weights += f", and {gb(sampling['packed_bytes'])} of them again packed for oneDNN"
+        if sampling["reordered_bytes"]:
+            weights += f", and {gb(sampling['reordered_bytes'])} of them again reordered for oneDNN"
         notes.append(f"{beside['who']} also holds its sampling engine, not in the totals above: a {dtype} copy of "
                      f"{weights} ({gb(sampling['weights_bytes'])}) and a KV cache of {sampling['rows']} completions "
                      f"x at most {sampling['slots']:,} positions ({gb(sampling['cache_bytes'])}).")

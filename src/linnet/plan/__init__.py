@@ -30,7 +30,7 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     COMPARED,
     CPU_LOSS_BLOCK_BYTES,
     CPU_LOSS_MIN_ROWS,
-    CPU_PACK_MIN_ELEMENTS,
+    CPU_REORDER_MIN_ELEMENTS,
     DEVICES,
     DTYPES,
     GRADIENT_BYTES,
@@ -477,19 +477,19 @@ def sampling_memory(card: cards.Card, rows: int, slots: int, dtype: str = "bf16"
     the policy's NF4 block weights and holds f32 copies of the adapters instead
     (`Engine.load_weights`), unless the policy is split by FSDP or cut into pipeline stages
     (shares_base=False): then it holds every weight, dequantized and merged (every stage's
-    engine the whole model). A float32 engine on a CPU (`cpu`) also holds its head packed
+    engine the whole model). A float32 engine on a CPU (`cpu`) also holds its head reordered
     for oneDNN (from 2^20 weights) and, where this CPU has AVX-512, its projections
-    (`hardware.cpu_packs_projections`): `packed_bytes`, within weights_bytes. Not part of
-    `estimate`'s totals."""
+    (`hardware.cpu_reorders_projections`): `reordered_bytes`, within weights_bytes. Not
+    part of `estimate`'s totals."""
     size = DTYPES[dtype]
     shared = quantized_params(card, method) if shares_base else 0
-    packed = 0
+    reordered = 0
     if cpu and dtype == "f32" and not shared:
         head = card.vocab * card.hidden
-        packed = 4 * ((head if head >= CPU_PACK_MIN_ELEMENTS else 0)
-                      + (card.layers * sum(o * i for o, i in card.linear_shapes().values())
-                         if hardware.cpu_packs_projections() else 0))
-    weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0) + packed
+        reordered = 4 * ((head if head >= CPU_REORDER_MIN_ELEMENTS else 0)
+                         + (card.layers * sum(o * i for o, i in card.linear_shapes().values())
+                            if hardware.cpu_reorders_projections() else 0))
+    weights = (card.params() - shared) * size + (trainable_params(card, method) * 4 if shared else 0) + reordered
     cache = rows * slots * card.layers * 2 * card.kv_heads * card.head_dim * size
-    return {"rows": rows, "slots": slots, "dtype": dtype, "weights_bytes": weights, "packed_bytes": packed,
+    return {"rows": rows, "slots": slots, "dtype": dtype, "weights_bytes": weights, "reordered_bytes": reordered,
             "cache_bytes": cache}

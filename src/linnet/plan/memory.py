@@ -41,10 +41,10 @@ NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 LOSS_BLOCK_BYTES = 2**30
 CPU_LOSS_BLOCK_BYTES = 2**24
 CPU_LOSS_MIN_ROWS = 512
-# From this many rows a float32 loss on a CPU packs a head of this many weights or more
-# for oneDNN: a copy of it (linnet.torch.losses.PACK_MIN_ROWS, PACK_MIN_ELEMENTS).
-CPU_PACK_MIN_ROWS = 256
-CPU_PACK_MIN_ELEMENTS = 2**20
+# From this many rows a float32 loss on a CPU reorders a head of this many weights or more
+# for oneDNN: a copy of it (linnet.torch.losses.REORDER_MIN_ROWS, REORDER_MIN_ELEMENTS).
+CPU_REORDER_MIN_ROWS = 256
+CPU_REORDER_MIN_ELEMENTS = 2**20
 
 
 @dataclass(frozen=True)
@@ -334,7 +334,7 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch, part: Part 
     loss: logits_bytes; with the chunked loss also the hidden states' gradient (c·d a
     token) and a [rows, d] product; in bf16 the logits block cast to bf16 and, when the
     head trains, its bf16 copy and the slices its f32 gradient is accumulated through;
-    in f32 on a CPU the head's copy packed for oneDNN (4·V·d). A head split by vocabulary
+    in f32 on a CPU the head's copy reordered for oneDNN (4·V·d). A head split by vocabulary
     makes its gradients in backward instead (`_split_loss`).
     recompute: with checkpointing, the block computed again (less what selective kept),
     with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight.
@@ -366,7 +366,7 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch, part: Part 
         loss = logits_bytes(V, batch)
         if batch.chunked_loss:
             rows = loss_rows(V, batch)
-            loss += c * d * (tokens + rows) + (2 * rows * V if c == 2 else 0) + _packed_head(V, d, c, batch)
+            loss += c * d * (tokens + rows) + (2 * rows * V if c == 2 else 0) + _reordered_head(V, d, c, batch)
             if not method.adapters and c == 2:
                 loss += (2 * V * d if method.master_bytes else 0) + min(V, 2**26 // (4 * d)) * d * 6
     largest = max(o * i for o, i in card.linear_shapes().values())
@@ -394,21 +394,21 @@ def _output_gradients(card: cards.Card, method: Method) -> int:
     return c * (sum(o for o, _ in shapes.values()) + 2 * card.hidden)
 
 
-def _packed_head(rows: int, d: int, c: int, batch: Batch) -> int:
-    """The head's copy packed for oneDNN that a float32 loss on a CPU makes
+def _reordered_head(rows: int, d: int, c: int, batch: Batch) -> int:
+    """The head's copy reordered for oneDNN that a float32 loss on a CPU makes
     (linnet.torch.losses._block_logits), or 0."""
-    if batch.device == "cpu" and c == 4 and batch.tokens >= CPU_PACK_MIN_ROWS and rows * d >= CPU_PACK_MIN_ELEMENTS:
+    if batch.device == "cpu" and c == 4 and batch.tokens >= CPU_REORDER_MIN_ROWS and rows * d >= CPU_REORDER_MIN_ELEMENTS:
         return 4 * rows * d
     return 0
 
 
 def _split_loss(card: cards.Card, method: Method, batch: Batch, rows_held: int) -> float:
     """The working set of linnet.torch.losses' loss over a head split by vocabulary: one
-    f32 block of logits over the rows held (and the head packed for oneDNN), in the forward
+    f32 block of logits over the rows held (and the head reordered for oneDNN), in the forward
     and again in backward, which recomputes it; the block's bf16 gradient in bf16."""
     V, c = rows_held, method.compute_bytes
     rows = loss_rows(V, dataclasses.replace(batch, chunked_loss=True))
-    return 4 * rows * V + (2 * rows * V if c == 2 else 0) + _packed_head(V, card.hidden, c, batch)
+    return 4 * rows * V + (2 * rows * V if c == 2 else 0) + _reordered_head(V, card.hidden, c, batch)
 
 
 # ---------------------------------------------------------------------------------------

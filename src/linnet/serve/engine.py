@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from linnet import hardware
 from linnet.files.adapters import ADAPTER_SUFFIXES
 from linnet.rl.rollouts import Completion
-from linnet.serve.passes import Batch, decode_pass, pack_weights, prefill_pass
+from linnet.serve.passes import Batch, decode_pass, prefill_pass, reorder_weights
 from linnet.torch import attention as attention_paths
 from linnet.torch.lora import merged, policy_weights
 from linnet.torch.losses import token_log_probs
@@ -116,8 +116,8 @@ class Engine:
         model.eval()
         model.requires_grad_(False)
         cpu32 = model.device.type == "cpu" and model.dtype == torch.float32
-        packed_layers = cpu32 and hardware.cpu_packs_projections()
-        if cpu32 and not packed_layers:
+        reordered_layers = cpu32 and hardware.cpu_reorders_projections()
+        if cpu32 and not reordered_layers:
             _store_transposed(model)
         self.model = model
         self.card = model.card
@@ -140,7 +140,7 @@ class Engine:
             self._decode_pass = torch.compile(decode_pass, backend=backend, **graphs)
             self._prefill_pass = torch.compile(prefill_pass, backend=backend)
         self.stop_every = 8 if model.device.type == "cuda" else 1
-        self._packed = None if self.compiled else pack_weights(model, packed_layers)
+        self._reordered = None if self.compiled else reorder_weights(model, reordered_layers)
         if max_batch is not None:
             self._ensure_cache(max_batch, tokens, max_batch, tokens)
 
@@ -189,8 +189,8 @@ class Engine:
             dst.copy_(src)
         if pipe is not None:
             seen = self._pass_stages(pipe, seen)
-        if self._packed is not None:
-            self._packed = pack_weights(self.model, self._packed.layers is not None)
+        if self._reordered is not None:
+            self._reordered = reorder_weights(self.model, self._reordered.layers is not None)
         missing = sorted(set(own) - seen)
         if missing:
             raise ValueError(
@@ -392,7 +392,7 @@ class Engine:
         else:
             attend = functools.partial(attention_paths.choose(m.attention, dev), bounds=bounds)
         logits = self._call("_prefill_pass", m, tokens_P, positions_P, prompt_P, last, self._prompt_keys,
-                            self._prompt_values, cos_Sd, sin_Sd, attend, self._packed)
+                            self._prompt_values, cos_Sd, sin_Sd, attend, self._reordered)
         self.stats.prefill_positions += bounds[-1]
         return logits
 
@@ -404,7 +404,7 @@ class Engine:
         step_1 = torch.full((1,), step, device=tokens_B.device)
         logits = self._call("_decode_pass", self.model, tokens_B, step_1, batch.prompt_len, batch.grid, batch.place,
                             batch.unseen, self._keys, self._values, self._prompt_keys, self._prompt_values,
-                            cos_Sd, sin_Sd, batch.groups, batch.n, new, self._packed)
+                            cos_Sd, sin_Sd, batch.groups, batch.n, new, self._reordered)
         self.stats.decode_positions += len(tokens_B)
         self.stats.decode_steps += 1
         return logits
@@ -589,8 +589,8 @@ def _store_transposed(model: Decoder) -> None:
     """Lay each dense projection's weight in the layers out transposed in memory, still
     [out, in] to every reader: `x @ W.T` then multiplies by a contiguous [in, out] matrix,
     8% faster sampling at 7M on an AVX2 CPU in float32 (32 rows a step), with the same
-    numbers. Not where the projections are packed for oneDNN instead
-    (`hardware.cpu_packs_projections`), nor the head, which oneDNN packs from its plain
+    numbers. Not where the projections are reordered for oneDNN instead
+    (`hardware.cpu_reorders_projections`), nor the head, which oneDNN reorders from its plain
     layout; not in bfloat16, where this layout ran 6x slower on a CPU without avx512_bf16."""
     for layer in model.model.layers.modules():
         w = layer.weight if isinstance(layer, Linear) else None

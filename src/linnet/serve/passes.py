@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from linnet.torch.losses import onednn_linear, onednn_pack
+from linnet.torch.losses import onednn_linear, onednn_reorder
 from linnet.torch.model import rotate
 
 
@@ -53,10 +53,10 @@ class Batch:
         self.unseen = (torch.arange(slots, device=device)[None] >= self.prompt_len[:, None])[:, None, None]
 
 
-class Packed(NamedTuple):
-    """The engine's weights again, in oneDNN's blocked layout (`pack_weights`): per layer
+class Reordered(NamedTuple):
+    """The engine's weights again, in oneDNN's blocked layout (`reorder_weights`): per layer
     (weight, bias) pairs for q, k and v as one product, o, gate and up as one product, and
-    down (or None: the layers' own modules); the head's weight (None where packing it
+    down (or None: the layers' own modules); the head's weight (None where reordering it
     does not pay)."""
 
     layers: list[tuple[tuple, tuple, tuple, tuple]] | None
@@ -66,37 +66,37 @@ class Packed(NamedTuple):
         return None if self.layers is None else self.layers[i]
 
 
-def pack_weights(model, layers: bool) -> Packed | None:
+def reorder_weights(model, layers: bool) -> Reordered | None:
     """A float32 model's head (and with `layers`, its projections, q/k/v and gate/up each
-    fused into one product) packed for oneDNN on the CPU, else None (another dtype or
+    fused into one product) reordered for oneDNN on the CPU, else None (another dtype or
     device, NF4 weights, a torch without oneDNN). A decode step's products have few rows
-    (32 typically), where oneDNN runs a packed weight faster than the plain product. The
-    packed copies cost the weights' memory again and must be redone whenever the weights
+    (32 typically), where oneDNN runs a reordered weight faster than the plain product. The
+    reordered copies cost the weights' memory again and must be redone whenever the weights
     change."""
     if (model.device.type != "cpu" or model.dtype != torch.float32 or model.quantized
             or not torch.backends.mkldnn.is_available()):
         return None
 
-    def pack(*linears):
+    def reorder(*linears):
         weight = torch.cat([layer.weight.detach() for layer in linears]).contiguous()
         bias = None if linears[0].bias is None else torch.cat([layer.bias.detach() for layer in linears])
         return torch.ops.mkldnn._reorder_linear_weight(weight, 32), bias  # 32: rows a decode step, typically
 
-    blocks = [(pack(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), pack(b.self_attn.o_proj),
-               pack(b.mlp.gate_proj, b.mlp.up_proj), pack(b.mlp.down_proj)) for b in model.model.layers] if layers else None
-    return Packed(blocks, onednn_pack(model.head_weight, 32))
+    blocks = [(reorder(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), reorder(b.self_attn.o_proj),
+               reorder(b.mlp.gate_proj, b.mlp.up_proj), reorder(b.mlp.down_proj)) for b in model.model.layers] if layers else None
+    return Reordered(blocks, onednn_reorder(model.head_weight, 32))
 
 
-def prefill_pass(model, tokens_P, positions_P, prompt_P, last, keys, values, cos_Sd, sin_Sd, attend, packed=None):
+def prefill_pass(model, tokens_P, positions_P, prompt_P, last, keys, values, cos_Sd, sin_Sd, attend, reordered=None):
     """The prompts' pass: every layer's keys/values into prompt-cache row `prompt_P` at
     their positions; the logits [prompts, V] at `last`. attend: the attention function of
     the model's path (bounds bound), or a [P, P] mask for one SDPA call (the compiled pass).
-    packed: the weights packed for oneDNN (`pack_weights`), or None for the model's own."""
+    reordered: the weights reordered for oneDNN (`reorder_weights`), or None for the model's own."""
     P = len(tokens_P)
     cos, sin = cos_Sd[positions_P][:, None], sin_Sd[positions_P][:, None]  # [P, 1, d]
     x = F.embedding(tokens_P, model.model.embed_tokens.weight).to(model.dtype)
     for i, block in enumerate(model.model.layers):
-        mine = None if packed is None else packed.layer(i)
+        mine = None if reordered is None else reordered.layer(i)
         q_PHd, k_PKd, v_PKd = _project(block.self_attn, block.input_layernorm(x), cos, sin, mine)
         keys[i][prompt_P, :, positions_P] = k_PKd
         values[i][prompt_P, :, positions_P] = v_PKd
@@ -106,14 +106,14 @@ def prefill_pass(model, tokens_P, positions_P, prompt_P, last, keys, values, cos
         else:
             out = attend(q, k, v)
         x = _finish(block, x, out[0].transpose(0, 1).reshape(P, -1), mine)
-    return _logits(model, x[last], packed)
+    return _logits(model, x[last], reordered)
 
 
 def decode_pass(model, tokens_B, step_1, prompt_len_B, grid_Gn, place_B, unseen_B11S, keys, values,
-                 prompt_keys, prompt_values, cos_Sd, sin_Sd, G: int, n: int, new: int, packed=None):
+                 prompt_keys, prompt_values, cos_Sd, sin_Sd, G: int, n: int, new: int, reordered=None):
     """One decode step: row b's token at slot `step_1` of its row in the generated tokens'
     cache, attending to its prompt (the prompt cache, a group's rows together) and to its
-    first `new` generated slots (those past `step_1` masked). Returns [B, V] f32; `packed`
+    first `new` generated slots (those past `step_1` masked). Returns [B, V] f32; `reordered`
     as in `prefill_pass`.
 
     The one-query attention is batched matmuls and one softmax over the prompt's slots and
@@ -129,7 +129,7 @@ def decode_pass(model, tokens_B, step_1, prompt_len_B, grid_Gn, place_B, unseen_
         attn = block.self_attn
         H, K, d = attn.shape
         r = H // K
-        mine = None if packed is None else packed.layer(i)
+        mine = None if reordered is None else reordered.layer(i)
         q_BHd, k_BKd, v_BKd = _project(attn, block.input_layernorm(x), cos, sin, mine)
         keys[i][:B].index_copy_(2, step_1, k_BKd[:, :, None])
         values[i][:B].index_copy_(2, step_1, v_BKd[:, :, None])
@@ -142,7 +142,7 @@ def decode_pass(model, tokens_B, step_1, prompt_len_B, grid_Gn, place_B, unseen_
         out = _from_grid(_to_grid(probs[..., :S], grid_Gn, G, n) @ prompt_values[i][:G, :, :S], place_B, G, n)
         out = out + probs[..., S:] @ values[i][:B, :, :new]  # [B, K, r, d]
         x = _finish(block, x, out.reshape(B, -1), mine)
-    return _logits(model, x, packed)
+    return _logits(model, x, reordered)
 
 
 def _to_grid(t_BKrX: torch.Tensor, grid_Gn, G: int, n: int) -> torch.Tensor:
@@ -160,35 +160,35 @@ def _from_grid(t_GKnX: torch.Tensor, place_B, G: int, n: int) -> torch.Tensor:
     return t if place_B is None else t[place_B]
 
 
-def _logits(model, h_ND: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
-    """The f32 logits; the head's product through oneDNN where `packed` has it (the
+def _logits(model, h_ND: torch.Tensor, reordered: Reordered | None = None) -> torch.Tensor:
+    """The f32 logits; the head's product through oneDNN where `reordered` has it (the
     step's largest: about 1.5x the plain product at V = 8192, AVX2 EPYC)."""
     h_ND = model.model.norm(h_ND)
-    if packed is not None and packed.head is not None:
-        return onednn_linear(h_ND, packed.head)
+    if reordered is not None and reordered.head is not None:
+        return onednn_linear(h_ND, reordered.head)
     return (h_ND @ model.head_weight.to(model.dtype).T).float()
 
 
-def _project(attn, h_ND, cos_N1d, sin_N1d, packed=None):
+def _project(attn, h_ND, cos_N1d, sin_N1d, reordered=None):
     """q [N, H, d], k and v [N, K, d] of one attention module, q and k rotated; through
-    the layer's packed weights (`Packed.layers`) when given."""
-    if packed is None:
+    the layer's reordered weights (`Reordered.layers`) when given."""
+    if reordered is None:
         q, k, v = attn.project(h_ND)
     else:
         H, K, d = attn.shape
         N = h_ND.shape[0]
-        q, k, v = onednn_linear(h_ND, *packed[0]).split([H * d, K * d, K * d], dim=-1)
+        q, k, v = onednn_linear(h_ND, *reordered[0]).split([H * d, K * d, K * d], dim=-1)
         q, k, v = q.view(N, H, d), k.view(N, K, d), v.view(N, K, d)
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
     return rotate(q, cos_N1d, sin_N1d), rotate(k, cos_N1d, sin_N1d), v
 
 
-def _finish(block, x_ND, attended_NE, packed=None):
+def _finish(block, x_ND, attended_NE, reordered=None):
     """The rest of `Block.forward` once attention is done: output projection, residual, MLP."""
-    if packed is None:
+    if reordered is None:
         x_ND = x_ND + block.self_attn.o_proj(attended_NE)
         return x_ND + block.mlp(block.post_attention_layernorm(x_ND))
-    x_ND = x_ND + onednn_linear(attended_NE, *packed[1])
-    gate, up = onednn_linear(block.post_attention_layernorm(x_ND), *packed[2]).chunk(2, dim=-1)
-    return x_ND + onednn_linear(F.silu(gate) * up, *packed[3])
+    x_ND = x_ND + onednn_linear(attended_NE, *reordered[1])
+    gate, up = onednn_linear(block.post_attention_layernorm(x_ND), *reordered[2]).chunk(2, dim=-1)
+    return x_ND + onednn_linear(F.silu(gate) * up, *reordered[3])

@@ -8,8 +8,8 @@ logits) and recompute or pre-compute what backward needs block by block. The hea
 weight may be stored in another dtype than the hidden states (an f32 master weight
 beside bf16 compute): the products run in the hidden states' dtype, and the weight's
 gradient is accumulated across blocks in float32 and returned in the weight's dtype.
-In float32 on a CPU the blocks' logits come from oneDNN with the head packed once a call
-(`PACK_MIN_ROWS`, `PACK_MIN_ELEMENTS`).
+In float32 on a CPU the blocks' logits come from oneDNN with the head reordered once a call
+(`REORDER_MIN_ROWS`, `REORDER_MIN_ELEMENTS`).
 """
 
 from __future__ import annotations
@@ -64,36 +64,36 @@ def _blocks(N: int, rows: int):
         yield slice(s, min(s + rows, N))
 
 
-# Rows from which packing the head for oneDNN pays: a float32 [512, 256] x [256, 8192] block
-# ran at 56-58 GFLOP/s packed against 32-36 plain (one thread, AMD EPYC with AVX2), and
-# packing costs about as much as a 50-row product. The [rows, V] x [V, D] products of the
+# Rows from which reordering the head for oneDNN pays: a float32 [512, 256] x [256, 8192] block
+# ran at 56-58 GFLOP/s reordered against 32-36 plain (one thread, AMD EPYC with AVX2), and
+# reordering costs about as much as a 50-row product. The [rows, V] x [V, D] products of the
 # gradients gained nothing and stay plain.
-PACK_MIN_ROWS = 256
+REORDER_MIN_ROWS = 256
 # Heads smaller than this (elements) stay plain: while the weight fits in a core's cache
-# oneDNN ran no faster (V <= 2048 at D = 128 or 256), and packing costs 0.3 ms however small.
-PACK_MIN_ELEMENTS = 1 << 20
+# oneDNN ran no faster (V <= 2048 at D = 128 or 256), and reordering costs 0.3 ms however small.
+REORDER_MIN_ELEMENTS = 1 << 20
 
 
-def onednn_pack(w_VD: torch.Tensor, rows: int):
+def onednn_reorder(w_VD: torch.Tensor, rows: int):
     """w in oneDNN's blocked layout for `onednn_linear` (`rows`: a product's rows, a hint
     for the layout), or None where that does not pay or apply: a head under
-    PACK_MIN_ELEMENTS, not a float32 CPU tensor, or a torch built without oneDNN."""
-    if (w_VD.numel() < PACK_MIN_ELEMENTS or w_VD.device.type != "cpu" or w_VD.dtype != torch.float32
+    REORDER_MIN_ELEMENTS, not a float32 CPU tensor, or a torch built without oneDNN."""
+    if (w_VD.numel() < REORDER_MIN_ELEMENTS or w_VD.device.type != "cpu" or w_VD.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(w_VD.detach().contiguous(), rows)
 
 
-def onednn_linear(h_ND: torch.Tensor, packed, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """h @ w.T (+ bias) through oneDNN, w packed by `onednn_pack`."""
-    return torch.ops.mkldnn._linear_pointwise(h_ND, packed, bias, "none", [], "")
+def onednn_linear(h_ND: torch.Tensor, reordered, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h @ w.T (+ bias) through oneDNN, w reordered by `onednn_reorder`."""
+    return torch.ops.mkldnn._linear_pointwise(h_ND, reordered, bias, "none", [], "")
 
 
 def _block_logits(h_ND, w_VD, rows: int):
-    """The f32 logits of a block of rows, `sl` -> h[sl] @ w.T: with the head packed once
-    for oneDNN when the call has at least PACK_MIN_ROWS rows in float32 on a CPU."""
-    if h_ND.shape[0] >= PACK_MIN_ROWS and (packed := onednn_pack(w_VD, min(rows, h_ND.shape[0]))) is not None:
-        return lambda sl: onednn_linear(h_ND[sl], packed)
+    """The f32 logits of a block of rows, `sl` -> h[sl] @ w.T: with the head reordered once
+    for oneDNN when the call has at least REORDER_MIN_ROWS rows in float32 on a CPU."""
+    if h_ND.shape[0] >= REORDER_MIN_ROWS and (reordered := onednn_reorder(w_VD, min(rows, h_ND.shape[0]))) is not None:
+        return lambda sl: onednn_linear(h_ND[sl], reordered)
     return lambda sl: _f32(h_ND[sl] @ w_VD.T)
 
 
