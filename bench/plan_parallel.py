@@ -44,10 +44,10 @@ CONFIGS = [(1, 2, 1, 1, m, k, "1f1b") for m in ("full", "lora") for k in ("none"
 
 
 def settings(copies, split, stages, micro, method, checkpointing, schedule, seq) -> dict:
-    """`linnet plan` flags (by their Python names) for the run."""
-    return {"method": method, "rank": RANK, "targets": "all-linear", "seq": seq, "micro_batch": 1,
-            "checkpointing": checkpointing, "chunked_loss": True, "dtype": "f32", "device": "cpu",
-            "grad_dtype": "fp32", "accumulation": micro, "split": split, "pipeline": stages,
+    """`linnet plan` settings (by their Python names, `plan.plan_inputs`) for the run."""
+    return {"method": method, "rank": RANK, "targets": "all-linear", "tokens": seq, "micro_batch_size": 1,
+            "activation_checkpointing": checkpointing, "chunked_loss": True, "dtype": "f32", "device": "cpu",
+            "grad_dtype": "fp32", "accumulate": micro, "split": split, "pipeline": stages,
             "gpus": copies * split * stages, "shard": "fsdp" if copies > 1 else "none", "pipeline_schedule": schedule}
 
 

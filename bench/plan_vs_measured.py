@@ -47,9 +47,9 @@ optimizer = AdamW's step) is set beside the planner's peak of the same phase, an
 tensors live at the step-2 peak are split by where they were allocated.
 
 How the planner is asked: `linnet.plan.estimate` with the flags that describe this run
-(`plan_settings`; the report lists them): `--method M --rank 16 --targets all-linear --seq S
---micro-batch 1 --checkpointing MODE --chunked-loss --dtype f32 --device cpu --grad-dtype
-fp32`. The error is reported against the RSS peak, and against the tensor peak beside it.
+(`plan_settings`; the report lists them): `--method M --rank 16 --targets all-linear
+--context-length S --micro-batch-size 1 --activation-checkpointing MODE --chunked-loss --dtype f32
+--device cpu --grad-dtype fp32`. The error is reported against the RSS peak, and against the tensor peak beside it.
 """
 
 from __future__ import annotations
@@ -105,18 +105,21 @@ def quantize_supported() -> bool:
 # -- the planner's side ------------------------------------------------------------------
 
 def plan_settings(method: str, checkpointing: str, dtype: str, seq: int, optimizer: str = "adamw") -> dict:
-    """`linnet plan` flags (by their Python names) that describe linnet's CPU run."""
+    """`linnet plan` settings (by their Python names, `plan.plan_inputs`) that describe linnet's CPU run."""
     return {
-        "method": method, "rank": RANK, "targets": "all-linear", "seq": seq, "micro_batch": 1,
-        "checkpointing": checkpointing, "chunked_loss": True, "dtype": dtype, "device": "cpu", "grad_dtype": "fp32",
+        "method": method, "rank": RANK, "targets": "all-linear", "tokens": seq, "micro_batch_size": 1,
+        "activation_checkpointing": checkpointing, "chunked_loss": True, "dtype": dtype, "device": "cpu", "grad_dtype": "fp32",
         **({"optimizer_bytes": 2} if optimizer == "adamw8bit" else {}),
     }
 
 
 def flags(settings: dict) -> str:
+    """The settings as `linnet plan` flags."""
+    from linnet.commands.plan import flag
+
     out = []
     for key, value in settings.items():
-        name = "--" + key.replace("_", "-")
+        name = flag(key)
         if isinstance(value, bool):
             out.append(name if value else "--no-" + name[2:])
         else:

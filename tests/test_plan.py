@@ -16,9 +16,9 @@ from linnet import plan
 from linnet.commands import plan as plan_command
 from linnet.plan import (
     ACCELERATORS,
-    Batch,
     Cluster,
     Method,
+    Workload,
     accelerator,
     activation_bytes,
     block_activation_bytes,
@@ -38,11 +38,11 @@ L8B, L70B = "llama-3.1-8b-instruct", "llama-3.1-70b-instruct"
 H100 = ACCELERATORS["h100"]
 # The seed's "Why LoRA fits on one GPU" setting: rank 16 on every linear layer, seq 4096,
 # micro-batch 1, activation checkpointing, one H100-80GB.
-SEED_BATCH = Batch(seq=4096, micro_batch=1, checkpointing=True)
+SEED_WORKLOAD = Workload(tokens=4096, micro_batch_size=1, activation_checkpointing=True)
 
 
 def seed_plan(card: str, method: str, gpu: plan.Accelerator = H100) -> plan.Plan:
-    return estimate(card, Method(method, rank=16, targets=plan.LINEAR_NAMES), SEED_BATCH, Cluster(gpu=gpu))
+    return estimate(card, Method(method, rank=16, targets=plan.LINEAR_NAMES), SEED_WORKLOAD, Cluster(gpu=gpu))
 
 
 def assert_printed(value: float, printed: str) -> None:
@@ -102,7 +102,7 @@ def test_full_fine_tuning_peaks_in_the_optimizer_step():
     p = seed_plan(L8B, "full")
     assert p.peak_phase == "optimizer"
     assert p.total == pytest.approx(p.states.total - p.states.weights + 4 * p.trainable)
-    cpu = estimate(L8B, Method("full"), Batch(device="cpu"))
+    cpu = estimate(L8B, Method("full"), Workload(device="cpu"))
     card = plan.cards.resolve(L8B)
     assert cpu.phases["optimizer"] == pytest.approx(cpu.states.total - cpu.states.weights
                                                     + 2 * 4 * card.vocab * card.hidden)  # tensor by tensor
@@ -136,32 +136,32 @@ def test_activation_section():
     # 2.1 GB per 4K sequence at V = 128K, as the seed says.
     card = plan.cards.resolve(L8B)
     d, q, k, f = card.hidden, card.heads * card.head_dim, card.kv_heads * card.head_dim, card.intermediate
-    per_token = block_activation_bytes(card, Method(), Batch(seq=1))
+    per_token = block_activation_bytes(card, Method(), Workload(tokens=1))
     assert per_token == 16 * d + 4 * q + 4 * k + 4 * card.heads + 8 + 8 * f
     assert round(per_token / d) == 49
-    assert_printed(block_activation_bytes(card, Method(), Batch(seq=4096)), "0.82 GB")
-    assert_printed(logits_bytes(128256, Batch(seq=4096)), "2.1 GB")
+    assert_printed(block_activation_bytes(card, Method(), Workload(tokens=4096)), "0.82 GB")
+    assert_printed(logits_bytes(128256, Workload(tokens=4096)), "2.1 GB")
     p = seed_plan(L8B, "lora")
     assert p.activations_uncheckpointed > 5 * p.activations_checkpointed  # "an order of magnitude"
-    lora = block_activation_bytes(card, Method("lora"), Batch(seq=1))
+    lora = block_activation_bytes(card, Method("lora"), Workload(tokens=1))
     assert per_token - lora == 2 * 2 * d - 7 * 2 * 16  # frozen norms keep no normalised input; x·Aᵀ per matrix
 
 
 def test_chunked_loss_holds_one_block_of_logits():
-    full = estimate(L8B, Method("lora"), batch=SEED_BATCH)
-    chunked = estimate(L8B, Method("lora"), batch=Batch(seq=4096, chunked_loss=True))
+    full = estimate(L8B, Method("lora"), workload=SEED_WORKLOAD)
+    chunked = estimate(L8B, Method("lora"), workload=Workload(tokens=4096, chunked_loss=True))
     rows = 2**30 // (4 * 128256)  # about 1 GiB of f32 logits on a GPU
     assert full.logits == full.activations.loss == 4 * 128256 * 4096
     assert chunked.logits == 4 * 128256 * rows
     # the block, the hidden states' gradient and a [rows, d] product in bf16, the block cast to bf16
     assert chunked.activations.loss == chunked.logits + 2 * 4096 * (4096 + rows) + 2 * rows * 128256
-    assert estimate(L8B, batch=Batch(seq=256, chunked_loss=True)).logits == logits_bytes(128256, Batch(seq=256))
-    cpu = Batch(seq=4096, chunked_loss=True, device="cpu")  # 16 MiB blocks, but at least 512 rows
+    assert estimate(L8B, workload=Workload(tokens=256, chunked_loss=True)).logits == logits_bytes(128256, Workload(tokens=256))
+    cpu = Workload(tokens=4096, chunked_loss=True, device="cpu")  # 16 MiB blocks, but at least 512 rows
     assert plan.loss_rows(128256, cpu) == 512 and plan.loss_rows(32000, cpu) == 512
     assert plan.loss_rows(2000, cpu) == 2**24 // (4 * 2000)
     # in f32 on a CPU the loss also reorders the head for oneDNN: one more copy of it
     f32 = Method("lora", dtype="f32")
-    on_cpu, on_gpu = (activation_bytes(plan.cards.resolve(L8B), f32, Batch(seq=4096, chunked_loss=True, device=d)) for d in ("cpu", "gpu"))
+    on_cpu, on_gpu = (activation_bytes(plan.cards.resolve(L8B), f32, Workload(tokens=4096, chunked_loss=True, device=d)) for d in ("cpu", "gpu"))
     rows = {"cpu": 512, "gpu": 2**30 // (4 * 128256)}
     extra = {d: 4 * 128256 * rows[d] + 4 * 4096 * (4096 + rows[d]) for d in rows}
     assert on_cpu.loss - on_gpu.loss == extra["cpu"] - extra["gpu"] + 4 * 128256 * 4096
@@ -175,7 +175,7 @@ def test_loss_blocks_are_the_torch_losses_blocks():
     assert (step_memory.CPU_REORDER_MIN_ROWS, step_memory.CPU_REORDER_MIN_ELEMENTS) == \
         (losses.REORDER_MIN_ROWS, losses.REORDER_MIN_ELEMENTS)
     for vocab, device in [(32000, "cpu"), (128256, "cuda"), (2000, "cpu"), (151936, "cuda")]:
-        assert plan.loss_rows(vocab, Batch(seq=10**6, device="cpu" if device == "cpu" else "gpu")) == \
+        assert plan.loss_rows(vocab, Workload(tokens=10**6, device="cpu" if device == "cpu" else "gpu")) == \
             losses.rows_per_block(vocab, __import__("torch").device(device))
 
 
@@ -240,7 +240,7 @@ def test_block_count_is_what_autograd_saves(method, dtype, fields):
                     .to(model.dtype))
         return model.model.layers[0](x, cos, sin, [0, n], attention.documents), (cos, sin)
 
-    expected = block_activation_bytes(card, Method(method, rank=4, dtype=dtype), Batch(seq=1, device="cpu"))
+    expected = block_activation_bytes(card, Method(method, rank=4, dtype=dtype), Workload(tokens=1, device="cpu"))
     assert saved_per_token(forward) == expected
 
 
@@ -259,15 +259,15 @@ def test_kept_activations_are_what_the_trunk_saves(method):
         return model.hidden_packed(row), ()
 
     acts = activation_bytes(card, Method(method, rank=4, dtype="f32"),
-                            Batch(seq=1, device="cpu", checkpointing="none", chunked_loss=True))
+                            Workload(tokens=1, device="cpu", activation_checkpointing="none", chunked_loss=True))
     assert saved_per_token(forward, keep=lambda h: [h]) == acts.kept
 
 
 def test_activations_scale_with_micro_batch_not_with_sharding():
-    one = estimate(L8B, batch=Batch(micro_batch=1))
-    two = estimate(L8B, batch=Batch(micro_batch=2))
+    one = estimate(L8B, workload=Workload(micro_batch_size=1))
+    two = estimate(L8B, workload=Workload(micro_batch_size=2))
     assert two.activations.peak == pytest.approx(2 * one.activations.peak)
-    sharded = estimate(L8B, batch=Batch(micro_batch=1), cluster=Cluster(gpus=8, shard="fsdp"))
+    sharded = estimate(L8B, workload=Workload(micro_batch_size=1), cluster=Cluster(gpus=8, shard="fsdp"))
     assert sharded.activations == one.activations
     assert sharded.states.total == pytest.approx(one.states.total / 8)
 
@@ -304,7 +304,7 @@ def test_dora_adds_one_magnitude_per_output_row():
 def test_pretraining_8b_on_15t_tokens():
     # Section 2's worked example: N = 8.03e9, D = 15e12, H100 at 40% MFU, 1,024 GPUs.
     cluster = Cluster(gpu=H100, gpus=1024, mfu=0.4, price=2)
-    compute = estimate(L8B, Method("full"), cluster=cluster, tokens=15e12).compute
+    compute = estimate(L8B, Method("full"), cluster=cluster, total_targets=15e12).compute
     assert f"{compute.flops:.2e}" == "7.23e+23"
     assert f"{cluster.peak_flops * cluster.mfu:.2e}" == "3.96e+14"
     assert f"{compute.gpu_hours * 3600:.2e}" == "1.83e+09"
@@ -322,15 +322,15 @@ def test_lora_job_of_12m_tokens():
     flops = training_flops(8e9, tokens, frozen_base=True)
     assert f"{flops:.1e}" == "3.8e+17"
     assert round(gpu_hours(flops, H100.peak_flops("bf16"), 0.35), 1) == 0.3
-    from_card = estimate(L8B, Method("lora"), cluster=Cluster(gpu=H100, mfu=0.35), tokens=tokens)
+    from_card = estimate(L8B, Method("lora"), cluster=Cluster(gpu=H100, mfu=0.35), total_targets=tokens)
     assert round(from_card.compute.gpu_hours, 1) == 0.3
-    full = estimate(L8B, Method("full"), cluster=Cluster(gpu=H100, mfu=0.35), tokens=tokens)
+    full = estimate(L8B, Method("full"), cluster=Cluster(gpu=H100, mfu=0.35), total_targets=tokens)
     assert full.compute.flops == pytest.approx(1.5 * from_card.compute.flops)  # 6ND vs 4ND
 
 
 def test_chinchilla_tokens_for_pretraining():
-    p = estimate("tinyllama-1.1b-chat", tokens="chinchilla")
-    assert p.compute.tokens == 20 * p.params
+    p = estimate("tinyllama-1.1b-chat", total_targets="chinchilla")
+    assert p.compute.total_targets == 20 * p.params
 
 
 # ---------------------------------------------------------------------------------------
@@ -356,8 +356,8 @@ def test_accelerator_table_covers_the_issue():
 
 
 def test_fp8_doubles_the_peak_not_the_memory():
-    bf16 = estimate(L8B, cluster=Cluster(precision="bf16"), tokens=1e9)
-    fp8 = estimate(L8B, cluster=Cluster(precision="fp8"), tokens=1e9)
+    bf16 = estimate(L8B, cluster=Cluster(precision="bf16"), total_targets=1e9)
+    fp8 = estimate(L8B, cluster=Cluster(precision="fp8"), total_targets=1e9)
     assert bf16.compute.gpu_hours == pytest.approx(fp8.compute.gpu_hours * 1979 / 989)
     assert fp8.total == bf16.total
 
@@ -367,8 +367,12 @@ def test_fp8_doubles_the_peak_not_the_memory():
 
 
 def test_unknown_gpu_says_how_to_describe_one():
-    with pytest.raises(ValueError, match="--gpu-memory"):
+    """In Python's names to a Python caller; `linnet plan` names its flags (below)."""
+    with pytest.raises(ValueError, match="memory_gb and bf16_tflops") as refused:
         accelerator("h800")
+    assert "--gpu-memory" not in str(refused.value)
+    assert refused.value.named({"memory_gb": "--gpu-memory", "bf16_tflops": "--gpu-tflops"}).endswith(
+        "(--gpu-memory and --gpu-tflops)")
 
 
 @pytest.mark.parametrize("mfu", [0, -0.1, 1.5, 35])
@@ -398,17 +402,17 @@ def test_bad_settings_name_the_field():
     with pytest.raises(ValueError, match="shard 'zero3'"):
         plan_inputs({"shard": "zero3"})
     with pytest.raises(ValueError, match="no fp8"):
-        plan_inputs({"gpu": "a100-80gb", "precision": "fp8", "tokens": 1e9})
-    with pytest.raises(ValueError, match="mfu, price only matter for a token count"):
+        plan_inputs({"gpu": "a100-80gb", "precision": "fp8", "total_targets": 1e9})
+    with pytest.raises(ValueError, match="mfu, price only matter for a count of tokens trained on; add total_targets"):
         plan_inputs({"mfu": 0.4, "price": 2.5})
-    with pytest.raises(ValueError, match="tokens must be"):
-        estimate(L8B, tokens=-1)
+    with pytest.raises(ValueError, match="total_targets must be a positive count"):
+        estimate(L8B, total_targets=-1)
 
 
 def test_settings_take_dataclass_defaults_and_parse_targets():
-    inputs = plan_inputs({"method": "lora", "targets": "q_proj, v_proj", "seq": None, "gpus": 4})
+    inputs = plan_inputs({"method": "lora", "targets": "q_proj, v_proj", "tokens": None, "gpus": 4})
     assert inputs["method"] == Method("lora", targets=("q_proj", "v_proj"))
-    assert inputs["batch"] == Batch()
+    assert inputs["workload"] == Workload()
     assert inputs["cluster"].gpus == 4 and inputs["cluster"].gpu == H100
     assert plan_inputs({"targets": "all-linear"})["method"].targets == plan.LINEAR_NAMES
 
@@ -432,7 +436,7 @@ def table_row(out: str, label: str) -> list[str]:
 
 
 def test_cli_table_for_the_issue_command(capsys):
-    code, out, err = run_cli(capsys, L8B, "--method", "lora", "--rank", "16", "--seq", "4096", "--tokens",
+    code, out, err = run_cli(capsys, L8B, "--method", "lora", "--rank", "16", "--context-length", "4096", "--total-targets",
                              "12e6", "--mfu", "0.35", "--gpus", "8", "--gpu", "h100", "--price", "2.5")
     assert code == 0 and err == ""
     assert table_row(out, "trainable") == ["41.9M (0.5%)"]
@@ -458,11 +462,11 @@ def test_cli_compare_puts_methods_side_by_side(capsys):
 
 
 def test_cli_json_matches_the_python_api(capsys):
-    code, out, _ = run_cli(capsys, L8B, "--method", "qlora", "--tokens", "12M", "--price", "2", "--json")
+    code, out, _ = run_cli(capsys, L8B, "--method", "qlora", "--total-targets", "12M", "--price", "2", "--json")
     data = json.loads(out)
-    expected = estimate(L8B, Method("qlora"), cluster=Cluster(price=2), tokens=12e6)
+    expected = estimate(L8B, Method("qlora"), cluster=Cluster(price=2), total_targets=12e6)
     assert code == 0 and data == json.loads(json.dumps(expected.to_dict()))
-    assert data["trainable"] == 41_943_040 and data["compute"]["tokens"] == 12e6
+    assert data["trainable"] == 41_943_040 and data["compute"]["total_targets"] == 12e6
     assert data["total"] == max(data["phases"].values()) == data["phases"][data["peak_phase"]]
     code, out, _ = run_cli(capsys, L8B, "--compare", "--json")
     assert [p["method"]["name"] for p in json.loads(out)] == ["full", "lora", "qlora"]
@@ -484,16 +488,37 @@ def test_cli_reads_a_local_model_directory(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gpu", "h800"], "gpu 'h800' is unknown"),
-    (["--mfu", "35", "--tokens", "1e9"], "pass a fraction such as 0.35"),
-    (["--gpu", "a100-40gb", "--precision", "fp8", "--tokens", "1e9"], "no fp8"),
-    (["--price", "2.5"], "add tokens"),
+    (["--gpu", "h800"], "--gpu 'h800' is unknown"),
+    (["--mfu", "35", "--total-targets", "1e9"], "--mfu must be in (0, 1], got 35.0; pass a fraction such as 0.35"),
+    (["--gpu", "a100-40gb", "--precision", "fp8", "--total-targets", "1e9"], "no fp8"),
+    (["--price", "2.5"], "add --total-targets"),
+    (["--context-length", "0"], "--context-length must be a positive number of positions (a row's length), got 0"),
+    (["--accumulation", "0"], "--accumulation must be a positive number of micro-steps, got 0"),
     (["--targets", "attn"], "not linear layers"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(capsys, argv, message):
     code, out, err = run_cli(capsys, L8B, *argv)
     assert code == 2 and out == ""
     assert err.startswith("linnet plan: error:") and message in err
+
+
+@pytest.mark.parametrize("old, new", sorted(plan_command.FORMER_FLAGS.items()))
+def test_former_flags_are_refused_naming_their_replacement(capsys, old, new):
+    with pytest.raises(SystemExit) as exit:
+        plan_command.main([L8B, old, "4096"] if not old.startswith("--no-") else [L8B, old])
+    assert exit.value.code == 2 and f"{old} was renamed {new}" in capsys.readouterr().err
+
+
+def test_a_config_s_refusal_names_the_config_s_field(tmp_path, capsys):
+    """What came from a config is named as the config names it; what came from a flag, as the flag."""
+    path = tmp_path / "sft.yaml"
+    path.write_text("model: {card: tinyllama-1.1b-chat}\ndata: {path: x.jsonl}\nlora: {enabled: false}\n"
+                    "training: {pipeline: 2, activation_checkpointing: true}\n")
+    code, out, err = run_cli(capsys, "--config", str(path), "--pipeline-schedule", "zero-bubble")
+    assert code == 2 and "zero-bubble with training.activation_checkpointing: linnet refuses it" in err
+    code, out, err = run_cli(capsys, "--config", str(path), "--pipeline-schedule", "zero-bubble",
+                             "--activation-checkpointing", "selective")
+    assert code == 2 and "or --activation-checkpointing none" in err
 
 
 def test_cli_unknown_card_and_method(capsys):
@@ -528,8 +553,8 @@ def test_plan_reads_a_run_config(tmp_path, capsys):
         "lora: {rank: 8, targets: ['model.layers.*.self_attn.q_proj', 'model.layers.*.self_attn.v_proj']}\n"
         "training: {steps: 100, accumulation: 4, context_length: 4096}\n"))
     assert data["method"]["rank"] == 8 and data["method"]["targets"] == ["q_proj", "v_proj"]
-    assert data["batch"]["seq"] == 4096 and data["batch"]["chunked_loss"] is True
-    assert data["compute"]["tokens"] == 100 * 4 * 4096
+    assert data["workload"]["tokens"] == 4096 and data["workload"]["chunked_loss"] is True
+    assert data["compute"]["total_targets"] == 100 * 4 * 4096
     assert plan_command.main(["--config", str(config), "--method", "full", "--json"]) == 0  # flags override the file
     assert json.loads(capsys.readouterr().out)["method"]["name"] == "full"
     assert plan_command.main([]) == 2
@@ -613,23 +638,25 @@ def test_plan_of_a_grpo_config_with_vllm_leaves_vllms_share_to_it(tmp_path, caps
 
 
 def test_checkpointing_modes():
-    assert Batch(checkpointing=True).checkpointing == "full" and Batch(checkpointing=False).checkpointing == "none"
+    assert Workload(activation_checkpointing=True).activation_checkpointing == "full"
+    assert Workload(activation_checkpointing=False).activation_checkpointing == "none"
     card = plan.cards.resolve(L8B)
-    modes = {mode: activation_bytes(card, Method("lora"), Batch(checkpointing=mode)) for mode in plan.CHECKPOINTING}
+    modes = {mode: activation_bytes(card, Method("lora"), Workload(activation_checkpointing=mode))
+             for mode in plan.CHECKPOINTING}
     attention_out = 4096 * (2 * card.heads * card.head_dim + 4 * card.heads)  # the output in bf16, log-sum-exp in f32
     assert modes["full"].top == card.layers * 2 * 4096 * card.hidden + 2 * 2 * card.head_dim * 4096  # inputs, RoPE
     assert modes["selective"].kept - modes["full"].kept == card.layers * attention_out
     assert modes["full"].recompute - modes["selective"].recompute == attention_out
     assert modes["none"].recompute == 0 and modes["none"].kept > modes["selective"].kept > modes["full"].kept
-    for bad, message in [(dict(checkpointing="some"), "checkpointing 'some' is unknown"),
-                         (dict(device="tpu"), "device 'tpu' is unknown"), (dict(accumulation=0), "accumulation")]:
+    for bad, message in [(dict(activation_checkpointing="some"), "activation_checkpointing 'some' is unknown"),
+                         (dict(device="tpu"), "device 'tpu' is unknown"), (dict(accumulate=0), "accumulate must be")]:
         with pytest.raises(ValueError, match=message):
-            Batch(**bad)
+            Workload(**bad)
 
 
 def test_accumulation_keeps_every_gradient_through_the_forward():
-    one = estimate(L8B, Method("full"), Batch(chunked_loss=True))
-    four = estimate(L8B, Method("full"), Batch(chunked_loss=True, accumulation=4))
+    one = estimate(L8B, Method("full"), Workload(chunked_loss=True))
+    four = estimate(L8B, Method("full"), Workload(chunked_loss=True, accumulate=4))
     # the first micro-step's forward holds only the head's gradient, which the chunked loss
     # makes there; later ones also every gradient of the earlier micro-steps
     assert four.phases["forward"] - one.phases["forward"] == pytest.approx(one.states.gradients)
@@ -638,39 +665,39 @@ def test_accumulation_keeps_every_gradient_through_the_forward():
 
 def test_cpu_device_and_f32_dtype_change_only_what_they_describe():
     card = plan.cards.resolve("tinyllama-1.1b-chat")
-    gpu = Batch(chunked_loss=True)
-    cpu = Batch(chunked_loss=True, device="cpu")
+    gpu = Workload(chunked_loss=True)
+    cpu = Workload(chunked_loss=True, device="cpu")
     f32 = Method("lora", dtype="f32")
     # f32 compute: attention in f32 either way, so a CPU changes only the loss's block
     assert block_activation_bytes(card, f32, gpu) == block_activation_bytes(card, f32, cpu)
     assert activation_bytes(card, f32, cpu).loss < activation_bytes(card, f32, gpu).loss
     # bf16 on a CPU: linnet computes attention in f32, so q, k, v and the output take 4 B, plus the cast back
     q, k = card.heads * card.head_dim, card.kv_heads * card.head_dim
-    assert (block_activation_bytes(card, Method("lora"), Batch(seq=1, device="cpu"))
-            - block_activation_bytes(card, Method("lora"), Batch(seq=1))) == 2 * (2 * q + 2 * k) + 2 * q
-    assert block_activation_bytes(card, f32, Batch(seq=1)) == 2 * block_activation_bytes(
-        card, Method("lora"), Batch(seq=1)) - 2 * (4 * card.hidden + 4) - 4 * card.heads  # f32 norms' inputs, lse
+    assert (block_activation_bytes(card, Method("lora"), Workload(tokens=1, device="cpu"))
+            - block_activation_bytes(card, Method("lora"), Workload(tokens=1))) == 2 * (2 * q + 2 * k) + 2 * q
+    assert block_activation_bytes(card, f32, Workload(tokens=1)) == 2 * block_activation_bytes(
+        card, Method("lora"), Workload(tokens=1)) - 2 * (4 * card.hidden + 4) - 4 * card.heads  # f32 norms' inputs, lse
 
 
 def test_cli_describes_a_cpu_run(capsys):
-    argv = ["tinyllama-1.1b-chat", "--method", "lora", "--dtype", "f32", "--device", "cpu", "--checkpointing",
+    argv = ["tinyllama-1.1b-chat", "--method", "lora", "--dtype", "f32", "--device", "cpu", "--activation-checkpointing",
             "selective", "--chunked-loss", "--grad-dtype", "fp32", "--accumulation", "2"]
     code, out, _ = run_cli(capsys, *argv, "--json")
     data = json.loads(out)
     expected = estimate("tinyllama-1.1b-chat", Method("lora", dtype="f32", grad_dtype="fp32"),
-                        Batch(checkpointing="selective", chunked_loss=True, device="cpu", accumulation=2))
+                        Workload(activation_checkpointing="selective", chunked_loss=True, device="cpu", accumulate=2))
     assert code == 0 and data == json.loads(json.dumps(expected.to_dict()))
-    assert data["batch"]["checkpointing"] == "selective" and data["method"]["dtype"] == "f32"
+    assert data["workload"]["activation_checkpointing"] == "selective" and data["method"]["dtype"] == "f32"
     code, out, _ = run_cli(capsys, *argv)
     assert table_row(out, "activations, selective checkpointing") == [gb_text(expected.activations.peak)]
     assert table_row(out, "total per GPU (selective checkpointing)") == [gb_text(expected.total)]
     assert "AdamW tensor by tensor" in out and "f32 compute reads the f32 master" in out
-    for flags, mode in [(["--checkpointing"], "full"), (["--no-checkpointing"], "none"), ([], "full"),
-                        (["--checkpointing", "none"], "none")]:
+    for flags, mode in [(["--activation-checkpointing"], "full"), (["--no-activation-checkpointing"], "none"),
+                        ([], "full"), (["--activation-checkpointing", "none"], "none")]:
         code, out, _ = run_cli(capsys, L8B, "--json", *flags)
-        assert code == 0 and json.loads(out)["batch"]["checkpointing"] == mode
+        assert code == 0 and json.loads(out)["workload"]["activation_checkpointing"] == mode
     with pytest.raises(SystemExit):
-        plan_command.main([L8B, "--checkpointing", "some"])
+        plan_command.main([L8B, "--activation-checkpointing", "some"])
     assert "invalid choice: 'some'" in capsys.readouterr().err
 
 
@@ -690,19 +717,19 @@ def test_plan_of_a_config_describes_linnets_run(tmp_path, capsys):
         "training: {context_length: 1024, accumulation: 4, activation_checkpointing: selective}\n"))
     assert data["method"]["name"] == "qlora" and data["method"]["dtype"] == "f32"
     assert data["method"]["grad_dtype"] == "fp32" and data["method"]["optimizer_bytes"] == 2
-    assert data["batch"] == {"seq": 1024, "micro_batch": 1, "checkpointing": "selective", "chunked_loss": True,
-                             "device": "cpu", "accumulation": 4, "workers": 1}
+    assert data["workload"] == {"tokens": 1024, "micro_batch_size": 1, "activation_checkpointing": "selective",
+                                "chunked_loss": True, "device": "cpu", "accumulate": 4, "num_models": 1}
 
 
-def test_a_packed_config_plans_its_workers_side_by_side(capsys):
+def test_a_packed_config_plans_its_models_side_by_side(capsys):
     """A packed pretraining config: N whole models' states and N micro-batches' activations."""
     from linnet.commands import plan as plan_command
 
     assert plan_command.main(["--config", "configs/packed4-20m-awc.yaml", "--json"]) == 0
     packed = json.loads(capsys.readouterr().out)
-    assert plan_command.main(["--config", "configs/packed4-20m-awc.yaml", "--json", "--workers", "1"]) == 0
+    assert plan_command.main(["--config", "configs/packed4-20m-awc.yaml", "--json", "--num-models", "1"]) == 0
     one = json.loads(capsys.readouterr().out)
-    assert packed["batch"]["workers"] == 4 and one["batch"]["workers"] == 1
+    assert packed["workload"]["num_models"] == 4 and one["workload"]["num_models"] == 1
     assert packed["states"]["optimizer"] == pytest.approx(4 * one["states"]["optimizer"])
     assert packed["total"] == pytest.approx(4 * one["total"], rel=1e-6)
 
@@ -791,7 +818,7 @@ def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
                                                              schedule="interleaved")] == flight
     with pytest.raises(ValueError, match="fewer than the chunks"):
         plan_parts.model_parts(card, stages=3, schedule="interleaved")
-    settings = dict(seq=256, accumulation=4, gpus=2, pipeline=2)
+    settings = dict(tokens=256, accumulate=4, gpus=2, pipeline=2)
     one, two = (plan.estimate(card, **plan.plan_inputs({**settings, "pipeline_schedule": s}))
                 for s in ("1f1b", "interleaved"))
     # the first stage: more in flight (2.5 micro-batches against 2) and three buffers' worth against one
@@ -814,11 +841,11 @@ def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
     (dict(split=2, gpus=3), "use a multiple of 2 GPUs"),
     (dict(split=2, gpus=2, shard="fsdp"), "linnet splits whole copies only"),
     (dict(pipeline=2, gpus=4, shard="zero"), "shards pipeline stages with fsdp alone"),
-    (dict(pipeline=2, pipeline_schedule="zero-bubble"), "zero-bubble with checkpointing: linnet refuses it"),
-    (dict(pipeline=2, gpus=4, shard="fsdp", pipeline_schedule="zero-bubble", checkpointing="none"),
+    (dict(pipeline=2, pipeline_schedule="zero-bubble"), "zero-bubble with activation_checkpointing: linnet refuses"),
+    (dict(pipeline=2, gpus=4, shard="fsdp", pipeline_schedule="zero-bubble", activation_checkpointing="none"),
      "zero-bubble with shard fsdp"),
     (dict(split=2, gpus=2, method="qlora"), "qlora with split: linnet splits an NF4 base with shard fsdp"),
-    (dict(pipeline=2, gpus=2, workers=2), "packed workers with split or pipeline"),
+    (dict(pipeline=2, gpus=2, num_models=2), "num_models with split or pipeline"),
 ])
 def test_split_and_pipeline_plans_refuse_what_linnet_refuses(settings, message):
     settings = {"gpus": settings.get("split", 1) * settings.get("pipeline", 1), **settings}
@@ -837,7 +864,7 @@ def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_en
         assert plan_command.main(["--config", str(config), "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["teacher"] == {"card": teacher.name, "params": teacher.params(), "bytes": teacher.params() * 2}
-        assert data["batch"]["accumulation"] == 2 and data["compute"]["tokens"] == 10 * 2 * 1024
+        assert data["workload"]["accumulate"] == 2 and data["compute"]["total_targets"] == 10 * 2 * 1024
         assert ("sampling" in data) == (mode == "on_policy")
         assert mode == "logit" or (data["sampling"]["rows"], data["sampling"]["slots"]) == (4, 1024)
     # a teacher the plan cannot size is named, not fatal

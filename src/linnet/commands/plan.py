@@ -1,10 +1,10 @@
 """`linnet plan`: memory, FLOPs, GPU-hours and cost of a run, before anyone rents a GPU
 (the arithmetic is linnet.plan's; this is its table and its command line).
 
-    linnet plan llama-3.1-8b-instruct --method lora --rank 16 --seq 4096 \\
-        --tokens 12e6 --mfu 0.35 --gpus 8 --gpu h100 --price 2.5
+    linnet plan llama-3.1-8b-instruct --method lora --rank 16 --context-length 4096 \\
+        --total-targets 12e6 --mfu 0.35 --gpus 8 --gpu h100 --price 2.5
     linnet plan llama-3.1-70b-instruct --compare          # full vs LoRA vs QLoRA
-    linnet plan path/to/hf-model-dir --tokens chinchilla --json
+    linnet plan path/to/hf-model-dir --total-targets chinchilla --json
     linnet plan llama-3.2-1b-instruct --method lora --dtype f32 --device cpu --chunked-loss --grad-dtype fp32
     linnet plan --config run.yaml                         # the run a config describes (any command's)
 """
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from linnet import cards, plan
+from linnet.commands.spellings import former_flags
 from linnet.plan import (
     ACCELERATORS,
     CHECKPOINTING,
@@ -34,10 +35,11 @@ from linnet.plan import (
     PRECISIONS,
     SCHEDULES,
     SHARDED_STATES,
-    Batch,
     Cluster,
     Method,
     Plan,
+    SettingError,
+    Workload,
     compare,
     estimate,
     plan_inputs,
@@ -63,7 +65,7 @@ CHECKPOINTING_LABELS = {"full": "checkpointing", "selective": "selective checkpo
 def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
     """(label, one value per plan) for the table."""
     first = plans[0]
-    chosen = CHECKPOINTING_LABELS[first.batch.checkpointing]
+    chosen = CHECKPOINTING_LABELS[first.workload.activation_checkpointing]
     memory = {
         "parameters": lambda p: count(p.params),
         "trainable": lambda p: f"{count(p.trainable)} ({p.trainable / p.params:.1%})",
@@ -75,7 +77,7 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
         "activations, checkpointing": lambda p: gb(p.activations_checkpointed),
         "activations, no checkpointing": lambda p: gb(p.activations_uncheckpointed),
     }
-    if first.batch.checkpointing == "selective":
+    if first.workload.activation_checkpointing == "selective":
         memory["activations, selective checkpointing"] = lambda p: gb(p.activations.peak)
     memory.update({f"peak in the {phase}": lambda p, key=key: gb(p.phases[key])
                    for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "optimizer"))})
@@ -88,7 +90,7 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
         f"minimum {first.cluster.gpu.name} GPUs (FSDP)": lambda p: _gpu_count(p.min_gpus),
     })
     compute = {
-        "tokens": lambda c: count(c.tokens),
+        "total targets": lambda c: count(c.total_targets),
         "FLOPs": lambda c: sci(c.flops),
         "GPU-hours": lambda c: f"{c.gpu_hours:,.0f}" if c.gpu_hours >= 100 else f"{c.gpu_hours:.3g}",
         f"wall time on {_gpus(first.cluster.gpus)}": lambda c: duration(c.days),
@@ -104,7 +106,7 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
 def _assumptions(plans: Sequence[Plan]) -> list[str]:
     """The conventions behind the numbers, filled in with this plan's values."""
     first = plans[0]
-    method, batch, cluster = first.method, first.batch, first.cluster
+    method, workload, cluster = first.method, first.workload, first.cluster
     names = {p.method.name for p in plans}
     adapted = [p.method.name for p in plans if p.method.adapters]
     c = method.compute_bytes
@@ -130,23 +132,23 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
         )
     if "dora" in names:
         lines.append("dora also trains one magnitude per output row of each adapted matrix")
-    if batch.workers > 1:
-        lines.append(f"packed: {batch.workers} workers, each a whole model with its gradients, master weights, AdamW "
+    if workload.num_models > 1:
+        lines.append(f"packed: {workload.num_models} models, each whole with its gradients, master weights, AdamW "
                      "moments and its own micro-batch's activations, side by side on each GPU")
-    attention = "f32 attention, " if batch.device == "cpu" and c == 2 else ""
+    attention = "f32 attention, " if workload.device == "cpu" and c == 2 else ""
     lines += [
         f"activations: what linnet's block saves for backward, from the card's shapes in {method.dtype} "
-        f"({attention}s = {batch.seq}, b = {batch.micro_batch}); checkpointing keeps each block's input and "
-        "recomputes one block at a time in backward, selective also keeps attention's outputs",
+        f"({attention}s = {workload.tokens}, b = {workload.micro_batch_size}); checkpointing keeps each block's input "
+        "and recomputes one block at a time in backward, selective also keeps attention's outputs",
         (f"logits: one block of linnet's chunked loss in f32 = {gb(first.logits)} ("
-         + ("16 MiB but at least 512 rows on a CPU" if batch.device == "cpu" else "at most about 1 GiB on a GPU")
-         + "), with the hidden states' gradient" if batch.chunked_loss
+         + ("16 MiB but at least 512 rows on a CPU" if workload.device == "cpu" else "at most about 1 GiB on a GPU")
+         + "), with the hidden states' gradient" if workload.chunked_loss
          else f"logits in f32: s·b·V·4 bytes = {gb(first.logits)} (--chunked-loss: linnet's blockwise loss)"),
         "peak: the largest of the end of the forward ("
-        + (f"{batch.accumulation} micro-steps a step: every gradient live from the second on" if batch.accumulation > 1
+        + (f"{workload.accumulate} micro-steps a step: every gradient live from the second on" if workload.accumulate > 1
            else "no gradient yet but the head's, which the chunked loss makes there")
         + "), the backward (gradients growing as activations are freed) and the optimizer step "
-        f"({'AdamW tensor by tensor' if batch.device == 'cpu' else 'foreach AdamW: 4 B more per trainable parameter'})",
+        f"({'AdamW tensor by tensor' if workload.device == 'cpu' else 'foreach AdamW: 4 B more per trainable parameter'})",
     ]
     split = [name for name in dataclasses.asdict(first.states) if name in SHARDED_STATES[cluster.shard]]
     per_copy = cluster.split * cluster.pipeline
@@ -216,8 +218,8 @@ def render(plans: Sequence[Plan]) -> str:
     first = plans[0]
     cluster = first.cluster
     title = (
-        f"{first.model}: seq {first.batch.seq} × micro-batch {first.batch.micro_batch} "
-        + (f"× {first.batch.workers} packed workers " if first.batch.workers > 1 else "")
+        f"{first.model}: context length {first.workload.tokens} × micro-batch size {first.workload.micro_batch_size} "
+        + (f"× {first.workload.num_models} packed models " if first.workload.num_models > 1 else "")
         + f"on {cluster.gpus} × {cluster.gpu.name}"
         + (f" (split {cluster.split}, {cluster.pipeline} stages)" if cluster.split * cluster.pipeline > 1 else "")
     )
@@ -246,8 +248,39 @@ def _token_count(text: str) -> float | str:
         ) from None
 
 
-def _parser() -> argparse.ArgumentParser:
-    method, batch, cluster = Method(), Batch(), Cluster()
+# linnet plan's former flags, refused with the flag that replaced them
+FORMER_FLAGS = {"--seq": "--context-length", "--micro-batch": "--micro-batch-size", "--workers": "--num-models",
+                "--tokens": "--total-targets", "--checkpointing": "--activation-checkpointing",
+                "--no-checkpointing": "--no-activation-checkpointing"}
+# the Python name (linnet.plan.plan_inputs') -> this command's flag, where they differ by more
+# than dashes; an error from the planner names the flag (SettingError.named)
+FLAGS = {"tokens": "--context-length", "accumulate": "--accumulation", "method": "--method",
+         "memory_gb": "--gpu-memory", "bf16_tflops": "--gpu-tflops", "fp8_tflops": "--gpu-fp8-tflops"}
+
+
+# the planner's Python names -> a run config's fields (linnet plan --config)
+CONFIG_FIELDS = {"tokens": "training.context_length", "accumulate": "training.accumulation",
+                 "micro_batch_size": "training.micro_batch_size", "num_models": "decentralized.num_models",
+                 "activation_checkpointing": "training.activation_checkpointing", "shard": "training.shard",
+                 "split": "training.split", "pipeline": "training.pipeline",
+                 "pipeline_schedule": "training.pipeline_schedule", "rank": "lora.rank", "targets": "lora.targets"}
+
+
+class _Flags(dict):
+    def __missing__(self, key: str) -> str:
+        return "--" + key.replace("_", "-")
+
+
+def flag(name: str) -> str:
+    """The flag of a planner setting named in Python (`linnet.plan.plan_inputs`): tokens ->
+    --context-length, accumulate -> --accumulation, micro_batch_size -> --micro-batch-size."""
+    return _Flags(FLAGS)[name]
+
+
+def parser() -> argparse.ArgumentParser:
+    """`linnet plan`'s flags: the YAML's names (--context-length, --accumulation, ...),
+    each stored under the planner's Python name (dest)."""
+    method, workload, cluster = Method(), Workload(), Cluster()
     parser = argparse.ArgumentParser(
         prog="linnet plan",
         description="Memory per GPU, minimum GPUs, FLOPs, GPU-hours and cost of a training run, "
@@ -262,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
 
     what = parser.add_argument_group("what is trained").add_argument
     what("--method", choices=METHODS, help=f"full fine-tuning or an adapter method (default {method.name})")
-    what("--rank", type=int, metavar="R", help=f"adapter rank r (default {method.rank})")
+    what("--rank", type=int, metavar="R", help=f"adapter rank r, lora.rank (default {method.rank})")
     what("--targets", metavar="NAMES",
          help="adapted linear layers: all-linear, or names such as q_proj,v_proj (default all-linear)")
     what("--optimizer-bytes", type=float, metavar="B",
@@ -278,34 +311,39 @@ def _parser() -> argparse.ArgumentParser:
          f"matmuls, f32 computes with the f32 weights themselves (default {method.dtype}; linnet on a CPU "
          "without bf16 instructions: f32)")
 
-    run = parser.add_argument_group("batch").add_argument
-    run("--seq", type=int, metavar="TOKENS", help=f"tokens per sequence (default {batch.seq})")
-    run("--micro-batch", type=int, metavar="N",
-        help=f"sequences per GPU per micro-step (default {batch.micro_batch})")
-    run("--checkpointing", nargs="?", const="full", choices=CHECKPOINTING, metavar="MODE",
-        help="activation checkpointing: full (the flag alone) keeps each block's input and recomputes the "
-        "block in backward; selective also keeps attention's outputs; none keeps everything (default full)")
-    run("--no-checkpointing", dest="checkpointing", action="store_const", const="none",
-        help="the same as --checkpointing none")
-    run("--accumulation", type=int, metavar="N",
-        help="micro-steps per optimizer step; from the second on, the earlier ones' gradients are live in the "
-        f"forward (default {batch.accumulation})")
-    run("--workers", type=int, metavar="N",
-        help="packed decentralized training: N whole models on each GPU, each with its gradients, AdamW moments "
-        f"and micro-batch (default {batch.workers})")
+    run = parser.add_argument_group("workload").add_argument
+    run("--context-length", dest="tokens", type=int, metavar="N",
+        help=f"positions per packed row, training.context_length (default {workload.tokens})")
+    run("--micro-batch-size", type=int, metavar="N",
+        help=f"rows per GPU per micro-step, training.micro_batch_size (default {workload.micro_batch_size})")
+    run("--activation-checkpointing", nargs="?", const="full", choices=CHECKPOINTING, metavar="MODE",
+        help="training.activation_checkpointing: full (the flag alone) keeps each block's input and recomputes "
+        "the block in backward; selective also keeps attention's outputs; none keeps everything (default full)")
+    run("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const", const="none",
+        help="the same as --activation-checkpointing none")
+    run("--accumulation", dest="accumulate", type=int, metavar="N",
+        help="micro-steps per optimizer step, training.accumulation; from the second on, the earlier ones' "
+        f"gradients are live in the forward (default {workload.accumulate})")
+    run("--num-models", type=int, metavar="N",
+        help="packed decentralized training (decentralized.num_models): N whole models on each GPU, each with its "
+        f"gradients, AdamW moments and micro-batch (default {workload.num_models})")
     run("--chunked-loss", action=argparse.BooleanOptionalAction,
         help="compute the loss a block of rows at a time instead of holding every logit (default off)")
 
     hardware = parser.add_argument_group("hardware").add_argument
     hardware("--device", choices=DEVICES,
              help=f"where the steps run: gpu, or cpu for linnet's CPU paths (16 MiB loss blocks, bf16 attention "
-             f"computed in f32, AdamW tensor by tensor); GPU counts and costs still use --gpu (default {batch.device})")
+             f"computed in f32, AdamW tensor by tensor); GPU counts and costs still use --gpu "
+             f"(default {workload.device})")
     hardware("--gpu", metavar="NAME",
              help=f"accelerator: {', '.join(ACCELERATORS)}; any other name needs --gpu-memory and "
              f"--gpu-tflops (default {cluster.gpu.name})")
-    hardware("--gpu-memory", type=float, metavar="GB", help="memory per GPU in GB (10^9 bytes), overriding the table")
-    hardware("--gpu-tflops", type=float, metavar="TFLOPS", help="dense bf16 peak in TFLOP/s, overriding the table")
-    hardware("--gpu-fp8-tflops", type=float, metavar="TFLOPS", help="dense fp8 peak in TFLOP/s, overriding the table")
+    hardware("--gpu-memory", dest="memory_gb", type=float, metavar="GB",
+             help="memory per GPU in GB (10^9 bytes), overriding the table")
+    hardware("--gpu-tflops", dest="bf16_tflops", type=float, metavar="TFLOPS",
+             help="dense bf16 peak in TFLOP/s, overriding the table")
+    hardware("--gpu-fp8-tflops", dest="fp8_tflops", type=float, metavar="TFLOPS",
+             help="dense fp8 peak in TFLOP/s, overriding the table")
     hardware("--gpus", type=int, metavar="N",
              help=f"GPUs the run uses: data-parallel copies x split x pipeline (default {cluster.gpus})")
     hardware("--split", type=int, metavar="N",
@@ -325,9 +363,9 @@ def _parser() -> argparse.ArgumentParser:
              help=f"share of GPU memory a run can fill (default {cluster.usable:g})")
 
     cost = parser.add_argument_group("compute and cost").add_argument
-    cost("--tokens", type=_token_count, metavar="N",
-         help="training tokens (12e6, 12M, 15T), or chinchilla for 20 per parameter; adds FLOPs, "
-         "GPU-hours and wall time")
+    cost("--total-targets", type=_token_count, metavar="N",
+         help="tokens trained on (prediction targets, training.total_targets): 12e6, 12M, 15T, or chinchilla for "
+         "20 per parameter; adds FLOPs, GPU-hours and wall time")
     cost("--mfu", type=float, metavar="FRACTION",
          help=f"model FLOPs utilization, a fraction in (0, 1] (default {cluster.mfu:g})")
     cost("--precision", choices=PRECISIONS,
@@ -337,6 +375,7 @@ def _parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output").add_argument
     output("--compare", action="store_true", help="full, lora and qlora side by side (and --method if another)")
     output("--json", action="store_true", help="print JSON for scripts (bytes in bytes) instead of the table")
+    former_flags(parser, FORMER_FLAGS)
     return parser
 
 
@@ -349,7 +388,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     also how `training.split` and `training.pipeline` divide one copy (one copy's GPUs),
     LoRA, DoRA, QLoRA (model.quantize) or full, rank and adapted layers, and what the run
     holds beside the model (`_beside`); for pretraining, the model it builds, its
-    micro-batch, the budget's tokens and, packed, its workers (N models side by side)."""
+    micro-batch, the budget's targets and, packed, its models (N side by side). The
+    settings are named as `linnet.plan.plan_inputs` takes them (Python's names)."""
     import fnmatch
 
     from linnet.config import PretrainConfig, load_any
@@ -358,21 +398,23 @@ def settings_from_config(path: str) -> dict[str, Any]:
     t, model = config.training, config.model
     device = "cpu" if (config.runtime.device or "").startswith("cpu") else "gpu"
     settings: dict[str, Any] = {
-        "chunked_loss": True, "seq": t.context_length, "device": device, "grad_dtype": "fp32",
-        "checkpointing": {False: "none", True: "full"}.get(t.activation_checkpointing, t.activation_checkpointing),
+        "chunked_loss": True, "tokens": t.context_length, "device": device, "grad_dtype": "fp32",
+        "activation_checkpointing": {False: "none", True: "full"}.get(t.activation_checkpointing,
+                                                                      t.activation_checkpointing),
         "dtype": _config_dtype(model.dtype, device),
         "optimizer_bytes": 8 if config.optimizer.name == "adamw" else 2,
-        "accumulation": t.accumulation if config.command in ("sft", "distill", "pretrain") else 1,
+        "accumulate": t.accumulation if config.command in ("sft", "distill", "pretrain") else 1,
     }
     if isinstance(config, PretrainConfig):
         from linnet.pretrain.recipe import make_budget, model_card
 
         card = model_card(config, _pretrain_vocab(config), eos_id=0)
-        workers = config.decentralized.num_models if config.decentralized is not None else 1
-        return {**settings, "card": card, "method": "full", "micro_batch": t.micro_batch_size, "workers": workers,
-                "tokens": make_budget(config, card.params()).trained_targets, "shard": t.shard}
+        models = config.decentralized.num_models if config.decentralized is not None else 1
+        return {**settings, "card": card, "method": "full", "micro_batch_size": t.micro_batch_size,
+                "num_models": models, "total_targets": make_budget(config, card.params()).trained_targets,
+                "shard": t.shard}
     split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
-    settings.update(card=model.card, micro_batch=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
+    settings.update(card=model.card, micro_batch_size=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
     if split * stages > 1:  # one copy, unless --gpus says how many
         settings.update(split=split, pipeline=stages, gpus=split * stages,
                         pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"))
@@ -389,7 +431,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
     else:
         settings["method"] = "full"
     if t.steps:
-        settings["tokens"] = t.steps * (t.accumulation if config.command in ("sft", "distill") else 1) \
+        settings["total_targets"] = t.steps * (t.accumulation if config.command in ("sft", "distill") else 1) \
             * t.context_length
     beside = _beside(config, device)
     if beside.get("vllm_share"):  # vLLM takes its share of the GPU for its weights and cache: training the rest
@@ -484,11 +526,11 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
                          f"copy of {teacher.name} ({count(teacher.params())} parameters, "
                          f"{gb(extras['teacher']['bytes'])}).")
     if beside.get("rows"):
-        # a completion and its prompt fit one packed row, so the cache needs at most seq slots
+        # a completion and its prompt fit one packed row, so the cache needs at most tokens slots
         cluster = inputs["cluster"]  # a base split by fsdp or cut into stages is not shared (runs.engine_quantize)
         shares = method.name == "qlora" and cluster.shard != "fsdp" and cluster.pipeline == 1
-        sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["batch"].seq, dtype, method,
-                                                        shares, cpu=inputs["batch"].device == "cpu")
+        sampling = extras["sampling"] = sampling_memory(card, beside["rows"], inputs["workload"].tokens, dtype, method,
+                                                        shares, cpu=inputs["workload"].device == "cpu")
         weights = "the weights outside the NF4 blocks it shares, with f32 adapters" if shares else "the weights"
         if sampling["reordered_bytes"]:
             weights += f", and {gb(sampling['reordered_bytes'])} of them again reordered for oneDNN"
@@ -500,26 +542,31 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
 
 def main(argv: list[str] | None = None) -> int:
     """`linnet plan CARD [flags]` or `linnet plan --config RUN.yaml`: print the plan; 2 on bad input."""
-    args = vars(_parser().parse_args(argv))
+    args = vars(parser().parse_args(argv))
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
     config = args.pop("config")
     beside: dict[str, Any] = {}
+    names = _Flags(FLAGS)  # how an error names a setting: the flag, or the config's field it came from
     try:
         if config is not None:
             settings = settings_from_config(config)
             config_card = settings.pop("card")
             beside = settings.pop("beside", {})
             card = card or config_card
+            names.update({k: CONFIG_FIELDS[k] for k in settings if k in CONFIG_FIELDS and args.get(k) is None})
             args = {**settings, **{k: v for k, v in args.items() if v is not None}}
         if card is None:
             raise ValueError("give a CARD, or --config RUN.yaml")
         inputs = plan_inputs(args)
         if side_by_side:
-            names = list(dict.fromkeys((*COMPARED, inputs["method"].name)))
-            plans = compare(card, **inputs, names=names)
+            methods = list(dict.fromkeys((*COMPARED, inputs["method"].name)))
+            plans = compare(card, **inputs, names=methods)
         else:
             plans = [estimate(card, **inputs)]
         extras, notes = _held_beside(beside, cards.resolve(card), inputs)
+    except SettingError as error:
+        print(f"linnet plan: error: {error.named(names)}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2

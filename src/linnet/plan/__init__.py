@@ -1,9 +1,9 @@
 """The planner: memory, FLOPs, GPU-hours and cost of a training run, before renting a GPU.
 
-    linnet plan llama-3.1-8b-instruct --method lora --rank 16 --seq 4096 \\
-        --tokens 12e6 --mfu 0.35 --gpus 8 --gpu h100 --price 2.5      # linnet.commands.plan
-    plan = estimate("llama-3.1-8b-instruct", Method("lora", rank=16), Batch(seq=4096),
-                    Cluster(accelerator("h100"), gpus=8, mfu=0.35, price=2.5), tokens=12e6)
+    linnet plan llama-3.1-8b-instruct --method lora --rank 16 --context-length 4096 \\
+        --total-targets 12e6 --mfu 0.35 --gpus 8 --gpu h100 --price 2.5      # linnet.commands.plan
+    plan = estimate("llama-3.1-8b-instruct", Method("lora", rank=16), Workload(tokens=4096),
+                    Cluster(accelerator("h100"), gpus=8, mfu=0.35, price=2.5), total_targets=12e6)
 
 Pure arithmetic over a card's shape: stdlib only, no torch, so it answers in well under a
 second on any machine. The memory of a step (states, the activations linnet's blocks keep,
@@ -41,10 +41,10 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     PHASES,
     SHARDED_STATES,
     Activations,
-    Batch,
     Method,
     Moment,
     States,
+    Workload,
     activation_bytes,
     block_activation_bytes,
     logits_bytes,
@@ -54,10 +54,17 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     step_moments,
     trainable_params,
 )
-from linnet.plan.parts import SCHEDULES, Part, _require, model_parts, whole  # noqa: F401  (re-exported)
+from linnet.plan.parts import (  # noqa: F401  (re-exported)
+    SCHEDULES,
+    Part,
+    SettingError,
+    _require,
+    model_parts,
+    whole,
+)
 
 GB = 1e9
-DEFAULT_METHOD, DEFAULT_BATCH = Method(), Batch()  # frozen: safe as argument defaults
+DEFAULT_METHOD, DEFAULT_WORKLOAD = Method(), Workload()  # frozen: safe as argument defaults
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,11 +81,12 @@ class Accelerator:
     fp8_tflops: float | None = None
 
     def __post_init__(self):
-        _require(self.memory_gb > 0, f"gpu {self.name!r}: memory_gb must be positive, got {self.memory_gb}")
-        _require(self.bf16_tflops > 0, f"gpu {self.name!r}: bf16_tflops must be positive, got {self.bf16_tflops}")
+        _require(self.memory_gb > 0, f"{{gpu}} {self.name!r}: {{memory_gb}} must be positive, got {self.memory_gb}")
+        _require(self.bf16_tflops > 0, f"{{gpu}} {self.name!r}: {{bf16_tflops}} must be positive, got {self.bf16_tflops}")
         _require(
             self.fp8_tflops is None or self.fp8_tflops > 0,
-            f"gpu {self.name!r}: fp8_tflops must be positive, or None where there are no fp8 tensor cores",
+            f"{{gpu}} {self.name!r}: {{fp8_tflops}} must be positive, or None where there are no fp8 tensor "
+            "cores",
         )
 
     def peak_flops(self, precision: str) -> float:
@@ -87,12 +95,10 @@ class Accelerator:
             return self.bf16_tflops * 1e12
         if precision == "fp8":
             if self.fp8_tflops is None:
-                raise ValueError(
-                    f"gpu {self.name!r} has no fp8 tensor cores; use precision 'bf16' "
-                    "or give its fp8 peak (--gpu-fp8-tflops)"
-                )
+                raise SettingError(f"{{gpu}} {self.name!r} has no fp8 tensor cores; use {{precision}} 'bf16' or give "
+                                   "its fp8 peak ({fp8_tflops})")
             return self.fp8_tflops * 1e12
-        raise ValueError(f"precision {precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
+        raise SettingError(f"{{precision}} {precision!r} is unknown; use one of {', '.join(PRECISIONS)}")
 
 
 PRECISIONS = ("bf16", "fp8")
@@ -131,10 +137,8 @@ def accelerator(
     if name in ACCELERATORS:
         return dataclasses.replace(ACCELERATORS[name], **overrides)
     if memory_gb is None or bf16_tflops is None:
-        raise ValueError(
-            f"gpu {name!r} is unknown; use one of {', '.join(ACCELERATORS)}, or describe it "
-            "with its memory and bf16 peak (--gpu-memory GB --gpu-tflops TFLOPS)"
-        )
+        raise SettingError(f"{{gpu}} {name!r} is unknown; use one of {', '.join(ACCELERATORS)}, or describe it "
+                           "with its memory and bf16 peak ({memory_gb} and {bf16_tflops})")
     return Accelerator(name, **overrides)
 
 
@@ -169,24 +173,24 @@ class Cluster:
     price: float | None = None
 
     def __post_init__(self):
-        _require(self.gpus >= 1, f"gpus must be a positive integer, got {self.gpus}")
+        _require(self.gpus >= 1, f"{{gpus}} must be a positive integer, got {self.gpus}")
         _require(
-            self.shard in SHARDED_STATES, f"shard {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}"
+            self.shard in SHARDED_STATES, f"{{shard}} {self.shard!r} is unknown; use one of {', '.join(SHARDED_STATES)}"
         )
         _require(self.pipeline_schedule in SCHEDULES,
-                 f"pipeline_schedule {self.pipeline_schedule!r}: use one of {', '.join(SCHEDULES)}")
+                 f"{{pipeline_schedule}} {self.pipeline_schedule!r}: use one of {', '.join(SCHEDULES)}")
         _require(self.split >= 1 and self.pipeline >= 1,
-                 f"split and pipeline must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
+                 f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         per_copy = self.split * self.pipeline
-        _require(self.gpus % per_copy == 0, f"gpus={self.gpus}: split {self.split} x pipeline {self.pipeline} = "
+        _require(self.gpus % per_copy == 0, f"{{gpus}}={self.gpus}: {{split}} {self.split} x {{pipeline}} {self.pipeline} = "
                  f"{per_copy} GPUs hold one copy of the model; use a multiple of {per_copy} GPUs")
         _require(per_copy == 1 or self.shard == "none" or (self.split == 1 and self.shard == "fsdp"),
-                 f"shard {self.shard!r} with split {self.split} and pipeline {self.pipeline}: linnet splits whole "
-                 "copies only, and shards pipeline stages with fsdp alone (training.shard: none, or fsdp with "
+                 f"{{shard}} {self.shard!r} with {{split}} {self.split} and {{pipeline}} {self.pipeline}: linnet "
+                 "splits whole copies only, and shards pipeline stages with fsdp alone ({shard} none, or fsdp with "
                  "pipeline stages)")
-        _require(0 < self.usable <= 1, f"usable must be a fraction in (0, 1] of GPU memory, got {self.usable}")
-        _require(0 < self.mfu <= 1, f"mfu must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
-        _require(self.price is None or self.price >= 0, f"price must be >= 0 dollars per GPU-hour, got {self.price}")
+        _require(0 < self.usable <= 1, f"{{usable}} must be a fraction in (0, 1] of GPU memory, got {self.usable}")
+        _require(0 < self.mfu <= 1, f"{{mfu}} must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
+        _require(self.price is None or self.price >= 0, f"{{price}} must be >= 0 dollars per GPU-hour, got {self.price}")
         self.gpu.peak_flops(self.precision)  # fails now, not halfway through a plan
 
     @property
@@ -219,8 +223,8 @@ def min_gpus(states: float, activations: float, usable_bytes: float) -> int | No
 # Compute and cost
 
 
-def training_flops(params: float, tokens: float, frozen_base: bool = False) -> float:
-    """FLOPs of training `params` parameters on `tokens` tokens.
+def training_flops(params: float, total_targets: float, frozen_base: bool = False) -> float:
+    """FLOPs of training `params` parameters on `total_targets` tokens (each predicted once).
 
     A forward pass costs 2N FLOPs per token (a multiply and an add per parameter); the
     backward pass 4N: 2N for the gradients with respect to the activations and 2N for
@@ -229,7 +233,7 @@ def training_flops(params: float, tokens: float, frozen_base: bool = False) -> f
     FLOPs are under 1%; QLoRA's dequantization shows up as lower MFU, not more FLOPs).
     Attention's 12 L d s per token is left out: small until the context is long.
     """
-    return (4 if frozen_base else 6) * params * tokens
+    return (4 if frozen_base else 6) * params * total_targets
 
 
 def gpu_hours(flops: float, peak_flops: float, mfu: float) -> float:
@@ -256,21 +260,21 @@ def train_tokens(examples: int, tokens_per_example: float, epochs: float = 1) ->
 
 @dataclass(frozen=True)
 class Compute:
-    """What training on `tokens` tokens costs."""
+    """What training on `total_targets` tokens costs."""
 
-    tokens: float
+    total_targets: float
     flops: float
     gpu_hours: float
     days: float
     cost: float | None  # dollars, None without a price per GPU-hour
 
 
-def compute_cost(params: float, tokens: float, method: Method, cluster: Cluster) -> Compute:
-    """FLOPs, GPU-hours, wall time and dollars of training on `tokens` tokens."""
-    flops = training_flops(params, tokens, frozen_base=method.adapters)
+def compute_cost(params: float, total_targets: float, method: Method, cluster: Cluster) -> Compute:
+    """FLOPs, GPU-hours, wall time and dollars of training on `total_targets` tokens."""
+    flops = training_flops(params, total_targets, frozen_base=method.adapters)
     hours = gpu_hours(flops, cluster.peak_flops, cluster.mfu)
     cost = None if cluster.price is None else hours * cluster.price
-    return Compute(tokens, flops, hours, wall_days(hours, cluster.gpus), cost)
+    return Compute(total_targets, flops, hours, wall_days(hours, cluster.gpus), cost)
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,10 +304,10 @@ class Plan:
     params: int
     trainable: int
     method: Method
-    batch: Batch
+    workload: Workload
     cluster: Cluster
     states: States  # per GPU, split as cluster.shard says over cluster.gpus
-    activations: Activations  # with checkpointing as the batch chose it
+    activations: Activations  # with checkpointing as the workload chose it
     activations_checkpointed: float  # the activation peak with full checkpointing
     activations_uncheckpointed: float  # and without
     logits: float  # part of every activation figure
@@ -337,40 +341,45 @@ class Plan:
 def estimate(
     card: cards.Card | str,
     method: Method = DEFAULT_METHOD,
-    batch: Batch = DEFAULT_BATCH,
+    workload: Workload = DEFAULT_WORKLOAD,
     cluster: Cluster = Cluster(),
-    tokens: float | str | None = None,
+    total_targets: float | str | None = None,
 ) -> Plan:
-    """Plan a run of `card` (a Card, registered name or model directory). `tokens` is the
-    training token count, "chinchilla" for 20 per parameter, or None for memory only."""
+    """Plan a run of `card` (a Card, registered name or model directory). `total_targets`
+    is the count of tokens trained on (prediction targets), "chinchilla" for 20 per
+    parameter, or None for memory only."""
     card = cards.resolve(card)
     params = card.params()
     trainable = trainable_params(card, method)
-    if tokens == "chinchilla":
-        tokens = chinchilla_tokens(params)
+    if total_targets == "chinchilla":
+        total_targets = chinchilla_tokens(params)
     _require(
-        tokens is None or (not isinstance(tokens, str) and tokens > 0),
-        f"tokens must be a positive count such as 12e6, or 'chinchilla'; got {tokens!r}",
+        total_targets is None or (not isinstance(total_targets, str) and total_targets > 0),
+        f"{{total_targets}} must be a positive count such as 12e6, or 'chinchilla'; got {total_targets!r}",
     )
     cut = cluster.split * cluster.pipeline > 1
     _require(not (cluster.split > 1 and method.name == "qlora"),
-             "qlora with split: linnet splits an NF4 base with shard fsdp, or cuts it into pipeline stages; plan it so")
-    _require(not cut or batch.workers == 1, "packed workers with split or pipeline: each worker is a whole model")
-    _require(cluster.pipeline == 1 or cluster.pipeline_schedule != "zero-bubble" or batch.checkpointing == "none",
-             "zero-bubble with checkpointing: linnet refuses it (the split backward keeps each recomputed block "
-             "until its weights' half); plan interleaved, or --no-checkpointing")
+             "qlora with {split}: linnet splits an NF4 base with {shard} fsdp, or cuts it into pipeline stages; "
+             "plan it so")
+    _require(not cut or workload.num_models == 1,
+             "{num_models} with {split} or {pipeline}: each packed model is a whole model")
+    _require(cluster.pipeline == 1 or cluster.pipeline_schedule != "zero-bubble"
+             or workload.activation_checkpointing == "none",
+             "zero-bubble with {activation_checkpointing}: linnet refuses it (the split backward keeps each "
+             "recomputed block until its weights' half); plan interleaved, or {activation_checkpointing} none")
     _require(not (cluster.shard == "fsdp" and cut and cluster.pipeline_schedule == "zero-bubble"),
-             "zero-bubble with shard fsdp: linnet refuses it; plan interleaved")
+             "zero-bubble with {shard} fsdp: linnet refuses it; plan interleaved")
     processes, modes = [], []
     copies = cluster.gpus // (cluster.split * cluster.pipeline)  # what each part's states shard over
-    for part in model_parts(card, cluster.split, cluster.pipeline, batch.accumulation, cluster.pipeline_schedule):
-        acts = {mode: activation_bytes(card, method, dataclasses.replace(batch, checkpointing=mode), part)
-                for mode in CHECKPOINTING}
+    for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule):
+        acts = {mode: activation_bytes(card, method, dataclasses.replace(workload, activation_checkpointing=mode),
+                                       part) for mode in CHECKPOINTING}
         over = copies if cut and cluster.shard == "fsdp" else 1  # a stage sharded over its copies
-        moments = step_moments(card, method, batch, acts[batch.checkpointing], part, over)  # per GPU when over > 1
+        # per GPU when over > 1
+        moments = step_moments(card, method, workload, acts[workload.activation_checkpointing], part, over)
         states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard, copies,
                              quantized_params(part.card, method))
-        n = batch.workers
+        n = workload.num_models
         if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
             moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
                        for phase, ms in moments.items()}
@@ -379,12 +388,12 @@ def estimate(
         shard = "none" if over > 1 else cluster.shard
         phases = {phase: max(m.on(shard, copies) for m in moments[phase]) for phase in PHASES}
         processes.append(ProcessPlan(part.name, part.params(), trainable_params(card, method, part), states,
-                                     acts[batch.checkpointing], phases))
+                                     acts[workload.activation_checkpointing], phases))
         modes.append((acts, moments))
     fullest = max(range(len(processes)), key=lambda i: max(processes[i].phases.values()))
     acts, moments = modes[fullest]
     if cut:  # the fewest GPUs that hold the whole model with every state sharded, as unsplit
-        moments = step_moments(card, method, batch, activation_bytes(card, method, batch))
+        moments = step_moments(card, method, workload, activation_bytes(card, method, workload))
     fewest = [min_gpus(sum(m.states.values()), m.activations, cluster.usable_bytes)
               for ms in moments.values() for m in ms]
     return Plan(
@@ -392,16 +401,16 @@ def estimate(
         params=params,
         trainable=trainable,
         method=method,
-        batch=batch,
+        workload=workload,
         cluster=cluster,
         states=processes[fullest].states,
-        activations=acts[batch.checkpointing],
+        activations=acts[workload.activation_checkpointing],
         activations_checkpointed=acts["full"].peak,
         activations_uncheckpointed=acts["none"].peak,
-        logits=logits_bytes(card.vocab, batch),
+        logits=logits_bytes(card.vocab, workload),
         phases={phase: max(p.phases[phase] for p in processes) for phase in PHASES},
         min_gpus=None if None in fewest else max(fewest),
-        compute=None if tokens is None else compute_cost(params, tokens, method, cluster),
+        compute=None if total_targets is None else compute_cost(params, total_targets, method, cluster),
         processes=tuple(processes),
     )
 
@@ -409,21 +418,22 @@ def estimate(
 def compare(
     card: cards.Card | str,
     method: Method = DEFAULT_METHOD,
-    batch: Batch = DEFAULT_BATCH,
+    workload: Workload = DEFAULT_WORKLOAD,
     cluster: Cluster = Cluster(),
-    tokens: float | str | None = None,
+    total_targets: float | str | None = None,
     names: Sequence[str] = COMPARED,
 ) -> list[Plan]:
     """The same run planned with each method in `names` (rank, targets and optimizer
     taken from `method`)."""
     card = cards.resolve(card)
-    return [estimate(card, dataclasses.replace(method, name=name), batch, cluster, tokens) for name in names]
+    return [estimate(card, dataclasses.replace(method, name=name), workload, cluster, total_targets)
+            for name in names]
 
 
 # ---------------------------------------------------------------------------------------
-# Settings: the flags by their Python names; a run config will map onto the same names.
+# Settings: flat, by their Python names (`linnet plan` maps its flags onto them).
 
-_GPU_SETTINGS = {"gpu_memory": "memory_gb", "gpu_tflops": "bf16_tflops", "gpu_fp8_tflops": "fp8_tflops"}
+_GPU_SETTINGS = ("memory_gb", "bf16_tflops", "fp8_tflops")  # accelerator()'s overrides
 
 
 def _field_names(cls: type) -> set[str]:
@@ -431,33 +441,32 @@ def _field_names(cls: type) -> set[str]:
 
 
 def plan_inputs(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of `estimate` from flat settings named as `linnet plan`'s flags
-    (method, rank, targets, seq, micro_batch, gpu, gpu_memory, gpus, shard, mfu, price,
-    tokens, ...). A missing or None value takes the default."""
+    """Keyword arguments of `estimate` from flat settings by their Python names: Method's
+    fields (`method` for its name), Workload's, Cluster's, `gpu` and accelerator()'s
+    overrides (memory_gb, bf16_tflops, fp8_tflops), and `total_targets`. A missing or None
+    value takes the default."""
     given = {key: value for key, value in settings.items() if value is not None}
     method_keys = _field_names(Method) - {"name"} | {"method"}
-    batch_keys = _field_names(Batch)
+    workload_keys = _field_names(Workload)
     cluster_keys = _field_names(Cluster) - {"gpu"}
-    known = method_keys | batch_keys | cluster_keys | set(_GPU_SETTINGS) | {"gpu", "tokens"}
+    known = method_keys | workload_keys | cluster_keys | set(_GPU_SETTINGS) | {"gpu", "total_targets"}
     unknown = sorted(set(given) - known)
     _require(not unknown, f"unknown plan settings {unknown}; known: {', '.join(sorted(known))}")
     costing = sorted({"mfu", "precision", "price"} & set(given))
     _require(
-        "tokens" in given or not costing,
-        f"{', '.join(costing)} only matter for a token count; add tokens (--tokens 12e6, or chinchilla)",
+        "total_targets" in given or not costing,
+        f"{', '.join('{' + key + '}' for key in costing)} only matter for a count of tokens trained on; add "
+        "{total_targets} (12e6, or chinchilla)",
     )
     if "targets" in given:
         given["targets"] = _targets(given["targets"])
     method = Method(**{("name" if key == "method" else key): given[key] for key in method_keys & set(given)})
-    gpu = accelerator(
-        given.get("gpu", Cluster().gpu.name),
-        **{_GPU_SETTINGS[key]: given[key] for key in set(_GPU_SETTINGS) & set(given)},
-    )
+    gpu = accelerator(given.get("gpu", Cluster().gpu.name), **{key: given[key] for key in _GPU_SETTINGS if key in given})
     return dict(
         method=method,
-        batch=Batch(**{key: given[key] for key in batch_keys & set(given)}),
+        workload=Workload(**{key: given[key] for key in workload_keys & set(given)}),
         cluster=Cluster(gpu=gpu, **{key: given[key] for key in cluster_keys & set(given)}),
-        tokens=given.get("tokens"),
+        total_targets=given.get("total_targets"),
     )
 
 

@@ -1,11 +1,11 @@
 """What one training step holds in memory, phase by phase: the planner's memory arithmetic
 (`linnet.plan` builds plans on it and re-exports every name here).
 
-    memory = step_memory(card, Method("lora", dtype="f32"), Batch(seq=4096, device="cpu"))
+    memory = step_memory(card, Method("lora", dtype="f32"), Workload(tokens=4096, device="cpu"))
     memory.peak, memory.phases["forward"], memory.activations.kept
 
 A run is described by a `Method` (what trains, in which dtype, with which optimizer) and a
-`Batch` (tokens per micro-step, checkpointing, the loss, the device). The counts describe
+`Workload` (tokens per micro-step, checkpointing, the loss, the device). The counts describe
 linnet's own step (linnet.torch.model, linnet.torch.losses, linnet.train): the tensors its
 decoder keeps for backward, its chunked loss's working set, the gradients as backward
 makes them and AdamW's temporaries. Every count is derived in the docstring of the function
@@ -72,23 +72,23 @@ class Method:
     dtype: str = "bf16"
 
     def __post_init__(self):
-        _require(self.name in METHODS, f"method {self.name!r} is unknown; use one of {', '.join(METHODS)}")
-        _require(self.rank >= 1, f"rank must be a positive integer, got {self.rank}")
+        _require(self.name in METHODS, f"{{method}} {self.name!r} is unknown; use one of {', '.join(METHODS)}")
+        _require(self.rank >= 1, f"{{rank}} must be a positive integer, got {self.rank}")
         unknown = [t for t in self.targets if t not in LINEAR_NAMES]
         _require(
             bool(self.targets) and not unknown,
-            f"targets {list(unknown or self.targets)} are not linear layers of a block; "
+            f"{{targets}} {list(unknown or self.targets)} are not linear layers of a block; "
             f"use 'all-linear' or names from {', '.join(LINEAR_NAMES)}",
         )
-        _require(self.optimizer_bytes >= 0, f"optimizer_bytes must be >= 0 (8 for AdamW), got {self.optimizer_bytes}")
+        _require(self.optimizer_bytes >= 0, f"{{optimizer_bytes}} must be >= 0 (8 for AdamW), got {self.optimizer_bytes}")
         _require(
             self.grad_dtype in GRADIENT_BYTES,
-            f"grad_dtype {self.grad_dtype!r} is unknown; use one of {', '.join(GRADIENT_BYTES)}",
+            f"{{grad_dtype}} {self.grad_dtype!r} is unknown; use one of {', '.join(GRADIENT_BYTES)}",
         )
         _require(
-            self.master_bytes >= 0, f"master_bytes must be >= 0 (4 for f32, 0 for none), got {self.master_bytes}"
+            self.master_bytes >= 0, f"{{master_bytes}} must be >= 0 (4 for f32, 0 for none), got {self.master_bytes}"
         )
-        _require(self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+        _require(self.dtype in DTYPES, f"{{dtype}} {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
 
     @property
     def adapters(self) -> bool:
@@ -112,42 +112,47 @@ class Method:
 
 
 @dataclass(frozen=True)
-class Batch:
-    """What one GPU runs per micro-step, and how.
+class Workload:
+    """What one GPU runs per micro-step, and how (not a batch of data: the shape of one).
 
-    `checkpointing`: "full" (or True) keeps each block's input and computes the block again
-    in backward; "selective" also keeps attention's outputs; "none" (or False) keeps every
-    activation. `chunked_loss`: linnet's loss, a block of rows at a time, instead of the
-    whole f32 logits. `device`: "cpu" for linnet's CPU paths (16 MiB loss blocks; bf16
-    attention computed in f32; AdamW tensor by tensor); GPU counts and costs still come
-    from the Cluster. `accumulation`: micro-steps per optimizer step; from the second on,
-    the gradients of the earlier ones are live through the forward.
+    `tokens`: positions per row (a packed row's length, `pack(examples, tokens=)`);
+    `micro_batch_size`: rows per micro-step. `activation_checkpointing`: "full" (or True)
+    keeps each block's input and computes the block again in backward; "selective" also
+    keeps attention's outputs; "none" (or False) keeps every activation (as
+    `nest.load(activation_checkpointing=)`). `chunked_loss`: linnet's loss, a block of rows
+    at a time, instead of the whole f32 logits. `device`: "cpu" for linnet's CPU paths
+    (16 MiB loss blocks; bf16 attention computed in f32; AdamW tensor by tensor); GPU counts
+    and costs still come from the Cluster. `accumulate`: micro-steps per optimizer step;
+    from the second on, the gradients of the earlier ones are live through the forward.
+    `num_models`: packed decentralized training's whole models (and micro-batches) per GPU.
     """
 
-    seq: int = 4096
-    micro_batch: int = 1
-    checkpointing: bool | str = True
+    tokens: int = 4096
+    micro_batch_size: int = 1
+    activation_checkpointing: bool | str = True
     chunked_loss: bool = False
     device: str = "gpu"
-    accumulation: int = 1
-    workers: int = 1  # packed decentralized training: whole models (and micro-batches) per GPU
+    accumulate: int = 1
+    num_models: int = 1
 
     def __post_init__(self):
-        _require(self.seq >= 1, f"seq must be a positive number of tokens, got {self.seq}")
-        _require(self.micro_batch >= 1, f"micro_batch must be a positive number of sequences, got {self.micro_batch}")
-        mode = self.checkpointing
+        _require(self.tokens >= 1, f"{{tokens}} must be a positive number of positions (a row's length), got {self.tokens}")
+        _require(self.micro_batch_size >= 1,
+                 f"{{micro_batch_size}} must be a positive number of rows, got {self.micro_batch_size}")
+        mode = self.activation_checkpointing
         if isinstance(mode, bool):
             mode = "full" if mode else "none"
-        _require(mode in CHECKPOINTING,
-                 f"checkpointing {self.checkpointing!r} is unknown; use one of {', '.join(CHECKPOINTING)}")
-        object.__setattr__(self, "checkpointing", mode)
-        _require(self.device in DEVICES, f"device {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
-        _require(self.accumulation >= 1, f"accumulation must be a positive number of micro-steps, got {self.accumulation}")
-        _require(self.workers >= 1, f"workers must be a positive number of packed models, got {self.workers}")
+        _require(mode in CHECKPOINTING, f"{{activation_checkpointing}} {self.activation_checkpointing!r} is "
+                                        f"unknown; use one of {', '.join(CHECKPOINTING)}")
+        object.__setattr__(self, "activation_checkpointing", mode)
+        _require(self.device in DEVICES, f"{{device}} {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
+        _require(self.accumulate >= 1, f"{{accumulate}} must be a positive number of micro-steps, got {self.accumulate}")
+        _require(self.num_models >= 1, f"{{num_models}} must be a positive number of packed models, got {self.num_models}")
 
     @property
-    def tokens(self) -> int:
-        return self.seq * self.micro_batch
+    def positions(self) -> int:
+        """Positions per micro-step: tokens x micro_batch_size."""
+        return self.tokens * self.micro_batch_size
 
 
 # Which states each sharding stage splits over the data-parallel GPUs (Rajbhandari et al.
@@ -261,7 +266,7 @@ def _norm_bytes(width: int, c: int, trains: bool) -> int:
     return 4 * width + 4 + c * width * (1 + trains)
 
 
-def block_activation_bytes(card: cards.Card, method: Method, batch: Batch) -> float:
+def block_activation_bytes(card: cards.Card, method: Method, workload: Workload) -> float:
     """Bytes one of linnet's decoder blocks keeps for its backward pass, for s·b tokens.
 
     These are autograd's saved tensors in linnet's eager block (linnet.torch.model), per
@@ -275,7 +280,7 @@ def block_activation_bytes(card: cards.Card, method: Method, batch: Batch) -> fl
     (a 4·d MLP, dropout masks, a bf16 LayerNorm input): not this block.
     """
     c = method.compute_bytes
-    a = 4 if batch.device == "cpu" else c
+    a = 4 if workload.device == "cpu" else c
     q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
     trains = not method.adapters
     per_token = 2 * _norm_bytes(card.hidden, c, trains) + a * (2 * q + 2 * kv) + 4 * card.heads \
@@ -285,22 +290,22 @@ def block_activation_bytes(card: cards.Card, method: Method, batch: Batch) -> fl
         per_token += c * method.rank * len(shapes) + (c * sum(o for o, _ in shapes) if method.name == "dora" else 0)
     if card.qk_norm:
         per_token += (4 + c * trains) * (q + kv) + 4 * (card.heads + card.kv_heads)
-    return per_token * batch.tokens
+    return per_token * workload.positions
 
 
-def loss_rows(vocab: int, batch: Batch) -> int:
+def loss_rows(vocab: int, workload: Workload) -> int:
     """Rows of logits linnet's chunked loss holds at once (linnet.torch.losses.rows_per_block)."""
-    if batch.device == "cpu":
+    if workload.device == "cpu":
         rows = max(CPU_LOSS_MIN_ROWS, CPU_LOSS_BLOCK_BYTES // (4 * vocab))
     else:
         rows = max(1, LOSS_BLOCK_BYTES // (4 * vocab))
-    return min(rows, batch.tokens)
+    return min(rows, workload.positions)
 
 
-def logits_bytes(vocab: int, batch: Batch) -> float:
+def logits_bytes(vocab: int, workload: Workload) -> float:
     """The f32 logits the loss holds: s·b·V·4 bytes (2.1 GB for 4,096 tokens of a 128K
     vocabulary), or with the chunked loss one block of them."""
-    return 4 * vocab * (loss_rows(vocab, batch) if batch.chunked_loss else batch.tokens)
+    return 4 * vocab * (loss_rows(vocab, workload) if workload.chunked_loss else workload.positions)
 
 
 @dataclass(frozen=True)
@@ -322,7 +327,7 @@ class Activations:
         return max(self.kept + self.loss, self.top + self.recompute + self.backward) + self.buffers
 
 
-def activation_bytes(card: cards.Card, method: Method, batch: Batch, part: Part | None = None) -> Activations:
+def activation_bytes(card: cards.Card, method: Method, workload: Workload, part: Part | None = None) -> Activations:
     """Activation bytes per GPU, by phase, of `part` (default the whole model).
 
     kept: without checkpointing every block's saved tensors (block_activation_bytes);
@@ -348,31 +353,31 @@ def activation_bytes(card: cards.Card, method: Method, batch: Batch, part: Part 
     """
     part = part or whole(card)
     card = part.card
-    c, d, tokens = method.compute_bytes, card.hidden, batch.tokens
-    a = 4 if batch.device == "cpu" else c
-    block = block_activation_bytes(card, method, batch)
+    c, d, tokens = method.compute_bytes, card.hidden, workload.positions
+    a = 4 if workload.device == "cpu" else c
+    block = block_activation_bytes(card, method, workload)
     selective = (a * card.heads * card.head_dim + 4 * card.heads) * tokens
-    per_block = {"none": block, "full": c * d * tokens, "selective": c * d * tokens + selective}[batch.checkpointing]
-    frozen_input = (4 * d + 4) * tokens if method.adapters and batch.checkpointing == "none" else 0
+    per_block = {"none": block, "full": c * d * tokens, "selective": c * d * tokens + selective}[workload.activation_checkpointing]
+    frozen_input = (4 * d + 4) * tokens if method.adapters and workload.activation_checkpointing == "none" else 0
     if part.receives:  # the input needs its gradient, and is the receive buffer
-        frozen_input = (c * d if batch.checkpointing != "none" else 4 * d if c == 4 else 0) * tokens
+        frozen_input = (c * d if workload.activation_checkpointing != "none" else 4 * d if c == 4 else 0) * tokens
     rope = 2 * c * card.head_dim * tokens + (0 if method.adapters or not part.embeds else 8 * tokens)  # + token ids
     top = card.layers * per_block + rope - frozen_input
     loss = 0
     if part.split_head:
-        loss = _split_loss(card, method, batch, part.head_rows)
+        loss = _split_loss(card, method, workload, part.head_rows)
     elif part.head_rows:
         V = part.head_rows
-        loss = logits_bytes(V, batch)
-        if batch.chunked_loss:
-            rows = loss_rows(V, batch)
-            loss += c * d * (tokens + rows) + (2 * rows * V if c == 2 else 0) + _reordered_head(V, d, c, batch)
+        loss = logits_bytes(V, workload)
+        if workload.chunked_loss:
+            rows = loss_rows(V, workload)
+            loss += c * d * (tokens + rows) + (2 * rows * V if c == 2 else 0) + _reordered_head(V, d, c, workload)
             if not method.adapters and c == 2:
                 loss += (2 * V * d if method.master_bytes else 0) + min(V, 2**26 // (4 * d)) * d * 6
     largest = max(o * i for o, i in card.linear_shapes().values())
     recompute = c * largest if method.name == "qlora" else 0
-    if batch.checkpointing != "none":
-        recompute += block - (selective if batch.checkpointing == "selective" else 0)
+    if workload.activation_checkpointing != "none":
+        recompute += block - (selective if workload.activation_checkpointing == "selective" else 0)
         recompute += (3 + (c == 2)) * 4 * largest if method.name == "dora" else 0
     each = top + (_norm_bytes(d, c, not method.adapters) * tokens if part.head_rows else c * d * tokens)
     earlier = (part.in_flight - 1) * each  # the other micro-batches in flight
@@ -394,21 +399,21 @@ def _output_gradients(card: cards.Card, method: Method) -> int:
     return c * (sum(o for o, _ in shapes.values()) + 2 * card.hidden)
 
 
-def _reordered_head(rows: int, d: int, c: int, batch: Batch) -> int:
+def _reordered_head(rows: int, d: int, c: int, workload: Workload) -> int:
     """The head's copy reordered for oneDNN that a float32 loss on a CPU makes
     (linnet.torch.losses._block_logits), or 0."""
-    if batch.device == "cpu" and c == 4 and batch.tokens >= CPU_REORDER_MIN_ROWS and rows * d >= CPU_REORDER_MIN_ELEMENTS:
+    if workload.device == "cpu" and c == 4 and workload.positions >= CPU_REORDER_MIN_ROWS and rows * d >= CPU_REORDER_MIN_ELEMENTS:
         return 4 * rows * d
     return 0
 
 
-def _split_loss(card: cards.Card, method: Method, batch: Batch, rows_held: int) -> float:
+def _split_loss(card: cards.Card, method: Method, workload: Workload, rows_held: int) -> float:
     """The working set of linnet.torch.losses' loss over a head split by vocabulary: one
     f32 block of logits over the rows held (and the head reordered for oneDNN), in the forward
     and again in backward, which recomputes it; the block's bf16 gradient in bf16."""
     V, c = rows_held, method.compute_bytes
-    rows = loss_rows(V, dataclasses.replace(batch, chunked_loss=True))
-    return 4 * rows * V + (2 * rows * V if c == 2 else 0) + _reordered_head(V, card.hidden, c, batch)
+    rows = loss_rows(V, dataclasses.replace(workload, chunked_loss=True))
+    return 4 * rows * V + (2 * rows * V if c == 2 else 0) + _reordered_head(V, card.hidden, c, workload)
 
 
 # ---------------------------------------------------------------------------------------
@@ -434,7 +439,7 @@ class Moment:
         return sum(v / gpus if k in split else v for k, v in self.states.items()) + self.activations
 
 
-def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activations,
+def step_moments(card: cards.Card, method: Method, workload: Workload, acts: Activations,
                  part: Part | None = None, over: int = 1) -> dict[str, list[Moment]]:
     """For each phase of a training step, the moments that may hold its peak (whole states:
     one GPU, nothing sharded). linnet sets gradients to None after every optimizer step, so
@@ -474,7 +479,7 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     held, largest = trainable, _largest_trainable(part, method)  # trained values this GPU holds; its largest tensor
     if over > 1 and not method.adapters:  # adapters stay whole
         held, largest = trainable / over, largest / over
-    grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, batch.tokens
+    grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, workload.positions
     gathered = c * (part.params() - blocks.layers * blocks.block_params()) if over > 1 else 0  # the root, whole
     copies = method.copy_bytes * held if method.master_bytes else 0
     stored = states.weights - copies
@@ -489,31 +494,31 @@ def step_moments(card: cards.Card, method: Method, batch: Batch, acts: Activatio
     embedding = 0 if method.adapters or part.tied or not part.embeds else grad * card.vocab * card.hidden
     # the head's gradient the chunked loss makes in its forward, one a pass until its backward (for the
     # weights, on the zero-bubble schedule)
-    in_forward = head * max(1, part.awaiting) if batch.chunked_loss and not part.split_head else 0
-    kept_copies = copies if batch.checkpointing == "none" else 0
+    in_forward = head * max(1, part.awaiting) if workload.chunked_loss and not part.split_head else 0
+    kept_copies = copies if workload.activation_checkpointing == "none" else 0
 
     def moment(activations: float, gradients: float = 0, copies: float = 0, temporary: float = 0) -> Moment:
         return Moment({"weights": stored + copies, "gradients": gradients, "master": states.master,
                        "optimizer": states.optimizer + temporary}, activations + acts.buffers)
 
-    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and batch.device != "cpu"):
+    if method.optimizer_bytes not in (2, 8) or (method.optimizer_bytes == 2 and workload.device != "cpu"):
         temporary = 0
     elif method.optimizer_bytes == 2:
         temporary = EIGHT_BIT_CPU_COPIES * 4 * largest
-    elif batch.device == "cpu":
+    elif workload.device == "cpu":
         temporary = 2 * 4 * largest
     else:
         temporary = 4 * held
     if part.split_head:  # the hidden states' gradient and the logits again, in backward
         start = acts.kept + c * card.hidden * tokens + acts.loss
     elif part.head_rows:
-        start = acts.kept + (c * card.hidden * tokens if batch.chunked_loss else logits_bytes(card.vocab, batch))
+        start = acts.kept + (c * card.hidden * tokens if workload.chunked_loss else logits_bytes(card.vocab, workload))
     else:
         start = acts.kept
     working = acts.recompute + acts.backward
-    live = states.gradients if batch.accumulation > 1 else 0  # new gradients add into these
+    live = states.gradients if workload.accumulate > 1 else 0  # new gradients add into these
     # beside every micro-batch in flight only once a backward came first: 1F1B past its warm-up
-    earlier = live if batch.accumulation > part.in_flight else 0
+    earlier = live if workload.accumulate > part.in_flight else 0
     moments = {
         "forward": [moment(acts.kept + acts.loss, earlier + in_forward, kept_copies + gathered)],
         "backward": [moment(start, earlier + head + in_forward, kept_copies + gathered),

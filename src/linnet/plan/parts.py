@@ -9,14 +9,46 @@ micro-batches each keeps in flight under its schedule. Stdlib only, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from linnet import cards
 
 
+class SettingError(ValueError):
+    """A planner setting refused. The message names each setting as a {placeholder} (its
+    Python name): `str()` reads it with the Python names, `named(names)` with those a
+    caller's user wrote (`linnet plan` names its flags: {"tokens": "--context-length"})."""
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.named({}))
+
+    def named(self, names: Mapping[str, str]) -> str:
+        try:
+            return self.template.format_map(_Names(names))
+        except (KeyError, ValueError, IndexError, AttributeError):  # a brace in a value: leave it as written
+            return self.template
+
+
+class _Names(dict):
+    """A setting's name from `names` (which may compute it, as a dict with __missing__), else itself."""
+
+    def __init__(self, names: Mapping[str, str]):
+        super().__init__()
+        self.names = names
+
+    def __missing__(self, key: str) -> str:
+        try:
+            return self.names[key]
+        except KeyError:
+            return key
+
+
 def _require(condition: bool, message: str) -> None:
+    """Raise SettingError(message) unless `condition`; `message` names settings {so}."""
     if not condition:
-        raise ValueError(message)
+        raise SettingError(message)
 
 
 # linnet's pipeline schedules (training.pipeline_schedule), the last two two chunks a stage
@@ -80,11 +112,11 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
         return [whole(card)]
     for name in ("heads", "kv_heads", "intermediate"):
         _require(getattr(card, name) % split == 0,
-                 f"split {split}: card {card.name!r} has {name}={getattr(card, name)}, which {split} processes "
+                 f"{{split}} {split}: card {card.name!r} has {name}={getattr(card, name)}, which {split} processes "
                  "cannot split evenly")
-    _require(schedule in SCHEDULES, f"pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    _require(schedule in SCHEDULES, f"{{pipeline_schedule}} {schedule!r}: use one of {', '.join(SCHEDULES)}")
     chunks = stages * (1 if schedule == "1f1b" else 2)
-    _require(card.layers >= chunks, f"pipeline {stages}: card {card.name!r} has {card.layers} layers, fewer than "
+    _require(card.layers >= chunks, f"{{pipeline}} {stages}: card {card.name!r} has {card.layers} layers, fewer than "
                                     f"the {'chunks (two a stage)' if chunks > stages else 'stages'}")
     share = card.replace(heads=card.heads // split, kv_heads=card.kv_heads // split,
                          intermediate=card.intermediate // split)
