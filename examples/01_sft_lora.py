@@ -23,7 +23,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--card", help="registered card or HF model directory (default: a tiny random model)")
 parser.add_argument("--data", help="JSONL/JSON/Parquet records (needs --card)")
 parser.add_argument("--steps", type=int, default=60)
-parser.add_argument("--tokens", type=int, default=512, help="positions per packed row")
+parser.add_argument("--context-length", type=int, default=512, help="positions per packed row (training.context_length)")
 parser.add_argument("--out", default="runs/example-lora")
 args = parser.parse_args()
 torch.manual_seed(0)
@@ -31,7 +31,7 @@ torch.manual_seed(0)
 if args.card:
     model = nest.load(args.card)  # the card's own weights, frozen
     tokenizer = load_tokenizer(nest.resolve(args.card))
-    examples = load_examples(args.data, tokenizer, max_tokens=args.tokens)
+    examples = load_examples(args.data, tokenizer, tokens=args.context_length)
 else:
     # A stand-in for a pretrained model: the quickstart's architecture, random weights.
     model = nest.load(quickstart.CARD, weights="random")
@@ -45,7 +45,7 @@ print(f"{len(layers)} adapted layers, {sum(p.numel() for p in trained):,} traina
 optimizer = torch.optim.AdamW(trained, lr=2e-3)
 history = train(
     model,
-    pack(examples, tokens=args.tokens),  # whole examples end to end, one shape per row
+    pack(examples, tokens=args.context_length),  # whole examples end to end, one shape per row
     optimizer=optimizer,
     steps=args.steps,
     schedule=cosine_schedule(optimizer, min(5, args.steps), args.steps),

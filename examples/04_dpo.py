@@ -24,7 +24,7 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--card", help="registered card or HF model directory (default: a tiny random model)")
 parser.add_argument("--data", help="JSONL/JSON/Parquet preference records (needs --card)")
 parser.add_argument("--steps", type=int, default=30)
-parser.add_argument("--tokens", type=int, default=1024, help="positions per packed row")
+parser.add_argument("--context-length", type=int, default=1024, help="positions per packed row (training.context_length)")
 parser.add_argument("--out", default="runs/example-dpo")
 args = parser.parse_args()
 torch.manual_seed(0)
@@ -46,7 +46,7 @@ model.add_lora(["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"],
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 history = dpo(
     model, pairs, optimizer=optimizer, steps=args.steps, pairs_per_step=16, beta=0.1,
-    tokens=args.tokens,  # each row holds whole pairs, each prompt once with both answers attending to it
+    tokens=args.context_length,  # each row holds whole pairs, each prompt once with both answers attending to it
     on_step=lambda s: print(f"step {s.step}: loss {s.loss:.3f}, accuracy {s.metrics['accuracy']:.2f}, "
                             f"margin {s.metrics['margin']:.3f}") if s.step % 10 == 0 else None,
 )

@@ -273,7 +273,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("pretrain-overwrite-other", lambda ws: [*PRETRAIN(f"runtime.output_dir={ws / 'other'}")(ws), "--overwrite"],
      r"other: holds files but no linnet run"),
     ("pretrain-out-file", lambda ws: PRETRAIN(f"runtime.output_dir={ws / 'afile'}")(ws), r"afile: runtime.output_dir is a file"),
-    ("pretrain-sft-checkpoint", lambda ws: [*PRETRAIN()(ws), "--resume", str(ws / "done")],
+    ("pretrain-sft-checkpoint", lambda ws: [*PRETRAIN()(ws), "--resume-from", str(ws / "done")],
      r"not a pretraining checkpoint"),
 ]
 

@@ -72,3 +72,31 @@ def test_inductor_blocks_train_like_eager():
 def test_specified_but_unbuilt_names_say_so():
     with pytest.raises(ValueError, match="does not take tensor_parallel"):
         nest.load("debug", backend="jax", weights="random", tensor_parallel=object())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "run", "--tokens", "512"], "--tokens was renamed --context-length"),
+    (["eval", "run", "--k", "8"], "--k was renamed --pass-k"),
+    (["eval", "run", "--samples", "16"], "--samples was renamed --pass-samples"),
+    (["eval", "run", "--reward", "numeric"], "--reward was renamed --rewards"),  # not taken as a prefix of it
+    (["plan", "debug", "--seq", "512"], "--seq was renamed --context-length"),
+    (["plan", "debug", "--tokens", "12M"], "--tokens was renamed --total-targets"),
+    (["plan", "debug", "--workers", "4"], "--workers was renamed --num-models"),
+    (["plan", "debug", "--micro-batch", "2"], "--micro-batch was renamed --micro-batch-size"),
+    (["pretrain", "--config", "c.yaml", "--resume", "runs/x/checkpoints/step-00000016"],
+     "--resume CKPT was renamed --resume-from CKPT"),
+    (["pretrain", "--config", "c.yaml", "--resume", "--overwrite"], "--overwrite replaces it; give one"),
+])
+def test_former_flags_are_refused_naming_the_new_one(capsys, argv, message):
+    """A user's former flag gets one argparse error naming its replacement, not a silent alias."""
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv)
+    assert refused.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_eval_flags_take_the_yaml_names():
+    from linnet.commands import eval as eval_command
+
+    args = eval_command.parser().parse_args(["run", "--rewards", "exact", "numeric", "--pass-k", "4",
+                                             "--pass-samples", "8", "--context-length", "512"])
+    assert (args.rewards, args.pass_k, args.pass_samples, args.context_length) == (["exact", "numeric"], 4, 8, 512)

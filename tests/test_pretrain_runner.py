@@ -279,7 +279,7 @@ def test_two_processes_train_like_one_and_resume(workspace, straight, tmp_path):
     keep = ["training.checkpoint_policy=interval", "training.save_epoch_training_state=true"]
     outcomes = in_processes(_cli_runs, [
         _cli_args(workspace, two, *keep),
-        _cli_args(workspace, branch) + ["--resume", str(two / "checkpoints" / "step-00000016")],
+        _cli_args(workspace, branch) + ["--resume-from", str(two / "checkpoints" / "step-00000016")],
         _cli_args(workspace, tmp_path / "uneven", "training.accumulation=3"),
     ])
     assert outcomes[0][:2] == outcomes[1][:2] == [0, 0]
@@ -311,7 +311,7 @@ def test_two_sharded_processes_train_like_one_and_resume(workspace, straight, tm
                "training.save_epoch_training_state=true"]
     outcomes = in_processes(_cli_runs, [
         _cli_args(workspace, two, *sharded),
-        _cli_args(workspace, branch, f"training.shard={shard}") + ["--resume", str(two / "checkpoints" / "step-00000016")],
+        _cli_args(workspace, branch, f"training.shard={shard}") + ["--resume-from", str(two / "checkpoints" / "step-00000016")],
     ])
     assert outcomes[0] == outcomes[1] == [0, 0]
     for run_dir in (two, branch):

@@ -4,7 +4,7 @@ pass@1, pass@k; a table of sample generations; lm-evaluation-harness tasks on re
 
     linnet eval runs/sft --data held_out.jsonl                    # loss, perplexity
     linnet eval runs/quickstart/model --data runs/quickstart/held_out.jsonl --no-chat --max-new-tokens 4
-    linnet eval runs/grpo --data test.jsonl --reward numeric --k 8 --samples 16
+    linnet eval runs/grpo --data test.jsonl --rewards numeric --pass-k 8 --pass-samples 16
     linnet eval runs/sft --lm-eval hellaswag,arc_easy             # needs lm_eval and the tasks' data
 
 Records with a completion (prompt/completion, Alpaca, OpenAI messages, ShareGPT) give the
@@ -22,26 +22,42 @@ import sys
 import tempfile
 from pathlib import Path
 
+from linnet.commands.spellings import former_flags
+
+# the former flags, refused with the flag that replaced them (the YAML's names: grpo.rewards, ...)
+FORMER_FLAGS = {"--reward": "--rewards", "--k": "--pass-k", "--samples": "--pass-samples",
+                "--tokens": "--context-length"}
+# the data readers' keywords as this command's flags, for their errors (names=)
+RECORD_FLAGS = {"tokens": "--context-length", "prompt": "--prompt-field", "answer": "--answer-field"}
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="linnet eval", description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a run directory, a model directory or a PEFT adapter directory")
     p.add_argument("--data", help="records: .jsonl, .json, .parquet")
-    p.add_argument("--answer-field", default="answer", help="the reference answer's field (default answer)")
-    p.add_argument("--prompt-field", default="prompt", help="the prompt's field for completions (default prompt)")
-    p.add_argument("--reward", default="exact", help="exact, numeric, format, model:DIR or module:function")
-    p.add_argument("--format-pattern", help="the regular expression of the 'format' reward")
+    p.add_argument("--answer-field", default="answer", help="the reference answer's field, as data.answer (default "
+                                                             "answer)")
+    p.add_argument("--prompt-field", default="prompt", help="the prompt's field for completions, as data.prompt "
+                                                             "(default prompt)")
+    p.add_argument("--rewards", nargs="+", default=["exact"], metavar="REWARD",
+                   help="as grpo.rewards: exact, numeric, format, model:DIR or module:function; several are summed "
+                        "(default exact)")
+    p.add_argument("--format-pattern", help="the regular expression of the 'format' reward, as grpo.format_pattern")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--k", type=int, default=0, help="also pass@k from sampled completions (k >= 2)")
-    p.add_argument("--samples", type=int, help="completions sampled a prompt for pass@k (default k)")
+    p.add_argument("--pass-k", type=int, default=0,
+                   help="as grpo.pass_k: also pass@k from sampled completions (k >= 2; default 0, pass@1 alone)")
+    p.add_argument("--pass-samples", type=int,
+                   help="as grpo.pass_samples: completions sampled a prompt for pass@k (default --pass-k)")
     p.add_argument("--temperature", type=float, default=1.0, help="of the sampled completions")
     p.add_argument("--show", type=int, default=5, help="sample generations printed (default 5)")
     p.add_argument("--batch", type=int, default=64,
                    help="prompts sampled at once (default 64; the engine's KV cache holds one batch)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="tokenize prompts as raw text")
-    p.add_argument("--tokens", type=int, default=4096, help="positions of a packed row for the loss")
+    p.add_argument("--context-length", type=int, default=4096,
+                   help="positions of a packed row for the loss, as training.context_length (default 4096)")
     p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-evaluation-harness tasks")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
+    former_flags(p, FORMER_FLAGS)
     return p
 
 
@@ -65,10 +81,10 @@ def evaluate_file(model, tokenizer, args) -> dict:
         if tokenizer.bos_id is None and bos is not None:  # the card's BOS, where the tokenizer adds none
             prompts = [type(p)([bos, *p.ids], p.answer) if list(p.ids[:1]) != [bos] else p for p in prompts]
         engine = Engine(model)
-        reward = resolve(args.reward, tokenizer, args.format_pattern)
+        reward = {spec: resolve(spec, tokenizer, args.format_pattern) for spec in args.rewards}
         stop = list(tokenizer.eos_ids)
-        found = evaluate(model, engine, prompts, reward, max_new_tokens=args.max_new_tokens, k=args.k,
-                         samples=args.samples, temperature=args.temperature, stop=stop, batch=args.batch,
+        found = evaluate(model, engine, prompts, reward, max_new_tokens=args.max_new_tokens, k=args.pass_k,
+                         samples=args.pass_samples, temperature=args.temperature, stop=stop, batch=args.batch,
                          label="eval")
         results.update(found)
         shown = engine.sample([list(p.ids) for p in prompts[:args.show]], max_new_tokens=args.max_new_tokens,
@@ -76,8 +92,8 @@ def evaluate_file(model, tokenizer, args) -> dict:
         results["samples"] = [{"prompt": r.data[args.prompt_field], "completion": text_of(tokenizer, c.tokens),
                                "answer": r.data[args.answer_field]} for r, c in zip(records, shown)]
     else:
-        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.tokens, chat=args.chat)
-        loss = held_out_loss(model, pack(examples, args.tokens, pad_id=tokenizer.pad_id))
+        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.context_length, chat=args.chat)
+        loss = held_out_loss(model, pack(examples, args.context_length, pad_id=tokenizer.pad_id))
         results.update(loss=loss, perplexity=math.exp(loss))
     return results
 
@@ -106,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.data is None and args.lm_eval is None:
         raise ValueError("give --data FILE and/or --lm-eval TASKS")
-    if args.k and args.k < 2:
-        raise ValueError(f"--k {args.k}: pass@k needs k >= 2 (pass@1 is always reported)")
+    if args.pass_k < 0 or args.pass_k == 1:
+        raise ValueError(f"--pass-k {args.pass_k}: pass@k needs k >= 2 (pass@1 is always reported)")
+    if args.pass_samples is not None and not 2 <= args.pass_k <= args.pass_samples:
+        raise ValueError(f"--pass-samples {args.pass_samples}: needs --pass-k >= 2, and at least --pass-k")
     if args.batch < 1:
         raise ValueError(f"--batch {args.batch}: sample at least one prompt at once")
     model, _ = load_trained(args.source)

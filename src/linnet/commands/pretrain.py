@@ -3,8 +3,9 @@ with epoch validation, checkpoint policies and exact resume.
 
     linnet prepare  --config configs/pretrain-tiny-cpu.yaml
     linnet pretrain --config configs/pretrain-tiny-cpu.yaml
-    linnet pretrain --config runs/tiny/config.yaml --resume runs/tiny/checkpoints/step-00000480 \\
-        --set runtime.output_dir=runs/tiny-branch
+    linnet pretrain --config runs/tiny/config.yaml --resume     # continue from the latest checkpoint
+    linnet pretrain --config runs/tiny/config.yaml --resume-from runs/tiny/checkpoints/step-00000480 \\
+        --set runtime.output_dir=runs/tiny-branch                # branch from a checkpoint
     linnet pretrain --config a.yaml --config b.yaml      # run (or finish) several experiments
     linnet pretrain --config a.yaml --plan               # the budget table, no training
     torchrun --nproc_per_node 2 -m linnet.cli pretrain --config configs/pretrain-tiny-cpu.yaml
@@ -24,26 +25,45 @@ from linnet.report.tables import print_table
 from linnet.torch.distributed import process_group, world
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="linnet pretrain", description="Pretrain a Llama decoder from a token cache.")
+    p.add_argument("--config", action="append", default=[],
+                   help="YAML config (repeat to run several experiments in turn)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field, e.g. training.epochs=4 (repeatable)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in runtime.output_dir from its latest checkpoint (what running a config "
+                        "whose run is incomplete does anyway)")
+    p.add_argument("--resume-from", metavar="CKPT",
+                   help="continue from this checkpoints/step-… directory (or a run directory's latest), into "
+                        "runtime.output_dir: the same run, or a branch in a fresh one")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in runtime.output_dir (once the new run takes its first update)")
+    p.add_argument("--plan", action="store_true", help="print the budget and exit")
+    p.add_argument("--template", action="store_true", help="print every field with its default and help")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="linnet pretrain", description="Pretrain a Llama decoder from a token cache.")
-    parser.add_argument("--config", action="append", default=[],
-                        help="YAML config (repeat to run several experiments in turn)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a field, e.g. training.epochs=4 (repeatable)")
-    parser.add_argument("--resume", metavar="CKPT", help="a checkpoints/step-… directory (or a run directory)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the run in runtime.output_dir (once the new run takes its first update)")
-    parser.add_argument("--plan", action="store_true", help="print the budget and exit")
-    parser.add_argument("--template", action="store_true", help="print every field with its default and help")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cli = parser()
+    for i, arg in enumerate(argv):  # the former `--resume CKPT`
+        value = arg.partition("=")[2] if arg.startswith("--resume=") else \
+            argv[i + 1] if arg == "--resume" and i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+        if value:
+            cli.error(f"--resume {value}: --resume CKPT was renamed --resume-from CKPT (--resume alone continues "
+                      "the latest checkpoint of runtime.output_dir)")
+    args = cli.parse_args(argv)
     if args.template:
         print(template(PretrainConfig))
         return 0
     paths = args.config or ([None] if args.set else [])
     if not paths:
-        parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
-    if args.resume and len(paths) > 1:
-        parser.error("--resume takes one --config")
+        cli.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
+    if args.resume_from and len(paths) > 1:
+        cli.error("--resume-from takes one --config")
+    if args.overwrite and args.resume:
+        cli.error("--resume continues the run in runtime.output_dir and --overwrite replaces it; give one")
     with process_group():  # under torchrun
         for path in paths:
             config = load(PretrainConfig, path, args.set)
@@ -51,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows = plan(config)
             else:
                 try:
-                    summary = run(config, resume=args.resume, overwrite=args.overwrite)
+                    # --resume is the runner's own default: an incomplete run in runtime.output_dir continues
+                    # from its latest checkpoint; --resume-from names the checkpoint
+                    summary = run(config, resume=args.resume_from, overwrite=args.overwrite)
                 except KeyboardInterrupt:
                     found = layout.checkpoints(Path(config.runtime.output_dir) / CHECKPOINTS)
                     where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "

@@ -87,7 +87,7 @@ def publish(directory: str | os.PathLike, step: int, write, *, keep: int = 2, ra
 def _earlier(path: Path) -> str:
     earlier = [p for p in checkpoints(path.parent) if p.name < path.name and (p / CHECKSUMS).is_file()]
     return (f"; the previous checkpoint is {earlier[-1]}: resume from it (`linnet sft|dpo|grpo --resume-from "
-            f"{earlier[-1]}`, or `linnet pretrain --resume {earlier[-1]}`)") if earlier else ""
+            f"{earlier[-1]}`, or `linnet pretrain --resume-from {earlier[-1]}`)") if earlier else ""
 
 
 def verify(path: str | os.PathLike) -> Path:
