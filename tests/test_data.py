@@ -11,6 +11,7 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from linnet import nest
+from linnet.commands import spellings
 from linnet.data import chat_example, examples_from_records, load_examples, load_tokenizer, read_records
 
 # The templates as the models publish them (Meta-Llama-3-8B-Instruct, Qwen-style ChatML).
@@ -318,15 +319,20 @@ def test_missing_field_names_file_line_field_and_fix(tmp_path):
         tmp_path / "d.jsonl",
         ['{"instruction": "a", "output": "b"}', '{"instruction": "a", "outptu": "b"}'],
     )
-    with pytest.raises(ValueError) as e:
-        load_examples(path, chatml(), tokens=64)
+    with pytest.raises(ValueError) as e:  # as `linnet sft` reads it: the config's names
+        load_examples(path, chatml(), tokens=64, names=spellings.RECORDS)
     message = str(e.value)
     assert f"{path} line 2: field 'output' is missing" in message
     assert "'instruction', 'outptu'" in message and "set data.completion" in message
+    with pytest.raises(ValueError, match="set completion= to the field") as e:  # from Python: its keywords
+        load_examples(path, chatml(), tokens=64)
+    assert "data." not in str(e.value)
     write_lines(path, ['{"text": "a"}'])
     with pytest.raises(
         ValueError, match=r"line 1: cannot tell which fields.*'text'.*data\.prompt and data\.completion"
     ):
+        load_examples(path, chatml(), tokens=64, names=spellings.RECORDS)
+    with pytest.raises(ValueError, match=r"line 1: cannot tell which fields.*'text'.*prompt= and completion="):
         load_examples(path, chatml(), tokens=64)
     write_lines(path, ['{"prompt": "a", "completion": 5}'])
     with pytest.raises(

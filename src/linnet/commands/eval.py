@@ -28,7 +28,8 @@ from linnet.commands.spellings import former_flags
 FORMER_FLAGS = {"--reward": "--rewards", "--k": "--pass-k", "--samples": "--pass-samples",
                 "--tokens": "--context-length"}
 # the data readers' keywords as this command's flags, for their errors (names=)
-RECORD_FLAGS = {"tokens": "--context-length", "prompt": "--prompt-field", "answer": "--answer-field"}
+RECORD_FLAGS = {"tokens": "--context-length", "prompt": "--prompt-field", "answer": "--answer-field",
+                "chat_template": "--no-chat (the model has no chat template)"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,7 +77,7 @@ def evaluate_file(model, tokenizer, args) -> dict:
     results: dict = {"records": len(records)}
     if args.answer_field in records[0].data:
         prompts = prompts_from_records(records, tokenizer, prompt=args.prompt_field, answer=args.answer_field,
-                                       chat=args.chat)
+                                       chat=args.chat, names=RECORD_FLAGS)
         bos = model.card.bos_token_id
         if tokenizer.bos_id is None and bos is not None:  # the card's BOS, where the tokenizer adds none
             prompts = [type(p)([bos, *p.ids], p.answer) if list(p.ids[:1]) != [bos] else p for p in prompts]
@@ -92,7 +93,8 @@ def evaluate_file(model, tokenizer, args) -> dict:
         results["samples"] = [{"prompt": r.data[args.prompt_field], "completion": text_of(tokenizer, c.tokens),
                                "answer": r.data[args.answer_field]} for r, c in zip(records, shown)]
     else:
-        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.context_length, chat=args.chat)
+        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.context_length, chat=args.chat,
+                                 names=RECORD_FLAGS)
         loss = held_out_loss(model, pack(examples, args.context_length, pad_id=tokenizer.pad_id))
         results.update(loss=loss, perplexity=math.exp(loss))
     return results

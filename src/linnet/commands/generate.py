@@ -18,7 +18,7 @@ import sys
 import time
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="linnet generate", description=__doc__.split("\n\n")[0])
     p.add_argument("card", help="a registered card name or a local Hugging Face model directory")
     p.add_argument("--prompt", required=True, help="the prompt text")
@@ -49,7 +49,7 @@ def _encode(tok, args) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Stream one completion of --prompt from CARD (see the module docstring)."""
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     from linnet import nest
     from linnet.data.tokenizer import load_tokenizer
     from linnet.serve.engine import Engine

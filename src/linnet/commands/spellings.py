@@ -24,6 +24,7 @@ RECORDS = {
     "rejected": "data.rejected",
     "label": "data.label",
     "answer": "data.answer",
+    "chat_template": "data.chat_template",
 }
 
 # GRPO's prompt check (linnet.rl.rollouts.check_prompts) as a run config names its knobs.

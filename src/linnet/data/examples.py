@@ -21,14 +21,15 @@ template leaves it out, and a doubled one (template plus tokenizer) is cut to on
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from linnet.data.readers import Record, read_records
+from linnet.data.readers import Record, option_name, read_records
 from linnet.data.tokenizer import Tokenizer
 from linnet.packing import Example
 
@@ -64,6 +65,7 @@ def load_examples(
     completion: str | None = None,
     chat: bool = True,
     truncate: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> list[Example]:
     """`read_records` then `examples_from_records`: a data file to examples."""
     return examples_from_records(
@@ -75,6 +77,7 @@ def load_examples(
         completion=completion,
         chat=chat,
         truncate=truncate,
+        names=names,
     )
 
 
@@ -88,6 +91,7 @@ def examples_from_records(
     completion: str | None = None,
     chat: bool = True,
     truncate: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> list[Example]:
     """One `Example` a record, every record checked before any is returned.
 
@@ -101,9 +105,13 @@ def examples_from_records(
     chat: format prompt/completion records with the chat template (when there is one).
     tokens: the row length; a longer record is an error naming it, unless `truncate`
         cuts it to the row (one with nothing learned left is dropped, with a warning).
+    names: how errors name these keywords, where the caller's user spells them otherwise
+        (`linnet sft` passes the YAML's: {"tokens": "training.context_length", ...});
+        default the keywords themselves (`tokens=`).
     """
+    name = functools.partial(option_name, names)
     if tokens < 2:
-        raise ValueError(f"tokens={tokens}; a row needs at least 2 positions")
+        raise ValueError(f"a row of {tokens} positions ({name('tokens')}) is too short; it needs at least 2")
     records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
     if not records:
         raise ValueError("examples_from_records: no records; the data holds nothing to learn")
@@ -111,10 +119,10 @@ def examples_from_records(
         if not isinstance(record.data, dict):
             kind = type(record.data).__name__
             raise TypeError(f"{record.where}: a {kind}, not a record (a dict of fields)")
-    layout = _layout(records[0], messages, prompt, completion)
+    layout = _layout(records[0], messages, prompt, completion, names)
     examples, long, dropped = [], [], []
     for chunk in range(0, len(records), _CHUNK):
-        plans = [(r, *_plan(r, tokenizer, layout, chat)) for r in records[chunk : chunk + _CHUNK]]
+        plans = [(r, *_plan(r, tokenizer, layout, chat, names)) for r in records[chunk : chunk + _CHUNK]]
         encoded = iter(tokenizer.encode_batch([text for _, texts, _ in plans for text in texts]))
         for record, texts, build in plans:
             example = build([next(encoded) for _ in texts])
@@ -131,8 +139,8 @@ def examples_from_records(
         more = f"; and {len(long) - 5} more" if len(long) > 5 else ""
         raise ValueError(
             f"{len(long)} record(s) longer than a row of {tokens} tokens: "
-            f"{'; '.join(long[:5])}{more}. Raise the row length (tokens), shorten or drop these "
-            "records, or set truncate to cut them to the row"
+            f"{'; '.join(long[:5])}{more}. Raise the row length ({name('tokens')}), shorten or drop these "
+            f"records, or set {name('truncate')} to cut them to the row"
         )
     if dropped:
         warnings.warn(
@@ -141,23 +149,28 @@ def examples_from_records(
             stacklevel=2,
         )
     if not examples:
-        raise ValueError(f"no record has anything learned within {tokens} tokens; raise tokens")
+        raise ValueError(f"no record has anything learned within {tokens} tokens; raise the row length "
+                         f"({name('tokens')})")
     tokenizer.check_known((ex.tokens for ex in examples), records[0].where.rsplit(" ", 2)[0])
     return examples
 
 
-def chat_example(messages: list[dict], tokenizer: Tokenizer, *, where: str = "conversation") -> Example:
+def chat_example(messages: list[dict], tokenizer: Tokenizer, *, where: str = "conversation",
+                 names: Mapping[str, str] | None = None) -> Example:
     """A conversation as one example that learns exactly its assistant turns and the stop
-    token ending each (see the module docstring for how the mask is found)."""
-    texts, build = _chat(messages, tokenizer, where)
+    token ending each (see the module docstring for how the mask is found); `names` as in
+    `examples_from_records`."""
+    texts, build = _chat(messages, tokenizer, where, names)
     return build(tokenizer.encode_batch(texts))
 
 
-def _layout(first: Record, messages, prompt, completion) -> Layout:
+def _layout(first: Record, messages, prompt, completion, names: Mapping[str, str] | None = None) -> Layout:
     """Which fields hold the text: the caller's names, else found in the first record."""
+    spelled = functools.partial(option_name, names)
     if messages is not None:
         if prompt is not None or completion is not None:
-            raise ValueError("name either data.messages (chats) or data.prompt/data.completion, not both")
+            raise ValueError(f"name either {spelled('messages')} (chats) or {spelled('prompt')}/"
+                             f"{spelled('completion')}, not both")
         return messages, [], None
     fields = first.data
     if prompt is None and completion is None:
@@ -173,46 +186,47 @@ def _layout(first: Record, messages, prompt, completion) -> Layout:
     if not prompt or completion is None:
         raise ValueError(
             f"{first.where}: cannot tell which fields hold the text (the record has "
-            f"{', '.join(map(repr, fields)) or 'no fields'}); name them: data.messages for chats, "
-            "or data.prompt and data.completion"
+            f"{', '.join(map(repr, fields)) or 'no fields'}); name them: {spelled('messages')} for chats, "
+            f"or {spelled('prompt')} and {spelled('completion')}"
         )
     return None, [prompt] if isinstance(prompt, str) else list(prompt), completion
 
 
-def _field(record: Record, name: str, option: str) -> Any:
+def _field(record: Record, name: str, option: str, names: Mapping[str, str] | None = None) -> Any:
     value = record.data.get(name)
     if value is None:
         have = ", ".join(map(repr, record.data)) or "no fields"
         state = "is null" if name in record.data else "is missing"
         raise ValueError(
             f"{record.where}: field {name!r} {state} (the record has {have}); add it, or set "
-            f"data.{option} to the field that holds the {option}"
+            f"{option_name(names, option)} to the field that holds the {option}"
         )
     return value
 
 
-def _text(record: Record, name: str, option: str) -> str:
-    value = _field(record, name, option)
+def _text(record: Record, name: str, option: str, names: Mapping[str, str] | None = None) -> str:
+    value = _field(record, name, option, names)
     if not isinstance(value, str):
         kind = type(value).__name__
         raise ValueError(f"{record.where}: field {name!r} holds a {kind}; the {option} must be text")
     return value
 
 
-def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool) -> tuple[list[str], Build]:
+def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool,
+          names: Mapping[str, str] | None = None) -> tuple[list[str], Build]:
     """The texts a record needs tokenized, and how their ids make its example (tokenizing
     many records' texts at once uses every core)."""
     messages_field, prompt_fields, completion_field = layout
     if messages_field is not None:
-        return _chat(_field(record, messages_field, "messages"), tokenizer, record.where)
-    prompt = "\n\n".join(t for t in (_text(record, f, "prompt") for f in prompt_fields) if t)
-    completion = _text(record, completion_field, "completion")
+        return _chat(_field(record, messages_field, "messages", names), tokenizer, record.where, names)
+    prompt = "\n\n".join(t for t in (_text(record, f, "prompt", names) for f in prompt_fields) if t)
+    completion = _text(record, completion_field, "completion", names)
     if not completion.strip():
         raise ValueError(f"{record.where}: field {completion_field!r} is empty, so the record teaches nothing; fill "
                          "or drop it")
     if chat and tokenizer.render is not None:
         turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        return _chat(turns, tokenizer, record.where)
+        return _chat(turns, tokenizer, record.where, names)
     if not tokenizer.eos_ids:
         raise ValueError(
             f"{tokenizer.source}: no stop token to end a completion; pass eos= to load_tokenizer"
@@ -221,7 +235,8 @@ def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool) -> t
     return [prompt, completion], lambda ids: Example.prompted(bos + ids[0], ids[1] + [tokenizer.eos_ids[0]])
 
 
-def _chat(messages: Any, tokenizer: Tokenizer, where: str) -> tuple[list[str], Build]:
+def _chat(messages: Any, tokenizer: Tokenizer, where: str,
+          names: Mapping[str, str] | None = None) -> tuple[list[str], Build]:
     """Render the whole conversation, and for each assistant turn the messages before it
     with the generation prompt and the messages through it; the learned span of the turn
     lies between those two renderings' ids. ShareGPT turns are read as OpenAI's."""
@@ -230,7 +245,7 @@ def _chat(messages: Any, tokenizer: Tokenizer, where: str) -> tuple[list[str], B
     if tokenizer.render is None:
         raise ValueError(
             f"{where}: a chat needs a chat template and {tokenizer.source} has none; "
-            "pass chat_template= to load_tokenizer"
+            f"set {option_name(names, 'chat_template')}"
         )
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:

@@ -12,13 +12,13 @@ token), the prompt everything before it. Both answers must share that prompt exa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from linnet.data.examples import chat_example
-from linnet.data.readers import Record
+from linnet.data.readers import Record, option_name
 from linnet.data.tokenizer import Tokenizer
 from linnet.packing import Pair, Unpaired
 
@@ -45,7 +45,8 @@ def _split_last_answer(tokens: np.ndarray, learned: np.ndarray, where: str) -> t
     return tokens[:start].tolist(), tokens[start:end].tolist()
 
 
-def _chat_answer(record: Record, tokenizer: Tokenizer, head: list[dict], name: str) -> tuple[list[int], list[int]]:
+def _chat_answer(record: Record, tokenizer: Tokenizer, head: list[dict], name: str,
+                 names: Mapping[str, str] | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, answer ids) of the conversation `head` + the record's field `name`."""
     data, where = record.data, record.where
     conversation = head + _messages(data[name], where, name)
@@ -53,17 +54,19 @@ def _chat_answer(record: Record, tokenizer: Tokenizer, head: list[dict], name: s
         raise ValueError(f"{where}: the {name!r} conversation must end with an assistant turn")
     if not str(conversation[-1].get("content") or "").strip():
         raise ValueError(f"{where}: the {name!r} answer is empty; every example needs its answer")
-    example = chat_example(conversation, tokenizer, where=f"{where} ({name})")
+    example = chat_example(conversation, tokenizer, where=f"{where} ({name})", names=names)
     return _split_last_answer(example.tokens, example.learned, f"{where} ({name})")
 
 
-def _pair_from_chat(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str) -> Pair:
+def _pair_from_chat(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str,
+                    names: Mapping[str, str] | None = None) -> Pair:
     data, where = record.data, record.where
     for name in (chosen, rejected):
         if name not in data:
-            raise ValueError(f"{where}: missing field {name!r}; name the answer fields with chosen= / rejected=")
+            raise ValueError(f"{where}: missing field {name!r}; name the answer fields with "
+                             f"{option_name(names, 'chosen')} / {option_name(names, 'rejected')}")
     head = _messages(data[prompt], where, "prompt") if prompt in data else []
-    (prompt_c, answer_c), (prompt_r, answer_r) = (_chat_answer(record, tokenizer, head, name)
+    (prompt_c, answer_c), (prompt_r, answer_r) = (_chat_answer(record, tokenizer, head, name, names)
                                                   for name in (chosen, rejected))
     if answer_c == answer_r:
         raise ValueError(f"{where}: {chosen!r} and {rejected!r} are the same answer, which teaches nothing; fix or "
@@ -76,7 +79,8 @@ def _pair_from_chat(record: Record, tokenizer: Tokenizer, prompt: str, chosen: s
     return Pair(prompt_c, answer_c, answer_r)
 
 
-def _pair_from_text(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str) -> Pair:
+def _pair_from_text(record: Record, tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str,
+                    names: Mapping[str, str] | None = None) -> Pair:
     data, where = record.data, record.where
     for name in (prompt, chosen, rejected):
         if not isinstance(data.get(name), str):
@@ -94,13 +98,15 @@ def _pair_from_text(record: Record, tokenizer: Tokenizer, prompt: str, chosen: s
 
 
 def pairs_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *, prompt: str = "prompt",
-                       chosen: str = "chosen", rejected: str = "rejected", chat: bool = True) -> list[Pair]:
-    """One Pair a record, every record checked before any is returned."""
+                       chosen: str = "chosen", rejected: str = "rejected", chat: bool = True,
+                       names: Mapping[str, str] | None = None) -> list[Pair]:
+    """One Pair a record, every record checked before any is returned; `names`: how errors
+    name these keywords (linnet.data.examples_from_records)."""
     records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
     if not records:
         raise ValueError("pairs_from_records: no records; the data holds no preference pairs")
     build = _pair_from_chat if chat and tokenizer.chat_template else _pair_from_text
-    pairs = [build(r, tokenizer, prompt, chosen, rejected) for r in records]
+    pairs = [build(r, tokenizer, prompt, chosen, rejected, names) for r in records]
     for record, pair in zip(records, pairs):
         if not pair.chosen or not pair.rejected:
             raise ValueError(f"{record.where}: an answer is empty; every pair needs two answers")
@@ -109,29 +115,32 @@ def pairs_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *
     return pairs
 
 
-def _label(record: Record, field: str) -> bool:
+def _label(record: Record, field: str, names: Mapping[str, str] | None = None) -> bool:
     value = record.data.get(field)
     if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"{record.where}: field {field!r} must be true (a desirable answer) or false (undesirable), got "
-                     f"{value!r}; name the label field with data.label")
+                     f"{value!r}; name the label field with {option_name(names, 'label')}")
 
 
 def unpaired_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *, prompt: str = "prompt",
-                          completion: str = "completion", label: str = "label", chat: bool = True) -> list[Unpaired]:
+                          completion: str = "completion", label: str = "label", chat: bool = True,
+                          names: Mapping[str, str] | None = None) -> list[Unpaired]:
     """One Unpaired a record (KTO), every record checked before any is returned; the
-    completion is text, a message or messages (chat), the label a boolean."""
+    completion is text, a message or messages (chat), the label a boolean; `names`: how
+    errors name these keywords (linnet.data.examples_from_records)."""
     records = [r if isinstance(r, Record) else Record(f"record {i}", r) for i, r in enumerate(records)]
     if not records:
         raise ValueError("unpaired_from_records: no records; the data holds no labelled answers")
     out = []
     for r in records:
         if completion not in r.data:
-            raise ValueError(f"{r.where}: missing field {completion!r}; name the answer field with data.completion")
-        desirable = _label(r, label)
+            raise ValueError(f"{r.where}: missing field {completion!r}; name the answer field with "
+                             f"{option_name(names, 'completion')}")
+        desirable = _label(r, label, names)
         if chat and tokenizer.chat_template:
             head = _messages(r.data[prompt], r.where, "prompt") if prompt in r.data else []
-            ids, answer = _chat_answer(r, tokenizer, head, completion)
+            ids, answer = _chat_answer(r, tokenizer, head, completion, names)
         else:
             for name in (prompt, completion):
                 if not isinstance(r.data.get(name), str) or not r.data[name].strip():

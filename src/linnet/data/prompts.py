@@ -4,9 +4,9 @@ answer the rewards compare with."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from linnet.data.readers import Record
+from linnet.data.readers import Record, option_name
 from linnet.data.tokenizer import Tokenizer
 from linnet.rl.rollouts import Prompt
 
@@ -23,13 +23,16 @@ def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, prompt: str = "prompt",
-                         answer: str = "answer", chat: bool = True) -> list[Prompt]:
-    """One Prompt a record, every record checked before any is returned."""
+                         answer: str = "answer", chat: bool = True,
+                         names: Mapping[str, str] | None = None) -> list[Prompt]:
+    """One Prompt a record, every record checked before any is returned; `names`: how
+    errors name these keywords (linnet.data.examples_from_records)."""
     prompts = []
     for record in records:
         for name in (prompt, answer):
             if name not in record.data:
-                raise ValueError(f"{record.where}: missing field {name!r}; name it with data.prompt / data.answer")
+                raise ValueError(f"{record.where}: missing field {name!r}; name it with "
+                                 f"{option_name(names, 'prompt')} / {option_name(names, 'answer')}")
         text = record.data[prompt]
         if not isinstance(text, str) or not text:
             raise ValueError(f"{record.where}: field {prompt!r} must be non-empty text")

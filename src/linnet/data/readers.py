@@ -17,7 +17,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,6 +36,19 @@ class Record(NamedTuple):
 
     where: str
     data: dict
+
+
+# How an error names a reader's keyword to a Python caller, where not as `keyword=`.
+PYTHON_NAMES = {"truncate": "truncate=True", "chat_template": "load_tokenizer(chat_template=)"}
+
+
+def option_name(names: Mapping[str, str] | None, option: str) -> str:
+    """How an error names the keyword `option`: as `names` spells it (a command passes its
+    users' spelling: `linnet sft` the YAML's, training.context_length for tokens), else as
+    Python does (`tokens=`)."""
+    if names and option in names:
+        return names[option]
+    return PYTHON_NAMES.get(option, f"{option}=")
 
 
 class MissingColumn(ValueError):

@@ -81,16 +81,22 @@ def score(functions: dict[str, Reward], items: Sequence[tuple[Prompt, list[int],
     return out
 
 
-def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int) -> None:
-    """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row."""
+def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int,
+                  names: Mapping[str, str] | None = None) -> None:
+    """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row
+    of `room` positions. `names`: how the error names the row's length and max_new_tokens
+    where the caller's user spells them otherwise (`linnet grpo`: training.context_length,
+    grpo.max_new_tokens); default the keywords (`tokens=`, `max_new_tokens=`)."""
+    names = {"tokens": "tokens=", "max_new_tokens": "max_new_tokens=", **(names or {})}
     for i, p in prompts:
         if not isinstance(p, Prompt):
             raise TypeError(f"grpo: item {i} is a {type(p).__name__}, not a linnet.train.grpo.Prompt")
         if len(p.ids) == 0:
             raise ValueError(f"grpo: prompt {i} is empty; every prompt needs at least one token")
         if len(p.ids) + max_new_tokens > room:
-            raise ValueError(f"grpo: prompt {i} has {len(p.ids)} tokens; with max_new_tokens={max_new_tokens} "
-                             f"it does not fit a row of tokens={room}; raise tokens")
+            raise ValueError(f"grpo: prompt {i} has {len(p.ids)} tokens; with {max_new_tokens} new ones "
+                             f"({names['max_new_tokens']}) it does not fit a row of {room} positions; raise the "
+                             f"row length ({names['tokens']}) or lower {names['max_new_tokens']}")
 
 
 ADVANTAGES = ("group", "rloo")
