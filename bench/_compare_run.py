@@ -165,7 +165,7 @@ def run_linnet(spec: dict, data: dict, clock: Clock) -> dict:
         clock.begin()
         grpo(model, engine, prompts, lower_half, optimizer=optimizer, steps=spec["steps"], group=spec["group"],
              prompts_per_step=spec["prompts_per_step"], max_new_tokens=spec["max_new_tokens"], temperature=1.0,
-             stop=(spec["eos"],), tokens=spec["tokens"], max_grad_norm=1.0, seed=spec["seed"], verbose=False,
+             stop=(spec["eos"],), tokens=spec["tokens"], seed=spec["seed"], verbose=False,
              correction_cap=2.0 if engine_dtype != dtype else None, on_step=on_step)
         count_work(clock.metrics)
     elif method == "distill":

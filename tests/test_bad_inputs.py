@@ -219,7 +219,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("dpo-two-prompts", DPO("data.prompt=[a, b]"), r"`linnet dpo` reads one prompt field"),
     ("dpo-row-short", DPO("training.context_length=16"), r"needs .* positions .* raise training.context_length"),
     # grpo
-    ("grpo-clip-low", GRPO("grpo.clip_low=1.5"), r"grpo.clip_low=1.5 must be in \[0, 1\)"),
+    ("grpo-clip-low", GRPO("grpo.clip=[1.5, 0.2]"), r"grpo.clip=\[1.5, 0.2\]; give \[low, high\]"),
+    ("grpo-clip-former", GRPO("grpo.clip_low=0.3"), r"grpo.clip_low.*use grpo.clip: \[low, high\]"),
     ("grpo-bad-regex", GRPO("grpo.rewards=[format]", "grpo.format_pattern=("), r"grpo.format_pattern='\(' is not a regular expression"),
     ("grpo-unknown-reward", GRPO("grpo.rewards=[nosuch]"), r"reward 'nosuch': use exact, numeric, format"),
     ("grpo-reward-import", GRPO("grpo.rewards=[nosuch_module:f]"), r"reward 'nosuch_module:f': cannot import"),

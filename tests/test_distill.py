@@ -182,12 +182,12 @@ def _gkd(on_policy, engine, answers=None, steps=6):
     prompts = [[3 + i, 4 + i, 5] for i in range(12)]
     history = on_policy_distill(student, teacher, engine, prompts, optimizer=torch.optim.AdamW(
         student.parameters(), lr=3e-3), steps=steps, prompts_per_step=4, max_new_tokens=6, stop=[2], tokens=64,
-        answers=answers, on_policy=on_policy, seed=1)
+        answers=answers, on_policy_share=on_policy, seed=1)
     return [(s.loss, s.grad_norm, s.metrics["on_policy"]) for s in history.steps], gathered(student)
 
 
 def test_gkd_mixes_the_students_completions_with_the_datas_answers():
-    """on_policy=0 learns on the data's answers exactly as on the same tokens sampled
+    """on_policy_share=0 learns on the data's answers exactly as on the same tokens sampled
     (an engine that answers with them); in between, a step samples (and loads the
     student's weights) as its (seed, step) draw says, some steps each way."""
     g = np.random.default_rng(0)

@@ -367,7 +367,7 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
         remats.append(remat)
         seeds.append((model.lora and model.lora["dropout"], options["seed"]))
         if model.lora:  # the dropout run: what `linnet jax` hands the trainer is checked, not a second compile
-            from linnet.report.history import History
+            from linnet.run import History
 
             return model.params, History()
         return train(model, *args, remat=remat, **options)

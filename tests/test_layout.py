@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parents[1] / "src" / "linnet"
 MAX_LINES = 650
 # Backend-neutral: no torch, no JAX when imported (the JAX backend, tokenizer workers and
 # the planner use them).
-NEUTRAL = ["cards", "hardware", "plan.memory", "plan.parts", "packing", "paths", "files.atomic", "report.history",
+NEUTRAL = ["cards", "hardware", "plan.memory", "plan.parts", "packing", "paths", "files.atomic", "run",
            "schedules", "files.checkpoints", "rl.rollouts", "files.adapters", "report.metrics", "report.tables",
            "report.progress", "plan", "config", "pretrain.recipe", "data.corpus", "pretrain.tokenize", "commands.plan"]
 

@@ -143,10 +143,10 @@ def test_an_interrupted_run_resumes_itself_from_its_latest_snapshot(workspace, s
                      "training.save_epoch_training_state=true")
     real_step = loop.optimizer_step
 
-    def stop_at_21(params, optimizer, schedule, clip, loss, step, checkpoint, **options):
+    def stop_at_21(params, plumbing, loss, step, **options):
         if step == 21:
             raise KeyboardInterrupt
-        return real_step(params, optimizer, schedule, clip, loss, step, checkpoint, **options)
+        return real_step(params, plumbing, loss, step, **options)
 
     monkeypatch.setattr(loop, "optimizer_step", stop_at_21)
     with pytest.raises(KeyboardInterrupt):

@@ -128,35 +128,35 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.train.distill import distill, held_out_divergence, on_policy_distill, teacher_completions
     from linnet.train.evaluation import held_out_loss
 
-    prepared = sft.prepare(config)  # data errors before anything is written
+    inputs = sft.read_inputs(config)  # data errors before anything is written
     t, d = config.training, config.distill
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if run.complete is not None:
-        return run.complete
-    student = runs.load_model(prepared.card, config)
-    teacher, theirs = load_teacher(config, student, prepared.tokenizer)
+    job = runs.start(config, inputs.steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
+    student = job.load(inputs.card)
+    teacher, theirs = load_teacher(config, student, inputs.tokenizer)
     options = dict(divergence=d.divergence, beta=d.beta, temperature=d.temperature)
-    stop = list(prepared.card.eos_token_ids)
-    steps = prepared.steps
+    stop = list(inputs.card.eos_token_ids)
+    steps = inputs.steps
     if d.mode == "sequence":  # the teacher's completions become the training examples
         from linnet.packing import count_rows
         from linnet.torch.sharding import copy_first
 
         # a split's or a pipeline's processes train on the same completions: its first process's
-        prepared.train_examples = copy_first(student, lambda: teacher_completions(
-            Engine(teacher), [_prompt(e) for e in prepared.train_examples], **_answering(config), stop=stop)
-            if theirs is None else answers_through_text(config, prepared.tokenizer, Engine(teacher), theirs))
-        _warn_unfinished(prepared.train_examples, {*stop, *prepared.tokenizer.eos_ids}, d.max_new_tokens)
-        steps = t.steps or max(1, math.ceil(t.epochs * count_rows(prepared.train_examples, t.context_length)
+        inputs.train_examples = copy_first(student, lambda: teacher_completions(
+            Engine(teacher), [_prompt(e) for e in inputs.train_examples], **_answering(config), stop=stop)
+            if theirs is None else answers_through_text(config, inputs.tokenizer, Engine(teacher), theirs))
+        _warn_unfinished(inputs.train_examples, {*stop, *inputs.tokenizer.eos_ids}, d.max_new_tokens)
+        steps = t.steps or max(1, math.ceil(t.epochs * count_rows(inputs.train_examples, t.context_length)
                                             / t.accumulation))
     elif d.mode == "on_policy":
-        steps = t.steps or max(1, math.ceil(t.epochs * len(prepared.train_examples)
+        steps = t.steps or max(1, math.ceil(t.epochs * len(inputs.train_examples)
                                             / (d.prompts_per_step * data_share(t.per_copy)[1])))
-    optimizer, schedule = runs.optimizer_and_schedule(config, student, steps)
-    eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
-        if prepared.eval_examples else []
+    job.steps = steps
+    eval_rows = list(pack(inputs.eval_examples, t.context_length, pad_id=inputs.tokenizer.pad_id)) \
+        if inputs.eval_examples else []
 
-    def evaluate(step):
+    def evaluate(student):
         import torch
 
         with torch.no_grad():
@@ -166,27 +166,24 @@ def run(config: DistillConfig, *, overwrite: bool = False, resume: bool = False,
         return {"held_out_loss": loss, "held_out_divergence": held_out_divergence(student, teacher, eval_rows,
                                                                                   **options)}
 
-    common = dict(optimizer=optimizer, steps=steps, clip=config.optimizer.grad_clip, schedule=schedule,
-                  checkpoint_every=t.checkpoint_every, keep=t.keep)
-    with run.open() as out, runs.MetricsLog(run, "distill", steps, config, evaluate if eval_rows else None) as log:
-        files = dict(save_to=out / "final", checkpoint=out / "checkpoints", on_step=log)
+    with job.open(student, evaluate if eval_rows else None) as run:
         if d.mode == "logit":
-            history = distill(student, teacher, sft.epochs_of_rows(prepared), accumulate=t.accumulation,
-                              **options, **common, **files)
+            history = distill(student, teacher, sft.epochs_of_rows(inputs), run, accumulate=t.accumulation,
+                              **options)
         elif d.mode == "sequence":
-            history = train(student, sft.epochs_of_rows(prepared), accumulate=t.accumulation, **common, **files)
+            history = train(student, sft.epochs_of_rows(inputs), run, accumulate=t.accumulation)
         else:
             m = config.model
-            engine = Engine(nest.load(prepared.card, device=student.device, dtype=m.dtype, weights=m.weights,
+            engine = Engine(nest.load(inputs.card, device=student.device, dtype=m.dtype, weights=m.weights,
                                       quantize=runs.engine_quantize(config)))
             share, shares = data_share(t.per_copy)  # each copy its prompts; a split's processes the same ones
-            mine = prepared.train_examples[share::shares]
-            history = on_policy_distill(student, teacher, engine, [_prompt(e) for e in mine],
+            mine = inputs.train_examples[share::shares]
+            history = on_policy_distill(student, teacher, engine, [_prompt(e) for e in mine], run,
                                         prompts_per_step=d.prompts_per_step, max_new_tokens=d.max_new_tokens,
                                         sample_temperature=d.sample_temperature, stop=stop, tokens=t.context_length,
-                                        answers=[_answer(e) for e in mine], on_policy=d.on_policy_share,
-                                        seed=config.runtime.seed, **options, **common, **files)
-    return runs.summarize(run, history, log, card=prepared.card.name, steps=steps)
+                                        answers=[_answer(e) for e in mine], on_policy_share=d.on_policy_share,
+                                        seed=config.runtime.seed, **options)
+    return job.summarize(history, card=inputs.card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

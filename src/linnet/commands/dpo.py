@@ -7,6 +7,7 @@ reporting every training command shares (linnet.commands.runs).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,7 +19,7 @@ from linnet.config import DPOConfig
 from linnet.torch.distributed import data_share, sum_across
 
 
-def prepare(config: DPOConfig):
+def read_pairs(config: DPOConfig):
     """(card, train pairs, held-out pairs, steps), every record checked up front."""
     return preference_data(config, config.dpo.pairs_per_step, "dpo.pairs_per_step", config.dpo.loss_type == "kto")
 
@@ -88,16 +89,15 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.train.kto import reference_log_probs as kto_reference
     from linnet.train.preference_loss import REFERENCE_FREE
 
-    card, pairs, held_out, steps = prepare(config)
+    card, pairs, held_out, steps = read_pairs(config)
     t, s = config.training, config.dpo
     per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same pairs
     pairs, held_out = pairs[share::shares], held_out[share::shares]
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if run.complete is not None:
-        return run.complete
-    model = runs.load_model(card, config)
-    optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
+    job = runs.start(config, steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
+    model = job.load(card)
     evaluate = None
     kto_weights = dict(desirable_weight=s.desirable_weight, undesirable_weight=s.undesirable_weight)
     if sum_across([len(held_out)])[0]:
@@ -105,26 +105,23 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
         if s.loss_type == "kto":
             held_ref = kto_reference(model, held_out, tokens=t.context_length)
 
-            def evaluate(step):
+            def evaluate(model):
                 return held_out_kto(model, held_out, held_ref, beta=s.beta, tokens=t.context_length, **kto_weights)
         else:
             held_ref = None if s.loss_type in REFERENCE_FREE else reference_log_probs(model, held_out,
                                                                                        tokens=t.context_length)
 
-            def evaluate(step):
+            def evaluate(model):
                 return held_out_preferences(model, held_out, held_ref, s, t.context_length)
 
-    common = dict(optimizer=optimizer, steps=steps, beta=s.beta, tokens=t.context_length,
-                  clip=config.optimizer.grad_clip, schedule=schedule, checkpoint_every=t.checkpoint_every, keep=t.keep)
-    with run.open() as out, runs.MetricsLog(run, "dpo", steps, config, evaluate) as log:
-        files = dict(save_to=out / "final", checkpoint=out / "checkpoints", on_step=log)
+    with job.open(model, evaluate) as run:
         if s.loss_type == "kto":
-            history = kto(model, pairs, examples_per_step=per_process, **kto_weights, **common, **files)
+            history = kto(model, pairs, run, examples_per_step=per_process, beta=s.beta, tokens=t.context_length,
+                          **kto_weights)
         else:
-            history = dpo(model, pairs, pairs_per_step=per_process, label_smoothing=s.label_smoothing,
-                          loss_type=s.loss_type, simpo_gamma=s.simpo_gamma, rpo_alpha=s.rpo_alpha,
-                          reference_cache=s.reference_cache, **common, **files)
-    return runs.summarize(run, history, log, card=card.name, steps=steps)
+            history = dpo(model, pairs, run, settings=dataclasses.replace(s, pairs_per_step=per_process),
+                          tokens=t.context_length)
+    return job.summarize(history, card=card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

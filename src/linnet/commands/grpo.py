@@ -7,6 +7,7 @@ training command shares (linnet.commands.runs) and the rewards of linnet.rl.rewa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from linnet.commands import runs
@@ -47,10 +48,10 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
     prompts, held_out = prompts[share::shares], held_out[share::shares]
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if run.complete is not None:
-        return run.complete
-    policy = runs.load_model(card, config)
+    job = runs.start(config, steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
+    policy = job.load(card)
     base = dict(device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed, quantize=m.quantize)
     if g.engine == "vllm":
         engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, tokens=t.context_length,
@@ -59,10 +60,9 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         engine = Engine(nest.load(card, **{**base, "dtype": g.engine_dtype or m.dtype,
                                            "quantize": runs.engine_quantize(config)}))
     reference = nest.load(card, **base) if g.beta else None
-    optimizer, schedule = runs.optimizer_and_schedule(config, policy, steps)
     names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
 
-    def held_out_metrics(step):
+    def held_out_metrics(policy):
         """Means over every process's held-out prompts."""
         if held_out:
             found = evaluate(policy, engine, held_out, functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
@@ -73,19 +73,11 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
         return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
 
-    judge = held_out_metrics if sum_across([len(held_out)])[0] else None
-    with run.open() as out, runs.MetricsLog(run, "grpo", steps, config, judge) as log:
-        history = grpo(policy, engine, prompts, functions, optimizer=optimizer, steps=steps, group=g.group,
-                       prompts_per_step=per_process, max_new_tokens=g.max_new_tokens,
-                       temperature=g.temperature, top_k=g.top_k, top_p=g.top_p, iterations=g.iterations,
-                       clip=(g.clip_low, g.clip_high), drop_uniform=g.drop_uniform, beta=g.beta,
-                       reference=reference, correction_cap=g.correction_cap, dr_grpo=g.dr_grpo,
-                       sequence_level=g.sequence_level, advantage=g.advantage, sequence_mean=g.sequence_mean,
-                       dynamic_sampling=g.dynamic_sampling, tokens=t.context_length,
-                       max_grad_norm=config.optimizer.grad_clip, schedule=schedule, seed=rt.seed + 7919 * share,
-                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
-                       keep=t.keep, on_step=log)
-    return runs.summarize(run, history, log, card=card.name, steps=steps)
+    with job.open(policy, held_out_metrics if sum_across([len(held_out)])[0] else None) as run:
+        history = grpo(policy, engine, prompts, functions, run,
+                       settings=dataclasses.replace(g, prompts_per_step=per_process), reference=reference,
+                       tokens=t.context_length, seed=rt.seed + 7919 * share)
+    return job.summarize(history, card=card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from linnet.commands.runs import parse_command
-from linnet.commands.sft import batch_table, prepare
+from linnet.commands.sft import batch_table, read_inputs
 from linnet.config import SFTConfig
 from linnet.report.tables import print_table
 
@@ -33,13 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     args, config = parse_command(argv, "linnet inspect", main.__doc__, SFTConfig, training=False)
     if config is None:
         return 0
-    prepared = prepare(config)
+    inputs = read_inputs(config)
     color = sys.stdout.isatty()
-    for i, example in enumerate(prepared.train_examples[: args.examples]):
+    for i, example in enumerate(inputs.train_examples[: args.examples]):
         learned = int(example.learned[1:].sum())
         print(f"--- example {i}: {len(example)} tokens, {learned} learned " +
               ("(green)" if color else "(inside [[ ]])"))
-        print(highlight(prepared.tokenizer, example, color))
+        print(highlight(inputs.tokenizer, example, color))
     print()
-    print_table(batch_table(prepared))
+    print_table(batch_table(inputs))
     return 0

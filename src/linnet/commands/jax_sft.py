@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from linnet.commands import runs
-from linnet.commands.sft import epochs_of_rows, prepare
+from linnet.commands.sft import epochs_of_rows, read_inputs
 from linnet.config import SFTConfig
 
 
@@ -57,10 +57,11 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     if t.activation_checkpointing and not remat:
         raise ValueError("config: training.activation_checkpointing=true asks `linnet jax` to recompute layers and "
                          "--no-remat asks it not to: drop one")
-    prepared = prepare(config)
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if run.complete is not None:
-        return run.complete
+    inputs = read_inputs(config)
+    job = runs.start(config, inputs.steps, overwrite=overwrite, resume=resume, resume_from=resume_from,
+                     label="jax sft")
+    if job.complete is not None:
+        return job.complete
     import jax  # after every check: a refused config starts no JAX (its threads make forking unsafe)
     from jax.sharding import Mesh
 
@@ -68,24 +69,21 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.jax.train import train
     from linnet.packing import pack
 
-    model = load_model(prepared.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
+    model = load_model(inputs.card, weights=m.weights, dtype=m.dtype, seed=rt.seed)
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora, seed=rt.seed)
-    eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id))
+    eval_rows = list(pack(inputs.eval_examples, t.context_length, pad_id=inputs.tokenizer.pad_id))
 
     def held_out(params) -> dict:
         sums = np.array([[float(x) for x in model.loss_packed(row, params)] for row in eval_rows])
         return {"held_out_loss": float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))}
 
     mesh = Mesh(np.array(jax.devices()), ("data",)) if fully_shard else None
-    with run.open() as out, runs.MetricsLog(run, "jax sft", prepared.steps, config) as log:
-        _, history = train(model, epochs_of_rows(prepared), optimizer=optax_adamw(config, prepared.steps),
-                           steps=prepared.steps, accumulate=t.accumulation, clip=config.optimizer.grad_clip,
-                           save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
-                           keep=t.keep, mesh=mesh, remat=remat, evaluate=held_out if eval_rows else None,
-                           evaluate_every=config.evaluation.every, seed=rt.seed, on_step=log)
-    return runs.summarize(run, history, log, card=prepared.card.name, steps=prepared.steps, backend="jax")
+    with job.open(evaluate=held_out if eval_rows else None, optimizer=optax_adamw(config, inputs.steps)) as run:
+        _, history = train(model, epochs_of_rows(inputs), run, accumulate=t.accumulation, mesh=mesh, remat=remat,
+                           seed=rt.seed)
+    return job.summarize(history, card=inputs.card.name, backend="jax")
 
 
 def main(argv: list[str] | None = None) -> int:

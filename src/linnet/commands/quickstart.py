@@ -164,7 +164,7 @@ def check(out: Path, *, steps: int, dpo_steps: int, grpo_steps: int, digits: int
     if steps < 1 or dpo_steps < 0 or grpo_steps < 0:
         raise ValueError("--steps must be >= 1, --dpo-steps and --grpo-steps >= 0")
     if tokens < 3 * digits + 5 or not lr > 0 or (threads is not None and threads < 1):
-        raise ValueError(f"--tokens must hold one problem ({3 * digits + 5} positions), --lr be > 0 and --threads "
+        raise ValueError(f"--context-length must hold one problem ({3 * digits + 5} positions), --lr be > 0 and --threads "
                          ">= 1")
     check_writable(out, "--out")
     if out.is_dir() and any(out.iterdir()):
@@ -211,14 +211,12 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
     metrics: list[dict] = [{"stage": "start", "step": 0, "held_out_accuracy": accuracies["start"]}]
     offset = 0
 
-    def reporter(stage: str, total: int, bar: Progress):
+    def reporter(stage: str, bar: Progress):
         def report(s):
             # each stage's loss under its own name: they measure different things
             loss_key = "loss" if stage == "sft" else f"{stage}_loss"
             row = {"stage": stage, "step": offset + s.step, loss_key: s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                    "tokens_per_second": s.tokens_per_second, **s.metrics}
-            if stage == "sft" and (s.step % evaluate_every == 0 or s.step == total):
-                row["held_out_loss"] = held_out_loss(model, eval_rows)
             metrics.append(row)
             bar.update(s.step, loss=s.loss, **({"reward": s.metrics["reward"]} if "reward" in s.metrics else {}))
         return report
@@ -229,7 +227,7 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
             return accuracies[list(accuracies)[-1]]
         bar = Progress(total, name)
         t0 = time.perf_counter()
-        fit(reporter(name, total, bar))
+        fit(reporter(name, bar))
         bar.close()
         offset += total
         accuracies[name] = accuracy(engine, model, tests)
@@ -242,7 +240,8 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
     t_start = time.perf_counter()
     stage("sft", steps, lambda report: train(
         model, pack(demonstrations(shown, seed), tokens), optimizer=optimizer, steps=steps,
-        schedule=cosine_schedule(optimizer, min(20, steps), steps, floor=0.05), on_step=report))
+        schedule=cosine_schedule(optimizer, min(20, steps), steps, floor=0.05), on_step=report,
+        evaluate=lambda model: {"held_out_loss": held_out_loss(model, eval_rows)}, evaluate_every=evaluate_every))
 
     pairs = own_pairs(engine, model, practice_set, samples=8, seed=seed) if dpo_steps > 0 else []
     if pairs:
@@ -301,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demos", type=int, default=600, help="SFT demonstrations (default: 600)")
     parser.add_argument("--practice", type=int, default=4000, help="prompts for DPO and GRPO, none of them a "
                         "demonstration (default: 4000)")
-    parser.add_argument("--tokens", type=int, default=1024, help="positions per packed row (default: 1024)")
+    parser.add_argument("--context-length", type=int, default=1024, help="positions per packed row (default: 1024)")
     parser.add_argument("--lr", type=float, default=2e-3, help="SFT peak learning rate (default: 2e-3)")
     parser.add_argument("--dpo-lr", type=float, default=3e-4, help="DPO peak learning rate (default: 3e-4)")
     parser.add_argument("--grpo-lr", type=float, default=1e-4, help="GRPO peak learning rate (default: 1e-4)")
@@ -313,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     try:
         run(out, steps=args.steps, dpo_steps=args.dpo_steps, grpo_steps=args.grpo_steps, digits=args.digits,
-            demos=args.demos, practice=args.practice, tokens=args.tokens, lr=args.lr, dpo_lr=args.dpo_lr,
+            demos=args.demos, practice=args.practice, tokens=args.context_length, lr=args.lr, dpo_lr=args.dpo_lr,
             grpo_lr=args.grpo_lr, seed=args.seed, threads=args.threads, overwrite=args.overwrite)
     except KeyboardInterrupt:
         shutil.rmtree(out.parent / f".{out.name}.tmp-{os.getpid()}", ignore_errors=True)

@@ -9,6 +9,8 @@ loads in transformers as AutoModelForSequenceClassification and serves GRPO as
 
 from __future__ import annotations
 
+import dataclasses
+
 from linnet.commands import runs
 from linnet.commands.dpo import preference_data
 from linnet.config import RewardConfig
@@ -17,29 +19,25 @@ from linnet.torch.distributed import data_share, sum_across
 
 def run(config: RewardConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None) -> dict:
-    from linnet.train.reward import add_score_head, held_out_accuracy, reward, save_reward_model
+    from linnet.train.reward import add_score_head, held_out_accuracy, reward
 
     card, pairs, held_out, steps = preference_data(config, config.reward.pairs_per_step, "reward.pairs_per_step")
     t, s = config.training, config.reward
     per_process = runs.split_per_step("reward.pairs_per_step", s.pairs_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split or a pipeline take the same pairs
     pairs, held_out = pairs[share::shares], held_out[share::shares]
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if run.complete is not None:
-        return run.complete
-    model = add_score_head(runs.load_model(card, config), seed=config.runtime.seed)
-    optimizer, schedule = runs.optimizer_and_schedule(config, model, steps)
-    evaluate = None
-    if sum_across([len(held_out)])[0]:
-        def evaluate(step):
-            return held_out_accuracy(model, held_out, tokens=t.context_length)
+    job = runs.start(config, steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
+    model = add_score_head(job.load(card), seed=config.runtime.seed)
 
-    with run.open() as out, runs.MetricsLog(run, "reward", steps, config, evaluate) as log:
-        history = reward(model, pairs, optimizer=optimizer, steps=steps, pairs_per_step=per_process, margin=s.margin,
-                         tokens=t.context_length, clip=config.optimizer.grad_clip, schedule=schedule,
-                         checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every, keep=t.keep, on_step=log)
-        save_reward_model(model, out / "final")
-    return runs.summarize(run, history, log, card=card.name, steps=steps)
+    def evaluate(model):
+        return held_out_accuracy(model, held_out, tokens=t.context_length)
+
+    with job.open(model, evaluate if sum_across([len(held_out)])[0] else None) as run:
+        history = reward(model, pairs, run, settings=dataclasses.replace(s, pairs_per_step=per_process),
+                         tokens=t.context_length)
+    return job.summarize(history, card=card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

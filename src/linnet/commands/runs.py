@@ -317,17 +317,15 @@ def _trackers(config, path: Path, label: str):
 
 
 class MetricsLog:
-    """A run's `on_step`: appends one JSON line a step to the run's metrics.jsonl and
-    moves the progress bar; `evaluate(step) -> dict` adds held-out metrics every
-    `evaluation.every` steps and at the end (the bar shows the latest of them). Use it
-    as a context: it times the run and closes the file."""
+    """A run's `on_step`: appends one JSON line a step (its held-out metrics included, when
+    the step evaluated) to the run's metrics.jsonl and moves the progress bar, which shows
+    the latest held-out metrics. Use it as a context: it times the run and closes the file."""
 
-    def __init__(self, run: RunDirectory, label: str, steps: int, config, evaluate=None):
+    def __init__(self, run: RunDirectory, label: str, steps: int, config):
         lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
         self.run = run
         self.file = MetricsFile(run.path / "metrics.jsonl", label, steps, progress=config.runtime.progress,
                                 trackers=_trackers(config, run.path, label)) if lead else None
-        self.steps, self.every, self.evaluate = steps, config.evaluation.every, evaluate
         self.latest: dict = {}
         self.started = self.seconds = 0.0
 
@@ -341,17 +339,70 @@ class MetricsLog:
             self.file.close()
 
     def __call__(self, step) -> None:
-        from linnet.report.history import due
-
         row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
                "learned": step.learned, "tokens_per_second": step.tokens_per_second,
                "seconds": step.seconds, **step.metrics}
-        if self.evaluate is not None and due(step.step, self.every, self.steps):
-            self.latest = self.evaluate(step)
-            row.update(self.latest)
+        self.latest = {k: v for k, v in step.metrics.items() if k.startswith("held_out")} or self.latest
         if self.file is not None:
             self.file.write(row, loss=step.loss, tok_s=step.tokens_per_second, **self.latest)
         self.run.started()
+
+
+class Job:
+    """A training command's run, assembled once from its config (`start`): the run
+    directory, checked before anything loads; the model (`load`); the `linnet.run.Run`
+    the objective takes, with its optimizer and schedule, the directory's checkpoints and
+    final/, the metrics log and the held-out evaluation (`open`); and summary.json
+    (`summarize`). A command reads: read the data, start, load, open, run the objective,
+    summarize.
+
+        job = runs.start(config, steps, overwrite=False, resume=True)
+        if job.complete is not None:
+            return job.complete                 # the run had finished: its summary
+        model = job.load(card)
+        with job.open(model, evaluate) as run:
+            history = train(model, rows, run, accumulate=config.training.accumulation)
+        return job.summarize(history, card=card.name)
+    """
+
+    def __init__(self, config, steps: int, directory: RunDirectory, label: str):
+        self.config, self.steps, self.directory, self.label = config, steps, directory, label
+        self.complete = directory.complete
+        self.log: MetricsLog | None = None
+
+    def load(self, card):
+        """The model the config trains (`load_model`)."""
+        return load_model(card, self.config)
+
+    @contextmanager
+    def open(self, model=None, evaluate=None, *, optimizer=None):
+        """Write the run directory's files and yield the Run: the config's AdamW over what
+        trains in `model` and its schedule over `steps` (or `optimizer`, the JAX backend's
+        optax one, scheduled itself), the gradient clip, checkpoints (checkpoints/, every
+        training.checkpoint_every, keeping training.keep), final/ and the metrics log,
+        with `evaluate` every evaluation.every steps."""
+        from linnet.run import Run
+
+        c, t = self.config, self.config.training
+        schedule = None
+        if optimizer is None:
+            optimizer, schedule = optimizer_and_schedule(c, model, self.steps)
+        with self.directory.open() as out, MetricsLog(self.directory, self.label, self.steps, c) as self.log:
+            yield Run(optimizer=optimizer, steps=self.steps, clip=c.optimizer.grad_clip, schedule=schedule,
+                      save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
+                      keep=t.keep, on_step=self.log, evaluate=evaluate, evaluate_every=c.evaluation.every)
+
+    def summarize(self, history, card: str, **extra: Any) -> dict:
+        """summary.json (see `summarize`), with the card and the planned steps."""
+        return summarize(self.directory, history, self.log, card=card, steps=self.steps, **extra)
+
+
+def start(config, steps: int, *, overwrite: bool = False, resume: bool = False,
+          resume_from: str | os.PathLike | None = None, label: str | None = None) -> Job:
+    """The Job of a training command's config: its run directory checked (reads only) for
+    the command line's --overwrite, --resume and --resume-from."""
+    directory = RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    return Job(config, steps, directory, label or config.command)
 
 
 def execute(run, args, config, **options) -> int:

@@ -21,8 +21,8 @@ from linnet.torch.distributed import data_share
 
 
 @dataclass
-class Prepared:
-    """Everything a run needs before its first step, built and checked up front."""
+class Inputs:
+    """What a run reads before its first step, built and checked up front."""
 
     config: SFTConfig
     card: object
@@ -33,7 +33,7 @@ class Prepared:
     steps: int
 
 
-def prepare(config: SFTConfig) -> Prepared:
+def read_inputs(config: SFTConfig) -> Inputs:
     """Resolve the card and tokenizer, read, format and check all the data: every data
     error surfaces here, before a model is loaded."""
     from linnet.cards import resolve
@@ -50,7 +50,7 @@ def prepare(config: SFTConfig) -> Prepared:
     rows = count_rows(examples, t.context_length)
     steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.per_copy)[1])))
     runs.steps_factor(config, steps)  # a schedule that cannot fit fails now
-    return Prepared(config, card, tokenizer, examples, held_out, rows, steps)
+    return Inputs(config, card, tokenizer, examples, held_out, rows, steps)
 
 
 def split_records(config: SFTConfig) -> tuple[list, list]:
@@ -76,43 +76,43 @@ def record_fields(config: SFTConfig) -> dict:
     return dict(messages=d.messages, prompt=d.prompt, completion=d.completion, chat=d.chat)
 
 
-def epochs_of_rows(prepared: Prepared):
+def epochs_of_rows(inputs: Inputs):
     """Packed rows, epoch after epoch; each epoch reshuffles the examples by seed, so a
     resumed run sees the same stream. Under torchrun each copy of the model (each
     process, unless training.split or training.pipeline joins processes into one) takes every
     copies-th row."""
-    share, shares = data_share(prepared.config.training.per_copy)
-    return itertools.islice(_all_rows(prepared), share, None, shares)
+    share, shares = data_share(inputs.config.training.per_copy)
+    return itertools.islice(_all_rows(inputs), share, None, shares)
 
 
-def _all_rows(prepared: Prepared):
+def _all_rows(inputs: Inputs):
     from linnet.packing import pack
 
-    d, seed = prepared.config.data, prepared.config.runtime.seed
+    d, seed = inputs.config.data, inputs.config.runtime.seed
     epoch = 0
     while True:
-        examples = prepared.train_examples
+        examples = inputs.train_examples
         if d.shuffle:
             order = np.random.default_rng([seed, epoch]).permutation(len(examples))
             examples = [examples[i] for i in order]
-        yield from pack(examples, prepared.config.training.context_length, pad_id=prepared.tokenizer.pad_id)
+        yield from pack(examples, inputs.config.training.context_length, pad_id=inputs.tokenizer.pad_id)
         epoch += 1
 
 
-def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
+def batch_table(inputs: Inputs) -> list[tuple[str, str]]:
     """The derived sizes a user checks before training."""
     from linnet.packing import fitted
 
-    t = prepared.config.training
-    examples = fitted(prepared.train_examples, t.context_length)
-    rows = prepared.rows_per_epoch
+    t = inputs.config.training
+    examples = fitted(inputs.train_examples, t.context_length)
+    rows = inputs.rows_per_epoch
     real = sum(len(ex) for ex in examples)
     learned = int(sum(ex.learned[1:].sum() for ex in examples))
     processes = data_share(t.per_copy)[1]
     per_step = t.accumulation * processes
     return [
-        ("training examples", f"{len(prepared.train_examples):,}"),
-        ("held-out examples", f"{len(prepared.eval_examples):,}"),
+        ("training examples", f"{len(inputs.train_examples):,}"),
+        ("held-out examples", f"{len(inputs.eval_examples):,}"),
         ("packed rows per epoch", f"{rows:,} of {t.context_length} positions"),
         ("padding share", f"{1 - real / (rows * t.context_length):.1%}"),
         ("learned tokens per epoch", f"{learned:,} ({learned / real:.0%} of real tokens)"),
@@ -120,7 +120,7 @@ def batch_table(prepared: Prepared) -> list[tuple[str, str]]:
                                               if processes > 1 else "")),
         ("learned tokens per step", f"{learned / rows * per_step:,.0f} (mean)"),
         ("steps per epoch", f"{rows / per_step:,.1f}"),
-        ("steps", f"{prepared.steps:,} ({prepared.steps * per_step / rows:.2f} epochs)"),
+        ("steps", f"{inputs.steps:,} ({inputs.steps * per_step / rows:.2f} epochs)"),
     ]
 
 
@@ -131,24 +131,21 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.train import train
     from linnet.train.evaluation import held_out_loss
 
-    prepared = prepare(config)  # data errors before anything is written
-    run = runs.RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if run.complete is not None:
-        return run.complete
+    data = read_inputs(config)  # data errors before anything is written
+    job = runs.start(config, data.steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
     t = config.training
-    model = runs.load_model(prepared.card, config)
-    optimizer, schedule = runs.optimizer_and_schedule(config, model, prepared.steps)
+    model = job.load(data.card)
     share, shares = data_share(t.per_copy)
-    eval_rows = list(pack(prepared.eval_examples, t.context_length, pad_id=prepared.tokenizer.pad_id)) \
-        if prepared.eval_examples else []
-    evaluate = (lambda step: {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}) \
-        if eval_rows else None
-    with run.open() as out, runs.MetricsLog(run, "sft", prepared.steps, config, evaluate) as log:
-        history = train(model, epochs_of_rows(prepared), optimizer=optimizer, steps=prepared.steps,
-                        accumulate=t.accumulation, clip=config.optimizer.grad_clip, schedule=schedule,
-                        save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
-                        keep=t.keep, on_step=log)
-    return runs.summarize(run, history, log, card=prepared.card.name, steps=prepared.steps)
+    eval_rows = list(pack(data.eval_examples, t.context_length, pad_id=data.tokenizer.pad_id))
+
+    def evaluate(model):
+        return {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}
+
+    with job.open(model, evaluate if eval_rows else None) as run:
+        history = train(model, epochs_of_rows(data), run, accumulate=t.accumulation)
+    return job.summarize(history, card=data.card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,8 @@ FORMER_FIELDS = {
     # spellings other trainers (and linnet's issues) use for fields linnet keeps elsewhere
     "report_to": "use runtime.report_to (a list: tensorboard, wandb, mlflow, trackio)",
     "grpo.reward": "use grpo.rewards (a list; model:DIR for a reward model)",
+    "grpo.clip_low": "use grpo.clip: [low, high] (the ratio kept in [1 - low, 1 + high])",
+    "grpo.clip_high": "use grpo.clip: [low, high] (the ratio kept in [1 - low, 1 + high])",
 }
 
 

@@ -12,8 +12,9 @@ workers import the pretraining config.
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from linnet.config.fields import option
 
@@ -26,6 +27,15 @@ def _positive(**fields: float | int | None) -> None:
     for name, value in fields.items():
         if value is not None and not value >= 1:
             raise ValueError(f"config: {name}={value}; it must be a positive integer")
+
+
+def _one_of(settings, name: str) -> None:
+    """A Literal field holds one of its values (a YAML config is checked as it loads; this
+    checks settings made in Python too)."""
+    allowed = typing.get_args(typing.get_type_hints(type(settings))[name])
+    value = getattr(settings, name)
+    if value not in allowed:
+        raise ValueError(f"config: {settings.YAML}.{name}={value!r}; use one of {', '.join(map(str, allowed))}")
 
 
 @dataclass
@@ -304,6 +314,8 @@ class RuntimeConfig:
 
 @dataclass
 class DPOSettings:
+    YAML: ClassVar[str] = "dpo"  # the group's name in a config
+
     beta: float = option(0.1, "strength of the implicit KL constraint: rewards are beta * log(pi / ref)")
     label_smoothing: float = option(0.0, "share of pairs taken as labelled the wrong way round (cDPO; sigmoid, "
                                          "robust, simpo)")
@@ -319,6 +331,7 @@ class DPOSettings:
     reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
 
     def __post_init__(self):
+        _one_of(self, "loss_type")
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
         if not 0 <= self.rpo_alpha < float("inf") or (self.rpo_alpha and self.loss_type in ("orpo", "kto")):
@@ -332,6 +345,8 @@ class DPOSettings:
 
 @dataclass
 class RewardSettings:
+    YAML: ClassVar[str] = "reward"  # the group's name in a config
+
     pairs_per_step: int = option(32, "pairs per optimizer step")
     margin: float = option(0.0, "Bradley-Terry with a margin: -log sigmoid(r_chosen - r_rejected - margin)")
 
@@ -341,6 +356,8 @@ class RewardSettings:
 
 @dataclass
 class DistillSettings:
+    YAML: ClassVar[str] = "distill"  # the group's name in a config
+
     teacher: str = option("", "the teacher: a registered card or a model directory (logit and on_policy: with the "
                               "student's tokenizer; sequence: any, its answers pass as text)")
     mode: Literal["logit", "sequence", "on_policy"] = option(
@@ -373,13 +390,12 @@ class DistillSettings:
 
 
 @dataclass
-class GRPOSettings:
-    rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
-                                           "reward`), or module:function; summed")
-    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
-    reward_workers: int = option(1, "score each module:function reward this many completions at a time, in "
-                                    "threads: for rewards that wait on a subprocess or a service (reward models "
-                                    "batch already)")
+class GRPOOptions:
+    """GRPO's own options: the `grpo` group's fields that `linnet.train.grpo.grpo` takes
+    (its keywords, or `settings=`), the same definition in YAML and Python."""
+
+    YAML: ClassVar[str] = "grpo"  # the group's name in a config
+
     group: int = option(8, "completions sampled per prompt")
     prompts_per_step: int = option(8, "prompts per sampling step")
     max_new_tokens: int = option(256, "longest completion")
@@ -387,12 +403,13 @@ class GRPOSettings:
     top_k: int | None = option(None, "sample from the k most likely tokens")
     top_p: float | None = option(None, "sample from the smallest set reaching this probability")
     iterations: int = option(1, "optimizer steps per sampling step (reusing the samples)")
-    clip_low: float = option(0.2, "ratio clip below: 1 - clip_low")
-    clip_high: float = option(0.2, "ratio clip above: 1 + clip_high")
+    clip: list[float] = option([0.2, 0.2], "the ratio's clip [low, high]: the ratio is kept in [1 - low, 1 + high] "
+                                           "(DAPO's clip-higher raises high, e.g. [0.2, 0.28])")
     drop_uniform: bool = option(False, "leave groups whose rewards are all equal out of the loss's average "
                                         "(with beta 0 they skip training anyway)")
     beta: float = option(0.0, "k3 KL weight against a frozen copy of the starting model")
-    correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped")
+    correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped (needs "
+                                                "temperature 1, no top_k or top_p)")
     dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
     sequence_level: bool = option(False, "GSPO: one ratio per completion")
     advantage: Literal["group", "rloo"] = option("group", "group: reward - group mean, over the group's std; rloo: "
@@ -401,6 +418,43 @@ class GRPOSettings:
                                         "completions (the GRPO paper's 1/|o_i|)")
     dynamic_sampling: int = option(0, "DAPO's dynamic sampling: up to this many extra sampling rounds a step, "
                                       "until it holds prompts_per_step groups whose rewards differ; 0: off")
+
+    def __post_init__(self):
+        _one_of(self, "advantage")
+        if self.group < 2 or self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
+            raise ValueError("config: grpo.group >= 2; grpo.prompts_per_step, grpo.iterations, grpo.max_new_tokens "
+                             ">= 1")
+        if self.dynamic_sampling < 0:
+            raise ValueError(f"config: grpo.dynamic_sampling={self.dynamic_sampling}; it is a number of extra "
+                             "sampling rounds, >= 0")
+        if self.dr_grpo and self.sequence_mean:
+            raise ValueError("config: grpo.dr_grpo divides token sums by a constant and grpo.sequence_mean by each "
+                             "completion's length; choose one")
+        if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
+            raise ValueError(f"config: grpo.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
+                             "clipped below at 1 - low) and high >= 0")
+        if self.temperature < 0 or self.beta < 0 or (self.top_k is not None and self.top_k < 1) \
+                or (self.top_p is not None and not 0 < self.top_p <= 1) \
+                or (self.correction_cap is not None and not self.correction_cap > 0):
+            raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
+                             "(0, 1] and grpo.correction_cap > 0")
+        if self.correction_cap is not None and (self.temperature != 1.0 or self.top_k or
+                                                self.top_p not in (None, 1.0)):
+            raise ValueError("config: grpo.correction_cap reads the engine's log-probabilities: use grpo.temperature "
+                             "1, no grpo.top_k or grpo.top_p")
+
+
+@dataclass
+class GRPOSettings(GRPOOptions):
+    """The `grpo` group: GRPO's own options, and what `linnet grpo` builds around them
+    (the rewards, the engine, the held-out pass@k)."""
+
+    rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
+                                           "reward`), or module:function; summed")
+    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
+    reward_workers: int = option(1, "score each module:function reward this many completions at a time, in "
+                                    "threads: for rewards that wait on a subprocess or a service (reward models "
+                                    "batch already)")
     pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
                             "top_k and top_p; 0: only the greedy reward and pass@1")
     pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
@@ -418,28 +472,16 @@ class GRPOSettings:
               "the rest left to training; null: 0.3")
 
     def __post_init__(self):
-        if self.group < 2 or self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
-            raise ValueError("config: grpo.group >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
+        super().__post_init__()
         if not self.rewards:
             raise ValueError("config: grpo.rewards lists no reward")
         if self.reward_workers < 1:
             raise ValueError(f"config: grpo.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
                              "or more")
-        if self.dynamic_sampling < 0 or (self.dr_grpo and self.sequence_mean):
-            raise ValueError("config: grpo.dynamic_sampling must be >= 0, and grpo.dr_grpo and grpo.sequence_mean "
-                             "exclude each other (a constant normaliser against each completion's length)")
         if self.pass_k < 0 or self.pass_k == 1:
             raise ValueError("config: grpo.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
         if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:
             raise ValueError("config: grpo.pass_samples needs grpo.pass_k >= 2, and must be at least pass_k")
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ValueError(f"config: grpo.clip_low={self.clip_low} must be in [0, 1) (the ratio is clipped below "
-                             f"at 1 - clip_low) and grpo.clip_high={self.clip_high} >= 0")
-        if self.temperature < 0 or self.beta < 0 or (self.top_k is not None and self.top_k < 1) \
-                or (self.top_p is not None and not 0 < self.top_p <= 1) \
-                or (self.correction_cap is not None and not self.correction_cap > 0):
-            raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
-                             "(0, 1] and grpo.correction_cap > 0")
         if self.engine_dtype is not None and self.engine != "builtin":
             raise ValueError(f"config: grpo.engine_dtype={self.engine_dtype} is read with grpo.engine=builtin only "
                              "(vLLM samples in the policy's dtype); remove it")

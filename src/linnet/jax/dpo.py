@@ -12,18 +12,20 @@ model's own log-probabilities before training are computed for every pair first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
+from linnet.config.groups import DPOSettings
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import Pair, check_pairs, pack_prompted
-from linnet.report.history import History, Step
+from linnet.run import History, Run, run_and_options
 
 
 def _rows(pairs: Sequence[Pair], tokens: int):
@@ -81,24 +83,30 @@ def reference_log_probs(model: JaxModel, pairs: Sequence[Pair], *, params: Param
     return np.concatenate(out) if out else np.zeros((0, 2))
 
 
-def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_per_step: int = 32,
-        beta: float = 0.1, label_smoothing: float = 0.0, reference: Params | None = None, tokens: int = 4096,
-        clip: float | None = 1.0, trainable=None, save_to=None, checkpoint=None, checkpoint_every: int = 100,
-        keep: int = 2, mesh=None, remat: bool = False, seed: int = 0,
-        on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
-    """Train on preference pairs for `steps` steps of `pairs_per_step` pairs (the
-    sequence repeated as epochs); returns (parameters, history). Each Step's metrics
+def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, settings: DPOSettings | None = None,
+        reference: Params | None = None, tokens: int = 4096, trainable=None, mesh=None, remat: bool = False,
+        seed: int = 0, **options) -> tuple[Params, History]:
+    """Train on preference pairs for `run.steps` steps of `pairs_per_step` pairs (the
+    sequence repeated as epochs); returns (parameters, history). `run`: a linnet.run.Run,
+    or its fields as keywords. options: the fields of linnet.config.DPOSettings (or
+    `settings=`) the JAX backend has: pairs_per_step, beta, label_smoothing (the sigmoid
+    loss). Each Step's metrics
     hold rewards/accuracies (share of pairs ranked right) and rewards/margins (mean reward
     margin), as TRL names them. `mesh`, `remat` and `seed` (the adapters' dropout masks)
     work as for `linnet.jax.train.train` (a step's rows split over the devices, filled out
     with rows that learn nothing); the reference log-probabilities take no dropout."""
-    if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
-        raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
+    run, s = run_and_options("dpo", run, options, DPOSettings, settings)
+    supported = dataclasses.replace(DPOSettings(), beta=s.beta, label_smoothing=s.label_smoothing,
+                                    pairs_per_step=s.pairs_per_step)
+    if s != supported:
+        raise ValueError(f"dpo (JAX): {s}; the JAX backend trains the sigmoid loss with beta, label_smoothing and "
+                         "pairs_per_step: the other options are PyTorch's (linnet.train.dpo)")
+    beta, label_smoothing, pairs_per_step = s.beta, s.label_smoothing, s.pairs_per_step
     pairs = list(pairs)
     check_pairs(pairs)
     fixed = reference_log_probs(model, pairs, params=reference, tokens=tokens)
     rate = model.lora_dropout
-    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, beta, label_smoothing, remat,
+    compiled = _make_step(model.card, model.dtype, model.lora_scale, run.optimizer, run.clip, beta, label_smoothing, remat,
                           rate)
 
     def step(number: int, chunk: list, state: State) -> Update:
@@ -111,6 +119,5 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], *, optimizer, steps: int, pairs_
         return Update(loss, norm, int(rows["weights"].sum()), real,
                       {"pairs": len(chunk), "rewards/accuracies": float(accuracy), "rewards/margins": float(margin)})
 
-    return fit(model, itertools.cycle(enumerate(pairs)), step, per_step=pairs_per_step, steps=steps,
-               optimizer=optimizer, trainable=trainable, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-               keep=keep, mesh=mesh, save_to=save_to, on_step=on_step, what="dpo: the pairs")
+    return fit(model, itertools.cycle(enumerate(pairs)), step, run, per_step=pairs_per_step, trainable=trainable,
+               mesh=mesh, what="dpo: the pairs")

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linnet.config.groups import GRPOOptions
 from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.packing import pack_prompted
-from linnet.report.history import History, Step
 from linnet.rl.rollouts import (
     Prompt,
     Reward,
@@ -41,6 +41,7 @@ from linnet.rl.rollouts import (
     step_metrics,
     to_train,
 )
+from linnet.run import History, Run, run_and_options
 
 
 def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, tokens: int, sequence_level: bool):
@@ -70,7 +71,7 @@ def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, toke
 
 
 @functools.lru_cache(maxsize=8)
-def _make_step(card, dtype, lora_scale: float, optimizer, max_grad_norm, clip: tuple[float, float], beta: float,
+def _make_step(card, dtype, lora_scale: float, optimizer, norm_clip, clip: tuple[float, float], beta: float,
                correction_cap, sequence_level: bool, sequences: int, remat: bool, lora_dropout: float):
     low, high = 1.0 - clip[0], 1.0 + clip[1]
 
@@ -101,23 +102,22 @@ def _make_step(card, dtype, lora_scale: float, optimizer, max_grad_norm, clip: t
 
     def step(trained, frozen, opt_state, rows, old, ref, normaliser):
         (_, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained, frozen, rows, old, ref, normaliser)
-        trained, opt_state, norm = apply_gradients(grads, trained, opt_state, optimizer, max_grad_norm)
+        trained, opt_state, norm = apply_gradients(grads, trained, opt_state, optimizer, norm_clip)
         return trained, opt_state, norm, stats
 
     return jax.jit(step, donate_argnums=(0, 2))
 
 
-def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str, Reward], *,
-         optimizer, steps: int, group: int = 8, prompts_per_step: int = 8, max_new_tokens: int = 256,
-         temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-         stop: Iterable[int] | None = None, iterations: int = 1, clip: tuple[float, float] = (0.2, 0.2),
-         drop_uniform: bool = False, beta: float = 0.0, reference: Params | None = None,
-         correction_cap: float | None = None, dr_grpo: bool = False, sequence_level: bool = False,
-         tokens: int = 4096, max_grad_norm: float | None = 1.0, seed: int = 0, trainable=None, save_to=None,
-         checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None, remat: bool = False,
-         on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
-    """Train `policy` with GRPO for `steps` steps (see the module docstring); returns
-    (parameters, history). `reference` (parameters, path -> array) is needed for beta > 0.
+def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str, Reward],
+         run: Run | None = None, *, settings: GRPOOptions | None = None, reference: Params | None = None,
+         stop: Iterable[int] | None = None, tokens: int = 4096, seed: int = 0, trainable=None, mesh=None,
+         remat: bool = False, **options) -> tuple[Params, History]:
+    """Train `policy` with GRPO for `run.steps` steps (see the module docstring); returns
+    (parameters, history). `run`: a linnet.run.Run, or its fields as keywords (the
+    gradient-norm clip is the Run's; grpo's `clip` is the ratio's). options: the fields of
+    linnet.config.GRPOOptions (or `settings=`) but advantage, sequence_mean and
+    dynamic_sampling, which are PyTorch's (linnet.train.grpo). `reference` (parameters,
+    path -> array) is needed for beta > 0.
     Each Step's metrics hold the mean reward (and each function's, when several), the
     share of uniform groups, completion length, stop share, clip fraction, KL and the
     engine/policy log-probability mismatch. `mesh` and `remat` work as for
@@ -125,13 +125,16 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     that learn nothing); the engine samples on its own. Adapters with dropout draw new masks
     each iteration from (seed, step, iteration, row), the first iteration's also for the
     `old` log-probabilities."""
-    if group < 2 or prompts_per_step < 1 or iterations < 1:
-        raise ValueError("grpo: group must be >= 2, prompts_per_step and iterations >= 1")
-    if beta and reference is None:
+    run, s = run_and_options("grpo", run, options, GRPOOptions, settings)
+    pytorch_only = {name: getattr(s, name) for name in ("advantage", "sequence_mean", "dynamic_sampling")
+                    if getattr(s, name) != getattr(GRPOOptions(), name)}
+    if pytorch_only:
+        raise ValueError(f"grpo (JAX): {pytorch_only} are PyTorch's options (linnet.train.grpo), not in the JAX "
+                         "backend yet")
+    if s.beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
-    if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
-        raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
-                         "no top_k or top_p")
+    group, max_new_tokens, temperature, top_k, top_p = s.group, s.max_new_tokens, s.temperature, s.top_k, s.top_p
+    iterations, beta, dr_grpo, sequence_level = s.iterations, s.beta, s.dr_grpo, s.sequence_level
     functions = reward_functions(reward)
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
@@ -144,7 +147,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         engine.load_weights(policy, state.params)
         scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                  seed=seed * 1_000_003 + number, dr_grpo=dr_grpo, drop_uniform=drop_uniform)
+                                  seed=seed * 1_000_003 + number, dr_grpo=dr_grpo, drop_uniform=s.drop_uniform)
         trained = to_train(scored, beta)
         rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
                            sequence_level)
@@ -164,8 +167,8 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
             learned = np.asarray(rows["weights"]) > 0
             mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
             checked = float(learned.sum())
-            compiled = _make_step(card, dtype, lora_scale, optimizer, max_grad_norm, tuple(clip), beta,
-                                  correction_cap, sequence_level, len(scored.samples), remat, rate)
+            compiled = _make_step(card, dtype, lora_scale, run.optimizer, run.clip, tuple(s.clip), beta,
+                                  s.correction_cap, sequence_level, len(scored.samples), remat, rate)
             for iteration in range(iterations):
                 state.trained, state.opt_state, norm, (loss_sum, clipped, kl) = compiled(
                     state.trained, state.frozen, state.opt_state, rows if iteration == 0 or not rate
@@ -176,6 +179,5 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         return Update(loss, norm, n_tokens, real, metrics)
 
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
-    return fit(policy, stream, step, per_step=prompts_per_step, steps=steps, optimizer=optimizer,
-               trainable=trainable, checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep, mesh=mesh,
-               save_to=save_to, on_step=on_step, what="grpo: the prompts")
+    return fit(policy, stream, step, run, per_step=s.prompts_per_step, trainable=trainable, mesh=mesh,
+               what="grpo: the prompts")

@@ -26,7 +26,7 @@ from linnet.files.adapters import ADAPTERS, MAGNITUDES
 from linnet.jax.lora import Params, save_peft
 from linnet.jax.model import JaxModel, part, save_weights
 from linnet.paths import select
-from linnet.report.history import History, Step, due, step_items
+from linnet.run import History, Run, Step, due, step_items
 
 
 @dataclass
@@ -127,38 +127,39 @@ def load_checkpoint(directory, trained: Params, opt_state) -> tuple[int, Params,
     return state["step"], {k: like(tensors[k], v) for k, v in trained.items()}, restored
 
 
-def fit(model: JaxModel, items: Iterable, step: Callable[[int, list, State], Update | None], *, per_step: int,
-        steps: int, optimizer, trainable=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2,
-        mesh=None, save_to=None, evaluate: Callable[[Params], dict] | None = None, evaluate_every: int = 50,
-        on_step: Callable[[Step], None] | None = None, what: str = "the items") -> tuple[Params, History]:
-    """Train for `steps` steps of `per_step` items: `step(number, items, state)` runs
+def fit(model: JaxModel, items: Iterable, step: Callable[[int, list, State], Update | None], run: Run, *,
+        per_step: int, trainable=None, mesh=None, what: str = "the items") -> tuple[Params, History]:
+    """Train for `run.steps` steps of `per_step` items: `step(number, items, state)` runs
     one compiled update and says what it did (None: the items ran short of a whole step,
-    which ends the run with a warning). A non-finite loss or norm stops the run; with
-    `checkpoint`, resume from the latest checkpoint there and write one every
-    `checkpoint_every` steps and at the end; `evaluate(params)` adds held-out metrics
-    every `evaluate_every` steps and at the last; `save_to` writes the result."""
-    trained, frozen, opt_state, start = start_run(model, optimizer, trainable, checkpoint, mesh)
+    which ends the run with a warning). A non-finite loss or norm stops the run; resumes
+    from `run.checkpoint`'s latest checkpoint and writes one every `checkpoint_every`
+    steps and at the end; `run.evaluate(params)` adds held-out metrics when due;
+    `run.save_to` writes the result. The schedule lives in the optax optimizer."""
+    if run.schedule is not None:
+        raise ValueError("JAX: Run.schedule is PyTorch's; give the optax optimizer a schedule (e.g. "
+                         "optax.adamw(optax.warmup_cosine_decay_schedule(...)))")
+    trained, frozen, opt_state, start = start_run(model, run.optimizer, trainable, run.checkpoint, mesh)
     state = State(trained, frozen, opt_state)
     history = History()
-    for number, chunk in step_items(items, per_step, start=start, steps=steps, what=what):
+    for number, chunk in step_items(items, per_step, start=start, steps=run.steps, what=what):
         started = time.perf_counter()
         done = step(number, chunk, state)
         if done is None:
-            warnings.warn(f"{what} ran out during step {number} of {steps}", stacklevel=2)
+            warnings.warn(f"{what} ran out during step {number} of {run.steps}", stacklevel=2)
             break
         record = Step(number, float(done.loss), int(done.learned), int(done.real), float(done.norm),
                       learning_rate(state.opt_state), time.perf_counter() - started, done.metrics)
         if not (np.isfinite(record.loss) and np.isfinite(record.grad_norm)):
             raise FloatingPointError(f"step {number}: loss {record.loss} and gradient norm {record.grad_norm}; "
                                      "lower the learning rate or check the data")
-        if evaluate is not None and due(number, evaluate_every, steps):
-            record.metrics.update(evaluate(state.params))
+        if run.evaluate is not None and due(number, run.evaluate_every, run.steps):
+            record.metrics.update(run.evaluate(state.params))
         history.steps.append(record)
-        if on_step is not None:
-            on_step(record)
-        if checkpoint is not None and due(number, checkpoint_every, steps):
-            save_checkpoint(checkpoint, number, state.trained, state.opt_state, keep=keep)
-    return finish(model, state.trained, state.frozen, save_to), history
+        if run.on_step is not None:
+            run.on_step(record)
+        if run.checkpoint is not None and due(number, run.checkpoint_every, run.steps):
+            save_checkpoint(run.checkpoint, number, state.trained, state.opt_state, keep=run.keep)
+    return finish(model, state.trained, state.frozen, run.save_to), history
 
 
 def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):

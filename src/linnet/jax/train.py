@@ -14,7 +14,7 @@ around the step is `linnet.jax.loop.fit`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ import numpy as np
 from linnet.jax.loop import State, Update, apply_gradients, fit
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, loss_packed, row_arrays
-from linnet.report.history import History, Step
+from linnet.run import History, Run, run_and_options
 
 
 @functools.lru_cache(maxsize=8)
@@ -53,29 +53,28 @@ def _make_step(card, dtype, lora_scale: float, optimizer, clip: float | None, re
     return jax.jit(step, donate_argnums=(0, 2))
 
 
-def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumulate: int = 1,
-          clip: float | None = 1.0, trainable: bool | str | Sequence[str] | None = None,
-          save_to=None, checkpoint=None, checkpoint_every: int = 100, keep: int = 2, mesh=None, remat: bool = False,
-          evaluate: Callable[[Params], dict] | None = None, evaluate_every: int = 50, seed: int = 0,
-          on_step: Callable[[Step], None] | None = None) -> tuple[Params, History]:
-    """Train for `steps` optimizer steps of `accumulate` packed rows each (see the
+def train(model: JaxModel, batches: Iterable, run: Run | None = None, *, accumulate: int = 1,
+          trainable: bool | str | Sequence[str] | None = None, mesh=None, remat: bool = False, seed: int = 0,
+          **options) -> tuple[Params, History]:
+    """Train for `run.steps` optimizer steps of `accumulate` packed rows each (see the
     module docstring); returns (the parameters, path -> array; the history). Stops
-    early, with a warning, when the batches run out. trainable: default every
-    parameter, or the adapters alone after add_lora. With `checkpoint`, resume from the
-    latest checkpoint there (skipping the batches its steps took) and write one every
-    `checkpoint_every` steps and at the end, keeping `keep`. `save_to` writes the
+    early, with a warning, when the batches run out. `run`: a linnet.run.Run, or its
+    fields as keywords (optimizer= an optax optimizer, steps=, clip=, save_to=,
+    checkpoint=, ...; evaluate(params) -> metrics). trainable: default every parameter,
+    or the adapters alone after add_lora. With `checkpoint`, resume from the latest
+    checkpoint there (skipping the batches its steps took). `save_to` writes the
     result: the weights as safetensors, or the adapters as a PEFT directory.
 
     mesh: a one-axis `jax.sharding.Mesh` for data-parallel, fully sharded training: every
     accumulated micro-step takes one row a device, and every parameter, its gradient and
     optimizer state are split along the largest axis the device count divides.
     remat: recompute each layer in backward (see `linnet.jax.model.hidden`).
-    evaluate: params -> metrics, every `evaluate_every` steps and at the last, added to
-    the step's metrics before `on_step` sees it. seed: the adapters' dropout masks
+    seed: the adapters' dropout masks
     (add_lora(dropout=)), drawn a row at a time from (seed, step, row), so a resumed run
     draws what an uninterrupted one does."""
-    if accumulate < 1 or steps < 0 or checkpoint_every < 1:
-        raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
+    run, _ = run_and_options("train", run, options)
+    if accumulate < 1:
+        raise ValueError(f"train: accumulate={accumulate}; it must be >= 1")
     per_micro, row_sharding = 1, None
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec
@@ -83,7 +82,7 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         per_micro = mesh.shape[mesh.axis_names[0]]
         row_sharding = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
     rate = model.lora_dropout
-    compiled = _make_step(model.card, model.dtype, model.lora_scale, optimizer, clip, remat, rate)
+    compiled = _make_step(model.card, model.dtype, model.lora_scale, run.optimizer, run.clip, remat, rate)
 
     def step(number: int, chunk: list, state: State) -> Update | None:
         if len(chunk) < accumulate * per_micro:
@@ -100,7 +99,5 @@ def train(model: JaxModel, batches: Iterable, *, optimizer, steps: int, accumula
         state.trained, state.opt_state, loss, norm = compiled(state.trained, state.frozen, state.opt_state, rows)
         return Update(loss, norm, int(learned), int(sum(b.real for b in chunk)))
 
-    return fit(model, batches, step, per_step=accumulate * per_micro, steps=steps, optimizer=optimizer,
-               trainable=trainable, checkpoint=checkpoint, checkpoint_every=checkpoint_every, keep=keep, mesh=mesh,
-               save_to=save_to, evaluate=evaluate, evaluate_every=evaluate_every, on_step=on_step,
+    return fit(model, batches, step, run, per_step=accumulate * per_micro, trainable=trainable, mesh=mesh,
                what="train: the batches")

@@ -104,7 +104,7 @@ def find_checkpoint(source: str | os.PathLike) -> Path:
 
 
 @dataclass
-class Progress:
+class Counters:
     """Counters a checkpoint carries besides the model, optimizer and schedule."""
 
     step: int = 0
@@ -118,7 +118,7 @@ class Progress:
                 "loader_seconds": self.loader_seconds}
 
 
-def save_state(out: Path, *, trainee, schedule, loader, progress: Progress, kind: str,
+def save_state(out: Path, *, trainee, schedule, loader, progress: Counters, kind: str,
                fields: dict[str, Any], identity: str) -> Path | None:
     """A resumable snapshot: the trainee's checkpoint directory plus checksums.json,
     written last (a checkpoint without it is incomplete). Every process calls it (a split
@@ -302,7 +302,7 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
 # The run
 
 
-def _open_run_directory(out: Path, start: Start, progress: Progress, config: PretrainConfig,
+def _open_run_directory(out: Path, start: Start, progress: Counters, config: PretrainConfig,
                         record: dict[str, Any]) -> None:
     """The run directory at the start of a session (first process): metrics kept up to
     the checkpoint (rows a resumed run would otherwise log twice), best.json, the
@@ -331,9 +331,10 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet.pretrain.loader import Loader, Validation
     from linnet.report.tracking import check as check_trackers
     from linnet.report.tracking import open_trackers
+    from linnet.run import Run
     from linnet.torch.distributed import barrier, from_first, world
     from linnet.train.evaluation import held_out_loss
-    from linnet.train.loop import resolve_device, start_runtime, take_step
+    from linnet.train.loop import fit, resolve_device, start_runtime
 
     d, t, rt = config.data, config.training, config.runtime
     check_trackers(rt.report_to)
@@ -386,13 +387,13 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         optimizer, s = trainee.optimizer, config.lr_schedule
         schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
                                                               min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
-        progress = Progress()
+        progress = Counters()
         loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
                          prefetch=d.prefetch, device=device)
         if start.checkpoint is not None:
             extra = start.state["extra"]
             trainee.load_state(start.checkpoint, schedule)
-            progress = Progress(**extra["progress"])
+            progress = Counters(**extra["progress"])
             loader = Loader.restore(cache.train, extra["cursor"], **loader_kw)
         else:
             loader = Loader(cache.train, **loader_kw)
@@ -447,42 +448,48 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
             loader.skip(after)
 
         session_start, session_steps = time.perf_counter(), 0
-        try:
-            trainee.model.train()
-            for epoch in range(progress.epoch + 1, budget.epochs + 1):
-                for step in budget.epoch_steps(epoch):
-                    work = trainee.work(micro_batches(), share * B * t.context_length)
-                    record = take_step(trainee.params, work, optimizer=optimizer, schedule=schedule, clip=clip,
-                                       step=step, checkpoint=out / CHECKPOINTS)
-                    loss, norm, lr, seconds = record.loss, record.grad_norm, record.lr, record.seconds
-                    record.metrics["loader_seconds"] = waited
-                    progress.step, progress.seconds = step, progress.seconds + seconds
-                    progress.loader_seconds += waited
-                    session_steps += 1
-                    if aside is not None:
-                        aside.drop()
-                        aside = None
-                    row = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "grad_norm": norm,
-                           "tokens_per_second": record.tokens_per_second, "seconds": seconds, "loader_seconds": waited,
-                           "targets": step * learned}
-                    trainee.report(row)
-                    if step == budget.boundaries[epoch - 1] and validation is not None and len(validation.subset):
-                        row["held_out_loss"] = held_out_loss(trainee.evaluation_model(),
-                                                             validation.subset_batches(config.evaluation.batch_size),
-                                                             share=rank, shares=processes)
-                        if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
-                            progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
-                                             "weights": _weights_of(epoch, t.checkpoint_policy, selected,
-                                                                    budget.epochs)}
-                            if lead:
-                                write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
-                    if metrics is not None:
-                        metrics.write(row, loss=row["loss"], tok_s=record.tokens_per_second)
+
+        def at_step(record) -> None:
+            """After each update: the metrics row; at an epoch's end its validation, best.json
+            and retained files (the epoch boundary)."""
+            nonlocal aside, session_steps
+            step, epoch = record.step, budget.epoch_of(record.step)
+            record.metrics["loader_seconds"] = waited
+            progress.step, progress.seconds = step, progress.seconds + record.seconds
+            progress.loader_seconds += waited
+            session_steps += 1
+            if aside is not None:
+                aside.drop()
+                aside = None
+            row = {"step": step, "epoch": epoch, "loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
+                   "tokens_per_second": record.tokens_per_second, "seconds": record.seconds, "loader_seconds": waited,
+                   "targets": step * learned}
+            trainee.report(row)
+            last = step == budget.boundaries[epoch - 1]
+            if last and validation is not None and len(validation.subset):
+                row["held_out_loss"] = held_out_loss(trainee.evaluation_model(),
+                                                     validation.subset_batches(config.evaluation.batch_size),
+                                                     share=rank, shares=processes)
+                if progress.best is None or row["held_out_loss"] < progress.best["held_out_loss"]:
+                    progress.best = {"epoch": epoch, "step": step, "held_out_loss": row["held_out_loss"],
+                                     "weights": _weights_of(epoch, t.checkpoint_policy, selected, budget.epochs)}
+                    if lead:
+                        write_text(out / "best.json", json.dumps(progress.best, indent=1) + "\n")
+            if metrics is not None:
+                metrics.write(row, loss=row["loss"], tok_s=record.tokens_per_second)
+            if last:
                 progress.epoch = epoch
                 if t.checkpoint_policy != "none" and epoch in selected:
                     trainee.save_weights(out, f"epoch-{epoch:03d}")  # every process: a sharded model gathers
                     if t.save_epoch_training_state and epoch < budget.epochs:  # the last is the final state
                         save_state(out, progress=progress, kind="epoch", **save_kw)
+
+        # the run's state is restored above (trainee, progress, loader): fit starts after its step, and writes
+        # no checkpoint of its own (epoch snapshots and the final state are this runner's)
+        plumbing = Run(optimizer=optimizer, steps=budget.steps, clip=clip, schedule=schedule, on_step=at_step)
+        try:
+            fit(trainee.model, range(budget.steps), lambda step, _: trainee.work(micro_batches(), share * B * t.context_length),
+                plumbing, per_step=1, start=progress.step, what="pretrain: the budget")
         finally:
             if metrics is not None:
                 metrics.close()
@@ -526,7 +533,7 @@ def _weights_of(epoch: int, policy: str, selected, epochs: int) -> str | None:
     return "final.safetensors" if epoch == epochs and policy != "none" else None
 
 
-def _summary(config, out: Path, budget: Budget, card, progress: Progress, identity: str, session_steps: int,
+def _summary(config, out: Path, budget: Budget, card, progress: Counters, identity: str, session_steps: int,
              session_seconds: float) -> dict[str, Any]:
     rows = read_metrics(out, missing_ok=True)
     last_epoch = [r["loss"] for r in rows if r.get("epoch") == budget.epochs]

@@ -9,7 +9,7 @@ import torch
 
 from linnet import packing
 from linnet.packing import Example, Packed
-from linnet.report.history import History, Step
+from linnet.run import History, Step
 from linnet.schedules import constant_schedule, cosine_schedule, wsd_schedule
 from linnet.torch.distributed import clip_gradients, reduce_gradients
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -36,8 +35,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from linnet.packing import Example, pack_prompted
-from linnet.report.history import History, Step
 from linnet.rl.rollouts import sample_in_batches
+from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
 from linnet.torch.pipeline import HiddenAt
@@ -204,34 +203,21 @@ def held_out_divergence(student, teacher, rows: Sequence, **options) -> float:
     return sum(float(v) for v in head_values(student, rows, head, [1] * len(rows))) / learned
 
 
-def distill(
-    student,
-    teacher,
-    batches: Iterable,
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    accumulate: int = 1,
-    divergence: str = "forward_kl",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    clip: float | None = 1.0,
-    schedule=None,
-    save_to: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-) -> History:
+def distill(student, teacher, batches: Iterable, run: Run | None = None, *, accumulate: int = 1,
+            divergence: str = "forward_kl", beta: float = 0.5, temperature: float = 1.0, **options) -> History:
     """Logit distillation on packed rows (`linnet.packing.pack` of Examples: their learned
     positions are distilled), `accumulate` rows a step. Each Step's metrics hold the mean
     divergence per learned token (`divergence`, the loss). A student cut into pipeline
-    stages computes the divergences on its last stage, where the teacher runs."""
+    stages computes the divergences on its last stage, where the teacher runs. `run`: a
+    linnet.run.Run, or its fields as keywords (optimizer=, steps=, ...)."""
+    run, _ = run_and_options("distill", run, options)
+    if accumulate < 1:
+        raise ValueError(f"distill: accumulate={accumulate}; it must be >= 1")
     options = _prepare(student, teacher, divergence, beta, temperature)
     copies = copies_of(student)
     head = _stage_head(student, teacher, options)
 
-    def prepare(step: int, micro: list) -> Work:
+    def work(step: int, micro: list) -> Work:
         learned = sum(float(np.asarray(b.weights).sum()) for b in micro)
         (count,) = sum_across([learned], copies)
         if count == 0:
@@ -239,9 +225,7 @@ def distill(
         return Work(micro, head_loss(student, head), count, learned, sum(float(b.real) for b in micro), group=copies,
                     head=head)
 
-    return fit(student, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
-               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-               keep=keep, on_step=on_step, what="distill: the rows")
+    return fit(student, batches, work, run, per_step=accumulate, what="distill: the rows")
 
 
 def _stage_head(student, teacher, options: dict) -> HiddenAt:
@@ -276,53 +260,34 @@ def teacher_completions(engine, prompts: Sequence[Sequence[int]], *, max_new_tok
     return [Example.prompted(prompts[c.prompt], c.tokens) for c in done if c.tokens]
 
 
-def on_policy_distill(
-    student,
-    teacher,
-    engine,
-    prompts: Sequence[Sequence[int]],
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    prompts_per_step: int = 8,
-    max_new_tokens: int = 128,
-    sample_temperature: float = 1.0,
-    stop: Iterable[int] | None = None,
-    answers: Sequence[Sequence[int]] | None = None,
-    on_policy: float = 1.0,
-    divergence: str = "reverse_kl",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    tokens: int = 4096,
-    clip: float | None = 1.0,
-    schedule=None,
-    seed: int = 0,
-    save_to: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-) -> History:
+def on_policy_distill(student, teacher, engine, prompts: Sequence[Sequence[int]], run: Run | None = None, *,
+                      prompts_per_step: int = 8, max_new_tokens: int = 128, sample_temperature: float = 1.0,
+                      stop: Iterable[int] | None = None, answers: Sequence[Sequence[int]] | None = None,
+                      on_policy_share: float = 1.0, divergence: str = "reverse_kl", beta: float = 0.5,
+                      temperature: float = 1.0, tokens: int = 4096, seed: int = 0, **options) -> History:
     """On-policy distillation: each step the student (through `engine`, loaded with its
     current weights) completes `prompts_per_step` prompts, and the student learns the
     teacher's distributions at every completion token (reverse KL by default, as on-policy
     distillation usually takes). A sequence of prompts repeats as epochs.
 
-    on_policy < 1 mixes in the data's own `answers` (one a prompt) as GKD does (Agarwal et
+    `run`: a linnet.run.Run, or its fields as keywords (optimizer=, steps=, ...).
+    on_policy_share < 1 mixes in the data's own `answers` (one a prompt) as GKD does (Agarwal et
     al. 2024; TRL's `lmbda`): a step samples the student with that probability, drawn from
     (seed, step) so that every process and a resumed run draw alike, and otherwise learns
     the teacher's distributions on the answers. 0 is logit distillation on the answers."""
-    if not 0.0 <= on_policy <= 1.0 or (on_policy < 1.0 and (answers is None or len(answers) != len(prompts))):
-        raise ValueError(f"on_policy_distill: on_policy={on_policy}; give a share in [0, 1], and below 1 one answer a "
-                         "prompt (answers=) to learn on the other steps")
+    run, _ = run_and_options("on_policy_distill", run, options)
+    share = on_policy_share
+    if not 0.0 <= share <= 1.0 or (share < 1.0 and (answers is None or len(answers) != len(prompts))):
+        raise ValueError(f"on_policy_distill: on_policy_share={share}; give a share in [0, 1], and below 1 one "
+                         "answer a prompt (answers=) to learn on the other steps")
     trained_parameters(student)
     options = _prepare(student, teacher, divergence, beta, temperature)
     copies = copies_of(student)
     head = _stage_head(student, teacher, options)
 
-    def prepare(step: int, chunk: list) -> Work:
+    def work(step: int, chunk: list) -> Work:
         mine = [list(p) for _, p in chunk]
-        sampled = on_policy == 1.0 or np.random.default_rng([seed, step]).random() < on_policy
+        sampled = share == 1.0 or np.random.default_rng([seed, step]).random() < share
         if sampled:
             engine.load_weights(student)
             # a split's or a pipeline's processes learn from the same completions: its first process's
@@ -342,6 +307,5 @@ def on_policy_distill(
                                        "on_policy": float(sampled)},
                     group=copies, head=head)
 
-    return fit(student, itertools.cycle(enumerate(prompts)), prepare, per_step=prompts_per_step, optimizer=optimizer,
-               steps=steps, clip=clip, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
-               checkpoint_every=checkpoint_every, keep=keep, on_step=on_step, what="on_policy_distill: the prompts")
+    return fit(student, itertools.cycle(enumerate(prompts)), work, run, per_step=prompts_per_step,
+               what="on_policy_distill: the prompts")

@@ -21,18 +21,19 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from linnet.config.groups import DPOSettings
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
-from linnet.report.history import History, Step
+from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import idle_passes, most_across, passes_short, sum_across
 from linnet.torch.sharding import full, is_sharded
 from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
-from linnet.train.preference_loss import LOSS_TYPES, PER_TOKEN, REFERENCE_FREE, pair_losses
+from linnet.train.preference_loss import PER_TOKEN, REFERENCE_FREE, pair_losses
 
 # Step metrics under TRL's names, so dashboards built for TRL read linnet runs
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -118,31 +119,16 @@ def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os
     return values
 
 
-def dpo(
-    model,
-    pairs: Iterable[Pair],
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    pairs_per_step: int = 32,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
-    loss_type: str = "sigmoid",
-    simpo_gamma: float = 0.5,
-    rpo_alpha: float = 0.0,
-    reference=None,
-    reference_cache: str | os.PathLike | None = None,
-    tokens: int = 4096,
-    clip: float | None = 1.0,
-    schedule=None,
-    save_to: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-) -> History:
-    """Train on preference pairs for `steps` steps of `pairs_per_step` pairs each (a
+def dpo(model, pairs: Iterable[Pair], run: Run | None = None, *, settings: DPOSettings | None = None,
+        reference=None, tokens: int = 4096, **options) -> History:
+    """Train on preference pairs for `run.steps` steps of `pairs_per_step` pairs each (a
     sequence of pairs is repeated as epochs; an iterator is read once).
+
+    run: a linnet.run.Run, or its fields as keywords (optimizer=, steps=, clip=, ...).
+    options: the objective's own, the fields of the YAML's `dpo` group
+    (linnet.config.DPOSettings; `settings=` gives them all at once): pairs_per_step (32),
+    beta (0.1), label_smoothing (0), loss_type ("sigmoid"), simpo_gamma (0.5), rpo_alpha
+    (0), reference_cache (None). tokens: positions per packed row.
 
     reference: a frozen model whose log-probabilities are computed row by row. Without
     one, `pairs` must be a sequence, and the model's own log-probabilities before
@@ -160,16 +146,15 @@ def dpo(
     tensor_parallel, or cut into pipeline stages (the last computing the pair losses), trains
     as one process would over the same pairs.
     """
-    if not beta > 0 or not 0 <= label_smoothing < 0.5 or pairs_per_step < 1:
-        raise ValueError("dpo: beta must be > 0, label_smoothing in [0, 0.5), pairs_per_step >= 1")
-    if not (0 <= rpo_alpha < float("inf")) or (rpo_alpha and loss_type == "orpo"):
-        raise ValueError(f"dpo: rpo_alpha={rpo_alpha}; use a finite weight >= 0, and 0 with orpo (which adds the "
-                         "chosen answers' NLL itself)")
-    if loss_type not in LOSS_TYPES or loss_type == "kto":
-        raise ValueError(f"dpo: loss_type={loss_type!r}; use one of {', '.join(t for t in LOSS_TYPES if t != 'kto')} "
-                         "(KTO trains on unpaired answers: linnet.train.kto)")
+    run, s = run_and_options("dpo", run, options, DPOSettings, settings)
+    if s.loss_type == "kto":
+        raise ValueError("dpo: loss_type='kto' trains on unpaired answers: use linnet.train.kto.kto")
+    if (s.desirable_weight, s.undesirable_weight) != (1.0, 1.0):
+        raise ValueError("dpo: desirable_weight and undesirable_weight weigh KTO's answers: use linnet.train.kto.kto")
+    loss_type, beta, pairs_per_step = s.loss_type, s.beta, s.pairs_per_step
+    reference_cache = s.reference_cache
     free = loss_type in REFERENCE_FREE
-    nll = 1.0 if loss_type == "orpo" else rpo_alpha
+    nll = 1.0 if loss_type == "orpo" else s.rpo_alpha
     if free and (reference is not None or reference_cache is not None):
         raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
     copies = copies_of(model)
@@ -185,7 +170,7 @@ def dpo(
                  if reference_cache is not None else reference_log_probs(source, pairs, tokens=tokens))
     live_reference = reference if fixed is None else None
 
-    def prepare(step: int, chunk: list) -> Work:
+    def work(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
         check_pairs(batch)
         (count, chosen_total) = sum_across([float(len(batch)), float(sum(len(p.chosen) for p in batch))], copies)
@@ -210,7 +195,7 @@ def dpo(
                                        device=logp.device)
             losses, good, bad = pair_losses(
                 loss_type, logp[:, 0], logp[:, 1], None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
-                beta=beta, label_smoothing=label_smoothing, simpo_gamma=simpo_gamma,
+                beta=beta, label_smoothing=s.label_smoothing, simpo_gamma=s.simpo_gamma,
                 chosen_tokens=None if lengths is None else lengths[:, 0],
                 rejected_tokens=None if lengths is None else lengths[:, 1])
             total = losses.sum()
@@ -233,6 +218,4 @@ def dpo(
 
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
-    return fit(model, stream, prepare, per_step=pairs_per_step, optimizer=optimizer, steps=steps, clip=clip,
-               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-               keep=keep, on_step=on_step, what="dpo: the pairs")
+    return fit(model, stream, work, run, per_step=pairs_per_step, what="dpo: the pairs")

@@ -17,28 +17,34 @@ loss and gradient are exactly 0, and their tokens still count in the average
 (`rollouts.to_train`).
 
 `evaluate(policy, engine, held_out, reward, k=8)` scores held-out prompts through the
-engine (greedy reward and pass@1, and pass@k from sampled completions), for an `on_step`
-callback; `linnet grpo` calls it every `training.eval_every` steps.
+engine (greedy reward and pass@1, and pass@k from sampled completions), for a Run's
+`evaluate`; `linnet grpo` calls it every `evaluation.every` steps.
+
+A step is three pieces, each tested alone: a `Sampler` (sampling and scoring), the rows
+packed from what trains (`_rollout`), and a `PolicyHead` (the loss of a row, with the
+state it keeps across the step's iterations); `step_work` joins them into the step's
+Work, and `fit` (linnet.train.loop) takes it.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from linnet.config.groups import GRPOOptions
 from linnet.packing import pack_prompted
-from linnet.report.history import History, Step
 from linnet.report.tables import print_table
 from linnet.rl.rollouts import (
     Prompt,
     Reward,
+    Scored,
     check_prompts,
     counted,
     fill_groups,
@@ -51,6 +57,7 @@ from linnet.rl.rollouts import (
     step_metrics,
     to_train,
 )
+from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 from linnet.torch.sharding import copy_first
 from linnet.train.grpo_loss import grpo_loss
@@ -105,162 +112,155 @@ def _completions(logp_P: torch.Tensor, row) -> torch.Tensor:
     return logp_P[torch.as_tensor(np.flatnonzero(row.weights > 0), device=logp_P.device)]
 
 
-def grpo(
-    policy,
-    engine,
-    prompts: Iterable[Prompt],
-    reward: Reward | Mapping[str, Reward],
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    group: int = 8,
-    prompts_per_step: int = 8,
-    max_new_tokens: int = 256,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    stop: Iterable[int] | None = None,
-    iterations: int = 1,
-    clip: tuple[float, float] = (0.2, 0.2),
-    drop_uniform: bool = False,
-    beta: float = 0.0,
-    reference=None,
-    correction_cap: float | None = None,
-    dr_grpo: bool = False,
-    sequence_level: bool = False,
-    advantage: str = "group",
-    sequence_mean: bool = False,
-    dynamic_sampling: int = 0,
-    tokens: int = 4096,
-    max_grad_norm: float | None = 1.0,
-    schedule=None,
-    seed: int = 0,
-    save_to: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-    verbose: bool = True,
-) -> History:
-    """Train `policy` with GRPO for `steps` sampling steps (see the module docstring).
+@dataclass
+class Sampler:
+    """Samples and scores a step's groups: `group` completions of each prompt through the
+    engine, scored by the reward functions into group advantages; with DAPO's dynamic
+    sampling, more rounds of prompts drawn from `prompts` until the step holds
+    prompts_per_step groups whose rewards differ. Seeded by (seed, step, round), so a
+    resumed run samples what an uninterrupted one does."""
 
-    reward: f(prompt, completion_ids) -> number, or a dict name -> f (summed, each
-        reported). iterations: optimizer steps per sampling step, reusing the samples with
-        the ratio clipped to [1 - clip[0], 1 + clip[1]]. drop_uniform: leave groups whose
-        rewards are all equal out of the average too. beta: weight of the k3 KL to `reference` (a frozen
-        model). correction_cap: weigh each token by min(p_policy / p_engine, cap)
-        (needs temperature 1, no top-k/top-p). dr_grpo: no std division, token sums over
-        completions * max_new_tokens. sequence_level: GSPO sequence ratios. advantage:
-        "group" (GRPO's) or "rloo" (leave-one-out baseline, no std). sequence_mean: each
-        completion's token losses averaged over its own length, then over completions
-        (the GRPO paper's 1/|o_i|; GSPO always does), token ratios unchanged.
-        dynamic_sampling: DAPO's dynamic sampling, up to this many extra sampling rounds
-        a step, each drawing as many prompts again (seeded by the step, so a resumed run
-        draws the same), until the step holds prompts_per_step groups whose rewards are
-        not all equal; uniform groups never train (needs a sequence of prompts). tokens:
-        positions per packed micro-batch row. A sequence of prompts is repeated as
-        epochs; an iterator is read once.
-    """
-    functions = reward_functions(reward)
-    if group < 2 or prompts_per_step < 1 or iterations < 1 or max_new_tokens < 1:
-        raise ValueError("grpo: group must be >= 2; prompts_per_step, iterations, max_new_tokens >= 1")
-    if beta and reference is None:
-        raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
+    engine: Any
+    functions: dict[str, Reward]
+    settings: GRPOOptions
+    stop: Iterable[int] | None = None
+    seed: int = 0
+    prompts: Sequence[Prompt] = ()
+
+    def round(self, chunk: list, step: int, round_: int) -> Scored:
+        s = self.settings
+        return sample_and_score(self.engine, chunk, self.functions, group=s.group, max_new_tokens=s.max_new_tokens,
+                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, stop=self.stop,
+                                seed=self.seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=s.dr_grpo,
+                                drop_uniform=s.drop_uniform, advantage=s.advantage)
+
+    def __call__(self, chunk: list, step: int) -> tuple[list, Scored, int]:
+        """(the step's (index, prompt) pairs, their Scored samples, sampling rounds)."""
+        scored, rounds = self.round(chunk, step, 0), 1
+        if not self.settings.dynamic_sampling:
+            return chunk, scored, rounds
+        parts = [(chunk, scored)]
+        draw = np.random.default_rng([self.seed, step, world()[0]])
+        while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) \
+                and rounds <= self.settings.dynamic_sampling:
+            extra = [(int(i), self.prompts[int(i)]) for i in draw.integers(0, len(self.prompts), len(chunk))]
+            parts.append((extra, self.round(extra, step, rounds)))
+            rounds += 1
+        chunk, scored = fill_groups(parts, len(chunk))
+        return chunk, scored, rounds
+
+
+class PolicyHead:
+    """GRPO's loss of one packed row from the policy's per-position log-probabilities
+    (Work.head), and the state it keeps across a step's iterations: each row's
+    log-probabilities at its first pass (the `old` policy of the ratio) and how far they
+    were from the engine's."""
+
+    def __init__(self, rollout: _Rollout, settings: GRPOOptions, sequences: int, reference=None):
+        self.rollout, self.settings, self.sequences, self.reference = rollout, settings, sequences, reference
+        self.old: dict[int, torch.Tensor] = {}
+        self.mismatch: dict[int, float] = {}
+
+    def __call__(self, r: int, row, positions: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        s, rollout = self.settings, self.rollout
+        logp = _completions(positions, row)
+        dev = logp.device
+        if r not in self.old:
+            self.old[r] = logp.detach()
+            self.mismatch[r] = float((self.old[r].cpu() - rollout.engine_logp[r]).abs().sum())
+        weight = rollout.token_weight[r].to(dev)
+        if s.correction_cap is not None:
+            weight = weight * torch.exp(self.old[r] - rollout.engine_logp[r].to(dev)).clamp(max=s.correction_cap)
+        ref = None
+        if s.beta:
+            with torch.no_grad():
+                ref = _completion_log_probs(self.reference, row)
+        total, stats = grpo_loss(logp, self.old[r], rollout.advantage[r].to(dev), clip=tuple(s.clip), ref_T=ref,
+                                 beta=s.beta, correction_T=weight,
+                                 seq_T=rollout.sequence[r].to(dev) if s.sequence_level else None,
+                                 sequences=self.sequences)
+        return total, {"clipped": stats["clipped"], "kl": stats.get("kl", 0.0), "mismatch": self.mismatch[r],
+                       "checked": float(len(logp))}
+
+
+def step_work(policy, sampler: Sampler, chunk: list, step: int, *, tokens: int, share: bool, reference=None) -> Work:
+    """One GRPO step's Work: the policy's weights into the engine, the step's groups sampled
+    and scored (a split's or a pipeline's processes train on their first process's), the
+    completions that train packed into rows, and the PolicyHead over them."""
+    s = sampler.settings
+    check_prompts(chunk, tokens, s.max_new_tokens)
+    t0 = time.perf_counter()
+    sampler.engine.load_weights(policy)
+    copy_seconds = time.perf_counter() - t0
+    chunk, scored, rounds = copy_first(policy, lambda: sampler(chunk, step))
+    per_sequence = s.sequence_level or s.sequence_mean
+    trained = to_train(scored, s.beta)
+    rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens, per_sequence, share)
+    mine = [*counted(scored), 0.0 if rollout is None else rollout.real]
     copies = copies_of(policy)
-    if dr_grpo and sequence_mean:
-        raise ValueError("grpo: dr_grpo divides token sums by a constant and sequence_mean by each completion's "
-                         "length; choose one")
-    if dynamic_sampling < 0 or (dynamic_sampling and not isinstance(prompts, Sequence)):
-        raise ValueError("grpo: dynamic_sampling is a number of extra sampling rounds (>= 0) and draws prompts "
-                         "again: pass the prompts as a sequence")
-    if correction_cap is not None and (temperature != 1.0 or top_k or (top_p not in (None, 1.0))):
-        raise ValueError("grpo: correction_cap reads the engine's log-probabilities: use temperature 1, "
-                         "no top_k or top_p")
+    sequences, n_tokens, _ = sum_across(mine, copies)
+    normaliser = sequences if per_sequence else sequences * s.max_new_tokens if s.dr_grpo else n_tokens
+    rows = [] if rollout is None else rollout.rows
+    judged = reference if s.beta else None
+    short = passes_short(len(rows), policy, judged)
+    head = PolicyHead(rollout, s, len(scored.samples), judged)
+    started = time.perf_counter()
+
+    def metrics(sums: dict[str, float]) -> dict[str, float]:
+        out = step_metrics(scored, trained, tokens=n_tokens, **sums)
+        out["copy_seconds"] = copy_seconds  # the policy's weights into the engine
+        out["train_seconds"] = time.perf_counter() - started  # forward, backward and update(s)
+        if s.dynamic_sampling:
+            out.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
+        return out
+
+    return Work(rows, head_loss(policy, head), max(normaliser, 1.0), mine[1], mine[2],
+                ("clipped", "kl", "mismatch", "checked"), metrics, idle=lambda: idle_passes(short, policy, judged),
+                iterations=s.iterations, group=copies, head=head)
+
+
+def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str, Reward], run: Run | None = None, *,
+         settings: GRPOOptions | None = None, reference=None, stop: Iterable[int] | None = None, tokens: int = 4096,
+         seed: int = 0, verbose: bool = True, **options) -> History:
+    """Train `policy` with GRPO for `run.steps` sampling steps (see the module docstring).
+
+    run: a linnet.run.Run, or its fields as keywords (optimizer=, steps=, ...); the
+        gradient-norm clip is the Run's (`run=Run(..., clip=0.5)`): grpo's own `clip` is
+        the ratio's.
+    options: GRPO's own, the fields of linnet.config.GRPOOptions (the YAML's `grpo` group;
+        `settings=` gives them all at once): group (8), prompts_per_step (8),
+        max_new_tokens (256), temperature (1), top_k, top_p, iterations (1), clip
+        ((0.2, 0.2): the ratio kept in [1 - clip[0], 1 + clip[1]] when iterations reuse
+        the samples), drop_uniform, beta (the k3 KL's weight against `reference`, a frozen
+        model), correction_cap (weigh each token by min(p_policy / p_engine, cap); needs
+        temperature 1, no top-k/top-p), dr_grpo (no std division, token sums over
+        completions * max_new_tokens), sequence_level (GSPO's sequence ratios), advantage
+        ("group", or "rloo": the leave-one-out baseline, no std), sequence_mean (each
+        completion's token losses averaged over its own length, then over completions),
+        dynamic_sampling (DAPO's: up to this many extra sampling rounds a step, seeded by
+        the step, until the step holds prompts_per_step groups whose rewards are not all
+        equal; uniform groups never train; needs a sequence of prompts).
+    reward: f(prompt, completion_ids) -> number, or a dict name -> f (summed, each
+        reported). tokens: positions per packed micro-batch row. A sequence of prompts is
+        repeated as epochs; an iterator is read once.
+    """
+    run, s = run_and_options("grpo", run, options, GRPOOptions, settings)
+    functions = reward_functions(reward)
+    if s.beta and reference is None:
+        raise ValueError("grpo: beta > 0 needs reference=, a frozen copy of the model")
+    if s.dynamic_sampling and not isinstance(prompts, Sequence):
+        raise ValueError("grpo: dynamic_sampling draws prompts again: pass the prompts as a sequence")
     # a prompt once a row, its completions attending to it, where the attention path allows
     share = all(m.shares_prompts for m in (policy, reference) if m is not None)
     if isinstance(prompts, Sequence):
-        check_prompts(enumerate(prompts), tokens, max_new_tokens)
+        check_prompts(enumerate(prompts), tokens, s.max_new_tokens)
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
     if verbose and world()[0] == 0:
-        _print_batch_table(prompts_per_step, group, max_new_tokens, tokens, iterations, share)
-    judged = reference if beta else None
-
-    def prepare(step: int, chunk: list) -> Work:
-        """Sample and score the step's groups, and pack the completions that train."""
-        check_prompts(chunk, tokens, max_new_tokens)
-        t0 = time.perf_counter()
-        engine.load_weights(policy)
-        copy_seconds = time.perf_counter() - t0
-
-        def sampled(part: list, round_: int):
-            return sample_and_score(engine, part, functions, group=group, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                    seed=seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=dr_grpo,
-                                    drop_uniform=drop_uniform, advantage=advantage)
-
-        def drawn(chunk: list):
-            """(the groups, their scores, sampling rounds) of the step."""
-            scored, rounds = sampled(chunk, 0), 1
-            if dynamic_sampling:
-                parts = [(chunk, scored)]
-                draw = np.random.default_rng([seed, step, world()[0]])
-                while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) and rounds <= dynamic_sampling:
-                    extra = [(int(i), prompts[int(i)]) for i in draw.integers(0, len(prompts), len(chunk))]
-                    parts.append((extra, sampled(extra, rounds)))
-                    rounds += 1
-                chunk, scored = fill_groups(parts, len(chunk))
-            return chunk, scored, rounds
-
-        # a split's or a pipeline's processes train on the same samples: its first process's
-        chunk, scored, rounds = copy_first(policy, lambda: drawn(chunk))
-        per_sequence = sequence_level or sequence_mean
-        trained = to_train(scored, beta)
-        rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
-                           per_sequence, share)
-        mine = [*counted(scored), 0.0 if rollout is None else rollout.real]
-        sequences, n_tokens, _ = sum_across(mine, copies)
-        normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
-        rows = [] if rollout is None else rollout.rows
-        short = passes_short(len(rows), policy, judged)
-        old: dict[int, torch.Tensor] = {}  # the policy's log-probs before this step's first update
-        mismatch: dict[int, float] = {}
-
-        def head(r: int, row, positions: torch.Tensor):
-            """The row's summed loss and statistics from its per-position log-probabilities."""
-            logp = _completions(positions, row)
-            dev = logp.device
-            if r not in old:
-                old[r] = logp.detach()
-                mismatch[r] = float((old[r].cpu() - rollout.engine_logp[r]).abs().sum())
-            weight = rollout.token_weight[r].to(dev)
-            if correction_cap is not None:
-                weight = weight * torch.exp(old[r] - rollout.engine_logp[r].to(dev)).clamp(max=correction_cap)
-            ref = None
-            if beta:
-                with torch.no_grad():
-                    ref = _completion_log_probs(reference, row)
-            total, s = grpo_loss(logp, old[r], rollout.advantage[r].to(dev), clip=clip, ref_T=ref, beta=beta,
-                                 correction_T=weight, seq_T=rollout.sequence[r].to(dev) if sequence_level else None,
-                                 sequences=len(scored.samples))
-            return total, {"clipped": s["clipped"], "kl": s.get("kl", 0.0), "mismatch": mismatch[r],
-                           "checked": float(len(logp))}
-
-        def metrics(sums: dict[str, float]) -> dict[str, float]:
-            out = step_metrics(scored, trained, tokens=n_tokens, **sums)
-            out["copy_seconds"] = copy_seconds  # the policy's weights into the engine
-            out["train_seconds"] = time.perf_counter() - packed  # forward, backward and update(s)
-            if dynamic_sampling:
-                out.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
-            return out
-
-        packed = time.perf_counter()
-        return Work(rows, head_loss(policy, head), max(normaliser, 1.0), mine[1], mine[2],
-                    ("clipped", "kl", "mismatch", "checked"), metrics, idle=lambda: idle_passes(short, policy, judged),
-                    iterations=iterations, group=copies, head=head)
-
-    return fit(policy, stream, prepare, per_step=prompts_per_step, optimizer=optimizer, steps=steps,
-               clip=max_grad_norm, schedule=schedule, save_to=save_to, checkpoint=checkpoint,
-               checkpoint_every=checkpoint_every, keep=keep, on_step=on_step, what="grpo: the prompts")
+        _print_batch_table(s, tokens, share)
+    sampler = Sampler(engine, functions, s, stop, seed, prompts if isinstance(prompts, Sequence) else ())
+    return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
+                                                             share=share, reference=reference),
+               run, per_step=s.prompts_per_step, what="grpo: the prompts")
 
 
 def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,
@@ -306,16 +306,15 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
     return out
 
 
-def _print_batch_table(prompts_per_step: int, group: int, max_new_tokens: int, tokens: int, iterations: int,
-                       share: bool) -> None:
-    completions = prompts_per_step * group
+def _print_batch_table(s: GRPOOptions, tokens: int, share: bool) -> None:
+    completions = s.prompts_per_step * s.group
     layout = ("each prompt once with its completions attending to it" if share
               else "whole prompt + completion each")
     rows = [
-        ("prompts per step", prompts_per_step),
-        ("completions per step", f"{completions} ({group} per prompt)"),
-        ("optimizer steps per sampling step", iterations),
-        ("completion tokens per step", f"at most {completions * max_new_tokens:,}"),
+        ("prompts per step", s.prompts_per_step),
+        ("completions per step", f"{completions} ({s.group} per prompt)"),
+        ("optimizer steps per sampling step", s.iterations),
+        ("completion tokens per step", f"at most {completions * s.max_new_tokens:,}"),
         ("micro-batch", f"packed rows of {tokens:,} positions ({layout})"),
     ]
     print_table(rows, file=sys.stderr)

@@ -18,14 +18,13 @@ holds one model. A model cut into pipeline stages computes the losses on its las
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from linnet.packing import Unpaired, pack_prompted
-from linnet.report.history import History, Step
+from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across
 from linnet.train.dpo import answer_sums, rows_answer_log_probs
 from linnet.train.loop import Work, copies_of, fit, head_loss, trained_parameters
@@ -87,30 +86,15 @@ def held_out_kto(model, examples: Sequence[Unpaired], reference: tuple[np.ndarra
     return {"held_out_loss": loss_sum / n, "held_out_kl": z, "held_out_margin": margin}
 
 
-def kto(
-    model,
-    examples: Sequence[Unpaired],
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    examples_per_step: int = 32,
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-    reference=None,
-    tokens: int = 4096,
-    clip: float | None = 1.0,
-    schedule=None,
-    save_to: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-) -> History:
-    """Train on unpaired answers for `steps` steps of `examples_per_step` each (the
-    sequence repeated as epochs); see the module docstring. Each Step's metrics hold TRL's
+def kto(model, examples: Sequence[Unpaired], run: Run | None = None, *, examples_per_step: int = 32,
+        beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0, reference=None,
+        tokens: int = 4096, **options) -> History:
+    """Train on unpaired answers for `run.steps` steps of `examples_per_step` each (the
+    sequence repeated as epochs); see the module docstring. `run`: a linnet.run.Run, or
+    its fields as keywords (optimizer=, steps=, clip=, ...). Each Step's metrics hold TRL's
     rewards/chosen and logps/chosen (means over the step's desirable answers),
     rewards/rejected and logps/rejected (undesirable), rewards/margins and kl (z)."""
+    run, _ = run_and_options("kto", run, options)
     if not beta > 0 or examples_per_step < 1 or desirable_weight < 0 or undesirable_weight < 0:
         raise ValueError("kto: beta must be > 0, examples_per_step >= 1 and the weights >= 0")
     trained_parameters(model)
@@ -118,7 +102,7 @@ def kto(
     check_unpaired(examples)
     ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)
 
-    def prepare(step: int, chunk: list) -> Work:
+    def work(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [e for _, e in chunk]
         policy = rows_answer_log_probs(model, _rows([_mismatched(examples, i) for i in indices], tokens))
         drift = float(sum(x.sum() for x in policy)) - float(ref_mismatched[indices].sum())
@@ -154,6 +138,4 @@ def kto(
                     ("n_good", "reward_good", "reward_bad", "logp_good", "logp_bad"), metrics, group=copies, head=head)
 
     stream = itertools.cycle(enumerate(examples))
-    return fit(model, stream, prepare, per_step=examples_per_step, optimizer=optimizer, steps=steps, clip=clip,
-               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-               keep=keep, on_step=on_step, what="kto: the examples")
+    return fit(model, stream, work, run, per_step=examples_per_step, what="kto: the examples")

@@ -11,8 +11,9 @@ weighs the same whatever batch it sits in; then the gradients are summed across 
 clipped, applied, and the schedule steps; a non-finite loss or norm stops the run before
 the weights change. An objective supplies only what differs, as a `Work`: its
 micro-batches, the summed loss (and statistics) of one, and the normaliser. `fit` runs the
-steps: resume, cut the items into steps, report each `Step`, checkpoint, save the result.
-Adding an objective is a loss function and a `Work` (see linnet.train.dpo, linnet.train.grpo).
+steps of a `linnet.run.Run`: resume, cut the items into steps, evaluate, report each
+`Step`, checkpoint, save the result. Adding an objective is a loss function and a `Work`
+(see linnet.train.dpo, linnet.train.grpo).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet.report.history import History, Step, due, step_items
+from linnet.run import History, Run, Step, due, run_and_options, step_items
 from linnet.torch.distributed import clip_gradients, idle_passes, matched, passes_short, reduce_gradients, sum_across
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
@@ -122,31 +123,31 @@ def save_trained(model, path: str | os.PathLike) -> None:
         save_peft(model, path)
 
 
-def optimizer_step(params, optimizer, schedule, clip: float | None, loss: float, step: int,
-                   checkpoint: str | os.PathLike | None, group=None, stages=None) -> tuple[float, float]:
+def optimizer_step(params, run: Run, loss: float, step: int, group=None, stages=None) -> tuple[float, float]:
     """Reduce (over `group`, default every process), clip (the norm over `stages` too, a
-    pipeline's processes holding other parameters) and apply the gradients; returns
-    (grad norm, lr used). A non-finite loss or norm stops the run before the weights
-    change."""
+    pipeline's processes holding other parameters) and apply the gradients with the run's
+    optimizer and schedule; returns (grad norm, lr used). A non-finite loss or norm stops
+    the run before the weights change."""
+    optimizer = run.optimizer
     reduce_gradients(params, group)
-    norm = float(clip_gradients(params, clip, across=stages))
+    norm = float(clip_gradients(params, run.clip, across=stages))
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)
-        kept = f"; the last good checkpoint in {checkpoint} is intact" if checkpoint else ""
+        kept = f"; the last good checkpoint in {run.checkpoint} is intact" if run.checkpoint else ""
         raise FloatingPointError(
             f"step {step}: loss {loss} and gradient norm {norm}; training stopped before "
             f"the update{kept}. Lower the learning rate or check the data"
         )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if schedule is not None:
-        schedule.step()
+    if run.schedule is not None:
+        run.schedule.step()
     return norm, lr
 
 
-def take_step(params: Sequence[torch.nn.Parameter], work: Work, *, optimizer, schedule, clip: float | None,
-              step: int, checkpoint=None, started: float | None = None) -> Step:
+def take_step(params: Sequence[torch.nn.Parameter], work: Work, run: Run, step: int,
+              started: float | None = None) -> Step:
     """Accumulate `work`'s micro-batches, then reduce, clip, step and schedule (see the
     module docstring), `work.iterations` times; the Step reports the last iteration's
     loss and statistics, its norm, and the first iteration's learning rate."""
@@ -171,7 +172,7 @@ def take_step(params: Sequence[torch.nn.Parameter], work: Work, *, optimizer, sc
         loss_all, learned, real, *summed = sum_across([float(total), work.learned, work.real, *stats.values()],
                                                       work.group)
         loss = loss_all / work.count
-        norm, lr = optimizer_step(params, optimizer, schedule, clip, loss, step, checkpoint, group=work.group,
+        norm, lr = optimizer_step(params, run, loss, step, group=work.group,
                                   stages=None if work.pipe is None else work.pipe.group)
         norms.append(norm)
         rates.append(lr)
@@ -179,39 +180,40 @@ def take_step(params: Sequence[torch.nn.Parameter], work: Work, *, optimizer, sc
     return Step(step, loss, int(learned), int(real), norms[-1], rates[0], time.perf_counter() - started, metrics)
 
 
-def resume(checkpoint, model, optimizer, schedule) -> int:
+def resume(run: Run, model) -> int:
     """The step to start from: the latest checkpoint's, or 0."""
-    if checkpoint is None:
+    if run.checkpoint is None:
         return 0
-    state = load_checkpoint(checkpoint, model=model, optimizer=optimizer, schedule=schedule)
+    state = load_checkpoint(run.checkpoint, model=model, optimizer=run.optimizer, schedule=run.schedule)
     return 0 if state is None else state["step"]
 
 
-def fit(model, items: Iterable[Any], prepare: Callable[[int, list], Work], *, per_step: int, optimizer, steps: int,
-        clip: float | None = 1.0, schedule=None, save_to: str | os.PathLike | None = None,
-        checkpoint: str | os.PathLike | None = None, checkpoint_every: int = 100, keep: int = 2,
-        on_step: Callable[[Step], None] | None = None, what: str = "the items") -> History:
-    """Train for `steps` steps of `per_step` items each: `prepare(step, items)` makes
-    each step's Work (sampling, scoring and packing happen there), `take_step` trains on
-    it. With `checkpoint`, resume from the latest checkpoint there (skipping the items
-    its steps took) and write one every `checkpoint_every` steps and at the end, keeping
-    `keep`; with `save_to`, save the result. Stops early, with a warning, when the items
-    run out."""
+def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run, *, per_step: int,
+        what: str = "the items", start: int | None = None) -> History:
+    """Train for `run.steps` steps of `per_step` items each: `work(step, items)` makes each
+    step's Work (sampling, scoring and packing happen there), `take_step` trains on it.
+    Resumes from `run.checkpoint`'s latest checkpoint (skipping the items its steps took),
+    adds `run.evaluate(model)`'s held-out metrics when due, calls `run.on_step`, writes
+    checkpoints, and saves the result to `run.save_to`. `start`: the step a caller that
+    restored its own state resumes after (the pretraining runner). Stops early, with a
+    warning, when the items run out."""
     params = trained_parameters(model)
-    start = resume(checkpoint, model, optimizer, schedule)
+    start = resume(run, model) if start is None else start
     history = History()
-    for step, chunk in step_items(items, per_step, start=start, steps=steps, what=what):
+    for step, chunk in step_items(items, per_step, start=start, steps=run.steps, what=what):
         started = time.perf_counter()
         model.train()
-        record = take_step(params, _matched(model, prepare(step, chunk)), optimizer=optimizer, schedule=schedule,
-                           clip=clip, step=step, checkpoint=checkpoint, started=started)
+        record = take_step(params, _matched(model, work(step, chunk)), run, step, started)
+        if run.evaluate is not None and due(step, run.evaluate_every, run.steps):
+            record.metrics.update(run.evaluate(model))
         history.steps.append(record)
-        if on_step is not None:
-            on_step(record)
-        if checkpoint is not None and due(step, checkpoint_every, steps):
-            save_checkpoint(checkpoint, model=model, optimizer=optimizer, step=step, schedule=schedule, keep=keep)
-    if save_to is not None:
-        save_trained(model, save_to)
+        if run.on_step is not None:
+            run.on_step(record)
+        if run.checkpoint is not None and due(step, run.checkpoint_every, run.steps):
+            save_checkpoint(run.checkpoint, model=model, optimizer=run.optimizer, step=step, schedule=run.schedule,
+                            keep=run.keep)
+    if run.save_to is not None:
+        save_trained(model, run.save_to)
     return history
 
 
@@ -261,31 +263,18 @@ def _weights(batch) -> float:
     return float(batch.weights.sum())
 
 
-def train(
-    model,
-    batches: Iterable[Any],
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    accumulate: int = 1,
-    clip: float | None = 1.0,
-    schedule=None,
-    save_to: str | os.PathLike | None = None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-) -> History:
-    """Train `model` on packed batches for `steps` optimizer steps of `accumulate`
-    batches each; see the module docstring. With `checkpoint`, resume from the latest
-    checkpoint there (skipping the batches its steps consumed) and write one every
-    `checkpoint_every` steps and at the end, keeping `keep`. Stops early, with a
+def train(model, batches: Iterable[Any], run: Run | None = None, *, accumulate: int = 1, **options) -> History:
+    """Train `model` on packed batches for `run.steps` optimizer steps of `accumulate`
+    batches each; see the module docstring. `run` is a linnet.run.Run, or its fields as
+    keywords (optimizer=, steps=, clip=, schedule=, save_to=, checkpoint=,
+    checkpoint_every=, keep=, on_step=, evaluate=, evaluate_every=). Stops early, with a
     warning, when the batches run out."""
-    if accumulate < 1 or steps < 0 or checkpoint_every < 1:
-        raise ValueError("train: accumulate and checkpoint_every must be >= 1 and steps >= 0")
+    run, _ = run_and_options("train", run, options)
+    if accumulate < 1:
+        raise ValueError(f"train: accumulate={accumulate}; it must be >= 1")
     copies = copies_of(model)  # split or pipelined: the processes of a copy share batches
 
-    def prepare(step: int, micro: list) -> Work:
+    def work(step: int, micro: list) -> Work:
         learned = sum(_weights(b) for b in micro)
         (count,) = sum_across([learned], copies)
         if count == 0:
@@ -293,6 +282,4 @@ def train(
         return Work(micro, lambda _, batch: (model.loss_packed(batch)[0], {}), count, learned,
                     sum(float(b.real) for b in micro), group=copies)
 
-    return fit(model, batches, prepare, per_step=accumulate, optimizer=optimizer, steps=steps, clip=clip,
-               schedule=schedule, save_to=save_to, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-               keep=keep, on_step=on_step, what="train: the batches")
+    return fit(model, batches, work, run, per_step=accumulate, what="train: the batches")

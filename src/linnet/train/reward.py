@@ -17,17 +17,19 @@ computes the rewards and losses.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from linnet.config.groups import RewardSettings
 from linnet.packing import Pair, check_pairs, pack_prompted
-from linnet.report.history import History, Step
+from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across, world
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
@@ -96,29 +98,17 @@ def _answer_ends(model) -> HiddenAt:
     return HiddenAt(lambda row: _last_positions(row, model.card.pad_token_id), lambda _, row, h: _scored(model, h))
 
 
-def reward(
-    model,
-    pairs: Sequence[Pair],
-    *,
-    optimizer: torch.optim.Optimizer,
-    steps: int,
-    pairs_per_step: int = 32,
-    margin: float = 0.0,
-    tokens: int = 4096,
-    clip: float | None = 1.0,
-    schedule=None,
-    checkpoint: str | os.PathLike | None = None,
-    checkpoint_every: int = 100,
-    keep: int = 2,
-    on_step: Callable[[Step], None] | None = None,
-) -> History:
+def reward(model, pairs: Sequence[Pair], run: Run | None = None, *, settings: RewardSettings | None = None,
+           tokens: int = 4096, **options) -> History:
     """Train the model with its score head on preference pairs (repeated as epochs):
-    per pair -log sigmoid(r_c - r_r - margin). Each Step's metrics hold TRL's accuracy
-    (share of pairs ranked right), margin (mean r_c - r_r) and mean_reward."""
+    per pair -log sigmoid(r_c - r_r - margin). `run`: a linnet.run.Run, or its fields as
+    keywords (optimizer=, steps=, ...); its save_to gets `save_reward_model`'s directory.
+    options: the YAML's `reward` group (linnet.config.RewardSettings, or `settings=`):
+    pairs_per_step (32), margin (0). Each Step's metrics hold TRL's accuracy (share of
+    pairs ranked right), margin (mean r_c - r_r) and mean_reward."""
+    run, s = run_and_options("reward", run, options, RewardSettings, settings)
     if not hasattr(model, "score"):
         raise ValueError("reward: the model has no score head; call linnet.train.reward.add_score_head(model) first")
-    if pairs_per_step < 1:
-        raise ValueError("reward: pairs_per_step must be >= 1")
     copies = copies_of(model)
     pipe = getattr(model, "pipe", None)
     if pipe is not None and not pipe.last and model.score is not None:
@@ -128,7 +118,7 @@ def reward(
     check_pairs(pairs)
     ends = _answer_ends(model)
 
-    def prepare(step: int, chunk: list) -> Work:
+    def work(step: int, chunk: list) -> Work:
         batch = [p for _, p in chunk]
         (count,) = sum_across([float(len(batch))], copies)
         packed = list(rows(model, ((p.prompt, (p.chosen, p.rejected)) for p in batch), tokens))
@@ -137,7 +127,7 @@ def reward(
             """The row's summed loss and statistics from the hidden states at its answers' ends."""
             r = ends.head(i, row, h).view(-1, 2)
             gap = r[:, 0] - r[:, 1]
-            return -F.logsigmoid(gap - margin).sum(), {"correct": float((gap > 0).sum()),
+            return -F.logsigmoid(gap - s.margin).sum(), {"correct": float((gap > 0).sum()),
                                                        "gap": float(gap.detach().sum()),
                                                        "total": float(r.detach().sum())}
 
@@ -149,9 +139,11 @@ def reward(
         return Work(packed, head_loss(model, stage), count, sum(r.learned for r in packed),
                     sum(r.real for r in packed), ("correct", "gap", "total"), metrics, group=copies, head=stage)
 
-    return fit(model, itertools.cycle(enumerate(pairs)), prepare, per_step=pairs_per_step, optimizer=optimizer,
-               steps=steps, clip=clip, schedule=schedule, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-               keep=keep, on_step=on_step, what="reward: the pairs")
+    history = fit(model, itertools.cycle(enumerate(pairs)), work, dataclasses.replace(run, save_to=None),
+                  per_step=s.pairs_per_step, what="reward: the pairs")
+    if run.save_to is not None:
+        save_reward_model(model, run.save_to)
+    return history
 
 
 @torch.no_grad()
