@@ -133,6 +133,16 @@ ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin", "grpo.engine_dty
                 "training.pipeline_schedule": "1f1b"}
 
 
+def renamed(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved recipe under today's field names: GRPO's grpo.clip_low and grpo.clip_high
+    became grpo.clip [low, high]."""
+    if "grpo.clip_low" not in saved:
+        return saved
+    saved = dict(saved)
+    saved["grpo.clip"] = [saved.pop("grpo.clip_low"), saved.pop("grpo.clip_high")]
+    return saved
+
+
 def recipe(config) -> dict[str, Any]:
     """The flat fields that decide what a run learns, with its data files' fingerprints."""
     fields = {k: v for k, v in flatten(to_dict(config)).items() if k not in RUN_FIELDS}
@@ -202,7 +212,7 @@ class RunDirectory:
                              f"`linnet {command}` one; resume it with its own command, or choose another "
                              "runtime.output_dir")
         older = {k: v for k, v in ADDED_FIELDS.items() if k in self.recipe}
-        changed = differences({**older, **saved["recipe"]}, self.recipe, ("run", "now"))
+        changed = differences({**older, **renamed(saved["recipe"])}, self.recipe, ("run", "now"))
         if changed:
             raise ValueError(f"{run_file}: the run learned from another config or data; differing: "
                              f"{'; '.join(changed)}. Resume with the run's own config ({path / 'config.json'}) and "
