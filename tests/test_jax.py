@@ -80,6 +80,19 @@ def test_packed_entries_equal_pytorch(jx, family, tmp_path):
                                    torch_model.log_probs_packed(row).detach().numpy()[learned], atol=2e-5, rtol=0)
 
 
+def test_rope_frequencies_are_pytorchs_without_importing_it(jx):
+    """The JAX model computes its RoPE frequencies in NumPy (no torch import), in float32 as
+    the PyTorch model does: equal for every registered card, Llama 3's scaling included."""
+    from linnet.cards import REGISTRY
+    from linnet.jax.model import rope_frequencies
+    from linnet.torch.model import rope_frequencies as torch_frequencies
+
+    for name in sorted(REGISTRY):
+        card = nest.resolve(name)
+        np.testing.assert_allclose(rope_frequencies(card), torch_frequencies(card).numpy(), rtol=2e-7, atol=0,
+                                   err_msg=name)
+
+
 def test_gradients_equal_pytorch(jx, tmp_path):
     jax, model = jx
     torch_model, jax_model = _pair(jx, FLAGS["qwen3-qk-norm"], tmp_path)
@@ -220,7 +233,7 @@ def test_lora_trains_like_pytorch_and_saves_for_peft(jx, tmp_path, dora):
     the saved PEFT directory binds into a PyTorch model; merging changes no output."""
     import optax
 
-    from linnet.jax.lora import merge_lora
+    from linnet.jax.model import merge_lora
     from linnet.jax.train import train as jax_train
     from linnet.torch.weights import bind_weights
     from linnet.train import train
@@ -429,7 +442,7 @@ def test_engine_greedy_equals_pytorch_and_log_probs_are_the_models(jx, tmp_path,
 
 def test_engine_takes_a_policy_with_adapters_merged(jx, tmp_path):
     from linnet.jax.engine import Engine
-    from linnet.jax.lora import merge_lora
+    from linnet.jax.model import merge_lora
 
     _, policy = _lora_pair(jx, tmp_path)
     engine = Engine(nest.load(policy.card, backend="jax", weights=str(tmp_path / "w.safetensors")))

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.jax.lora import Params, linear, merge_lora
-from linnet.jax.model import JaxModel, cos_sin, head_weight, mlp, project, rms_norm
+from linnet.jax.lora import Params, linear
+from linnet.jax.model import JaxModel, cos_sin, head_weight, merge_lora, mlp, project, rms_norm
 from linnet.rl.rollouts import Completion
 
 SLOTS = 64  # cache lengths round up to a multiple of this

@@ -23,8 +23,8 @@ import numpy as np
 
 from linnet.files import checkpoints as layout
 from linnet.files.adapters import ADAPTERS, MAGNITUDES
-from linnet.jax.lora import Params, save_peft
-from linnet.jax.model import JaxModel, part, save_weights
+from linnet.jax.lora import Params
+from linnet.jax.model import JaxModel, part, save_peft, save_weights
 from linnet.paths import select
 from linnet.run import History, Run, Step, due, step_items
 

@@ -13,6 +13,7 @@ the row's bounds). Shapes: P positions, D hidden, H query heads, K kv heads, d h
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,10 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from linnet.cards import Card
-from linnet.jax.lora import Params, add_lora, linear, merge_lora
+from linnet.files.adapters import ADAPTER_SUFFIXES, check_adapter_options, write_peft
+from linnet.jax.lora import Params, adapted_weight, linear
 from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
 from linnet.packing import segments
-from linnet.paths import parameter_shapes
+from linnet.paths import adapted_layers, parameter_shapes
 
 _DTYPES = {"float32": jnp.float32, "f32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
            "float16": jnp.float16, "f16": jnp.float16}
@@ -168,10 +170,21 @@ def rows_log_probs(params: Params, card: Card, rows: dict, dtype=jnp.float32, lo
 
 
 def rope_frequencies(card: Card) -> np.ndarray:
-    """[d/2] float32 inverse frequencies, as the PyTorch model computes them."""
-    from linnet.torch.model import rope_frequencies as torch_frequencies
-
-    return torch_frequencies(card).numpy()
+    """[d/2] float32 inverse frequencies, as the PyTorch model computes them (in float32,
+    Llama 3's scaling where the card has it): wavelengths longer than
+    original/low_freq_factor are slowed by `factor`, those shorter than
+    original/high_freq_factor kept, and the band between blended linearly. A power may
+    round to the other side of one float32 step from torch's."""
+    d = card.head_dim
+    inv = np.float32(1.0) / np.power(np.float32(card.rope_base), np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
+    s = card.rope_scaling
+    if s is None:
+        return inv
+    wavelength = np.float32(2 * np.pi) / inv
+    low, high = s.original_max_positions / s.low_freq_factor, s.original_max_positions / s.high_freq_factor
+    blend = (s.original_max_positions / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - blend) * inv / s.factor + blend * inv
+    return np.where(wavelength > low, inv / s.factor, np.where(wavelength < high, inv, blended)).astype(np.float32)
 
 
 @dataclass
@@ -242,6 +255,56 @@ class JaxModel:
         self.params = {k: jax.device_put(v, self.params[k].sharding) if k in self.params else v
                        for k, v in merged.items()}
         self.lora = None
+
+
+def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
+             dropout: float = 0.0, rslora: bool = False, dora: bool = False, seed: int = 0) -> list[str]:
+    """Add adapters to `model.params` for every projection whose weight path (or layer
+    path) matches a pattern (with dora=True, DoRA's magnitude per output row, starting at
+    the row's norm); returns the adapted layer paths. dropout: drop the adapters' input
+    while the JAX trainers (train, dpo, grpo) train, the masks drawn from their seed."""
+    check_adapter_options(rank=rank, dropout=dropout)
+    if model.lora:
+        raise ValueError("add_lora: the model has adapters already; merge_lora first")
+    chosen = adapted_layers([k.removesuffix(".weight") for k in model.params if k.endswith("_proj.weight")], patterns)
+    rng = np.random.default_rng(seed)
+    for name in chosen:
+        d_out, d_in = model.params[f"{name}.weight"].shape
+        bound = 1.0 / math.sqrt(d_in)  # PEFT's kaiming-uniform(a=sqrt(5)) for A
+        model.params[f"{name}.lora_a"] = jnp.asarray(rng.uniform(-bound, bound, (rank, d_in)), jnp.float32)
+        model.params[f"{name}.lora_b"] = jnp.zeros((d_out, rank), jnp.float32)
+        if dora:
+            weight = model.params[f"{name}.weight"].astype(jnp.float32)
+            model.params[f"{name}.lora_magnitude"] = jnp.linalg.norm(weight, axis=1)
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, scale=scale, dora=dora)
+    return chosen
+
+
+def merge_lora(model: JaxModel, params: Params | None = None) -> Params:
+    """`params` (default the model's) with every adapter added into its weight
+    (W + scale * B @ A, in float32) and the adapters removed."""
+    params = dict(model.params if params is None else params)
+    if not model.lora:
+        return params
+    for name in model.lora["layers"]:
+        merged = adapted_weight(params, name, model.lora["scale"])
+        magnitude = params.pop(f"{name}.lora_magnitude", None)
+        if magnitude is not None:
+            merged = merged * (magnitude / jnp.linalg.norm(merged, axis=1))[:, None]
+        del params[f"{name}.lora_a"], params[f"{name}.lora_b"]
+        params[f"{name}.weight"] = merged.astype(params[f"{name}.weight"].dtype)
+    return params
+
+
+def save_peft(model: JaxModel, directory: str | os.PathLike, params: Params | None = None) -> None:
+    """The adapters of `params` (default the model's) as a PEFT adapter directory."""
+    if not model.lora:
+        raise ValueError("save_peft: the model has no adapters; call add_lora first")
+    params = model.params if params is None else params
+    adapters = {k: np.array(v, np.float32) for k, v in params.items() if k.endswith(ADAPTER_SUFFIXES)}
+    card = model.card
+    write_peft(directory, adapters, model.lora, card.weights.repo or card.weights.path)
 
 
 def part(x, mesh):
