@@ -132,9 +132,6 @@ def test_former_flags_are_hidden_and_refused():
 # Retired spellings of a knob in Python: the gradient clip is clip= (Run.clip), a row's
 # length tokens=, the evaluation cadence evaluate_every=.
 BANNED = {"max_grad_norm", "max_tokens", "max_seq", "max_len", "seq", "eval_every"}
-# The lead's refactor (issue 40) is moving grpo's max_grad_norm= into Run(clip=); until it
-# lands, these two may still have it.
-IN_FLIGHT = {"train/grpo.py", "jax/grpo.py"}
 
 
 def public_names(path: Path) -> list[tuple[str, int, str]]:
@@ -165,10 +162,7 @@ def public_names(path: Path) -> list[tuple[str, int, str]]:
 MODULES = sorted(str(p.relative_to(SOURCE)) for p in SOURCE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("module", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=False, reason="max_grad_norm= moves into Run(clip=) with the "
-                                                                 "lead's refactor (issue 40)"))
-    if m in IN_FLIGHT else m for m in MODULES])
+@pytest.mark.parametrize("module", MODULES)
 def test_no_signature_uses_a_retired_spelling(module):
     used = [f"{module}:{line} {where}({name}=)" for where, line, name in public_names(SOURCE / module)
             if name in BANNED]
@@ -187,15 +181,13 @@ def test_the_table_names_every_objective_keyword():
 
     code = " ".join(re.findall(r"`([^`]*)`", " ".join(table()["Python"])))
     named = set(re.findall(r"\b([a-z_]+)\b", code))
-    objectives = [("linnet.train", "train"), ("linnet.train", "dpo"), ("linnet.train", "kto"),
-                  ("linnet.train", "reward"), ("linnet.train", "distill"), ("linnet.train", "on_policy_distill"),
-                  ("linnet.train", "grpo"), ("linnet.jax.train", "train"), ("linnet.jax.dpo", "dpo"),
-                  ("linnet.jax.grpo", "grpo")]
+    objectives = [("linnet.train.loop", "train"), ("linnet.train.dpo", "dpo"), ("linnet.train.kto", "kto"),
+                  ("linnet.train.reward", "reward"), ("linnet.train.distill", "distill"),
+                  ("linnet.train.distill", "on_policy_distill"), ("linnet.train.grpo", "grpo"),
+                  ("linnet.jax.train", "train"), ("linnet.jax.dpo", "dpo"), ("linnet.jax.grpo", "grpo")]
     wanted = {f.name for f in dataclasses.fields(run_module.Run)}
-    for module, name in objectives:
-        function = getattr(importlib.import_module(module), name, None)
-        if function is not None:
-            wanted |= _keywords(function)
+    for module, name in objectives:  # the defining modules: a package attribute may name a submodule
+        wanted |= _keywords(getattr(importlib.import_module(module), name))
     missing = sorted(wanted - named)
     assert not missing, f"docs/config.md's Python column lacks {missing}"
 
@@ -237,8 +229,6 @@ def test_for_a_config_a_long_record_names_the_yaml_fields(tmp_path):
     assert "tokens=" not in message and "truncate=" not in message
 
 
-@pytest.mark.xfail(strict=False, reason="commands/sft.py passes names=spellings.RECORDS to examples_from_records "
-                                        "once the lead applies the call-site change")
 def test_linnet_sft_names_the_yaml_fields_of_a_long_record(tmp_path, capsys):
     import yaml
 

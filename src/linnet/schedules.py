@@ -2,7 +2,7 @@
 whose call gives the multiplier of the peak rate at a step, for PyTorch (a `LambdaLR`
 over it, whose state saves with a checkpoint) and JAX (a table of rates) alike.
 
-    factor = schedule_factor("cosine", warmup_steps=10, total=200, min_lr_ratio=0.1)
+    factor = schedule_factor(config.lr_schedule, total=200)    # a config's group
     factor(0), factor(9), factor(199)     # 0.1, 1.0, ~0.1
     schedule = cosine_schedule(optimizer, 10, 200, floor=0.1)   # the same, as a LambdaLR
 
@@ -91,22 +91,22 @@ def constant(warmup: int = 0) -> Constant:
     return Constant(warmup)
 
 
-def schedule_factor(name: str, *, warmup_steps: int, total: int, min_lr_ratio: float = 0.0,
-                    decay_fraction: float = 0.2):
-    """The factor of a config's `lr_schedule` group (name, warmup_steps, min_lr_ratio,
-    decay_fraction) over `total` steps; a schedule that cannot fit raises, naming the
-    fields to change."""
+def schedule_factor(lr_schedule, total: int):
+    """The factor of a config's `lr_schedule` group (its name, warmup_steps, min_lr_ratio and
+    decay_fraction; linnet.config's LRScheduleConfig) over `total` steps; a schedule that
+    cannot fit raises, naming the fields to change."""
+    s = lr_schedule
     try:
-        if name == "cosine":
-            return cosine(warmup_steps, total, floor=min_lr_ratio)
-        if name == "wsd":
-            return wsd(warmup_steps, total, decay=decay_fraction, floor=min_lr_ratio)
-        if name == "constant":
-            return constant(warmup_steps)
+        if s.name == "cosine":
+            return cosine(s.warmup_steps, total, floor=s.min_lr_ratio)
+        if s.name == "wsd":
+            return wsd(s.warmup_steps, total, decay=s.decay_fraction, floor=s.min_lr_ratio)
+        if s.name == "constant":
+            return constant(s.warmup_steps)
     except ValueError as e:
-        raise ValueError(f"config: lr_schedule ({name}, warmup_steps {warmup_steps}) over {total} steps: {e}; lower "
-                         "lr_schedule.warmup_steps or train for more steps") from None
-    raise ValueError(f"config: lr_schedule.name={name!r}; use cosine, wsd or constant")
+        raise ValueError(f"config: lr_schedule ({s.name}, warmup_steps {s.warmup_steps}) over {total} steps: {e}; "
+                         "lower lr_schedule.warmup_steps or train for more steps") from None
+    raise ValueError(f"config: lr_schedule.name={s.name!r}; use cosine, wsd or constant")
 
 
 def lambda_schedule(optimizer, factor):

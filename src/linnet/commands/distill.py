@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 
-from linnet.commands import runs, sft
+from linnet.commands import runs, sft, spellings
 from linnet.config import DistillConfig
 from linnet.torch.distributed import data_share
 
@@ -68,7 +68,7 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
     from linnet.rl.rollouts import sample_in_batches
 
     records = sft.split_records(config)[0]
-    whole = dict(tokens=sys.maxsize, **sft.record_fields(config))  # one example a record, none cut
+    whole = dict(tokens=sys.maxsize, **sft.record_fields(config), names=spellings.RECORDS)  # one example a record, none cut
     ours = examples_from_records(records, tokenizer, **whole)
     done = sample_in_batches(engine, [_prompt(e) for e in examples_from_records(records, theirs, **whole)],
                              **_answering(config), stop=engine.card.eos_token_ids)

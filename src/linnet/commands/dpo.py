@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from linnet.commands import runs
+from linnet.commands import runs, spellings
 from linnet.config import DPOConfig
 from linnet.torch.distributed import data_share, sum_across
 
@@ -36,10 +36,12 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     prompt = (d.prompt or ["prompt"])[0]
     if unpaired:
-        fields = dict(prompt=prompt, completion=d.completion or "completion", label=d.label, chat=d.chat)
+        fields = dict(prompt=prompt, completion=d.completion or "completion", label=d.label, chat=d.chat,
+                      names=spellings.RECORDS)
         read = functools.partial(unpaired_from_records, **fields)
     else:
-        read = functools.partial(pairs_from_records, prompt=prompt, chosen=d.chosen, rejected=d.rejected, chat=d.chat)
+        read = functools.partial(pairs_from_records, prompt=prompt, chosen=d.chosen, rejected=d.rejected, chat=d.chat,
+                                 names=spellings.RECORDS)
     pairs = read(read_records(d.path), tokenizer)
     if d.eval_path:
         held_out = read(read_records(d.eval_path), tokenizer)

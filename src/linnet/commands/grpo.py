@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from linnet.commands import runs
+from linnet.commands import runs, spellings
 from linnet.config import GRPOConfig
 from linnet.torch.distributed import data_share, sum_across
 
@@ -20,6 +20,7 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet import nest
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.rl import rewards
+    from linnet.rl.rollouts import check_prompts
     from linnet.serve import Engine
     from linnet.serve.vllm import VLLMEngine, check_usable
     from linnet.train.grpo import evaluate, grpo
@@ -34,12 +35,13 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     if g.reward_workers > 1:  # reward models score in packed batches already
         functions = {name: f if hasattr(f, "batch") else rewards.Concurrent(f, g.reward_workers)
                      for name, f in functions.items()}
-    fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat)
+    fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat, names=spellings.RECORDS)
     prompts = prompts_from_records(read_records(d.path), tokenizer, **fields)
     if d.eval_path:
         held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
     else:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
+    check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens, names=spellings.PROMPTS)
     if g.prompts_per_step > len(prompts):
         raise ValueError(f"{d.path}: grpo.prompts_per_step={g.prompts_per_step} is more than the {len(prompts)} "
                          "training prompts, so prompts would repeat within a step; lower grpo.prompts_per_step")

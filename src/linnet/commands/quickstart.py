@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from linnet import nest
+from linnet.commands.spellings import former_flags
 from linnet.files.atomic import SetAside, check_writable, remove_stale, write_text
 from linnet.packing import Example
 from linnet.report.plots import plot_metrics
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: 0)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--overwrite", action="store_true", help="replace a quickstart run in --out")
+    former_flags(parser, {"--tokens": "--context-length"})
     args = parser.parse_args(argv)
     out = Path(args.out)
     try:

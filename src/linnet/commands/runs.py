@@ -86,8 +86,7 @@ def steps_factor(config, steps: int):
     """The learning-rate factor of `config`'s lr_schedule over `steps` (raises when the
     schedule cannot fit, before anything is written)."""
     s = config.lr_schedule
-    return schedule_factor(s.name, warmup_steps=s.warmup_steps, total=steps, min_lr_ratio=s.min_lr_ratio,
-                           decay_fraction=s.decay_fraction)
+    return schedule_factor(s, total=steps)
 
 
 def optimizer_and_schedule(config, model, steps: int):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from linnet.commands import runs
+from linnet.commands import runs, spellings
 from linnet.config import SFTConfig
 from linnet.torch.distributed import data_share
 
@@ -44,7 +44,8 @@ def read_inputs(config: SFTConfig) -> Inputs:
     card = resolve(config.model.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     records, held_out = split_records(config)
-    read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate)
+    read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate,
+                names=spellings.RECORDS)
     examples = examples_from_records(records, tokenizer, **read)
     held_out = examples_from_records(held_out, tokenizer, **read) if held_out else []
     rows = count_rows(examples, t.context_length)

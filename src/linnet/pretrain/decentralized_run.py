@@ -62,8 +62,7 @@ def consensus_plan(config, total_steps: int) -> AdaptiveConsensus | None:
     if a is None:
         return None
     s, lr = config.lr_schedule, config.optimizer.lr
-    factor = schedule_factor(s.name, warmup_steps=s.warmup_steps, total=total_steps, min_lr_ratio=s.min_lr_ratio,
-                             decay_fraction=s.decay_fraction)
+    factor = schedule_factor(s, total=total_steps)
     return AdaptiveConsensus.plan(start_frac=a.start_frac, p=a.p, total=total_steps, lr_at=lambda r: lr * factor(r))
 
 

@@ -292,7 +292,7 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
     state = verify_checkpoint(checkpoint)
     recipe = state["extra"].get("recipe")
     if recipe is None:
-        raise ValueError(f"{checkpoint}: not a pretraining checkpoint (a fine-tuning run's?); --resume takes a "
+        raise ValueError(f"{checkpoint}: not a pretraining checkpoint (a fine-tuning run's?); --resume-from takes a "
                          "checkpoint written by `linnet pretrain`")
     refuse_other_recipe(checkpoint, run_dir, recipe["fields"], recipe["identity"])
     return Start(checkpoint, state, clear=overwrite and used and out.resolve() != run_dir.resolve())
@@ -384,9 +384,8 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
         trainee = _trainee(config, card, budget, device, processes)
         assert sum(p.numel() for p in trainee.evaluation_model().parameters()) == card.params()
-        optimizer, s = trainee.optimizer, config.lr_schedule
-        schedule = lambda_schedule(optimizer, schedule_factor(s.name, warmup_steps=s.warmup_steps, total=budget.steps,
-                                                              min_lr_ratio=s.min_lr_ratio, decay_fraction=s.decay_fraction))
+        optimizer = trainee.optimizer
+        schedule = lambda_schedule(optimizer, schedule_factor(config.lr_schedule, total=budget.steps))
         progress = Counters()
         loader_kw = dict(context=t.context_length, group_size=d.shuffle_group_size, seed=rt.seed, repeat=d.repeat,
                          prefetch=d.prefetch, device=device)
