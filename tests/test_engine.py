@@ -110,7 +110,7 @@ def test_top_p_keeps_only_the_nucleus(saved):
 def test_sampling_follows_the_tempered_distribution():
     """The inverse-CDF draw: frequencies match softmax(z / T), at T = 1 too (drawn from the
     unnormalised exp(z - max)), and filtered tokens never appear."""
-    from linnet.serve.engine import _pick, _Sampling
+    from linnet.torch.engine import _pick, _Sampling
 
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0]).repeat(20000, 1)
     g = torch.Generator().manual_seed(0)
@@ -130,7 +130,7 @@ def test_every_draw_reports_the_log_softmax_of_its_token():
     """Greedy, tempered, top-k, top-p and the model's own distribution (where one exp pass
     serves the draw and the log-probability) all report log_softmax's value of the token
     drawn; greedy takes the first of tied maxima."""
-    from linnet.serve.engine import _pick, _Sampling
+    from linnet.torch.engine import _pick, _Sampling
 
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)) * 4
     logits[0, [7, 200]] = 50.0  # a tie: the first wins
@@ -149,7 +149,7 @@ def test_inverse_cdf_lands_in_proportion_across_blocks():
     """The two-level draw (block sums, then the block's own sums): evenly spread uniforms
     land on each token in proportion to its probability, across blocks and in a padded
     last block, never on a zero, at the extremes of u included."""
-    from linnet.serve.engine import _inverse_cdf
+    from linnet.torch.engine import _inverse_cdf
 
     probs = torch.zeros(300)  # blocks of 128: two whole, a padded third; the middle one mostly zeros
     probs[[0, 5, 127, 128, 250, 299]] = torch.tensor([0.1, 0.2, 0.05, 0.3, 0.15, 0.2])
@@ -164,7 +164,7 @@ def test_inverse_cdf_lands_in_proportion_across_blocks():
 
 
 def test_group_prefix_is_computed_once(saved, monkeypatch):
-    from linnet.serve import passes
+    from linnet.torch import passes
 
     model = nest.load(saved("llama"))
     engine = Engine(model)

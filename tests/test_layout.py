@@ -97,6 +97,33 @@ def test_no_import_cycle():
     assert cycles == []
 
 
+# The layers, lowest first (docs/architecture.md): a module may import its own layer and the
+# ones below, never one above. A module's layer is its longest listed prefix's.
+LAYERS = [
+    # plain data and backend-neutral pieces
+    ["linnet", "linnet.cards", "linnet.hardware", "linnet.paths", "linnet.packing", "linnet.schedules", "linnet.run",
+     "linnet.files", "linnet.report", "linnet.config", "linnet.plan", "linnet.data", "linnet.rl"],
+    ["linnet.torch", "linnet.jax"],  # the backends: models, losses, adapters, their engines
+    ["linnet.serve"],  # sampling's front: the Engine and vLLM
+    ["linnet.nest", "linnet.export"],  # the backend factory and the export of a trained model
+    ["linnet.train", "linnet.pretrain", "linnet.rl.rewards"],  # trainers (rewards load reward models)
+    ["linnet.commands"],
+    ["linnet.cli"],
+]
+
+
+def layer(module: str) -> int:
+    prefix, found = max((p, i) for i, names in enumerate(LAYERS) for p in names
+                        if module == p or module.startswith(p + "."))  # the longest prefix sorts last
+    return found
+
+
+def test_every_module_has_a_layer_and_no_import_runs_up_a_layer():
+    upward = [f"{name} ({layer(name)}) -> {m} ({layer(m)})" for name, found in GRAPH.items() for m in sorted(found)
+              if layer(m) > layer(name)]
+    assert upward == []
+
+
 def test_the_library_never_imports_a_command():
     for name, found in GRAPH.items():
         if name != "linnet.cli" and not name.startswith("linnet.commands"):

@@ -600,7 +600,7 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
 @pytest.mark.parametrize("projections", [True, False])
 def test_a_float32_engine_on_a_cpu_counts_its_weights_reordered_for_onednn(tmp_path, capsys, monkeypatch, projections):
     """The head reordered again (Llama 3.2 1B's is over 2^20 weights), and on an AVX-512 CPU
-    every projection too (`Engine`, `linnet.serve.passes.reorder_weights`)."""
+    every projection too (`Engine`, `linnet.torch.passes.reorder_weights`)."""
     from linnet import hardware
 
     monkeypatch.setattr(hardware, "cpu_reorders_projections", lambda: projections)

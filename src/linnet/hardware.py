@@ -38,7 +38,7 @@ def cpu_bf16_flag() -> str | None:
 
 def cpu_reorders_projections() -> bool:
     """Whether a float32 sampling engine on this CPU runs its projections through weights
-    reordered for oneDNN (`linnet.serve.passes.reorder_weights`): with AVX-512, where that was
+    reordered for oneDNN (`linnet.torch.passes.reorder_weights`): with AVX-512, where that was
     1.09x sampling 4 prompts x 8 x 64 at 7M (AMD EPYC Zen 4; the 60M model's fused
     [32, 512] x [512, 3072] gate and up at 105 GFLOP/s reordered against 64 plain); not with
     AVX2 alone (0.91-0.99x on an AVX2 EPYC, where weights laid out transposed gained)."""

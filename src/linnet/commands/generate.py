@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     from linnet import nest
     from linnet.data.tokenizer import load_tokenizer
-    from linnet.serve.engine import Engine
+    from linnet.torch.engine import Engine
     from linnet.train.loop import resolve_device
 
     card = nest.resolve(args.card)

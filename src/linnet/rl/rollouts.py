@@ -29,7 +29,7 @@ class Completion:
     tokens     the sampled ids, a stop token included as the last when `stopped`
     logprobs   [len(tokens)] float32 on the host (a torch tensor from the PyTorch engine, a
                numpy array from the JAX one): the model's log-probability of each token
-               (temperature 1, before top-k/top-p; see `linnet.serve.engine`)
+               (temperature 1, before top-k/top-p; see `linnet.torch.engine`)
     stopped    True when it ended on a stop token, False when it hit max_new_tokens
     """
 

@@ -51,7 +51,7 @@ import torch
 
 from linnet.cards import Card, resolve
 from linnet.rl.rollouts import Completion
-from linnet.serve.engine import sampling_options, token_prompts
+from linnet.torch.engine import sampling_options, token_prompts
 from linnet.torch.lora import merged, policy_weights
 
 INSTALL = "pip install 'linnet[vllm]' (on a CUDA machine)"

@@ -510,7 +510,7 @@ class CausalLM(nn.Module):
     def _engine(self):
         """The generation engine with the decoder's current weights; rebuilt when the
         decoder has moved to another device or dtype."""
-        from linnet.serve import Engine
+        from linnet.torch.engine import Engine
 
         d, engine = self._decoder, self._sampler
         if engine is None or engine.model.device != d.device or engine.model.dtype != d.dtype:

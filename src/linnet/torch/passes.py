@@ -1,4 +1,4 @@
-"""The model passes of the sampling engine (`linnet.serve.engine`), around its KV cache.
+"""The model passes of the sampling engine (`linnet.torch.engine`), around its KV cache.
 
 Two caches a layer: the prompts' keys and values [prompts, K, S, d], each prompt once
 however many completions it has, and the generated tokens' [B, K, N, d]. The layers are

@@ -21,7 +21,7 @@ One `sample` call:
    caches are compacted (a prompt leaves with its last completion), so later steps cost
    only what is still running; the loop ends when no row is left.
 
-The passes themselves are in `linnet.serve.passes`.
+The passes themselves are in `linnet.torch.passes`.
 
 Compiled passes (`Engine(model, compile=True)`, or a model loaded with `compile=`): the
 decode step and the prefill are each one `torch.compile`d function (on CUDA the decode
@@ -58,11 +58,11 @@ import torch.nn.functional as F
 from linnet import hardware
 from linnet.files.adapters import ADAPTER_SUFFIXES
 from linnet.rl.rollouts import Completion
-from linnet.serve.passes import Batch, decode_pass, prefill_pass, reorder_weights
 from linnet.torch import attention as attention_paths
 from linnet.torch.lora import merged, policy_weights
 from linnet.torch.losses import token_log_probs
 from linnet.torch.model import Decoder, Linear
+from linnet.torch.passes import Batch, decode_pass, prefill_pass, reorder_weights
 from linnet.torch.quantize import is_quantized, quant_states
 from linnet.torch.sharding import is_sharded
 
