@@ -161,6 +161,38 @@ def test_an_interrupted_run_resumes_itself_from_its_latest_snapshot(workspace, s
     assert run(config) == summary  # complete: left as it is
 
 
+def test_sigterm_keeps_the_updates_state_and_the_run_resumes_to_the_same_weights(workspace, straight, tmp_path,
+                                                                                 monkeypatch):
+    """A SIGTERM during update 10 (mid-epoch): the update finishes, its state is kept as a
+    snapshot, and running the config again ends with the uninterrupted run's weights."""
+    import os
+    import signal
+
+    from linnet.run import Preempted, stop_after_a_step
+    from linnet.train import loop
+
+    out = tmp_path / "stopped"
+    config = _config(workspace, out)
+    real, calls = loop.take_step, []
+
+    def notice_during_update_10(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "take_step", notice_during_update_10)
+    with stop_after_a_step(), pytest.raises(Preempted) as stopped:
+        run(config)
+    assert stopped.value.step == 10 and len(_metrics(out)) == 10 and not (out / "summary.json").exists()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000010"]
+    monkeypatch.setattr(loop, "take_step", real)
+    summary = run(config)
+    assert summary["steps_this_session"] == STEPS - 10
+    assert [r["loss"] for r in _metrics(out)] == [r["loss"] for r in _metrics(straight)]
+    assert _same_weights(out / "final.safetensors", straight / "final.safetensors")
+
+
 def test_another_recipe_is_refused_naming_the_fields(workspace, straight, tmp_path):
     changed = _config(workspace, tmp_path / "other", "optimizer.lr=0.02", "training.epochs=8")
     with pytest.raises(ValueError, match=r"written by another recipe .*optimizer.lr: 0.01 \(run\) vs 0.02 \(config\); "

@@ -137,6 +137,39 @@ def test_ctrl_c_names_the_checkpoint_that_resumes(ws, tmp_path, monkeypatch, cap
     assert "interrupted; the latest checkpoint is" in err and "step-00000002" in err and "--resume" in err
 
 
+def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resume_finishes_alike(ws, tmp_path, monkeypatch,
+                                                                                       capsys):
+    """SIGTERM (a cluster's or spot instance's notice) during step 2: the step finishes, its
+    checkpoint is written though checkpoint_every is 100, the exit status is 143 and the
+    message says how to go on; --resume then ends where the uninterrupted run ended."""
+    import signal
+
+    from linnet.train import loop
+
+    real, calls, handler = loop.take_step, [], signal.getsignal(signal.SIGTERM)
+
+    def notice_during_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(loop, "take_step", notice_during_step_2)
+    assert _sft(ws, out, "--set", "training.checkpoint_every=100") == 143
+    err = capsys.readouterr().err
+    assert "stopped by SIGTERM after step 2" in err and "step-00000002" in err and "--resume" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    assert signal.getsignal(signal.SIGTERM) is handler  # the run's own handler went with it
+    monkeypatch.setattr(loop, "take_step", real)
+    assert _sft(ws, out, "--set", "training.checkpoint_every=100", "--resume") == 0
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses == [json.loads(line)["loss"] for line in (ws / "run" / "metrics.jsonl").read_text().splitlines()]
+    final = "final/adapter_model.safetensors"
+    assert _tree(out)[final] == _tree(ws / "run")[final]
+
+
 def test_published_files_get_ordinary_permissions(ws):
     umask = os.umask(0)
     os.umask(umask)

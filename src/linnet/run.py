@@ -17,8 +17,11 @@ import dataclasses
 import itertools
 import os
 import re
+import signal
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,3 +150,39 @@ def run_and_options(who: str, run: Run | None, options: dict[str, Any], settings
         group = getattr(settings, "YAML", None)
         message = re.sub(r"^config: ", f"{who}: ", str(e))
         raise ValueError(re.sub(rf"\b{group}\.(\w+)", r"\1", message) if group else message) from None
+
+
+class Preempted(Exception):
+    """The run stopped when asked to (SIGTERM: what clusters and spot instances send before
+    they take a machine back) after the step in progress, with a checkpoint of that step
+    written to `checkpoint` (None when the run keeps none)."""
+
+    def __init__(self, step: int, checkpoint: str | os.PathLike | None):
+        self.step, self.checkpoint = step, checkpoint
+        kept = f"; its checkpoint is in {checkpoint}" if checkpoint is not None else "; the run keeps no checkpoint"
+        super().__init__(f"stopped after step {step} as asked (SIGTERM){kept}")
+
+
+_STOP = threading.Event()
+_ARMED = threading.Event()
+
+
+@contextmanager
+def stop_after_a_step(signals=(signal.SIGTERM,)):
+    """Inside it, `signals` ask the run to stop once the step in progress is done: every
+    trainer's fit writes that step's checkpoint and raises Preempted. The command line
+    wraps each training command in it; the handlers before it come back after."""
+    _STOP.clear()
+    before = {s: signal.signal(s, lambda *_: _STOP.set()) for s in signals}
+    _ARMED.set()
+    try:
+        yield
+    finally:
+        _ARMED.clear()
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def stop_asked() -> bool | None:
+    """Whether a stop was asked for: None outside `stop_after_a_step` (nobody listens)."""
+    return _STOP.is_set() if _ARMED.is_set() else None

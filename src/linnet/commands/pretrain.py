@@ -22,6 +22,7 @@ from linnet.config import PretrainConfig, load, template
 from linnet.files import checkpoints as layout
 from linnet.pretrain.runner import CHECKPOINTS, plan, run
 from linnet.report.tables import print_table
+from linnet.run import Preempted, stop_after_a_step
 from linnet.torch.distributed import process_group, world
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         cli.error("--resume-from takes one --config")
     if args.overwrite and args.resume:
         cli.error("--resume continues the run in runtime.output_dir and --overwrite replaces it; give one")
-    with process_group():  # under torchrun
+    with process_group(), stop_after_a_step():  # under torchrun; SIGTERM stops after the step in progress
         for path in paths:
             config = load(PretrainConfig, path, args.set)
             if args.plan:
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"linnet pretrain: interrupted; {where}running the same command resumes the run",
                           file=sys.stderr)
                     return 130
+                except Preempted as stopped:
+                    kept = f"its state is in {stopped.checkpoint}" if stopped.checkpoint else "no training state is kept"
+                    print(f"linnet pretrain: stopped by SIGTERM after update {stopped.step}; {kept}; running the "
+                          "same command resumes the run", file=sys.stderr)
+                    return 143
                 rows = [(k, json.dumps(v) if isinstance(v, dict) else str(v)) for k, v in summary.items()]
             if world()[0] == 0:
                 print_table(rows)

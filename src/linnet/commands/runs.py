@@ -417,13 +417,19 @@ def start(config, steps: int, *, overwrite: bool = False, resume: bool = False,
 def execute(run, args, config, **options) -> int:
     """Run a training command's `run(config, ...)` with the command line's --overwrite,
     --resume and --resume-from (under torchrun, in its process group) and print the
-    summary; after a Ctrl-C, say where the run resumes (exit status 130)."""
-    with process_group():
+    summary. After a Ctrl-C, say where the run resumes (exit status 130); on SIGTERM (a
+    cluster's or spot instance's notice) finish the step in progress, write its
+    checkpoint and say so (exit status 143, as a process killed by SIGTERM)."""
+    from linnet.run import Preempted, stop_after_a_step
+
+    with process_group(), stop_after_a_step():
         try:
             summary = run(config, overwrite=args.overwrite, resume=args.resume, resume_from=args.resume_from,
                           **options)
         except KeyboardInterrupt:
             return interrupted(config)
+        except Preempted as stopped:
+            return preempted(config, stopped)
         print_table(summary)
     return 0
 
@@ -435,6 +441,15 @@ def interrupted(config) -> int:
              if found is not None else "no checkpoint was written yet; the same command with --overwrite restarts")
     print(f"linnet {config.command}: interrupted; {where}", file=sys.stderr)
     return 130
+
+
+def preempted(config, stopped) -> int:
+    """Say, after a SIGTERM, which checkpoint was written and how to continue; exit status 143."""
+    if world()[0] == 0:
+        found = layout.find_checkpoint(Path(config.runtime.output_dir) / "checkpoints")
+        print(f"linnet {config.command}: stopped by SIGTERM after step {stopped.step}; its checkpoint is {found}; "
+              "the same command with --resume continues from it", file=sys.stderr)
+    return 143
 
 
 def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict:

@@ -26,7 +26,7 @@ from linnet.files.adapters import ADAPTERS, MAGNITUDES
 from linnet.jax.lora import Params
 from linnet.jax.model import JaxModel, part, save_peft, save_weights
 from linnet.paths import select
-from linnet.run import History, Run, Step, due, step_items
+from linnet.run import History, Preempted, Run, Step, due, step_items, stop_asked
 
 
 @dataclass
@@ -157,8 +157,11 @@ def fit(model: JaxModel, items: Iterable, step: Callable[[int, list, State], Upd
         history.steps.append(record)
         if run.on_step is not None:
             run.on_step(record)
-        if run.checkpoint is not None and due(number, run.checkpoint_every, run.steps):
+        stop = number < run.steps and bool(stop_asked())  # one process: no agreement to reach
+        if run.checkpoint is not None and (stop or due(number, run.checkpoint_every, run.steps)):
             save_checkpoint(run.checkpoint, number, state.trained, state.opt_state, keep=run.keep)
+        if stop:
+            raise Preempted(number, run.checkpoint)
     return finish(model, state.trained, state.frozen, run.save_to), history
 
 

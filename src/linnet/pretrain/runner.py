@@ -331,7 +331,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet.pretrain.loader import Loader, Validation
     from linnet.report.tracking import check as check_trackers
     from linnet.report.tracking import open_trackers
-    from linnet.run import Run
+    from linnet.run import Preempted, Run
     from linnet.torch.distributed import barrier, from_first, world
     from linnet.train.evaluation import held_out_loss
     from linnet.train.loop import fit, resolve_device, start_runtime
@@ -489,6 +489,11 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         try:
             fit(trainee.model, range(budget.steps), lambda step, _: trainee.work(micro_batches(), share * B * t.context_length),
                 plumbing, per_step=1, start=progress.step, what="pretrain: the budget")
+        except Preempted as stopped:  # SIGTERM: the step's state is kept (unless the policy keeps none)
+            kept = t.checkpoint_policy != "none"
+            if kept:
+                save_state(out, progress=progress, kind="stop", **save_kw)
+            raise Preempted(stopped.step, out / CHECKPOINTS if kept else None) from None
         finally:
             if metrics is not None:
                 metrics.close()

@@ -30,8 +30,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet.run import History, Run, Step, due, run_and_options, step_items
-from linnet.torch.distributed import clip_gradients, idle_passes, matched, passes_short, reduce_gradients, sum_across
+from linnet.run import History, Preempted, Run, Step, due, run_and_options, step_items, stop_asked
+from linnet.torch.distributed import (
+    clip_gradients,
+    idle_passes,
+    matched,
+    most_across,
+    passes_short,
+    reduce_gradients,
+    sum_across,
+)
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -209,12 +217,23 @@ def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run
         history.steps.append(record)
         if run.on_step is not None:
             run.on_step(record)
-        if run.checkpoint is not None and due(step, run.checkpoint_every, run.steps):
+        saved = run.checkpoint is not None and due(step, run.checkpoint_every, run.steps)
+        stop = step < run.steps and _stop_agreed()
+        if run.checkpoint is not None and (saved or stop):
             save_checkpoint(run.checkpoint, model=model, optimizer=run.optimizer, step=step, schedule=run.schedule,
                             keep=run.keep)
+        if stop:
+            raise Preempted(step, run.checkpoint)
     if run.save_to is not None:
         save_trained(model, run.save_to)
     return history
+
+
+def _stop_agreed() -> bool:
+    """A stop asked for on any process (SIGTERM reaches them at different moments): every
+    process stops after the same step. One collective a step, only while a command listens."""
+    asked = stop_asked()
+    return asked is not None and bool(most_across(int(asked)))
 
 
 def head_loss(model, head) -> Callable[[int, Any], tuple[torch.Tensor, dict[str, float]]]:
