@@ -105,3 +105,31 @@ def test_bad_pairs_name_the_item():
         dpo(model, pairs, optimizer=opt, steps=1)
     with pytest.raises(ValueError, match="must be a\\s+sequence"):
         dpo(model, iter(_pairs(3)), optimizer=opt, steps=1)
+
+
+def test_the_references_pass_before_step_1_is_a_phase_of_its_own(capsys, monkeypatch):
+    """The model's own log-probabilities of every pair, computed before the first step, say
+    when they start and end (a log shows what the minutes before step 1 were); a bar shows
+    its rows on a terminal, and the training bar's rate counts from its first step."""
+    import io
+
+    from linnet.report import progress
+
+    monkeypatch.delenv("LINNET_QUIET", raising=False)
+    model = nest.load(CARD, weights="random", trainable=True)
+    dpo(model, _pairs(), optimizer=torch.optim.SGD(model.parameters(), lr=0.0), steps=1, pairs_per_step=4)
+    err = capsys.readouterr().err
+    assert "dpo: the reference's log-probabilities of 24 pairs ..." in err
+    assert "dpo: the reference's log-probabilities of 24 pairs: done in" in err
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    bar = progress.Progress(10, "train", stream=screen)
+    bar.start -= 100.0  # a slow phase before the first step ...
+    bar.update(1)
+    bar.first = (1, bar.first[1] - 1.0)  # ... then one step a second
+    bar.update(2)
+    assert screen.getvalue().rstrip().endswith("2/10  1 it/s eta 8s")

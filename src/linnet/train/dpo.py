@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 
 from linnet.config.groups import DPOSettings
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
+from linnet.report.progress import phase
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import idle_passes, most_across, passes_short, sum_across
 from linnet.torch.sharding import full, is_sharded
@@ -64,14 +66,26 @@ def _rows(pairs: Sequence[Pair], tokens: int, *models):
 
 
 @torch.no_grad()
-def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096) -> np.ndarray:
+def reference_log_probs(model, pairs: Sequence[Pair], *, tokens: int = 4096, label: str | None = None) -> np.ndarray:
     """[pairs, 2] (chosen, rejected) summed log-probabilities under `model` (a pipelined one
-    through its stages, every stage getting the last's values)."""
+    through its stages, every stage getting the last's values). `label`: show it as a
+    phase of its own (a line at its start and end, a bar between), for the long pass
+    before a run's first step."""
     was_training = model.training
     model.eval()
-    out = rows_answer_log_probs(model, list(_rows(pairs, tokens, model)))
+    rows = list(_rows(pairs, tokens, model))
+    with phase(label, f"the reference's log-probabilities of {len(pairs):,} pairs", len(rows), "row") \
+            if label else nullcontext() as bar:
+        out = []
+        for start in range(0, len(rows), _ROWS_A_CALL):
+            out += rows_answer_log_probs(model, rows[start : start + _ROWS_A_CALL])
+            if bar is not None:
+                bar.update(min(start + _ROWS_A_CALL, len(rows)))
     model.train(was_training)
     return torch.cat(out).view(-1, 2).numpy() if out else np.zeros((0, 2))
+
+
+_ROWS_A_CALL = 16  # rows a forward-only call takes (one update of the phase's bar)
 
 
 def rows_answer_log_probs(model, rows) -> list[torch.Tensor]:
@@ -101,7 +115,8 @@ def cache_key(reference, pairs: Sequence[Pair]) -> str:
     return h.hexdigest()[:32]
 
 
-def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os.PathLike, *, tokens: int = 4096) -> np.ndarray:
+def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os.PathLike, *, tokens: int = 4096,
+                               label: str | None = None) -> np.ndarray:
     """reference_log_probs, read from or written to `cache/<key>.npy` so later runs need
     no reference model in memory."""
     from linnet.files.atomic import atomic_path
@@ -112,7 +127,7 @@ def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os
         missing = bool(most_across(int(missing)))  # its passes are collectives: every process computes, or none
     if not missing:
         return np.load(path)
-    values = reference_log_probs(reference, pairs, tokens=tokens)
+    values = reference_log_probs(reference, pairs, tokens=tokens, label=label)
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, values)
@@ -166,8 +181,8 @@ def dpo(model, pairs: Iterable[Pair], run: Run | None = None, *, settings: DPOSe
                              "sequence: the reference log-probabilities are computed for all pairs first")
         check_pairs(pairs)
         source = model if reference is None else reference
-        fixed = (cached_reference_log_probs(source, pairs, reference_cache, tokens=tokens)
-                 if reference_cache is not None else reference_log_probs(source, pairs, tokens=tokens))
+        fixed = (cached_reference_log_probs(source, pairs, reference_cache, tokens=tokens, label="dpo")
+                 if reference_cache is not None else reference_log_probs(source, pairs, tokens=tokens, label="dpo"))
     live_reference = reference if fixed is None else None
 
     def work(step: int, chunk: list) -> Work:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
 from linnet.packing import Unpaired, pack_prompted
+from linnet.report.progress import phase
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across
 from linnet.train.dpo import answer_sums, rows_answer_log_probs
@@ -53,19 +55,28 @@ def _rows(groups, tokens: int) -> list:
     return list(pack_prompted(((p, (a,)) for p, a in groups), tokens, share=False))
 
 
-def _fixed_log_probs(model, groups, tokens: int) -> np.ndarray:
+def _fixed_log_probs(model, rows: list, bar=None, done: int = 0) -> np.ndarray:
     was_training = model.training
     model.eval()
-    out = rows_answer_log_probs(model, _rows(groups, tokens))
+    out = []
+    for start in range(0, len(rows), 16):  # 16 rows a forward-only call, one update of the phase's bar
+        out += rows_answer_log_probs(model, rows[start : start + 16])
+        if bar is not None:
+            bar.update(done + min(start + 16, len(rows)))
     model.train(was_training)
     return torch.cat(out).numpy() if out else np.zeros(0)
 
 
-def reference_log_probs(model, examples: Sequence[Unpaired], *, tokens: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+def reference_log_probs(model, examples: Sequence[Unpaired], *, tokens: int = 4096,
+                        label: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """([examples], [examples]) summed log-probabilities of each answer after its own
-    prompt and after the mismatched one (see the module docstring)."""
-    return (_fixed_log_probs(model, [(e.prompt, e.completion) for e in examples], tokens),
-            _fixed_log_probs(model, [_mismatched(examples, i) for i in range(len(examples))], tokens))
+    prompt and after the mismatched one (see the module docstring). `label`: show it as a
+    phase of its own (lines at its start and end, a bar between)."""
+    own = _rows([(e.prompt, e.completion) for e in examples], tokens)
+    mismatched = _rows([_mismatched(examples, i) for i in range(len(examples))], tokens)
+    with phase(label, f"the reference's log-probabilities of {len(examples):,} answers", len(own) + len(mismatched),
+               "row") if label else nullcontext() as bar:
+        return _fixed_log_probs(model, own, bar), _fixed_log_probs(model, mismatched, bar, len(own))
 
 
 def held_out_kto(model, examples: Sequence[Unpaired], reference: tuple[np.ndarray, np.ndarray], *, beta: float,
@@ -100,7 +111,8 @@ def kto(model, examples: Sequence[Unpaired], run: Run | None = None, *, examples
     trained_parameters(model)
     copies = copies_of(model)
     check_unpaired(examples)
-    ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens)
+    ref, ref_mismatched = reference_log_probs(model if reference is None else reference, examples, tokens=tokens,
+                                              label="kto")
 
     def work(step: int, chunk: list) -> Work:
         indices, batch = [i for i, _ in chunk], [e for _, e in chunk]
