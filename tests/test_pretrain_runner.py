@@ -94,7 +94,7 @@ def test_a_straight_run_learns_and_keeps_what_its_policy_says(workspace, straigh
     assert [r["step"] for r in rows if "held_out_loss" in r] == [8, 16, 24, 32]
     assert held[-1] < held[0] < rows[0]["loss"] - 1.0  # ln(1024) = 6.9 at the start
     names = sorted(p.name for p in straight.iterdir())
-    assert names == ["best.json", "checkpoints", "config.yaml", "epoch-001.safetensors", "epoch-002.safetensors",
+    assert names == ["best.json", "checkpoints", "config.yaml", "curves.png", "epoch-001.safetensors", "epoch-002.safetensors",
                      "epoch-003.safetensors", "epoch-004.safetensors", "final.safetensors", "metrics.jsonl",
                      "run.json", "summary.json"]
     assert [p.name for p in sorted((straight / "checkpoints").iterdir())] == [
@@ -129,7 +129,8 @@ def test_resume_from_the_middle_of_a_shard_group_equals_the_straight_run(workspa
     plain = tmp_path / "plain"
     run(_config(workspace, plain))
     assert _same_weights(plain / "final.safetensors", straight / "final.safetensors")
-    assert sorted(p.name for p in plain.iterdir()) == ["best.json", "checkpoints", "config.yaml", "final.safetensors",
+    assert sorted(p.name for p in plain.iterdir()) == ["best.json", "checkpoints", "config.yaml", "curves.png",
+                                                       "final.safetensors",
                                                        "metrics.jsonl", "run.json", "summary.json"]
     best = json.loads((plain / "best.json").read_text())  # epoch 3, whose weights were not kept
     assert best["epoch"] == 3 and best["weights"] is None
@@ -229,7 +230,7 @@ def test_policy_none_keeps_no_weights_and_explicit_keeps_the_listed_epochs(works
     none = tmp_path / "none"
     run(_config(workspace, none, "training.checkpoint_policy=none", "training.total_targets=2048",
                 "evaluation.full_validation=false"))
-    assert sorted(p.name for p in none.iterdir()) == ["best.json", "config.yaml", "metrics.jsonl", "run.json",
+    assert sorted(p.name for p in none.iterdir()) == ["best.json", "config.yaml", "curves.png", "metrics.jsonl", "run.json",
                                                       "summary.json"]
     explicit = tmp_path / "explicit"
     run(_config(workspace, explicit, "training.checkpoint_policy=explicit", "training.checkpoint_epochs=[1, 3]",

@@ -212,3 +212,22 @@ def test_a_run_saved_before_a_field_existed_resumes_at_its_old_value(ws, tmp_pat
     monkeypatch.setattr(runs, "ADDED_FIELDS", {"optimizer.lr": lr * 2})
     assert _sft(ws, out, "--resume") == 2
     assert "optimizer.lr" in capsys.readouterr().err
+
+
+def test_a_training_run_ends_with_its_curves_in_a_grid_a_screen_shows(ws, tmp_path):
+    """curves.png is written at the end of a run (summary.json names it): at most three
+    panels a row, so a run with many metrics grows down, not off the screen."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from linnet.report.plots import write_curves
+
+    summary = json.loads((ws / "run" / "summary.json").read_text())
+    assert summary["curves"] == str(ws / "run" / "curves.png")
+    rows = [{"step": s, "loss": 2.0 / s, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_second": 10.0, "reward": 0.1 * s,
+             "rewards/margins": 0.2 * s, "held_out_accuracy": 0.1 * s, "held_out_divergence": 1.0 / s}
+            for s in range(1, 6)]
+    width, height = Image.open(write_curves(rows, tmp_path / "curves.png")).size
+    assert width <= 3 * 4.4 * 110 + 1 and height >= 3 * 3.3 * 110 - 1  # 8 panels: three rows of at most three
+    assert write_curves([{"step": 1, "seconds": 2.0}], tmp_path / "none.png") is None  # nothing to draw: no file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]

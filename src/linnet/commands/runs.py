@@ -453,9 +453,11 @@ def preempted(config, stopped) -> int:
 
 
 def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict:
-    """summary.json from the whole metrics log (every session of a resumed run); the
-    first process writes and returns it, the others return {}."""
+    """summary.json from the whole metrics log (every session of a resumed run), and
+    curves.png (with matplotlib); the first process writes and returns it, the others
+    return {}."""
     from linnet.report.metrics import read_metrics
+    from linnet.report.plots import write_curves
 
     if world()[0] != 0:
         return {}
@@ -472,5 +474,7 @@ def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict
     }
     for key in sorted({k for r in records for k in r if k.startswith("held_out")}):
         summary[key] = [r[key] for r in records if key in r][-1]
+    curves = write_curves(records, run.path / "curves.png", title=f"linnet {run.config.command}: {run.path.name}")
+    summary["curves"] = None if curves is None else str(curves)
     write_text(run.path / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

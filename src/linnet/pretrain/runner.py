@@ -67,6 +67,7 @@ from linnet.pretrain.recipe import (
     to_yaml,
 )
 from linnet.report.metrics import MetricsFile, keep_metrics, read_metrics
+from linnet.report.plots import write_curves
 from linnet.schedules import lambda_schedule, schedule_factor
 from linnet.train.checkpoint import verify_checkpoint
 
@@ -517,6 +518,9 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
             if full is not None:
                 summary.update(full_validation_loss=full, full_validation_perplexity=float(np.exp(full)),
                                full_validation_sequences=validation.total, full_validation_seconds=round(full_seconds, 2))
+            curves = write_curves(read_metrics(out, missing_ok=True), out / "curves.png",
+                                  title=f"linnet pretrain: {out.name}")
+            summary["curves"] = None if curves is None else str(curves)
             write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
         return from_first(summary)
 
