@@ -28,10 +28,11 @@ def test_tensorboard_gets_every_step_and_the_config(ws, tmp_path):  # noqa: F811
 
     assert _sft(ws, tmp_path / "run", "runtime.report_to=[tensorboard]") == 0
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"tensors": 0}).Reload()
-    loss = {e.step: e.value for e in events.Scalars("loss")}
+    loss = {e.step: e.value for e in events.Scalars("train/loss")}  # TRL's names: a dashboard shows both
     assert loss.keys() == _losses(tmp_path / "run").keys() == {1, 2, 3, 4}
     assert all(loss[s] == pytest.approx(v, rel=1e-6) for s, v in _losses(tmp_path / "run").items())
-    assert {e.step for e in events.Scalars("held_out_loss")} == {2, 4}
+    assert {e.step for e in events.Scalars("eval/loss")} == {2, 4}
+    assert {e.step for e in events.Scalars("train/learning_rate")} == {1, 2, 3, 4}
     config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert '"steps": 4' in config
 
@@ -70,6 +71,12 @@ def test_wandb_offline_run_holds_every_step_and_the_config(ws, tmp_path, monkeyp
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert _sft(ws, tmp_path / "run", "runtime.report_to=[wandb]") == 0
+    import wandb
+
+    # run.finish() returns once wandb's core has taken every record; its writer may still
+    # hold the file's last block in a buffer (a fresh-clone run under load read no history).
+    # Shutting the core down closes the file: the process's own exit does this for a user.
+    wandb.teardown()
     (records,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     history, config = {}, {}
     for record in _wandb_records(records):
@@ -80,7 +87,8 @@ def test_wandb_offline_run_holds_every_step_and_the_config(ws, tmp_path, monkeyp
         elif kind in ("config", "run"):  # the run record carries the config given to init
             items = record.config.update if kind == "config" else record.run.config.update
             config.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
-    assert {s: h["loss"] for s, h in history.items() if "loss" in h} == pytest.approx(_losses(tmp_path / "run"))
+    assert {s: h["train/loss"] for s, h in history.items() if "train/loss" in h} == pytest.approx(
+        _losses(tmp_path / "run"))
     assert config["training"]["steps"] == 4
 
 
@@ -93,7 +101,7 @@ def test_mlflow_file_store_holds_every_step_and_the_params(ws, tmp_path, monkeyp
     assert _sft(ws, tmp_path / "run", "runtime.report_to=[mlflow]") == 0
     client = MlflowClient(tracking_uri=(tmp_path / "run" / "mlruns").resolve().as_uri())
     (run,) = client.search_runs(experiment_ids=[e.experiment_id for e in client.search_experiments()])
-    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train/loss")}
     assert history == pytest.approx(_losses(tmp_path / "run"))
     assert run.data.params["training.steps"] == "4" and run.data.params["lora.rank"] == "4"
 
@@ -112,7 +120,7 @@ def test_trackio_local_store_holds_every_step_and_the_config(ws, tmp_path, monke
     assert _sft(ws, tmp_path / "run", "runtime.report_to=[trackio]") == 0
     (name,) = storage.SQLiteStorage.get_runs("linnet-test")
     logs = storage.SQLiteStorage.get_logs("linnet-test", name)
-    assert {r["step"]: r["loss"] for r in logs if "loss" in r} == pytest.approx(_losses(tmp_path / "run"))
+    assert {r["step"]: r["train/loss"] for r in logs if "train/loss" in r} == pytest.approx(_losses(tmp_path / "run"))
     assert storage.SQLiteStorage.get_run_config("linnet-test", name)["training"]["steps"] == 4
 
 
@@ -126,6 +134,23 @@ def test_unknown_and_missing_trackers_are_refused_before_anything_is_written(ws,
     assert _sft(ws, tmp_path / "b", "runtime.report_to=[wandb]") == 2
     assert "pip install wandb" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_wandb_online_without_a_login_is_one_message_before_anything_is_written(ws, tmp_path, monkeypatch,
+                                                                               capsys):  # noqa: F811
+    pytest.importorskip("wandb")
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no login there
+    assert _sft(ws, tmp_path / "run", "runtime.report_to=[wandb]") == 2
+    err = capsys.readouterr().err
+    assert "wandb needs a login" in err and "WANDB_MODE=offline" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")
+    (tmp_path / "netrc").chmod(0o600)
+    from linnet.report.tracking import check
+
+    check(["wandb"])  # `wandb login`'s entry is a login
 
 
 def test_a_python_trainers_on_step_logs_to_the_trackers(tmp_path):
@@ -146,7 +171,7 @@ def test_a_python_trainers_on_step_logs_to_the_trackers(tmp_path):
                     on_step=log)
     log.finish()
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
-    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("loss")] == [(s.step, s.loss)
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("train/loss")] == [(s.step, s.loss)
                                                                                   for s in history.steps]
 
 

@@ -13,8 +13,11 @@ whose package is missing, is one clear error before anything is written (`check`
 they write: TensorBoard event files in RUN/tensorboard; wandb in RUN/wandb (its mode from
 WANDB_MODE: offline runs stay there); MLflow in a file store, RUN/mlruns, unless
 MLFLOW_TRACKING_URI names a database or server; Trackio in its own local store (TRACKIO_DIR), project "linnet".
-Numbers are logged at each row's `step` under the row's names (TRL's: rewards/margins,
-...); lists and strings stay in metrics.jsonl only.
+Numbers are logged at each row's `step` under the names TRL (transformers' Trainer) gives
+them, so a TRL run and a linnet run share a dashboard: `train/loss`, `train/learning_rate`,
+`train/grad_norm`, `train/epoch`, `train/rewards/margins`, ..., and the held-out ones as
+`eval/loss`, `eval/accuracy`, ... (`tracker_name`); metrics.jsonl keeps linnet's names, and
+lists and strings stay there only.
 """
 
 from __future__ import annotations
@@ -29,18 +32,53 @@ from typing import Any
 BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
 
+WANDB_LOGIN = ("wandb needs a login to send runs: `wandb login`, or WANDB_API_KEY, or WANDB_MODE=offline to keep "
+               "the run in RUN/wandb (`wandb sync` sends it later)")
+
+
 def check(report_to: Sequence[str], where: str = "runtime.report_to") -> None:
-    """Refuse an unknown backend or one whose package is not installed, naming the fix."""
+    """Refuse an unknown backend, one whose package is not installed, or wandb online
+    without a login, naming the fix, before anything is written."""
     for name in report_to:
         if name not in BACKENDS:
             raise ValueError(f"{where}: {name!r} is not a tracker; use any of {', '.join(BACKENDS)}")
         if importlib.util.find_spec(BACKENDS[name]) is None:
             raise ValueError(f"{where}: {name} is not installed; pip install {BACKENDS[name]} (or "
                              "'linnet[tracking]' for every tracker), or remove it from report_to")
+        if name == "wandb" and not _wandb_can_log():
+            raise ValueError(f"{where}: {WANDB_LOGIN}")
+
+
+def _wandb_can_log() -> bool:
+    """Offline (or disabled), or a key where wandb looks for one: WANDB_API_KEY, or the
+    login `wandb login` keeps in ~/.netrc (or NETRC) for its host."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+# linnet's metric names that TRL's trackers spell otherwise (after the train/ or eval/ prefix)
+TRL_NAMES = {"lr": "learning_rate"}
+
+
+def tracker_name(key: str) -> str:
+    """A metrics row's name as TRL logs it: held-out metrics under eval/, the rest under
+    train/ (`loss` -> `train/loss`, `lr` -> `train/learning_rate`, `held_out_loss` ->
+    `eval/loss`)."""
+    if key.startswith("held_out_"):
+        return "eval/" + key.removeprefix("held_out_")
+    return "train/" + TRL_NAMES.get(key, key)
 
 
 def _numbers(row: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items()
+    return {tracker_name(k): float(v) for k, v in row.items()
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
@@ -64,8 +102,11 @@ class _Wandb:
         import wandb
 
         (run / "wandb").mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "linnet"), name=name, dir=str(run),
-                              config=config, reinit="create_new")
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "linnet"), name=name, dir=str(run),
+                                  config=config, reinit="create_new")
+        except wandb.errors.UsageError as e:  # a login check() could not see (a settings file's other host)
+            raise ValueError(f"runtime.report_to: {WANDB_LOGIN} ({e})") from None
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
