@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import numbers
 import os
 import re
 import signal
@@ -109,11 +111,22 @@ class Run:
     evaluate_every: int = 50
 
     def __post_init__(self):
-        if self.steps < 0 or self.checkpoint_every < 1 or self.keep < 1 or self.evaluate_every < 1:
-            raise ValueError(f"Run: steps={self.steps} must be >= 0, and checkpoint_every={self.checkpoint_every}, "
-                             f"keep={self.keep} and evaluate_every={self.evaluate_every} >= 1")
-        if self.clip is not None and not self.clip > 0:
-            raise ValueError(f"Run: clip={self.clip}; use a positive gradient-norm threshold, or None for no clipping")
+        def whole(value: Any) -> bool:  # an integer, or a float holding one (not a bool, nan or infinity)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                return False
+            return isinstance(value, numbers.Integral) or (math.isfinite(value) and float(value).is_integer())
+
+        counts = {"steps": (self.steps, 0), "checkpoint_every": (self.checkpoint_every, 1), "keep": (self.keep, 1),
+                  "evaluate_every": (self.evaluate_every, 1)}
+        for name, (value, least) in counts.items():
+            if not whole(value):
+                raise ValueError(f"Run: {name}={value} must be a whole number >= {least}")
+            if value < least:
+                raise ValueError(f"Run: {name}={value} must be >= {least}")
+        if self.clip is not None and (isinstance(self.clip, bool) or not isinstance(self.clip, numbers.Real)
+                                      or not (math.isfinite(self.clip) and self.clip > 0)):
+            raise ValueError(f"Run: clip={self.clip}; use a positive, finite gradient-norm threshold (a negative one "
+                             "would step uphill, 0 would freeze training), or None for no clipping")
 
 
 RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(Run))

@@ -4,6 +4,7 @@ renders them (linnet.config.fields)."""
 
 from linnet.config.commands import (
     COMMANDS,
+    FOREIGN_FIELDS,
     FORMER_FIELDS,
     DistillConfig,
     DPOConfig,
@@ -19,6 +20,6 @@ from linnet.config.commands import (
 )
 from linnet.config.fields import apply_overrides, from_dict, group, option, read_yaml, template, to_dict
 
-__all__ = ["COMMANDS", "FORMER_FIELDS", "DistillConfig", "DPOConfig", "GRPOConfig", "PretrainConfig", "RewardConfig", "SFTConfig", "apply_overrides",
+__all__ = ["COMMANDS", "FOREIGN_FIELDS", "FORMER_FIELDS", "DistillConfig", "DPOConfig", "GRPOConfig", "PretrainConfig", "RewardConfig", "SFTConfig", "apply_overrides",
            "checkpoint_epochs", "command_of", "from_data", "from_dict", "group", "load", "load_any", "option",
            "read_yaml", "template", "to_dict"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from linnet.config.fields import apply_overrides, from_dict, group, option, read_yaml, refuse_former
+from linnet.config.fields import Origins, apply_overrides, from_dict, group, option, read_yaml
 from linnet.config.groups import (
     CorpusConfig,
     DecentralizedConfig,
@@ -59,6 +59,66 @@ FORMER_FIELDS = {
     "grpo.reward": "use grpo.rewards (a list; model:DIR for a reward model)",
     "grpo.clip_low": "use grpo.clip: [low, high] (the ratio kept in [1 - low, 1 + high])",
     "grpo.clip_high": "use grpo.clip: [low, high] (the ratio kept in [1 - low, 1 + high])",
+}
+
+# The names users bring from TRL (its TrainingArguments, SFTConfig, DPOConfig, GRPOConfig),
+# PEFT's LoraConfig and Axolotl's YAML, answered with linnet's (docs/coming-from.md's
+# tables). A key of this table is refused wherever it appears in a config (a top-level
+# `learning_rate` as well as `optimizer.learning_rate`), unless it is a field there.
+FOREIGN_FIELDS = {
+    "learning_rate": "use optimizer.lr",
+    "num_train_epochs": "use training.epochs",
+    "num_epochs": "use training.epochs",
+    "max_steps": "use training.steps",
+    "gradient_accumulation_steps": "use training.accumulation (sft, distill; dpo: dpo.pairs_per_step, grpo: "
+                                   "grpo.prompts_per_step)",
+    "max_seq_length": "use training.context_length (positions per packed row)",
+    "max_length": "use training.context_length (positions per packed row)",
+    "sequence_len": "use training.context_length (positions per packed row)",
+    "per_device_train_batch_size": "linnet has none: a micro-batch is one packed row of training.context_length "
+                                   "positions (dpo: dpo.pairs_per_step, grpo: grpo.prompts_per_step)",
+    "micro_batch_size": "fine-tuning has none: a micro-batch is one packed row of training.context_length positions "
+                        "(pretraining: training.micro_batch_size)",
+    "warmup_ratio": "use lr_schedule.warmup_steps (a number of steps)",
+    "lr_scheduler_type": "use lr_schedule.name (cosine, wsd or constant)",
+    "lr_scheduler": "use lr_schedule.name (cosine, wsd or constant)",
+    "max_grad_norm": "use optimizer.grad_clip",
+    "adam_beta1": "use optimizer.betas: [beta1, beta2]",
+    "adam_beta2": "use optimizer.betas: [beta1, beta2]",
+    "adam_epsilon": "use optimizer.eps",
+    "optim": "use optimizer.name (adamw, adamw8bit, paged_adamw8bit)",
+    "bf16": "use model.dtype: bfloat16 (auto picks it where the device computes bf16 natively)",
+    "fp16": "use model.dtype (auto, float32 or bfloat16)",
+    "torch_dtype": "use model.dtype (auto, float32 or bfloat16)",
+    "gradient_checkpointing": "use training.activation_checkpointing",
+    "save_steps": "use training.checkpoint_every",
+    "save_total_limit": "use training.keep",
+    "eval_steps": "use evaluation.every",
+    "model_name_or_path": "use model.card (a registered card or a local model directory)",
+    "base_model": "use model.card (a registered card or a local model directory)",
+    "datasets": "use data.path (one file of records)",
+    "train_dataset": "use data.path (one file of records)",
+    "val_set_size": "use data.eval_share",
+    "r": "use lora.rank",
+    "lora_r": "use lora.rank",
+    "lora_alpha": "use lora.alpha",
+    "lora_dropout": "use lora.dropout",
+    "target_modules": "use lora.targets (PEFT's names such as [q_proj, v_proj], all-linear, or glob patterns)",
+    "lora_target_modules": "use lora.targets (PEFT's names such as [q_proj, v_proj], all-linear, or glob patterns)",
+    "lora_target_linear": "use lora.targets: all-linear (the default)",
+    "use_rslora": "use lora.rslora",
+    "use_dora": "use lora.dora",
+    "peft_use_rslora": "use lora.rslora",
+    "peft_use_dora": "use lora.dora",
+    "adapter": "use lora.enabled (true: adapters; false: full fine-tuning) and model.quantize: nf4 for qlora",
+    "load_in_4bit": "use model.quantize: nf4 (QLoRA)",
+    "num_generations": "use grpo.group",
+    "max_completion_length": "use grpo.max_new_tokens",
+    "num_iterations": "use grpo.iterations",
+    "epsilon": "use grpo.clip: [low, high]",
+    "epsilon_high": "use grpo.clip: [low, high]",
+    "reward_funcs": "use grpo.rewards",
+    "rl_beta": "use dpo.beta (grpo: grpo.beta)",
 }
 
 
@@ -261,17 +321,24 @@ COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOCo
                                                     PretrainConfig)}
 
 
-def from_data(cls: type, data: dict[str, Any], where: str = "config"):
-    """A config of class `cls` from nested plain data (a parsed YAML file)."""
-    refuse_former(data, FORMER_FIELDS, where)
-    return from_dict(cls, data, where)
+def from_data(cls: type, data: dict[str, Any], where: str | Origins = "config"):
+    """A config of class `cls` from nested plain data (a parsed YAML file); `where`: the
+    file it came from, or its `Origins` (each key's line, the `--set` items). Every field
+    that is not read is refused at once: former fields with what replaced them, other
+    trainers' names with linnet's, unknown ones with the nearest valid field."""
+    return from_dict(cls, data, where, former=FORMER_FIELDS, foreign=FOREIGN_FIELDS)
+
+
+def read(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict[str, Any], Origins]:
+    """(the data of a YAML file with `a.b=c` overrides applied, where each key came from)."""
+    data, origins = read_yaml(path)
+    return apply_overrides(data, list(overrides), origins), origins
 
 
 def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
     """A config of class `cls` from a YAML file (or the defaults when path is None) and
     `a.b=c` overrides."""
-    data, where = read_yaml(path)
-    return from_data(cls, apply_overrides(data, list(overrides)), where)
+    return from_data(cls, *read(path, overrides))
 
 
 def command_of(data: dict[str, Any]) -> str:
@@ -293,6 +360,5 @@ def command_of(data: dict[str, Any]) -> str:
 
 def load_any(path: str | Path | None, overrides: list[str] = ()):
     """The config in a YAML file, for whichever command it is (see `command_of`)."""
-    data, where = read_yaml(path)
-    data = apply_overrides(data, list(overrides))
-    return from_data(COMMANDS[command_of(data)], data, where)
+    data, origins = read(path, overrides)
+    return from_data(COMMANDS[command_of(data)], data, origins)

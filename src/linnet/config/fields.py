@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+import math
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def option(default: Any, help: str, *, only: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text; `only`: the commands that read it (None: all)."""
-    metadata = {"help": help, "only": only}
+def option(default: Any, help: str, *, only: tuple[str, ...] | None = None, finite: bool = True) -> Any:
+    """A config field with its help text; `only`: the commands that read it (None: all);
+    `finite`: a float (or each float of a list) must be finite (False: inf and nan pass)."""
+    metadata = {"help": help, "only": only, "finite": finite}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -45,8 +49,38 @@ def _reads(f: dataclasses.Field, command: str | None) -> bool:
     return only is None or command is None or command in only
 
 
-def _check_value(value: Any, tp: Any, where: str) -> Any:
-    """`value` as type `tp` (int → float and a lone item → list are allowed)."""
+@dataclass
+class Origins:
+    """Where a config's fields came from: `file` (its name, or "config" for data given in
+    Python), the line of each dotted key in it, and the `--set` item of each override."""
+
+    file: str = "config"
+    lines: dict[str, int] = field(default_factory=dict)
+    sets: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.file
+
+    def of(self, dotted: str) -> str:
+        """Where the field `dotted` (or the group holding it) was given."""
+        parts = dotted.split(".")
+        for n in range(len(parts), 0, -1):
+            key = ".".join(parts[:n])
+            if key in self.sets:
+                return f"--set {self.sets[key]}"
+            if key in self.lines:
+                return f"{self.file} line {self.lines[key]}"
+        within = [item for key, item in self.sets.items() if key.startswith(f"{dotted}.")]  # a --set made the group
+        return f"--set {within[0]}" if within else self.file
+
+
+class _NotFinite(ValueError):
+    """A float that is nan or infinite where its field wants a finite one."""
+
+
+def _check_value(value: Any, tp: Any, where: str, finite: bool = True) -> Any:
+    """`value` as type `tp` (int → float and a lone item → list are allowed); a float
+    must be finite when `finite`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(tp)
@@ -57,10 +91,10 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
             if option_type is type(None):
                 continue
             try:
-                return _check_value(value, option_type, where)
+                return _check_value(value, option_type, where, finite)
             except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0])
+                errors.append(e)
+        raise next((e for e in errors if isinstance(e, _NotFinite)), errors[0])
     if origin is typing.Literal:
         if value not in typing.get_args(tp):
             raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(repr, typing.get_args(tp)))}")
@@ -68,54 +102,164 @@ def _check_value(value: Any, tp: Any, where: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         items = value if isinstance(value, list) else [value]
-        return [_check_value(v, item, f"{where}[{i}]") for i, v in enumerate(items)]
+        return [_check_value(v, item, f"{where}[{i}]", finite) for i, v in enumerate(items)]
     if tp is Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if tp is float and isinstance(value, str):
         try:
-            return float(value)  # YAML reads 2e-4 as a string
+            value = float(value)  # YAML reads 2e-4 as a string
         except ValueError:
             pass
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
         raise ValueError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+    if tp is float and finite and not math.isfinite(value):
+        raise _NotFinite(f"{where}={value}; use a finite number")
     return value
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "config", *, command: str | None = None,
-              base: Any = None) -> T:
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str | Origins = "config", *,
+              command: str | None = None, base: Any = None, former: Mapping[str, str] | None = None,
+              foreign: Mapping[str, str] | None = None) -> T:
     """Build config `cls` from nested dicts, refusing unknown keys, keys `command` does
     not read, and wrong types; what `data` leaves out keeps its default (`base`'s value,
     when given: a group's defaults for this command). A top-level config names its
-    command (its `command` ClassVar)."""
-    data = data or {}
+    command (its `command` ClassVar). `where`: the file the data came from, or its
+    `Origins` (each key's line, the `--set` items). Every key that is not read is refused
+    in one error (`name_problems`, with `former` and `foreign` names); then each value is
+    checked, named with where it came from."""
+    origins = where if isinstance(where, Origins) else Origins(where)
     command = command or getattr(cls, "command", None)
+    if not isinstance(data or {}, dict):
+        raise ValueError(f"{origins}: expected a mapping of fields, got {data!r}")
+    problems = name_problems(cls, data or {}, command=command, former=former or {}, foreign=foreign or {},
+                             origins=origins)
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} fields are not read by `linnet {command or 'config'}`:\n  "
+                         + "\n  ".join(problems))
+    return _build(cls, data or {}, "", command, base, origins)
+
+
+def _build(cls: type[T], data: dict[str, Any], prefix: str, command: str | None, base: Any, origins: Origins) -> T:
+    """Config `cls` from `data` (its names already checked), at dotted `prefix`."""
     if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping of fields, got {data!r}")
+        raise ValueError(f"{origins.of(prefix[:-1])}: {prefix[:-1]}: expected a mapping of fields, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    read = [name for name, f in fields.items() if _reads(f, command)]
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}; valid fields: {', '.join(read)}")
-    unread = sorted(name for name in data if not _reads(fields[name], command))
-    if unread:
-        users = ", ".join(f"linnet {c}" for c in fields[unread[0]].metadata["only"])
-        raise ValueError(f"{where}.{unread[0]} is not read by `linnet {command}` (only by {users}); remove it")
     values = {}
     for name, value in data.items():
-        tp = hints[name]
-        inner = [t for t in typing.get_args(tp) if _is_group(t)] or ([tp] if _is_group(tp) else [])
-        if inner and value is not None:
-            start = getattr(base, name) if base is not None else _default(fields[name])
-            values[name] = from_dict(inner[0], value, f"{where}.{name}", command=command, base=start)
+        tp, dotted = hints[name], f"{prefix}{name}"
+        inner = _group_of(tp)
+        if inner is not None and value is not None:
+            start = getattr(base, name) if base is not None else field_default(fields[name])
+            values[name] = _build(inner, value, f"{dotted}.", command, start, origins)
         else:
-            values[name] = _check_value(value, tp, f"{where}.{name}")
+            try:
+                values[name] = _check_value(value, tp, dotted, fields[name].metadata.get("finite", True))
+            except ValueError as e:
+                raise ValueError(f"{origins.of(dotted)}: {e}") from None
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 
 
-def _default(f: dataclasses.Field) -> Any:
+def _group_of(tp: Any) -> type | None:
+    """The config dataclass a field's type holds (`Group` or `Group | None`), if any."""
+    inner = [t for t in typing.get_args(tp) if _is_group(t)] or ([tp] if _is_group(tp) else [])
+    return inner[0] if inner else None
+
+
+def _read_names(cls: type, command: str | None, prefix: str = "") -> list[str]:
+    """Every dotted field `command` reads in `cls`, groups' fields included."""
+    names = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if _reads(f, command):
+            names.append(f"{prefix}{f.name}")
+            inner = _group_of(hints[f.name])
+            if inner is not None:
+                names += _read_names(inner, command, f"{prefix}{f.name}.")
+    return names
+
+
+def _nearest(dotted: str, group: str, read: list[str]) -> str | None:
+    """The read field an unknown `dotted` most likely meant: the same name in another
+    group, or the closest spelling (difflib) in its own group or anywhere."""
+    leaf = dotted.rsplit(".", 1)[-1]
+    moved = [name for name in read if name.rsplit(".", 1)[-1] == leaf]
+    if moved:
+        return moved[0]
+    siblings = {name.rsplit(".", 1)[-1]: name for name in read if name.rpartition(".")[0] == group}
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+    if close:
+        return siblings[close[0]]
+    others = [name for name in read if not dotted.startswith(f"{name}.")]  # not the group it is in
+    close = difflib.get_close_matches(dotted, others, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _within(value: Any, dotted: str, former: Mapping[str, str]) -> list[str]:
+    """The `former` fields given inside `value`, the group at `dotted`."""
+    found = []
+    for name in former:
+        if not name.startswith(f"{dotted}."):
+            continue
+        node = value
+        for part in name[len(dotted) + 1:].split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            found.append(name)
+    return found
+
+
+def name_problems(cls: type, data: dict[str, Any], *, command: str | None = None,
+                  former: Mapping[str, str] | None = None, foreign: Mapping[str, str] | None = None,
+                  origins: Origins | None = None) -> list[str]:
+    """One line for each key of `data` that config `cls` does not read, where it came
+    from first: a `former` field (dotted -> what replaced it), a `foreign` name (another
+    trainer's field name, at any depth -> linnet's answer), an unknown field with the
+    nearest valid one, a field `command` does not read."""
+    origins = origins or Origins()
+    former, foreign = former or {}, foreign or {}
+    command = command or getattr(cls, "command", None)
+    read = _read_names(cls, command)
+    problems: list[str] = []
+
+    def walk(cls: type, data: dict[str, Any], prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        valid = [name for name, f in fields.items() if _reads(f, command)]
+        for key, value in data.items():
+            dotted = f"{prefix}{key}"
+            at = origins.of(dotted)
+            if dotted in former:
+                problems.append(f"{at}: {dotted} is a former field and is no longer read; {former[dotted]}")
+            elif key not in fields and _within(value, dotted, former):  # a former field of a group this config lacks
+                problems.extend(f"{origins.of(name)}: {name} is a former field and is no longer read; {former[name]}"
+                                for name in _within(value, dotted, former))
+            elif key not in fields:
+                where = f" in {prefix[:-1]}" if prefix else ""
+                if key in foreign:
+                    problems.append(f"{at}: unknown field {key!r}{where} (a TRL, PEFT or Axolotl name); {foreign[key]}")
+                    continue
+                near = _nearest(dotted, prefix[:-1], read)
+                hint = f"did you mean {near}?" if near else f"valid fields: {', '.join(valid)}"
+                problems.append(f"{at}: unknown field {key!r}{where}; {hint}")
+            elif not _reads(fields[key], command):
+                users = ", ".join(f"linnet {c}" for c in fields[key].metadata["only"])
+                problems.append(f"{at}: {dotted} is not read by `linnet {command}` (only by {users}); remove it")
+            elif isinstance(value, dict) and _group_of(hints[key]) is not None:
+                walk(_group_of(hints[key]), value, f"{dotted}.")
+
+    walk(cls, data, "")
+    return problems
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    """A field's default value (a fresh one from its default_factory)."""
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
@@ -129,8 +273,9 @@ def _read_fields(config: Any, command: str | None) -> dict[str, Any]:
             for f in dataclasses.fields(config) if _reads(f, command) for value in [getattr(config, f.name)]}
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b=c` overrides (values parsed as YAML) to a nested dict."""
+def apply_overrides(data: dict[str, Any], overrides: list[str], origins: Origins | None = None) -> dict[str, Any]:
+    """Apply `a.b=c` overrides (values parsed as YAML) to a nested dict; `origins`, when
+    given, records each override's item."""
     import yaml
 
     for item in overrides:
@@ -148,33 +293,59 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         except yaml.YAMLError as e:
             raise ValueError(f"--set {item!r}: {raw!r} is not a YAML value ({str(e).splitlines()[0]}); quote text "
                              "that holds YAML syntax, e.g. --set 'data.path=\"a: b.jsonl\"'") from None
+        if origins is not None:
+            origins.sets[key] = item
     return data
 
 
-def read_yaml(path: str | Path | None) -> tuple[dict[str, Any], str]:
-    """(the mapping in a YAML file, where it came from); ({}, "config") for no file."""
+def read_yaml(path: str | Path | None) -> tuple[dict[str, Any], Origins]:
+    """(the mapping in a YAML file, where it came from: the file and each key's line);
+    ({}, Origins("config")) for no file. A key given twice in one mapping is refused with
+    both lines (YAML would keep the second silently)."""
     import yaml
 
     if path is None:
-        return {}, "config"
+        return {}, Origins()
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory; --config takes a YAML file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such config file")
     try:
-        return yaml.safe_load(path.read_text()) or {}, str(path)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file; --config takes a YAML file") from None
+    origins = Origins(str(path))
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _key_lines(node, "", origins)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML ({e})") from None
+    finally:
+        loader.dispose()
+    return data or {}, origins
 
 
-def refuse_former(data: dict[str, Any], former: Mapping[str, str], where: str) -> None:
-    """Refuse any key of `former` (dotted) found in `data`, saying what replaced it."""
-    for dotted, fix in former.items():
-        node: Any = data
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            raise ValueError(f"{where}: {dotted} is a former field and is no longer read; {fix}")
+def _key_lines(node: Any, prefix: str, origins: Origins) -> None:
+    """Record the line of each key under a YAML mapping node, dotted; refuse a key given
+    twice in one mapping."""
+    import yaml
+
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        dotted, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+        if key_node.value in seen:
+            raise ValueError(f"{origins.file} line {line}: {dotted} is given twice (lines {seen[key_node.value]} and "
+                             f"{line}); YAML would keep the second silently: keep one")
+        seen[key_node.value] = origins.lines[dotted] = line
+        _key_lines(value_node, f"{dotted}.", origins)
 
 
 def template(cls: type, indent: int = 0, command: str | None = None, defaults: Any = None) -> str:
@@ -189,7 +360,7 @@ def template(cls: type, indent: int = 0, command: str | None = None, defaults: A
         if not _reads(f, command):
             continue
         help_text = f.metadata.get("help", "")
-        default = getattr(defaults, f.name) if defaults is not None else _default(f)
+        default = getattr(defaults, f.name) if defaults is not None else field_default(f)
         if dataclasses.is_dataclass(default):
             lines.append(f"{pad}# {help_text}")
             lines.append(f"{pad}{f.name}:")

@@ -11,22 +11,39 @@ workers import the pretraining config.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import typing
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from linnet.config.fields import option
+from linnet.config.fields import field_default, option
 
 FINE_TUNING = ("sft", "dpo", "grpo", "reward", "distill")  # `linnet jax` reads the sft config
 PRETRAINING = ("pretrain",)
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
+WEIGHT_DECAY_WARNING = 1.0  # above this optimizer.weight_decay warns: decoupled decay of lr x wd a step erodes weights
 
 
 def _positive(**fields: float | int | None) -> None:
     for name, value in fields.items():
         if value is not None and not value >= 1:
             raise ValueError(f"config: {name}={value}; it must be a positive integer")
+
+
+def _finite(settings, group: str) -> None:
+    """Every float of a group (and each float of a list field) is finite, unless its field
+    says `finite=False`: a YAML config is checked as it loads; this checks groups made in
+    Python too."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if f.metadata.get("finite", True) and any(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                                  and not math.isfinite(v) for v in items):
+            shown = list(value) if isinstance(value, (list, tuple)) else value
+            raise ValueError(f"config: {group}.{f.name}={shown}; use a finite number")
 
 
 def _one_of(settings, name: str) -> None:
@@ -65,6 +82,7 @@ class ModelConfig:
                                         "(bitsandbytes, the qlora extra); needs lora.enabled", only=FINE_TUNING)
 
     def __post_init__(self):
+        _finite(self, "model")
         if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"config: model.dtype={self.dtype!r}; use auto, float32, bfloat16, float16 or null")
         if self.quantize not in (None, "nf4"):
@@ -88,14 +106,26 @@ class LoraConfig:
     dropout: float = option(0.0, "dropout on the adapters' input")
     rslora: bool = option(False, "scale by alpha / sqrt(rank)")
     dora: bool = option(False, "DoRA: a trained magnitude per output row beside the low-rank direction update")
-    targets: list[str] = option(ALL_LINEAR, "glob patterns of the linear layers that get adapters")
+    targets: list[str] = option(ALL_LINEAR, "the linear layers that get adapters: glob patterns over their paths "
+                                            "(model.layers.*.self_attn.*_proj), PEFT's target_modules names (q_proj, "
+                                            "v_proj: a layer whose path ends in one), or all-linear (every "
+                                            "projection of the blocks, not the head)")
 
     def __post_init__(self):
+        _finite(self, "lora")
         _positive(**{"lora.rank": self.rank})
         if not self.alpha > 0 or not 0 <= self.dropout < 1:
             raise ValueError(f"config: lora.alpha={self.alpha} must be > 0 and lora.dropout={self.dropout} in [0, 1)")
         if not self.targets:
-            raise ValueError("config: lora.targets lists no pattern; e.g. [model.layers.*.self_attn.*_proj]")
+            raise ValueError("config: lora.targets lists no pattern; e.g. [q_proj, v_proj], all-linear or "
+                             "[model.layers.*.self_attn.*_proj]")
+        if not self.enabled:
+            ignored = [f"lora.{f.name}={str(getattr(self, f.name)).lower()}" for f in dataclasses.fields(self)
+                       if f.name != "enabled" and getattr(self, f.name) != field_default(f)]
+            if ignored:
+                raise ValueError(f"config: lora.enabled=false trains every weight, without adapters, so "
+                                 f"{', '.join(ignored)} would be ignored; remove {'it' if len(ignored) == 1 else 'them'}"
+                                 ", or set lora.enabled=true")
 
 
 @dataclass
@@ -122,6 +152,7 @@ class RecordsConfig:
     shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch", only=("sft", "distill"))
 
     def __post_init__(self):
+        _finite(self, "data")
         if not 0 <= self.eval_share < 1:
             raise ValueError(f"config: data.eval_share={self.eval_share}; it must be in [0, 1)")
 
@@ -153,6 +184,7 @@ class CorpusConfig:
     repeat: bool = option(False, "allow the budget to take more than one pass over the training cache")
 
     def __post_init__(self):
+        _finite(self, "data")
         _positive(**{"data.shard_tokens": self.shard_tokens, "data.prepare_workers": self.prepare_workers,
                      "data.prepare_batch_documents": self.prepare_batch_documents,
                      "data.shuffle_buffer": self.shuffle_buffer, "data.shuffle_group_size": self.shuffle_group_size,
@@ -225,6 +257,7 @@ class TrainingConfig:
         return self.split * self.pipeline
 
     def __post_init__(self):
+        _finite(self, "training")
         _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
@@ -252,6 +285,7 @@ class OptimizerConfig:
                                           "a non-finite norm still stops)")
 
     def __post_init__(self):
+        _finite(self, "optimizer")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"config: optimizer.lr={self.lr}; use a positive, finite learning rate")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -261,6 +295,17 @@ class OptimizerConfig:
                              "disable clipping")
         if self.weight_decay < 0 or self.eps <= 0:
             raise ValueError("config: optimizer.weight_decay must be >= 0 and optimizer.eps > 0")
+        shrink = 1 - self.lr * self.weight_decay  # AdamW's decoupled decay multiplies the weights by this each step
+        if shrink <= 0:
+            raise ValueError(f"config: optimizer.weight_decay={self.weight_decay:g} with optimizer.lr={self.lr:g}: "
+                             f"AdamW's decoupled decay multiplies the decayed weights by 1 - lr x weight_decay = "
+                             f"{shrink:g} every step, which zeroes or flips them; use a weight decay well below "
+                             f"1 / lr (usual: 0 to 0.1)")
+        if self.weight_decay > WEIGHT_DECAY_WARNING:
+            warnings.warn(f"config: optimizer.weight_decay={self.weight_decay:g} is far above the usual 0 to 0.1: "
+                          f"AdamW's decoupled decay multiplies the decayed weights (adapters included) by 1 - lr x "
+                          f"weight_decay = {shrink:.6g} every step, {shrink ** 1000:.3g} of their size after 1,000 "
+                          "steps at the peak rate; did you mean a share such as 0.01?", UserWarning, stacklevel=2)
 
 
 @dataclass
@@ -271,6 +316,7 @@ class LRScheduleConfig:
     decay_fraction: float = option(0.2, "wsd: share of the steps spent decaying")
 
     def __post_init__(self):
+        _finite(self, "lr_schedule")
         if self.warmup_steps < 0:
             raise ValueError(f"config: lr_schedule.warmup_steps={self.warmup_steps}; it must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1 or not 0 < self.decay_fraction <= 1:
@@ -288,6 +334,7 @@ class EvaluationConfig:
                                    only=PRETRAINING)
 
     def __post_init__(self):
+        _finite(self, "evaluation")
         _positive(**{"evaluation.every": self.every, "evaluation.batch_size": self.batch_size})
         if self.subset_sequences < 0:
             raise ValueError(f"config: evaluation.subset_sequences={self.subset_sequences}; it must be >= 0")
@@ -305,6 +352,7 @@ class RuntimeConfig:
                                       "tensorboard, wandb, mlflow, trackio (each its own package)")
 
     def __post_init__(self):
+        _finite(self, "runtime")
         _positive(**{"runtime.threads": self.threads})
         unknown = [name for name in self.report_to if name not in ("tensorboard", "wandb", "mlflow", "trackio")]
         if unknown:
@@ -331,6 +379,7 @@ class DPOSettings:
     reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
 
     def __post_init__(self):
+        _finite(self, "dpo")
         _one_of(self, "loss_type")
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
@@ -341,6 +390,23 @@ class DPOSettings:
             raise ValueError("config: dpo.desirable_weight and dpo.undesirable_weight must be >= 0")
         if self.loss_type in ("simpo", "orpo", "kto") and self.reference_cache is not None:
             raise ValueError(f"config: dpo.reference_cache is not used with dpo.loss_type={self.loss_type}; remove it")
+        for name, readers in IGNORED_BY_LOSS.items():
+            value = getattr(self, name)
+            if value != DPOSettings.__dataclass_fields__[name].default and self.loss_type not in readers:
+                losses = ", ".join(readers[:-1]) + " or " + readers[-1] if len(readers) > 1 else readers[0]
+                raise ValueError(f"config: dpo.{name}={value} is read by dpo.loss_type {losses} only, "
+                                 f"and dpo.loss_type={self.loss_type} would ignore it; remove it, or choose one of "
+                                 "those losses")
+
+
+# The dpo fields only some losses read (linnet.train.preference_loss): a value other than
+# the default with another loss would be ignored, so it is refused.
+IGNORED_BY_LOSS = {
+    "label_smoothing": ("sigmoid", "robust", "simpo"),
+    "simpo_gamma": ("simpo",),
+    "desirable_weight": ("kto",),
+    "undesirable_weight": ("kto",),
+}
 
 
 @dataclass
@@ -351,6 +417,7 @@ class RewardSettings:
     margin: float = option(0.0, "Bradley-Terry with a margin: -log sigmoid(r_chosen - r_rejected - margin)")
 
     def __post_init__(self):
+        _finite(self, "reward")
         _positive(**{"reward.pairs_per_step": self.pairs_per_step})
 
 
@@ -377,6 +444,7 @@ class DistillSettings:
     teacher_batch: int = option(64, "sequence: prompts the teacher answers at once (its KV cache holds this many)")
 
     def __post_init__(self):
+        _finite(self, "distill")
         if not 0 <= self.beta <= 1 or not self.temperature > 0 or self.sample_temperature < 0:
             raise ValueError("config: distill.beta must be in [0, 1], distill.temperature > 0 and "
                              "distill.sample_temperature >= 0")
@@ -420,6 +488,7 @@ class GRPOOptions:
                                       "until it holds prompts_per_step groups whose rewards differ; 0: off")
 
     def __post_init__(self):
+        _finite(self, "grpo")
         _one_of(self, "advantage")
         if self.group < 2 or self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
             raise ValueError("config: grpo.group >= 2; grpo.prompts_per_step, grpo.iterations, grpo.max_new_tokens "
@@ -433,6 +502,10 @@ class GRPOOptions:
         if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
             raise ValueError(f"config: grpo.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
                              "clipped below at 1 - low) and high >= 0")
+        if self.temperature == 0:
+            raise ValueError("config: grpo.temperature=0 samples greedily: every completion of a group is the same, "
+                             "so every group's rewards are equal, its advantages 0, and nothing is learned; use a "
+                             "temperature > 0 (1.0 samples the policy as it is)")
         if self.temperature < 0 or self.beta < 0 or (self.top_k is not None and self.top_k < 1) \
                 or (self.top_p is not None and not 0 < self.top_p <= 1) \
                 or (self.correction_cap is not None and not self.correction_cap > 0):
@@ -499,6 +572,7 @@ class AdaptiveConsensusConfig:
     p: float | None = option(None, "gamma = (lr / lr_max)^p once active; 0 keeps full mixing (required)")
 
     def __post_init__(self):
+        _finite(self, "decentralized.adaptive_consensus")
         if self.start_frac is None or self.p is None:
             raise ValueError("config: decentralized.adaptive_consensus needs both start_frac and p")
         check_consensus(self.start_frac, self.p)
@@ -525,4 +599,5 @@ class DecentralizedConfig:
         None, "weaken mixing late in training: {start_frac, p}; null: full mixing throughout")
 
     def __post_init__(self):
+        _finite(self, "decentralized")
         _positive(**{"decentralized.num_models": self.num_models})
