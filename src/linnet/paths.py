@@ -1,7 +1,8 @@
 """Parameter paths, for both backends: every parameter is named by its Hugging Face
 checkpoint path (`model.layers.3.self_attn.q_proj.weight`, …), so checkpoints load by
 name and adapter targets read like PEFT's. Here: a card's paths and shapes, and picking
-paths by glob patterns (what trains, what is saved, which layers get adapters)."""
+paths by glob patterns (what trains, what is saved) and adapter targets (globs, PEFT's
+`target_modules` names such as `q_proj`, or `all-linear`)."""
 
 from __future__ import annotations
 
@@ -60,19 +61,38 @@ def select(names: Sequence[str], spec: bool | str | Sequence[str] | None, *, wha
     return chosen
 
 
+ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+
+
+def target_matches(layer: str, pattern: str) -> bool:
+    """Whether adapter target `pattern` picks the linear layer `layer` (its path without
+    `.weight`): a glob over the layer's path or its weight's path
+    (`model.layers.*.self_attn.q_proj`); a name without glob characters as PEFT's
+    `target_modules` match one, the path itself or its last parts (`q_proj`,
+    `self_attn.q_proj`); `all-linear`, every layer (the output head is never one)."""
+    if pattern == ALL_LINEAR:
+        return True
+    weight = f"{layer}.weight"
+    if fnmatch.fnmatchcase(weight, pattern) or fnmatch.fnmatchcase(layer, pattern):
+        return True
+    return not any(c in pattern for c in "*?[") and (layer.endswith(f".{pattern}") or weight.endswith(f".{pattern}"))
+
+
 def adapted_layers(layers: Sequence[str], patterns: str | Sequence[str]) -> list[str]:
-    """The linear layers (paths without `.weight`) whose weight path or layer path matches
-    one of `patterns`, in the order the patterns find them. The output head is never one
-    of `layers`: the losses read its weight directly, so an adapter there would not train."""
+    """The linear layers (paths without `.weight`) that one of `patterns` picks
+    (`target_matches`: globs, PEFT's short names, all-linear), in the order the patterns
+    find them. The output head is never one of `layers`: the losses read its weight
+    directly, so an adapter there would not train."""
     chosen: list[str] = []
     for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
-        hits = [n for n in layers if fnmatch.fnmatch(f"{n}.weight", pattern) or fnmatch.fnmatch(n, pattern)]
+        hits = [n for n in layers if target_matches(n, pattern)]
         if not hits:
-            head = fnmatch.fnmatch("lm_head.weight", pattern) or fnmatch.fnmatch("lm_head", pattern)
+            head = target_matches("lm_head", pattern)
             raise ValueError(
-                f"add_lora: pattern {pattern!r} matches no linear weight; paths look like "
-                "model.layers.0.self_attn.q_proj.weight" + ("; the output head takes no adapter (train it in "
-                                                            "full with trainable='lm_head.weight')" if head else "")
+                f"add_lora: pattern {pattern!r} matches no linear weight; give a glob over paths such as "
+                "model.layers.*.self_attn.q_proj, a layer name such as q_proj (PEFT's target_modules), or "
+                f"{ALL_LINEAR}" + ("; the output head takes no adapter (train it in full with "
+                                   "trainable='lm_head.weight')" if head else "")
             )
         chosen += [n for n in hits if n not in chosen]
     return chosen

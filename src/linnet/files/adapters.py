@@ -11,8 +11,10 @@ linnet model (`bind_weights`).
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +28,26 @@ PEFT_NAMES = ((".lora_a", ".lora_A.weight"), (".lora_b", ".lora_B.weight"), (".l
 PEFT_PREFIX = "base_model.model."
 
 
-def check_adapter_options(*, rank: int | None = None, dropout: float | None = None) -> None:
-    """Refuse an adapter rank or dropout neither backend's add_lora can take (None: not given)."""
+def check_adapter_options(*, rank: int | None = None, dropout: float | None = None,
+                          shapes: Mapping[str, Sequence[int]] | None = None) -> None:
+    """Refuse an adapter rank or dropout neither backend's add_lora can take (None: not
+    given), and a rank larger than the smallest side of an adapted layer (`shapes`: each
+    adapted layer's (out, in) features): B @ A of rank r on an out x in weight has at most
+    min(out, in) independent directions, so the rest of the adapter is parameters that
+    add nothing."""
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)):
+        raise ValueError(f"add_lora: rank={rank!r}; it must be an integer")
     if rank is not None and rank < 1:
         raise ValueError(f"add_lora: rank={rank}; it must be at least 1")
     if dropout is not None and not 0.0 <= dropout < 1.0:
         raise ValueError(f"add_lora: dropout={dropout}; it must be in [0, 1)")
+    if rank is not None and shapes:
+        layer, (out, inputs) = min(shapes.items(), key=lambda item: min(item[1]))
+        if rank > min(out, inputs):
+            raise ValueError(f"add_lora: rank={rank} is larger than the adapted layer {layer} ({out} x {inputs}): an "
+                             f"adapter's update B @ A has at most {min(out, inputs)} independent directions there, so "
+                             f"the largest useful rank is {min(out, inputs)} (a config's lora.rank); lower the rank, "
+                             "or adapt only larger layers")
 
 
 def to_peft_name(name: str) -> str:
