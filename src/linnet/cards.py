@@ -75,6 +75,9 @@ class Card:
     tokenizer: Location = field(default_factory=Location)
     chat_template: str | None = None
     source: str = ""
+    # PEFT adapter directories folded into the weights as they are read, in order: the runs
+    # this model was trained through (a run directory named as a card; `trained_card`)
+    adapters: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -388,12 +391,71 @@ def resolve(x: str | os.PathLike | Card) -> Card:
     path = Path(text)
     if path.is_file() and path.name == "config.json":
         path = path.parent
+    if (path / "run.json").is_file() or (path / "adapter_config.json").is_file() or _run_checkpoint(path):
+        return trained_card(path)
     if path.is_dir():
         return card_from_directory(path)
     raise ValueError(
-        f"unknown card {text!r}: not a registered name ({', '.join(sorted(REGISTRY))}) "
-        "nor a local model directory with a config.json"
+        f"unknown card {text!r}: not a registered name ({', '.join(sorted(REGISTRY))}), a local model directory "
+        "with a config.json, a linnet run directory or a PEFT adapter"
     )
+
+
+def trained_card(path: str | os.PathLike) -> Card:
+    """The model a linnet run trained, named by its run directory (its final/), its final/
+    (a PEFT adapter directory names its base in adapter_config.json) or one of its
+    checkpoints (checkpoints/step-…): a run of adapters is its base's card (followed back
+    when the base is a run itself) with the adapters to fold into the weights as they are
+    read (`Card.adapters`); a full fine-tune's is its weights. The run's own data.tokenizer
+    and data.chat_template come with it, so the next stage renders the records as this one
+    learned them."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file() and not (path / "run.json").is_file():
+        info = _read_json(path / "adapter_config.json")
+        base = info.get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{path / 'adapter_config.json'}: base_model_name_or_path is empty, so the adapter's "
+                             "base is unknown; fill it in (a card, a model directory or a linnet run)")
+        return _adapted(resolve(base), path, None).replace(source=str(path))
+    checkpoint = path if _run_checkpoint(path) else None
+    run = path.parent.parent if checkpoint else path
+    weights = checkpoint / "trained.safetensors" if checkpoint else run / "final"
+    if not weights.exists():
+        raise ValueError(f"{run}: the run has not finished (no final/); resume it with --resume, or name one of "
+                         f"its checkpoints ({run / 'checkpoints'}/step-…)")
+    config = _read_json(run / "config.json") if (run / "config.json").is_file() else {}
+    model, data = config.get("model", {}), config.get("data", {})
+    if (config.get("lora", {}).get("enabled", False) if checkpoint else (weights / "adapter_config.json").is_file()):
+        if model.get("weights") == "random":
+            raise ValueError(f"{run}: its base was initialised from a seed (model.weights: random), not read from "
+                             "files; export the run (`linnet export --merge`) and name that directory")
+        card = _adapted(resolve(model.get("card", "")), checkpoint or weights, model.get("weights"))
+    elif checkpoint:  # every weight trained: the checkpoint's are the model's
+        card = resolve(model.get("card", "")).replace(weights=Location(path=str(weights)), adapters=())
+    else:
+        card = card_from_directory(weights)
+        if model.get("card") and card.tokenizer.path is None:  # final/ holds the weights alone
+            base = resolve(model["card"])
+            card = card.replace(tokenizer=base.tokenizer, chat_template=card.chat_template or base.chat_template)
+    if data.get("tokenizer"):
+        card = card.replace(tokenizer=Location(path=str(data["tokenizer"])))
+    if data.get("chat_template"):
+        card = card.replace(chat_template=data["chat_template"])
+    return card.replace(source=str(path))
+
+
+def _run_checkpoint(path: Path) -> bool:
+    """A checkpoint directory (checkpoints/step-…) of a linnet fine-tuning run."""
+    return path.name.startswith("step-") and path.parent.name == "checkpoints" and \
+        (path.parent.parent / "run.json").is_file()
+
+
+def _adapted(base: Card, adapter: Path, weights: str | None) -> Card:
+    """`base` with one more adapter to fold in (its weights from `weights`, a directory,
+    when the run read them from there)."""
+    if weights:
+        base = base.replace(weights=Location(path=str(weights)))
+    return base.replace(adapters=(*base.adapters, str(adapter)))
 
 
 def weights_directory(card: Card) -> Path:

@@ -55,7 +55,10 @@ def load(
     lora: dict | None = None,
     **seed_spelling: Any,
 ):
-    """Build the card's decoder for `backend`.
+    """Build the card's decoder for `backend`. `card`: a Card, a registered name, a local
+    Hugging Face model directory, or a finished linnet run (its directory or its final/): the
+    base it was trained from with its adapters folded into the weights as they are read
+    (`linnet.cards.trained_card`).
 
     weights: a directory or .safetensors file; None takes the card's own (its local
     directory, else the hub cache); "random" initialises from `seed`.
@@ -118,6 +121,11 @@ def load(
         dtype = generics["T"]
     if seed_spelling:
         raise TypeError(f"load() got unexpected arguments: {', '.join(seed_spelling)}")
+    if card.adapters and (backend != "torch" or (isinstance(weights, str) and weights == "random")):
+        raise ValueError(f"{card.source}: a trained run's model is its base with its adapters folded in as the "
+                         "weights are read: " + ("that is the PyTorch backend's for now; export the run "
+                                                 "(`linnet export --merge`) and load that directory"
+                                                 if backend != "torch" else "weights='random' would leave them out"))
     if backend != "torch":
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
                                                    ("compile", compile, False), ("attention", attention, "auto"),

@@ -146,7 +146,8 @@ def merge_lora(model) -> None:
 def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = None) -> None:
     """Write a PEFT adapter directory: adapter_config.json + adapter_model.safetensors.
     A split or pipelined model's adapters are gathered first: every process calls this,
-    the first writes."""
+    the first writes. Its base (base_model_name_or_path) is the card's weights, or, for a
+    model loaded from a finished run, that run: these adapters go over its adapters."""
     if not getattr(model, "lora", None):
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
     adapters = {n: full(p).detach().to("cpu", torch.float32).numpy() for n, p in model.named_parameters()
@@ -154,7 +155,9 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
     if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks' adapters
         adapters = merged_at_first(adapters)
     if world()[0] == 0:
-        write_peft(directory, adapters, model.lora, base_model or model.card.weights.repo or model.card.weights.path)
+        card = model.card  # a run's model (its adapters folded into the base) is the base of these adapters
+        write_peft(directory, adapters, model.lora,
+                   base_model or (card.source if card.adapters else card.weights.repo or card.weights.path))
 
 
 def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, nn.Linear | None]]:

@@ -74,6 +74,7 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
     if stored:
         raise ValueError(f"{found[stored[0]][0]}: {stored[0]} is stored in NF4 in this model; base weights are read "
                          "before quantizing: nest.load(card, weights=..., quantize='nf4')")
+    folds = adapter_folds(model.card.adapters, shapes)  # the earlier runs' adapters, when the card is a run
     with ExitStack() as files:
         opened = {}
         for name in params:
@@ -81,7 +82,51 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
                 file, key = found[name]
                 if file not in opened:
                     opened[file] = files.enter_context(safetensors_file(file, "pt", device="cpu"))
-                yield name, opened[file].get_tensor(key)
+                tensor = opened[file].get_tensor(key)
+                yield name, fold(tensor, folds[name]) if name in folds else tensor
+
+
+def adapter_folds(adapters: Sequence[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple]]:
+    """Weight path -> [(A, B, scale, DoRA magnitude or None), ...] of PEFT adapter
+    directories applied in order (a run's adapters over its base, the next run's over
+    those), each checked against the weight's shape before any weight is read."""
+    folds: dict[str, list[tuple]] = {}
+    for directory in adapters:
+        scale, file = _adapter_scale(Path(directory))
+        with safetensors_file(file, "pt", device="cpu") as f:
+            tensors = {from_peft_name(key): f.get_tensor(key).float() for key in f.keys()}
+        for layer in sorted({n.rsplit(".", 1)[0] for n in tensors}):
+            a, b = tensors.get(f"{layer}.lora_a"), tensors.get(f"{layer}.lora_b")
+            weight = f"{layer}.weight"
+            if a is None or b is None or shapes.get(weight) != (b.shape[0], a.shape[1]):
+                raise ValueError(f"{directory}: its adapter of {layer} does not fit the base model's {weight} "
+                                 f"{shapes.get(weight)}; is this adapter over this base?")
+            folds.setdefault(weight, []).append((a, b, scale, tensors.get(f"{layer}.lora_magnitude")))
+    return folds
+
+
+def _adapter_scale(directory: Path) -> tuple[float, Path]:
+    """(scale, tensor file) of a PEFT adapter directory, or of a checkpoint of a run of
+    adapters (checkpoints/step-…: its trained.safetensors, the settings in the run's
+    config.json)."""
+    if (directory / "adapter_config.json").is_file():
+        info = json.loads((directory / "adapter_config.json").read_text())
+        rank, alpha, rslora, file = info["r"], info["lora_alpha"], info.get("use_rslora"), "adapter_model.safetensors"
+    else:
+        lora = json.loads((directory.parent.parent / "config.json").read_text())["lora"]
+        rank, alpha, rslora, file = lora["rank"], lora["alpha"], lora.get("rslora"), "trained.safetensors"
+    return (alpha / rank ** 0.5 if rslora else alpha / rank), directory / file
+
+
+def fold(weight: torch.Tensor, adapters: list[tuple]) -> torch.Tensor:
+    """`weight` with each adapter merged in, in float32: W + scale * B @ A, DoRA's rows
+    rescaled to its magnitude (as `Linear.merged_weight`); back in the weight's dtype."""
+    w = weight.float()
+    for a, b, scale, magnitude in adapters:
+        w = w + scale * (b @ a)
+        if magnitude is not None:
+            w = w * (magnitude / torch.linalg.vector_norm(w, dim=1))[:, None]
+    return w.to(weight.dtype)
 
 
 def _dense_shape(model, name: str) -> tuple[int, int]:
