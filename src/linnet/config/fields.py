@@ -4,9 +4,14 @@ A config class is a dataclass whose fields are plain values or other config data
 (a group). Every field carries its help text in `metadata["help"]`; the same text is the
 CLI help and the commented YAML template. A field may say which commands read it
 (`only=`): a command's config refuses, and its template leaves out, the fields it does
-not read, so one group class serves every command. Unknown keys are refused with the
-list of valid ones, a former key with the name that replaced it, and a value of the
-wrong type names its field and what was expected.
+not read, so one group class serves every command.
+
+Every key a config gives that is not read is refused at once, each where it came from
+(the file and its line, or the `--set` item): an unknown key with the nearest valid one,
+a former key with the name that replaced it, another trainer's name with linnet's. A
+value of the wrong type names its field and what was expected; a float must be finite
+unless its field says otherwise (`option(finite=False)`); a key given twice in one file
+is refused with both lines.
 """
 
 from __future__ import annotations
@@ -64,10 +69,11 @@ class Origins:
     def of(self, dotted: str) -> str:
         """Where the field `dotted` (or the group holding it) was given."""
         parts = dotted.split(".")
-        for n in range(len(parts), 0, -1):
-            key = ".".join(parts[:n])
+        keys = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
+        for key in keys:  # a --set replaces what the file gave, a whole group included
             if key in self.sets:
                 return f"--set {self.sets[key]}"
+        for key in keys:
             if key in self.lines:
                 return f"{self.file} line {self.lines[key]}"
         within = [item for key, item in self.sets.items() if key.startswith(f"{dotted}.")]  # a --set made the group
