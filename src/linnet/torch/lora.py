@@ -39,7 +39,9 @@ def _linears(model) -> dict[str, nn.Linear]:
 def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: float = 32,
              dropout: float = 0.0, rslora: bool = False, dora: bool = False) -> list[str]:
     """Add adapters to the linear layers whose weight path (or layer path) matches one
-    of `patterns`; freeze everything else. dora=True adds DoRA's trainable magnitude per
+    of `patterns` (globs, PEFT's target_modules names such as "q_proj", or "all-linear":
+    linnet.paths.target_matches); freeze everything else. A rank larger than an adapted
+    layer's smaller side is refused. dora=True adds DoRA's trainable magnitude per
     output row (Liu et al. 2024, arXiv:2402.09353), starting at each row's norm. Returns
     the adapted layer paths."""
     check_adapter_options(rank=rank, dropout=dropout)
@@ -48,6 +50,7 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
                          "before sharding, or load with nest.load(..., lora=dict(patterns=...), fully_shard=True)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
     chosen = adapted_layers(list(linears), patterns)
+    check_adapter_options(rank=rank, shapes={n: (linears[n].out_features, linears[n].in_features) for n in chosen})
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     for name in chosen:
         layer = linears[name]
