@@ -143,6 +143,48 @@ def test_builtin_rewards():
         rewards.resolve("format", tok)
 
 
+def trl_style(prompts, completions, answer, completion_ids, level, **kwargs):
+    """A reward written for TRL's GRPOTrainer: a batch of texts in, a list out (each value
+    spells what it was given: the prompt text, the record's level, the answer, the ids)."""
+    return [None if c == "skip" else 1000 * (p == "1+1=") + 100 * lvl + 10 * (c == a) + len(ids)
+            for p, c, a, lvl, ids in zip(prompts, completions, answer, level, completion_ids)]
+
+
+def trl_chat(prompts, completions):
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def trl_fussy(prompts, completions, **kwargs):
+    if "boom" in completions:
+        raise KeyError("boom")
+    return [0.0] * (len(completions) - ("short" in completions))
+
+
+def test_rewards_with_trls_contract_get_texts_and_the_records_columns():
+    """module:function rewards written for TRL score a batch of decoded completions, the
+    records' other fields as keyword lists; None is TRL's no-opinion (0); a failing call
+    names the completion; a list of the wrong length is one clear message."""
+    from linnet.rl.rollouts import Prompt, score
+
+    tok = SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)), eos_ids=(0,))
+    enc = lambda s: [ord(c) for c in s]  # noqa: E731
+    reward = rewards.resolve("tests.test_reinforce:trl_style", tok)
+    assert isinstance(reward, rewards.trl_reward) and reward.__name__ == "trl_style"
+    records = [{"prompt": "1+1=", "answer": "2", "level": 1}, {"prompt": "2+2=", "answer": "4", "level": 3}]
+    items = [(Prompt(enc(r["prompt"]), r["answer"], r["prompt"], r), enc(c) + [0])
+             for r, c in zip(records, ["2", "skip"])]
+    assert reward.batch(items) == [1112, 0.0]  # the text "1+1=", level 1, "2" == "2", ids [50, 0]; None: 0
+    chat = rewards.resolve("tests.test_reinforce:trl_chat", tok)  # takes no columns: none are passed
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat.batch([(Prompt(enc("hi"), None, messages, {"prompt": messages}), enc("abc"))]) == [3.0]
+    fussy = {"fussy": rewards.resolve("tests.test_reinforce:trl_fussy", tok)}
+    batch = [(Prompt(enc("x"), None), enc(c), f"prompt 4, completion {i}") for i, c in enumerate(["ok", "boom"])]
+    with pytest.raises(ValueError, match=r"reward 'fussy' raised KeyError: 'boom' on prompt 4, completion 1"):
+        score(fussy, batch)
+    with pytest.raises(ValueError, match=r"returned list of 1 values for 2 completions; return a list of one"):
+        score(fussy, [(Prompt(enc("x"), None), enc(c), "p") for c in ["ok", "short"]])
+
+
 def test_concurrent_rewards_score_completions_at_once():
     """Concurrent(reward, 2) runs two completions at the same time (each call waits at a
     barrier for a second one: one at a time, the barrier would break), gives the values in

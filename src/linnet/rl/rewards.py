@@ -12,11 +12,20 @@ last "answer:"/"answer is", else the whole completion, stripped.
 
 `Concurrent(reward, workers)` scores a slow per-completion reward (one that runs a
 subprocess or asks a service) several completions at a time (`grpo.reward_workers`).
+
+A `module:function` reward may also follow TRL's contract, recognised by its parameters
+`prompts` and `completions`: `f(prompts, completions, **columns) -> list[float]` over a
+batch, the prompts as the records give them (text, or chat messages), the completions as
+text (or one assistant message each when the prompts are chats), every other field of the
+records as a keyword argument holding a list, and `completion_ids`. A None in the list is
+TRL's "no opinion": 0 in the sum. `trl_reward(f, tokenizer)` wraps one for Python.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
+import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -99,10 +108,55 @@ class Concurrent:
             return list(pool.map(one, range(len(items))))
 
 
+def follows_trl(function: Callable) -> bool:
+    """Whether a reward takes TRL's (prompts, completions, **columns) rather than linnet's
+    (prompt, completion_ids)."""
+    try:
+        names = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return "prompts" in names and "completions" in names
+
+
+class trl_reward:  # noqa: N801  (used as a function: trl_reward(f, tokenizer))
+    """A reward written for TRL (`f(prompts, completions, **columns) -> list[float]`) as a
+    linnet batch reward: GRPO calls `batch(items)` with (Prompt, completion ids) items and
+    gets a number each."""
+
+    def __init__(self, function: Callable, tokenizer):
+        self.function, self.tokenizer = function, tokenizer
+        self.__name__ = getattr(function, "__name__", "reward")
+
+    def __call__(self, prompt, completion: list[int]) -> float:
+        return self.batch([(prompt, completion)])[0]
+
+    def batch(self, items: Sequence[tuple[object, list[int]]]) -> list[float]:
+        prompts = [p.text if p.text is not None else self.tokenizer.decode(list(p.ids)) for p, _ in items]
+        completions = [text_of(self.tokenizer, c) for _, c in items]
+        if prompts and isinstance(prompts[0], list):  # chats: each completion an assistant message
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        if all(p.record is None for p, _ in items):  # Prompts made in Python: their answers are the column
+            columns = {"answer": [p.answer for p, _ in items]}
+        else:  # the records' other fields, as TRL passes a dataset's columns
+            fields = sorted({k for p, _ in items for k in (p.record or {})} - {"prompts", "completions"})
+            columns = {k: [(p.record or {}).get(k) for p, _ in items] for k in fields}
+        columns["completion_ids"] = [list(c) for _, c in items]
+        accepted = inspect.signature(self.function).parameters
+        if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values()):
+            columns = {k: v for k, v in columns.items() if k in accepted}
+        values = self.function(prompts=prompts, completions=completions, **columns)
+        if not isinstance(values, (list, tuple)) or len(values) != len(items):
+            raise ValueError(f"it returned {type(values).__name__} "
+                             f"{'of ' + str(len(values)) + ' values ' if isinstance(values, (list, tuple)) else ''}"
+                             f"for {len(items)} completions; return a list of one number a completion")
+        return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
+
+
 def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
     """A reward from its config spelling: "exact", "numeric", "format" (with `pattern`),
     "model:DIR" (a reward model saved by `linnet reward`, scored in packed batches), or
-    "package.module:function" (a function taking (prompt, completion_ids))."""
+    "package.module:function" (a function taking (prompt, completion_ids), or TRL's
+    (prompts, completions, **columns) for a batch: see the module docstring)."""
     if spec == "exact":
         return exact(tokenizer)
     if spec == "numeric":
@@ -124,4 +178,4 @@ def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
         raise ValueError(f"reward {spec!r}: cannot import it ({e})") from None
     if not callable(function):
         raise ValueError(f"reward {spec!r} is not callable")
-    return function
+    return trl_reward(function, tokenizer) if follows_trl(function) else function

@@ -41,10 +41,14 @@ class Completion:
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt's token ids and whatever its reward needs (the reference answer)."""
+    """A prompt's token ids and whatever its reward needs: the reference answer, and, from
+    a data file, the prompt as the record gives it (text, or chat messages) and the record's
+    fields (a reward with TRL's contract reads them: linnet.rl.rewards.trl_reward)."""
 
     ids: Sequence[int]
     answer: Any = None
+    text: Any = None
+    record: Mapping[str, Any] | None = None
 
 
 Reward = Callable[[Prompt, list[int]], float]
@@ -68,6 +72,12 @@ def score(functions: dict[str, Reward], items: Sequence[tuple[Prompt, list[int],
         try:
             values = batch([(p, c) for p, c, _ in items]) if batch is not None else None
         except Exception as e:
+            for p, c, where in items:  # which completion: each alone, the first failing as the batch did
+                try:
+                    batch([(p, c)])
+                except Exception as one:
+                    if type(one) is type(e) and str(one) == str(e):
+                        raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
             raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on a batch of "
                              f"{len(items)} completions") from e
         for i, (prompt, completion, where) in enumerate(items):
