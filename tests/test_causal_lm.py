@@ -8,6 +8,7 @@ Tolerances (float32 on CPU): a single call agrees with transformers to 1e-5 (mea
 from __future__ import annotations
 
 import random
+import shutil
 import warnings
 
 import numpy as np
@@ -373,3 +374,39 @@ def test_generate_follows_the_weights_as_they_train(base, lora):
     assert torch.equal(three, after.repeat_interleave(3, dim=0))
     with pytest.raises(ValueError, match="do_sample"):
         lm.generate(ids, num_return_sequences=2, **greedy)
+
+
+@pytest.mark.parametrize("adapters", [False, True])
+def test_the_trainers_saves_load_and_its_checkpoints_resume(base, tmp_path, adapters):
+    """trl.SFTTrainer's save_model writes what transformers (whole weights) or PEFT
+    (adapters) loads, as CausalLM.save_pretrained does, and resume_from_checkpoint from its
+    step-1 checkpoint gives the uninterrupted run's step-2 loss."""
+    peft = pytest.importorskip("peft")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    directory, fresh = base
+    data = datasets.Dataset.from_list([{"prompt": p, "completion": c} for p, c, _ in _completions()])
+
+    def trainer(out, **more):
+        torch.manual_seed(0)
+        decoder = nest.load(directory, trainable=not adapters)
+        if adapters:
+            decoder.add_lora(["model.layers.*.self_attn.*_proj"], rank=4, alpha=8)
+        args = trl.SFTConfig(output_dir=str(out), max_length=64, **{**STEPS, "max_steps": 2, "save_strategy": "steps",
+                                                                     "save_steps": 1, **more})
+        return trl.SFTTrainer(model=CausalLM(decoder), args=args, train_dataset=data,
+                              processing_class=_tokenizer()), decoder
+
+    whole, decoder = trainer(tmp_path / "whole")
+    losses = _losses(whole)
+    whole.save_model(str(tmp_path / "saved"))
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(3))
+    loaded = (peft.PeftModel.from_pretrained(fresh(), tmp_path / "saved") if adapters else
+              transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)).eval()
+    with torch.no_grad():
+        assert (loaded(ids).logits - decoder.eval()(ids)).abs().max().item() <= 1e-4
+    resumed, _ = trainer(tmp_path / "resumed")
+    shutil.copytree(tmp_path / "whole" / "checkpoint-1", tmp_path / "resumed" / "checkpoint-1")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-1"))
+    again = [h["loss"] for h in resumed.state.log_history if "loss" in h]
+    assert again[-1] == pytest.approx(losses[1], rel=1e-5)

@@ -247,8 +247,12 @@ class _Head:
 # ---------------------------------------------------------------------------------------
 
 
-class CausalLM(nn.Module):
+class CausalLM(transformers.PreTrainedModel):
     """A linnet `Decoder` seen as a transformers causal LM by `transformers.Trainer` and TRL.
+    A PreTrainedModel to them, so that the Trainer's `save_model` and checkpoints go
+    through `save_pretrained` (a directory transformers or PEFT loads); its own weights are
+    never initialised or loaded by transformers (`from_pretrained` is not for it: wrap
+    `nest.load(directory)`).
 
     bucket: packed rows round up to a multiple of this many positions (None: no rounding).
     logits: return [B, T, V] logits (float32, no gradients) from every call, as well as
@@ -267,13 +271,13 @@ class CausalLM(nn.Module):
     supports_gradient_checkpointing = True
 
     def __init__(self, decoder: nn.Module, *, bucket: int | None = BUCKET, logits: bool = False):
-        super().__init__()
         if not hasattr(decoder, "loss_packed") or not hasattr(decoder, "card"):
             raise TypeError(
                 f"CausalLM wraps a linnet decoder (nest.load(card)), got {type(decoder).__name__}"
             )
         if bucket is not None and bucket < 1:
             raise ValueError(f"CausalLM: bucket={bucket}; use a positive multiple (256) or None")
+        super().__init__(hf_config(decoder.card))
         self.__dict__["_decoder"] = decoder  # not a submodule: its parts are, under HF names
         self.model = decoder.model
         if not decoder.card.tied_embeddings:
@@ -348,6 +352,18 @@ class CausalLM(nn.Module):
 
     gradient_checkpointing_disable = activation_checkpointing_disable
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """A Trainer's resume reads its checkpoint's model.safetensors back: with adapters,
+        the trained tensors alone (the frozen base comes from the card), which then leaves
+        no trained parameter missing."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        trained = {n for n, p in self.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trained or not self._decoder.lora]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"CausalLM.load_state_dict: missing {missing[:5]}, unexpected "
+                               f"{result.unexpected_keys[:5]}")
+        return type(result)(missing, result.unexpected_keys)
+
     # -- module plumbing: the decoder (buffers, training flag) follows the wrapper ---------
 
     def _apply(self, fn, recurse=True):
@@ -421,7 +437,10 @@ class CausalLM(nn.Module):
                         state_dict=None, safe_serialization: bool = True, dtype=None, **kwargs) -> None:
         """A directory transformers loads (model.safetensors, config.json, tokenizer files
         of the card), or, when the decoder has LoRA adapters, a PEFT adapter directory
-        (adapter_config.json + adapter_model.safetensors) for the card's base weights.
+        (adapter_config.json + adapter_model.safetensors) for the card's base weights, with
+        the trained tensors under their names here too (model.safetensors, which a Trainer's
+        resume_from_checkpoint loads). `transformers.Trainer.save_model` and its checkpoints
+        call this (CausalLM is a PreTrainedModel to the Trainer), so they write the same.
         dtype: of the saved full weights (default: the compute dtype)."""
         if kwargs:
             raise TypeError(f"CausalLM.save_pretrained: {', '.join(kwargs)} not supported")
@@ -432,9 +451,16 @@ class CausalLM(nn.Module):
             return
         directory = Path(save_directory)
         if self._decoder.lora:
+            from safetensors.torch import save_file
+
+            from linnet.files.atomic import atomic_path
             from linnet.torch.lora import save_peft
 
             save_peft(self._decoder, directory)
+            # what a Trainer's resume_from_checkpoint reads back: the trained tensors by their names here
+            trained = {n: p.detach().to("cpu").contiguous() for n, p in self.named_parameters() if p.requires_grad}
+            with atomic_path(directory / "model.safetensors") as tmp:
+                save_file(trained, str(tmp), metadata={"format": "pt"})
             return
         self._decoder.save_weights(directory, dtype=dtype)
         # The trainers align special tokens with the tokenizer on self.config; keep that.
