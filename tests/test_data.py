@@ -478,3 +478,44 @@ def test_sharegpt_and_openai_messages_learn_what_prompt_completion_records_learn
     (tmp_path / "odd.jsonl").write_text(json.dumps({"conversations": [{"from": "narrator", "value": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="turn 0 is from 'narrator'"):
         load_examples(tmp_path / "odd.jsonl", tokenizer=tok, tokens=256)
+
+
+def _hub_cache(root, name: str, rows: list[dict]):
+    """A dataset as `datasets.load_dataset(name)` leaves it in its cache: prepared once from a
+    local file, then filed under the hub name, so it loads by name with no network."""
+    import shutil
+
+    datasets = pytest.importorskip("datasets")
+    (root / "src.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    builder = datasets.load_dataset_builder("json", data_files={"train": str(root / "src.jsonl")},
+                                            cache_dir=str(root / "prepared"))
+    builder.download_and_prepare()
+    (prepared,) = (root / "prepared" / "json").glob("default-*/0.0.0/*/")
+    org, dataset = name.split("/")
+    target = root / "cache" / f"{org}___{dataset}" / "default" / "0.0.0" / prepared.name
+    shutil.copytree(prepared, target)
+    for arrow in target.glob("json-*.arrow"):
+        arrow.rename(arrow.with_name(arrow.name.replace("json-", f"{dataset}-")))
+    return root / "cache"
+
+
+def test_a_hub_dataset_by_name_and_a_saved_datasetdicts_split(tmp_path, monkeypatch):
+    """data.path names a dataset on the hub (read from datasets' cache, offline here) with
+    data.split; a saved DatasetDict takes its split the same way, and without one the error
+    lists the splits and names the knob as its reader spells it."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"instruction": f"say {i}", "input": "", "output": f"{i}"} for i in range(4)]
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", _hub_cache(tmp_path, "someone/alpaca-mini", rows))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    records = read_records("someone/alpaca-mini", split="train")
+    assert [r.data for r in records] == rows and records[1].where == "someone/alpaca-mini[train] row 1"
+    with pytest.raises(ValueError, match=r"someone/missing: no such local file, and datasets.load_dataset could not"):
+        read_records("someone/missing")
+    saved = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                                  "test": datasets.Dataset.from_list(rows[:1])})
+    saved.save_to_disk(str(tmp_path / "saved"))
+    assert len(read_records(tmp_path / "saved", split="test")) == 1
+    with pytest.raises(ValueError, match=r"a DatasetDict with the splits train, test; pass one split: data.split"):
+        read_records(tmp_path / "saved", names={"split": "data.split"})
+    with pytest.raises(ValueError, match=r"has no split 'dev' with the splits train, test; pass one split: split="):
+        read_records(tmp_path / "saved", split="dev")

@@ -42,7 +42,7 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
     else:
         read = functools.partial(pairs_from_records, prompt=prompt, chosen=d.chosen, rejected=d.rejected, chat=d.chat,
                                  names=spellings.RECORDS)
-    pairs = read(read_records(d.path), tokenizer)
+    pairs = read(read_records(d.path, split=d.split, names=spellings.RECORDS), tokenizer)
     if d.eval_path:
         held_out = read(read_records(d.eval_path), tokenizer)
     else:

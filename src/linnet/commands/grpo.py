@@ -36,7 +36,8 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         functions = {name: f if hasattr(f, "batch") else rewards.Concurrent(f, g.reward_workers)
                      for name, f in functions.items()}
     fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat, names=spellings.RECORDS)
-    prompts = prompts_from_records(read_records(d.path), tokenizer, **fields)
+    prompts = prompts_from_records(read_records(d.path, split=d.split, names=spellings.RECORDS), tokenizer,
+                                   **fields)
     if d.eval_path:
         held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
     else:

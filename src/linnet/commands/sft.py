@@ -61,7 +61,7 @@ def split_records(config: SFTConfig) -> tuple[list, list]:
     from linnet.data import read_records
 
     d = config.data
-    records = read_records(d.path)
+    records = read_records(d.path, split=d.split, names=spellings.RECORDS)
     if d.eval_path:
         held_out = read_records(d.eval_path)
     else:

@@ -25,6 +25,7 @@ RECORDS = {
     "label": "data.label",
     "answer": "data.answer",
     "chat_template": "data.chat_template",
+    "split": "data.split",
 }
 
 # GRPO's prompt check (linnet.rl.rollouts.check_prompts) as a run config names its knobs.

@@ -130,7 +130,10 @@ class LoraConfig:
 
 @dataclass
 class RecordsConfig:
-    path: str = option("", "records: .jsonl, .json, .parquet, or a saved datasets directory")
+    path: str = option("", "records: .jsonl, .json, .parquet, a saved datasets directory, or a dataset on the "
+                           "Hugging Face Hub by name (tatsu-lab/alpaca; through datasets.load_dataset and its cache)")
+    split: str | None = option(None, "the split of path when it is a hub dataset or a saved DatasetDict; null: "
+                                     "train for a hub dataset")
     eval_path: str | None = option(None, "held-out records; null: take eval_share of path")
     eval_share: float = option(0.05, "share of the records held out when eval_path is null")
     messages: str | None = option(None, "field holding chat messages; null: 'messages' when present",

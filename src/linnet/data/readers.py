@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,17 +57,24 @@ class MissingColumn(ValueError):
     columns it has; the caller adds the setting that names the column."""
 
 
-def read_records(source: str | os.PathLike | Any) -> list[Record]:
-    """All records of a file, a saved `datasets` directory, or a `datasets.Dataset`."""
+def read_records(source: str | os.PathLike | Any, *, split: str | None = None,
+                 names: Mapping[str, str] | None = None) -> list[Record]:
+    """All records of a file, a saved `datasets` directory, a `datasets.Dataset`, or a
+    dataset on the Hugging Face Hub named as there (`tatsu-lab/alpaca`, read through
+    `datasets.load_dataset` and its cache). `split`: the split of a DatasetDict or of a
+    hub dataset (default "train" for a hub name); `names`: how errors name data.split."""
     if not isinstance(source, (str, os.PathLike)):
-        return _dataset_rows(source, "dataset")
+        return _dataset_rows(source, "dataset", split, names)
     path = Path(source)
     if path.is_dir():
-        records = _dataset_directory(path)
-    elif not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file; data.path should name {FORMATS}")
-    else:
+        records = _dataset_directory(path, split, names)
+    elif path.is_file():
         records = list(iter_records(path))
+    elif _hub_name(os.fspath(source)):
+        records = _hub_dataset(os.fspath(source), split)
+    else:
+        raise FileNotFoundError(f"{path}: no such file; data.path should name {FORMATS}, or a dataset on the "
+                                "Hugging Face Hub by its name (org/name)")
     if not records:
         raise ValueError(f"{path}: holds no records (empty); point data.path at a file with records")
     return records
@@ -185,7 +193,30 @@ def _parquet(path: Path, columns: Sequence[str] | None) -> Iterator[Record]:
             row += 1
 
 
-def _dataset_directory(path: Path) -> list[Record]:
+def _hub_name(text: str) -> bool:
+    """Whether `text`, which is no local path, reads as a hub dataset's name (org/name or
+    name, no file suffix) rather than a mistyped file."""
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text) is not None and Path(text).suffix.lower() not in \
+        (*JSONL_SUFFIXES, ".json", ".parquet", ".gz", ".csv", ".txt")
+
+
+def _hub_dataset(name: str, split: str | None) -> list[Record]:
+    """A hub dataset's split through `datasets.load_dataset` (its cache first; offline with
+    HF_DATASETS_OFFLINE=1)."""
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{name}: a dataset on the hub needs datasets; pip install 'linnet[data]'") from None
+    try:
+        dataset = datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # not found, offline with no cache, no such split: datasets says which
+        raise ValueError(f"{name}: no such local file, and datasets.load_dataset could not load it as a hub "
+                         f"dataset ({type(e).__name__}: {e}); name a local file ({FORMATS}) or a hub dataset "
+                         "and its split (data.split)") from None
+    return _dataset_rows(dataset, f"{name}[{split or 'train'}]", None, None)
+
+
+def _dataset_directory(path: Path, split: str | None, names: Mapping[str, str] | None) -> list[Record]:
     if not any((path / marker).is_file() for marker in _DATASET_MARKERS):
         raise ValueError(
             f"{path}: a directory not written by datasets' save_to_disk; data.path should name {FORMATS}"
@@ -196,20 +227,23 @@ def _dataset_directory(path: Path) -> list[Record]:
         raise ValueError(
             f"{path}: reading a saved datasets directory needs datasets; pip install linnet[data]"
         ) from None
-    return _dataset_rows(datasets.load_from_disk(str(path)), str(path))
+    return _dataset_rows(datasets.load_from_disk(str(path)), str(path), split, names)
 
 
-def _dataset_rows(dataset: Any, name: str) -> list[Record]:
+def _dataset_rows(dataset: Any, name: str, split: str | None, names: Mapping[str, str] | None) -> list[Record]:
     try:
         import datasets
     except ImportError:
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.DatasetDict):
-        first = next(iter(dataset), "train")
-        raise ValueError(
-            f"{name}: a DatasetDict with the splits {', '.join(dataset)}; pass one split "
-            f"(dataset[{first!r}], or the directory {first}/ inside a saved one)"
-        )
+        if split is None or split not in dataset:
+            first = next(iter(dataset), "train")
+            asked = f" has no split {split!r}" if split is not None else ""
+            raise ValueError(f"{name}: a DatasetDict{asked} with the splits {', '.join(dataset)}; pass one split: "
+                             f"{option_name(names, 'split')} (e.g. {first})")
+        dataset, name = dataset[split], f"{name}[{split}]"
+    elif split is not None and datasets is not None and isinstance(dataset, datasets.Dataset):
+        raise ValueError(f"{name}: one dataset with no splits; remove {option_name(names, 'split')}")
     if datasets is None or not isinstance(dataset, datasets.Dataset):
         raise TypeError(
             f"read_records: expected a path or a datasets.Dataset, got {type(dataset).__name__}; "
