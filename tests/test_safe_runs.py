@@ -171,11 +171,15 @@ def test_sigterm_stops_after_the_step_with_its_checkpoint_and_the_resume_finishe
 
 
 def test_published_files_get_ordinary_permissions(ws):
+    """Every file a run publishes, its checkpoints' included (safetensors writes 0600),
+    gets 0o666 & ~umask, and every directory 0o777 & ~umask."""
     umask = os.umask(0)
     os.umask(umask)
+    checkpoint = ws / "run" / "checkpoints" / "step-00000004"
     for path in (ws / "run" / "final" / "adapter_model.safetensors", ws / "run" / "config.json",
-                 ws / "run" / "summary.json"):
+                 ws / "run" / "summary.json", *checkpoint.iterdir()):
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+    assert stat.S_IMODE(checkpoint.stat().st_mode) == 0o777 & ~umask
 
 
 def test_plot_reads_a_metrics_file_with_a_torn_last_line(ws, tmp_path):
@@ -231,3 +235,160 @@ def test_a_training_run_ends_with_its_curves_in_a_grid_a_screen_shows(ws, tmp_pa
     assert width <= 3 * 4.4 * 110 + 1 and height >= 3 * 3.3 * 110 - 1  # 8 panels: three rows of at most three
     assert write_curves([{"step": 1, "seconds": 2.0}], tmp_path / "none.png") is None  # nothing to draw: no file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing a user owns is overwritten or deleted; a run is extended; resume trusts the
+# model's files, not their path (issue 41)
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_overwrite_replaces_only_the_runs_own_files(ws, tmp_path):
+    """--overwrite replaces what a run wrote (run.json, metrics, checkpoints/, final/, ...)
+    and leaves the user's notes and a data file kept in the run folder, which the new run
+    reads, where they are."""
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    (out / "notes.txt").write_text("why this run\n")
+    shutil.copy(ws / "train.jsonl", out / "data.jsonl")
+    (out / "checkpoints" / "step-00000009").mkdir()  # a stale run file: it goes with the rest
+    mine = {name: (out / name).read_bytes() for name in ("notes.txt", "data.jsonl")}
+    assert _sft(ws, out, "--overwrite", "--set", f"data.path={out / 'data.jsonl'}", "--set", "optimizer.lr=0.002") == 0
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert json.loads((out / "run.json").read_text())["recipe"]["optimizer.lr"] == 0.002
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
+    assert not list(tmp_path.glob(".run.replaced-*"))
+
+
+def test_a_replaced_run_and_the_users_files_come_back_when_the_new_run_fails_first(ws, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    (out / "notes.txt").write_text("mine\n")
+    before = _tree(out)
+    from linnet.train import loop
+
+    monkeypatch.setattr(loop, "take_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("first step")))
+    with pytest.raises(RuntimeError, match="first step"):
+        _sft(ws, out, "--overwrite")
+    assert _tree(out) == before and not list(tmp_path.glob(".run.replaced-*"))
+
+
+def test_extending_a_finished_run_re_plans_its_schedule(ws, tmp_path, capsys):
+    """A finished 3-step run resumed with training.steps=5 takes steps 4 and 5 from its
+    step-3 checkpoint. Its cosine schedule is re-planned over 5 steps: steps 1-3 keep the
+    3-step plan's rates and steps 4-5 take the 5-step plan's, so the run equals neither
+    uninterrupted run; the printed line says so."""
+    three, five, extended = tmp_path / "three", tmp_path / "five", tmp_path / "extended"
+    assert _sft(ws, three, "--set", "training.steps=3") == 0
+    assert _sft(ws, five, "--set", "training.steps=5") == 0
+    assert _sft(ws, extended, "--set", "training.steps=3") == 0
+    capsys.readouterr()
+    assert _sft(ws, extended, "--set", "training.steps=5", "--resume") == 0
+    err = capsys.readouterr().err
+    assert "goes from training.steps=3 to 5, continuing from its checkpoint of step 3" in err
+    assert "re-planned over the new total" in err
+    rows = _metrics(extended)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in _metrics(three)] + [r["lr"] for r in _metrics(five)[3:]]
+    assert [r["loss"] for r in rows[:3]] == [r["loss"] for r in _metrics(three)]
+    assert rows[3]["lr"] > 0  # the 3-step plan had decayed to 0: continuing it would learn nothing
+    summary = json.loads((extended / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["steps_this_run"] == 2
+    assert json.loads((extended / "run.json").read_text())["recipe"]["training.steps"] == 5
+    assert _sft(ws, extended, "--set", "training.steps=5", "--resume") == 0  # now complete: reported only
+
+
+def test_extending_with_a_constant_schedule_equals_the_uninterrupted_run(ws, tmp_path):
+    """Under a constant rate the re-planned schedule is the same plan: 3 steps extended to
+    5 equal an uninterrupted 5-step run bit for bit (losses and final weights)."""
+    constant = ("--set", "lr_schedule.name=constant", "--set", "lr_schedule.warmup_steps=0")
+    assert _sft(ws, tmp_path / "five", "--set", "training.steps=5", *constant) == 0
+    assert _sft(ws, tmp_path / "extended", "--set", "training.steps=3", *constant) == 0
+    assert _sft(ws, tmp_path / "extended", "--set", "training.steps=5", "--resume", *constant) == 0
+    assert [r["loss"] for r in _metrics(tmp_path / "extended")] == [r["loss"] for r in _metrics(tmp_path / "five")]
+    assert _tree(tmp_path / "extended" / "final") == _tree(tmp_path / "five" / "final")
+
+
+def test_resume_accepts_the_same_model_under_another_path(ws, tmp_path):
+    """The model is known by its files' fingerprints: a copy elsewhere resumes the run
+    (an interrupted one, to the uninterrupted run's losses)."""
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    shutil.rmtree(out / "checkpoints" / "step-00000004")
+    (out / "summary.json").unlink()
+    shutil.copytree(ws / "model", tmp_path / "moved-model")
+    assert _sft(ws, out, "--resume", "--set", f"model.card={tmp_path / 'moved-model'}") == 0
+    assert [r["loss"] for r in _metrics(out)] == [r["loss"] for r in _metrics(ws / "run")]
+    recipe = json.loads((out / "run.json").read_text())["recipe"]
+    assert "model.card" not in recipe and "config.json" in recipe["model.card.files"]
+
+
+def test_a_run_saved_before_model_fingerprints_still_resumes(ws, tmp_path, capsys):
+    """A run.json from before linnet fingerprinted models holds the model's path: such a
+    run still resumes, compared by that path as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    record = json.loads((out / "run.json").read_text())
+    del record["recipe"]["model.card.files"]
+    record["recipe"]["model.card"] = str(ws / "model")
+    (out / "run.json").write_text(json.dumps(record))
+    assert _sft(ws, out, "--resume") == 0
+    shutil.copytree(ws / "model", tmp_path / "elsewhere")
+    assert _sft(ws, out, "--resume", "--set", f"model.card={tmp_path / 'elsewhere'}") == 2
+    assert "model.card" in capsys.readouterr().err
+
+
+def test_a_pickled_object_in_a_checkpoint_is_refused_as_not_a_linnet_checkpoint(ws, tmp_path, capsys):
+    """A state.pt holding Python objects (checksums and all in order) is refused as not a
+    linnet checkpoint file, never with torch's advice to load it with weights_only=False,
+    and before anything is written."""
+    import argparse
+
+    out = tmp_path / "run"
+    shutil.copytree(ws / "run", out)
+    (out / "summary.json").unlink()
+    latest = out / "checkpoints" / "step-00000004"
+    torch.save({"step": 4, "payload": argparse.Namespace(x=1)}, latest / "state.pt")
+    sums = json.loads((latest / "checksums.json").read_text())
+    sums["files"]["state.pt"] = hashlib.sha256((latest / "state.pt").read_bytes()).hexdigest()
+    (latest / "checksums.json").write_text(json.dumps(sums))
+    before = _tree(out)
+    assert _sft(ws, out, "--resume") == 2
+    err = capsys.readouterr().err
+    assert "state.pt: not a linnet checkpoint file" in err and "weights_only" not in err
+    assert _tree(out) == before
+
+
+def test_eval_json_writes_over_its_own_results_only(ws, tmp_path):
+    """`linnet eval --json` writes a new file, and writes over a results file it wrote
+    before (marked as its own), atomically."""
+    target = tmp_path / "eval.json"
+    argv = ["eval", str(ws / "run"), "--data", str(ws / "train.jsonl"), "--no-chat", "--context-length", "64",
+            "--json", str(target)]
+    assert cli.main(argv) == 0
+    first = json.loads(target.read_text())
+    assert first["written_by"] == "linnet eval" and first["loss"] > 0
+    assert cli.main(argv) == 0  # its own result: replaced
+    assert json.loads(target.read_text())["loss"] == first["loss"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_quickstart_overwrite_replaces_its_own_run_and_keeps_the_users_files(tmp_path):
+    """A quickstart run is marked by its run.json: --overwrite replaces it (and one written
+    before the mark), leaving the user's files in --out; an sft run is refused
+    (tests/test_bad_inputs.py)."""
+    out = tmp_path / "qs"
+    small = ["quickstart", "--out", str(out), "--steps", "2", "--dpo-steps", "0", "--grpo-steps", "0", "--demos",
+             "20", "--practice", "20", "--context-length", "64", "--threads", "1"]
+    assert cli.main(small) == 0
+    assert json.loads((out / "run.json").read_text()) == {"command": "quickstart"}
+    (out / "notes.txt").write_text("mine\n")
+    (out / "run.json").unlink()  # as a quickstart written before run.json marked it
+    assert cli.main([*small, "--overwrite", "--seed", "1"]) == 0
+    assert (out / "notes.txt").read_text() == "mine\n"
+    assert (out / "run.json").is_file() and (out / "model" / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

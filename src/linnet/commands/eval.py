@@ -16,6 +16,7 @@ tasks' datasets in the Hugging Face cache (HF_DATASETS_OFFLINE=1).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import sys
@@ -57,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=4096,
                    help="positions of a packed row for the loss, as training.context_length (default 4096)")
     p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-evaluation-harness tasks")
-    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--json", metavar="PATH", help="also write the results here (a new file, or one an earlier "
+                                                  "`linnet eval --json` wrote; never an input)")
     former_flags(p, FORMER_FLAGS)
     return p
 
@@ -116,9 +118,50 @@ def lm_eval(model, tasks: str) -> dict:
             for task, values in out["results"].items()}
 
 
+# The first field of every results file `--json` writes: how a later eval knows the file is
+# one it may replace (it writes over nothing else).
+MARK = {"written_by": "linnet eval"}
+
+
+def is_result(path: Path) -> bool:
+    """Whether `path` is a results file an earlier `linnet eval --json` wrote (its first
+    field is MARK)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256).decode("utf-8", errors="replace")
+    except OSError:
+        return False
+    return head.lstrip().startswith("{") and json.dumps(MARK)[1:-1] in head
+
+
+def check_json(args) -> None:
+    """Refuse a --json PATH that is one of the command's inputs (the data file, a file of
+    the model, adapter or run directory) or an existing file it did not write. Reads only."""
+    from linnet.files.atomic import RUN_ENTRIES, check_writable, is_model_file
+
+    target = Path(args.json)
+    where = target.resolve()
+    if target.is_dir():
+        raise ValueError(f"--json {target}: a directory; give a file path, such as {target / 'eval.json'}")
+    if args.data and where == Path(args.data).resolve():
+        raise ValueError(f"--json {target} is the --data file: eval never writes over its input; give another path")
+    source = Path(args.source).resolve()
+    if source.is_dir() and (where == source or source in where.parents):
+        top = where.relative_to(source).parts[0]
+        run = (source / "run.json").is_file()
+        if is_model_file(where) or (run and any(fnmatch.fnmatch(top, e) for e in RUN_ENTRIES)):
+            raise ValueError(f"--json {target}: a file of the model or run {args.source}, which eval reads; give a "
+                             "path outside its files")
+    if target.exists() and not is_result(target):
+        raise ValueError(f"--json {target}: exists and is not a `linnet eval` result; eval writes over no other file: "
+                         "give a new path")
+    check_writable(target.parent, "the --json file's folder")
+
+
 def main(argv: list[str] | None = None) -> int:
     from linnet.data import load_tokenizer
     from linnet.export import load_trained
+    from linnet.files.atomic import write_text
     from linnet.report.tables import print_table
 
     args = parser().parse_args(argv)
@@ -130,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--pass-samples {args.pass_samples}: needs --pass-k >= 2, and at least --pass-k")
     if args.batch < 1:
         raise ValueError(f"--batch {args.batch}: sample at least one prompt at once")
+    if args.json:
+        check_json(args)  # before anything is loaded
     model, _ = load_trained(args.source)
     model.eval()
     tokenizer = load_tokenizer(model.card)
@@ -144,5 +189,5 @@ def main(argv: list[str] | None = None) -> int:
     for task, values in results.get("lm_eval", {}).items():
         print(f"  {task}: " + ", ".join(f"{k} {v:.4g}" for k, v in values.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        write_text(args.json, json.dumps({**MARK, **results}, indent=1) + "\n")
     return 0

@@ -38,7 +38,7 @@ import torch
 
 from linnet import nest
 from linnet.commands.spellings import former_flags
-from linnet.files.atomic import SetAside, check_writable, remove_stale, write_text
+from linnet.files.atomic import SetAside, check_writable, recover_set_aside, remove_stale, write_text
 from linnet.packing import Example
 from linnet.report.plots import plot_metrics
 from linnet.report.progress import Progress
@@ -46,6 +46,9 @@ from linnet.train import cosine_schedule, pack, train
 from linnet.train.evaluation import held_out_loss
 
 PAD, BOS, EOS = 0, 1, 2
+# What a quickstart writes in --out (run.json marks it: {"command": "quickstart"}): --overwrite
+# replaces these, only in a quickstart's directory, and leaves anything else there alone.
+ENTRIES = ("run.json", "model", "metrics.jsonl", "held_out.jsonl", "summary.json", "curves.png")
 HELD_OUT = 500
 CHARS = "0123456789+="
 VOCAB = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{c: i + 3 for i, c in enumerate(CHARS)}}
@@ -172,9 +175,38 @@ def check(out: Path, *, steps: int, dpo_steps: int, grpo_steps: int, digits: int
         if not overwrite:
             raise ValueError(f"{out}: exists and is not empty; pass --overwrite to replace a quickstart run there, "
                              "or choose another --out")
-        if not (out / "summary.json").is_file():
-            raise ValueError(f"{out}: holds files but no quickstart run (no summary.json); refusing to replace it: "
-                             "choose another --out")
+        command = run_command(out)
+        if command != "quickstart":
+            held = f"a `linnet {command}` run" if command else "files but no quickstart run (no run.json)"
+            raise ValueError(f"{out}: holds {held}; `linnet quickstart --overwrite` replaces only a quickstart "
+                             "run: choose another --out")
+
+
+def run_command(out: Path) -> str | None:
+    """The command whose run `out` holds, from its run.json; "quickstart" also for a
+    quickstart written before run.json marked it (a summary.json with its dpo_pairs)."""
+    try:
+        if (out / "run.json").is_file():
+            return json.loads((out / "run.json").read_text()).get("command") or "?"
+        if (out / "summary.json").is_file() and "dpo_pairs" in json.loads((out / "summary.json").read_text()):
+            return "quickstart"
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return "?"
+    return None
+
+
+def publish(out: Path, final: Path) -> None:
+    """Move the finished run `out` into `final`: a quickstart there is set aside first and
+    dropped after (anything else in `final` stays); metrics.jsonl moves last, so a kill
+    in between leaves the old run to come back (recover_set_aside)."""
+    if not final.exists():
+        os.rename(out, final)
+        return
+    replaced = SetAside(final, ENTRIES)
+    for entry in sorted(out.iterdir(), key=lambda p: p.name == "metrics.jsonl"):
+        os.rename(entry, final / entry.name)
+    out.rmdir()
+    replaced.drop()
 
 
 def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int = 80, grpo_steps: int = 300,
@@ -184,11 +216,9 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
     """Run the three stages and return the summary (also written to summary.json). The
     results are written beside `out` and moved into place at the end: an interrupted
     quickstart leaves `out` as it was."""
-    from linnet.serve import Engine
-    from linnet.train.dpo import dpo
-    from linnet.train.grpo import Prompt, grpo
-
     final = Path(out)
+    if final.parent.is_dir():
+        recover_set_aside(final, ENTRIES)  # what a replacement killed midway left
     check(final, steps=steps, dpo_steps=dpo_steps, grpo_steps=grpo_steps, digits=digits, demos=demos,
           practice=practice, tokens=tokens, lr=lr, threads=threads, overwrite=overwrite)
     if not (dpo_lr > 0 and grpo_lr > 0 and math.isfinite(dpo_lr) and math.isfinite(grpo_lr)):
@@ -196,6 +226,23 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
     remove_stale(final)
     out = final.parent / f".{final.name}.tmp-{os.getpid()}"
     out.mkdir(parents=True)
+    try:
+        return _stages(out, final, steps=steps, dpo_steps=dpo_steps, grpo_steps=grpo_steps, digits=digits,
+                       demos=demos, practice=practice, tokens=tokens, lr=lr, dpo_lr=dpo_lr, grpo_lr=grpo_lr, seed=seed,
+                       evaluate_every=evaluate_every, threads=threads)
+    except BaseException:  # no temporary folder stays after a failure
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _stages(out: Path, final: Path, *, steps: int, dpo_steps: int, grpo_steps: int, digits: int, demos: int,
+            practice: int, tokens: int, lr: float, dpo_lr: float, grpo_lr: float, seed: int, evaluate_every: int,
+            threads: int | None) -> dict:
+    """The three stages, written into `out`, then published as `final`."""
+    from linnet.serve import Engine
+    from linnet.train.dpo import dpo
+    from linnet.train.grpo import Prompt, grpo
+
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -281,10 +328,8 @@ def run(out: str | Path = "runs/quickstart", *, steps: int = 400, dpo_steps: int
     summary = {"accuracy": accuracies, "seconds": round(seconds, 1), "dpo_pairs": len(pairs),
                "dpo_steps_run": dpo_steps if pairs else 0}
     write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    replaced = SetAside(final) if final.exists() else None
-    os.rename(out, final)
-    if replaced is not None:
-        replaced.drop()
+    write_text(out / "run.json", json.dumps({"command": "quickstart"}) + "\n")
+    publish(out, final)
     print(title + f" ({seconds:.0f} s)")
     print(f"wrote {final}/model, metrics.jsonl, held_out.jsonl, summary.json" + (", curves.png" if drew else
           " (pip install matplotlib for curves.png)"))

@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from linnet.files.atomic import sha256_file
+from linnet.files.atomic import disk_full, ordinary_permissions, sha256_file
 
 PREFIX = "step-"
 CHECKSUMS = "checksums.json"
@@ -59,17 +59,27 @@ def publish(directory: str | os.PathLike, step: int, write, *, keep: int = 2, ra
         return final
     name = f".{final.name}.tmp-{os.getpid()}"
     tmp = root / (agree(name) if every_process else name)
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        if every_process:
+            barrier()  # the directory exists before anyone writes into it
+        write(tmp)
+        if rank == 0:
+            files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+            sums = {"files": {name: sha256_file(tmp / name) for name in files}}
+            (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
+            ordinary_permissions(tmp)  # the user's umask, not safetensors' 0600
+    except BaseException as e:  # the half-written checkpoint goes; a full disk is said plainly
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        full = disk_full(e, final)
+        if full is None or full is e:
+            raise
+        raise full from None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    if every_process:
-        barrier()  # the directory exists before anyone writes into it
-    write(tmp)
-    if rank == 0:
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        sums = {"files": {name: sha256_file(tmp / name) for name in files}}
-        (tmp / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
         if final.exists():  # the same step written again: swap it out whole
             stale = root / f".{final.name}.old-{os.getpid()}"
             os.rename(final, stale)

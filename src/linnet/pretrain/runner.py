@@ -264,6 +264,9 @@ def _start(config: PretrainConfig, out: Path, fields: dict[str, Any], identity: 
     if used and overwrite and not (out / "run.json").is_file():
         raise ValueError(f"{out}: holds files but no linnet run (no run.json); refusing to replace it: choose "
                          "another runtime.output_dir")
+    if used and overwrite and (other := json.loads((out / "run.json").read_text()).get("command")) != "pretrain":
+        raise ValueError(f"{out / 'run.json'}: a `linnet {other}` run; `linnet pretrain --overwrite` replaces only a "
+                         "`linnet pretrain` run: choose another runtime.output_dir")
     if resume is not None:
         checkpoint = find_checkpoint(resume)
         run_dir = checkpoint.parent.parent

@@ -8,12 +8,16 @@ directory instead of the first two, where each process writes its parts of the t
 parameters and optimizer state (torch.distributed.checkpoint; it loads back under another
 layout, or whole).
 Loading checks every file against its checksum first. The RNG state covers torch (and
-CUDA), Python's `random` and NumPy's global generator.
+CUDA), Python's `random` and NumPy's global generator. The step comes back from the
+checkpoint and the learning-rate schedule's plan from the caller: a `LambdaLR` given to
+`load_checkpoint` keeps its own factor (a run extended to more steps re-plans its schedule
+over the new total from the checkpoint's step on, as TRL does with max_steps).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import warnings
 from pathlib import Path
@@ -109,14 +113,14 @@ def load_checkpoint(directory: str | os.PathLike, *, model, optimizer=None, sche
             for name, p in trained.items():
                 p.copy_(tensors[name])
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+            optimizer.load_state_dict(read_pt(path / "optimizer.pt"))
             if hasattr(optimizer, "consolidate_state_dict"):
                 # ZeroRedundancyOptimizer hands each process's states to its local optimizer
                 # as saved, past that optimizer's own load_state_dict; bitsandbytes' 8-bit AdamW
                 # saves its quantization states nested and takes them apart only there
                 optimizer.optim.load_state_dict(optimizer.optim.state_dict())
     if schedule is not None and state["schedule"] is not None:
-        schedule.load_state_dict(state["schedule"])
+        load_schedule(schedule, state["schedule"], optimizer)
     set_rng_state(state["rng"])
     return {"step": state["step"], "extra": state["extra"], "path": path}
 
@@ -174,6 +178,40 @@ def _load_parts(path: Path, model, optimizer) -> None:
                        options=options)
 
 
+def load_schedule(schedule, saved: dict[str, Any], optimizer=None) -> None:
+    """Restore a schedule's step from a checkpoint. A `LambdaLR` keeps the factor it was
+    built with (the saved one's plan, its total steps, is left out) and sets the
+    optimizer's rates from it at the restored step: the same rates when the plan is the
+    same, the new plan's when a run is extended (or shortened) to another total."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if not isinstance(schedule, LambdaLR):
+        schedule.load_state_dict(saved)
+        return
+    saved = {**saved, "lr_lambdas": [None] * len(schedule.lr_lambdas)}
+    schedule.load_state_dict(saved)
+    rates = [base * factor(schedule.last_epoch) for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
+    if optimizer is not None:
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+    schedule._last_lr = rates
+
+
+def read_pt(path: str | os.PathLike) -> Any:
+    """`torch.load` of a checkpoint's .pt file, tensors and plain values only
+    (weights_only): a file holding other Python objects is refused as not a linnet
+    checkpoint file (never loaded with weights_only=False), a damaged one by name."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: not a linnet checkpoint file (it holds Python objects no linnet checkpoint "
+                         "holds, so it was not loaded); resume from a checkpoint a linnet run wrote "
+                         "(runtime.output_dir/checkpoints/step-…)") from None
+    except (RuntimeError, EOFError) as e:  # not a zip archive, or cut short
+        raise ValueError(f"{path}: not a readable checkpoint file ({type(e).__name__}); it may be cut short or "
+                         "damaged: resume from another checkpoint of the run") from None
+
+
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Check a checkpoint's files against its checksums and return its state.pt contents."""
-    return torch.load(layout.verify(path) / "state.pt", weights_only=True)
+    return read_pt(layout.verify(path) / "state.pt")
