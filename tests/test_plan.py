@@ -872,3 +872,13 @@ def test_plan_of_a_distill_config_adds_the_teacher_and_on_policy_the_sampling_en
     assert plan_command.main(["--config", str(config)]) == 0
     assert "frozen teacher some-unknown-teacher, not in the totals above: no card" in capsys.readouterr().out
 
+
+
+@pytest.mark.parametrize("targets, adapted", [("[q_proj, v_proj]", ["q_proj", "v_proj"]),
+                                              ("all-linear", list(plan.LINEAR_NAMES)),
+                                              ("['model.layers.*.mlp.*_proj']", ["gate_proj", "up_proj", "down_proj"])])
+def test_a_configs_lora_targets_plan_as_they_train(tmp_path, targets, adapted):
+    """lora.targets in PEFT's names, all-linear or globs plan the layers add_lora adapts."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{card: qwen2.5-0.5b-instruct}}\ndata: {{path: x.jsonl}}\nlora: {{targets: {targets}}}\n")
+    assert sorted(plan_command.settings_from_config(str(config))["targets"]) == sorted(adapted)

@@ -136,8 +136,8 @@ def test_unknown_and_missing_trackers_are_refused_before_anything_is_written(ws,
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_wandb_online_without_a_login_is_one_message_before_anything_is_written(ws, tmp_path, monkeypatch,
-                                                                               capsys):  # noqa: F811
+def test_wandb_online_without_a_login_is_one_message_before_anything_is_written(ws, tmp_path, monkeypatch,  # noqa: F811
+                                                                               capsys):
     pytest.importorskip("wandb")
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)

@@ -390,9 +390,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     holds beside the model (`_beside`); for pretraining, the model it builds, its
     micro-batch, the budget's targets and, packed, its models (N side by side). The
     settings are named as `linnet.plan.plan_inputs` takes them (Python's names)."""
-    import fnmatch
-
     from linnet.config import PretrainConfig, load_any
+    from linnet.paths import target_matches
 
     config = load_any(path)
     t, model = config.training, config.model
@@ -426,8 +425,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
         parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
         settings.update(method="qlora" if model.quantize else "dora" if lora.dora else "lora", rank=lora.rank,
                         targets=[name for name in plan.LINEAR_NAMES
-                                 if any(fnmatch.fnmatch(f"model.layers.0.{parents.get(name, 'mlp')}.{name}{end}",
-                                                        pattern) for pattern in lora.targets for end in ("", ".weight"))])
+                                 if any(target_matches(f"model.layers.0.{parents.get(name, 'mlp')}.{name}", pattern)
+                                        for pattern in lora.targets)])
     else:
         settings["method"] = "full"
     if t.steps:

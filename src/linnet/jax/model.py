@@ -267,6 +267,7 @@ def add_lora(model: JaxModel, patterns: str | Sequence[str], *, rank: int = 16, 
     if model.lora:
         raise ValueError("add_lora: the model has adapters already; merge_lora first")
     chosen = adapted_layers([k.removesuffix(".weight") for k in model.params if k.endswith("_proj.weight")], patterns)
+    check_adapter_options(rank=rank, shapes={n: model.params[f"{n}.weight"].shape for n in chosen})
     rng = np.random.default_rng(seed)
     for name in chosen:
         d_out, d_in = model.params[f"{name}.weight"].shape
