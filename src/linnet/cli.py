@@ -19,10 +19,11 @@ a thin layer over library functions.
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
 
 `linnet --quiet COMMAND …` (or --quiet anywhere) turns progress bars off; they are off anyway
-when the output is not a terminal.
+when the output is not a terminal. `linnet --version` prints linnet's version.
 
 Exit status: 0 done; 1 training stopped on a non-finite loss or gradient; 2 refused input
-(one line naming the file, the field and the fix; nothing was written); 130 interrupted
+(one line naming the file, the field and the fix; nothing was written) or a write that
+failed (a full disk: one line naming the file; no temporary file is left); 130 interrupted
 (a training command says which checkpoint resumes).
 """
 
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print("\nRun `linnet COMMAND --help` for a command's options.")
         return 0 if argv else 2
+    if argv[0] in ("--version", "-V"):
+        from linnet import __version__
+
+        print(f"linnet {__version__}")
+        return 0
     if "--quiet" in argv:  # anywhere on the line: no progress bars (summaries still print)
         argv = [a for a in argv if a != "--quiet"]
         os.environ["LINNET_QUIET"] = "1"
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except (ValueError, OSError) as e:  # refused input: one line naming the file, field or fix
-        print(f"linnet {name}: {e}", file=sys.stderr)
+        print(f"linnet {name}: {_one_line(e)}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # a non-finite loss or gradient stopped training
         print(f"linnet {name}: {e}", file=sys.stderr)
@@ -80,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"linnet {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(error: BaseException) -> str:
+    """A refusal's or a failed write's message: a full disk named plainly with its file
+    (linnet.files.atomic.DiskFull) wherever the write was."""
+    from linnet.files.atomic import disk_full
+
+    full = disk_full(error, getattr(error, "filename", None)) if isinstance(error, OSError) else None
+    return str(full if full is not None else error)
 
 
 if __name__ == "__main__":

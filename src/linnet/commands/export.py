@@ -9,6 +9,8 @@ PEFT adapter, and/or a GGUF file for llama.cpp; optionally pushed to the Hub.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
 from pathlib import Path
 
 DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
@@ -29,16 +31,27 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args) -> Path:
     from linnet.export import export_directory, load_trained, write_gguf
+    from linnet.files.atomic import check_writable
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not an empty directory; export into a new one")
+    check_writable(out, "--out")
     model, about = load_trained(args.source)  # every input is read before anything is written
     merge = args.merge or args.gguf is not None
-    export_directory(model, out, about=about, merge=merge, dtype=DTYPES[args.dtype])
-    if args.gguf:
-        write_gguf(model, out / f"model-{args.gguf}.gguf", kind=args.gguf,
-                   tokenizer=out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None)
+    made = [d for d in (out, *out.parents) if not d.exists()]  # what a failed export removes again
+    try:
+        export_directory(model, out, about=about, merge=merge, dtype=DTYPES[args.dtype])
+        if args.gguf:
+            write_gguf(model, out / f"model-{args.gguf}.gguf", kind=args.gguf,
+                       tokenizer=out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None)
+    except BaseException:  # never a half-written export: --out goes back to new or empty
+        for path in out.iterdir() if out.is_dir() else []:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for directory in made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
     if args.push:
         push(out, args.push)
     return out

@@ -283,7 +283,11 @@ class RunDirectory:
 
     def _check(self) -> tuple[dict | None, int]:
         """(a complete run's summary, the step to resume from); refusals raise. Reads only."""
+        from linnet.torch.loading import usable_device
+
         command, path = self.config.command, self.path
+        if self.config.runtime.device is not None:
+            usable_device(self.config.runtime.device, "runtime.device")
         check_writable(path, "runtime.output_dir")
         self._inputs_outside()
         recover_set_aside(path)

@@ -159,11 +159,15 @@ def shares_prompts(path: str, device: torch.device) -> bool:
     return choose(path, device) is not varlen
 
 
-def choose(path: str, device: torch.device):
+def choose(path: str, device: torch.device, *, training: bool = False):
     """The attention function for `path`; "auto" takes the fastest measured one that
-    supports training on `device` (bench/attention.py)."""
+    supports training on `device` (bench/attention.py). `training`: the model trains, so
+    a path without a backward pass on `device` (flex on a CPU) is refused."""
     if path == "auto":
         path = "varlen" if device.type == "cuda" and has_varlen() else "documents"
+    if path == "flex" and training and device.type == "cpu":
+        raise ValueError("attention='flex' cannot train on a CPU (FlexAttention has no backward pass there); use "
+                         "'documents' or 'dense' on a CPU, or train with 'flex' on CUDA")
     if path == "varlen" and device.type != "cuda":
         raise ValueError("attention='varlen' needs CUDA; use 'documents' or 'dense' on CPU")
     if path == "varlen" and not has_varlen():

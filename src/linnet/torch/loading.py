@@ -38,6 +38,33 @@ def compute_dtype(dtype, device: torch.device, card: Card) -> torch.dtype:
     return dtype
 
 
+def usable_device(name, where: str = "device") -> torch.device:
+    """The torch device `name` names (None: CUDA when present, else the CPU), refused in
+    one line naming `where` when linnet cannot compute on it here: a name torch does not
+    know (tpu), a kind other than cpu and cuda (mps, xla, meta), CUDA where none is
+    visible, or a CUDA index past the devices there are (cuda:7 on a one-GPU machine)."""
+    if isinstance(name, torch.device):
+        device = name
+    else:
+        try:
+            device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"{where}={name}: not a device name; use cpu, cuda or cuda:N (null: cuda when "
+                             "present)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}={name}: linnet computes on cpu or cuda (cuda:N); {device.type} is not supported "
+                         "yet")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{where}={name}: no CUDA device is visible here; use cpu, or null (CUDA when present)")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            there = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+            raise ValueError(f"{where}={name}: this machine shows {count} CUDA device{'s' * (count > 1)} ({there}); "
+                             "use one of them, or null")
+    return device
+
+
 def set_numerics(numerics: str | None, device: torch.device) -> None:
     """The matmul rounding `nest.load(numerics=)` asks for, as torch's process-wide flags:
     on CUDA "fast" computes float32 matmuls in TF32 and lets bf16/fp16 matmuls sum partial
@@ -148,9 +175,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None):
         raise ValueError("nest.load(fully_shard=True) shards a model that trains (trainable=True, or adapters "
                          "through lora=), whole or cut into pipeline stages, not split")
-    device = torch.device(device or "cpu")
+    device = usable_device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
-    attention_paths.choose(attention, device)  # reject a bad path before any work
+    # reject a bad path before any work (flex has no backward on a CPU: refused for a model that trains)
+    attention_paths.choose(attention, device, training=bool(trainable) or bool(lora))
     set_numerics(numerics, device)
 
     def on_meta():
