@@ -110,6 +110,12 @@ def pairs_from_records(records: Iterable[Record | dict], tokenizer: Tokenizer, *
     for record, pair in zip(records, pairs):
         if not pair.chosen or not pair.rejected:
             raise ValueError(f"{record.where}: an answer is empty; every pair needs two answers")
+    same = [r.where for r, p in zip(records, pairs) if list(p.chosen) == list(p.rejected)]
+    if same:  # texts that differ only where the tokenizer cannot encode them: nothing to prefer
+        more = f" and {len(same) - 5} more" if len(same) > 5 else ""
+        raise ValueError(f"{', '.join(same[:5])}{more}: {chosen!r} and {rejected!r} encode to the same tokens (they "
+                         "differ only in text the tokenizer cannot encode), which teaches nothing; fix or drop "
+                         f"{'this record' if len(same) == 1 else 'these records'}")
     tokenizer.check_known((ids for p in pairs for ids in (p.prompt, p.chosen, p.rejected)),
                           records[0].where.rsplit(" ", 2)[0])
     return pairs

@@ -4,6 +4,7 @@ answer the rewards compare with."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 
 from linnet.data.readers import Record, option_name
@@ -36,6 +37,10 @@ def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, pro
         text = record.data[prompt]
         if not isinstance(text, str) or not text:
             raise ValueError(f"{record.where}: field {prompt!r} must be non-empty text")
+        given = record.data[answer]
+        if given is None or (isinstance(given, str) and not given.strip()):
+            raise ValueError(f"{record.where}: field {answer!r} is {json.dumps(given)}, no reference answer for the "
+                             "rewards to compare with; give every prompt its answer, or drop this record")
         prompts.append(Prompt(encode_prompt(tokenizer, text, chat), record.data[answer]))
     if prompts:
         tokenizer.check_known((p.ids for p in prompts), record.where.rsplit(" ", 2)[0])
