@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"linnet: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    binary = _binary_config(rest)
+    if binary is not None:
+        print(f"linnet {name}: {binary}", file=sys.stderr)
+        return 2
     try:
         return importlib.import_module(f"linnet.commands.{COMMANDS[name]}").main(rest)
     except BrokenPipeError:  # `linnet info CARD | head` stopped reading: stop quietly
@@ -86,6 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"linnet {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _binary_config(argv: list[str]) -> str | None:
+    """The refusal of a `--config` file holding bytes no YAML text holds (a binary file
+    that happens to decode as UTF-8), else None; directories and other encodings are the
+    config reader's to refuse."""
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.removeprefix("--config=") \
+            if arg.startswith("--config=") else None
+        if path is None or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+        found = next((i for i, b in enumerate(head) if b < 0x20 and b not in b"\t\n\r" or b == 0x7F), None)
+        if found is not None:
+            return (f"{path}: a binary file (byte 0x{head[found]:02x} at offset {found}), not YAML text; --config "
+                    "takes a YAML file")
+    return None
 
 
 def _one_line(error: BaseException) -> str:
