@@ -112,6 +112,36 @@ def _damage_latest(path: Path) -> None:
     (latest / "trained.safetensors").write_bytes(b"\0" * 64)
 
 
+def _perturb_weights(path: Path) -> None:
+    """The model's weights replaced by other (valid) ones, under the same name."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _retokenize(path: Path) -> None:
+    """The model's tokenizer replaced by another (valid) one of the same size: two
+    digits' ids swapped."""
+    spec = json.loads((path / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["0"], vocab["1"] = vocab["1"], vocab["0"]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+
+
+def _in_run(ws: Path, where: str, source: str) -> Path:
+    """A copy of the finished run `done` with a copy of the workspace's `source` placed at
+    `where` inside it; returns that copy of the run."""
+    def place(run: Path) -> None:
+        target = run / where
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if (ws / source).is_dir() else shutil.copy)(ws / source, target)
+
+    return _copy(ws, "done", place)
+
+
 def _resume_from_damaged(ws: Path) -> list[str]:
     run = _copy(ws, "done", _damage_latest)
     latest = sorted((run / "checkpoints").iterdir())[-1]
@@ -166,6 +196,43 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("config-missing", lambda ws: ["sft", "--config", str(ws / "nope.yaml")], r"nope.yaml: no such config file"),
     ("config-not-yaml", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
         "model: [\n")))], r"sft.yaml: not valid YAML"),
+    # every value checked, every name answered (issue 41)
+    ("wd-nan", SFT("optimizer.weight_decay=.nan"), r"--set optimizer.weight_decay=.nan: optimizer.weight_decay=nan; "
+     r"use a finite number"),
+    ("wd-inf", SFT("optimizer.weight_decay=inf"), r"optimizer.weight_decay=inf; use a finite number"),
+    ("wd-absurd", SFT("optimizer.weight_decay=5000"), r"optimizer.weight_decay=5000 with optimizer.lr=0.001: AdamW's "
+     r"decoupled decay multiplies .* by 1 - lr x weight_decay = -4"),
+    ("dpo-beta-inf", DPO("dpo.beta=.inf"), r"dpo.beta=inf; use a finite number"),
+    ("dpo-smoothing-ipo", DPO("dpo.loss_type=ipo", "dpo.label_smoothing=0.1"),
+     r"dpo.label_smoothing=0.1 is read by dpo.loss_type sigmoid, robust or simpo only, and dpo.loss_type=ipo would "
+     r"ignore it"),
+    ("dpo-kto-weight-sigmoid", DPO("dpo.desirable_weight=2"), r"dpo.desirable_weight=2.0 is read by dpo.loss_type kto"),
+    ("grpo-beta-nan", GRPO("grpo.beta=.nan"), r"grpo.beta=nan; use a finite number"),
+    ("grpo-clip-inf", GRPO("grpo.clip=[0.2, .inf]"), r"grpo.clip\[1\]=inf; use a finite number"),
+    ("grpo-pass-reward-nan", GRPO("grpo.pass_reward=.nan"), r"grpo.pass_reward=nan"),
+    ("grpo-temperature-zero", GRPO("grpo.temperature=0"), r"grpo.temperature=0 samples greedily: .* nothing is learned"),
+    ("reward-margin-nan", lambda ws: ["reward", *SFT("reward.margin=.nan")(ws)[1:]], r"reward.margin=nan"),
+    ("lora-dora-disabled", SFT("lora.enabled=false", "lora.dora=true"),
+     r"lora.enabled=false trains every weight, without adapters, so lora.rank=4, lora.dora=true would be ignored"),
+    ("lora-rank-huge", SFT("lora.rank=100000"), r"rank=100000 is larger than the adapted layer .*: .* the largest "
+     r"useful rank is \d+"),
+    ("lora-target-typo", SFT("lora.targets=[qq_proj]"), r"pattern 'qq_proj' matches no linear weight; .*q_proj "
+     r"\(PEFT's target_modules\), or all-linear"),
+    ("config-twice", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
+        p.read_text() + "optimizer:\n  lr: 0.5\n")))], r"sft.yaml line \d+: optimizer is given twice \(lines \d+ and "
+     r"\d+\); .* keep one"),
+    ("config-directory", lambda ws: ["sft", "--config", str(ws / "other")], r"other: is a directory; --config takes"),
+    ("config-not-utf8", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_bytes(
+        b"model: \xff\xfe\n")))], r"sft.yaml: not a UTF-8 text file"),
+    ("unknown-trl-name", SFT("learning_rate=1e-4"), r"--set learning_rate=1e-4: unknown field 'learning_rate' \(a TRL, "
+     r"PEFT or Axolotl name\); use optimizer.lr"),
+    ("unknown-axolotl-name", SFT("sequence_len=512"), r"unknown field 'sequence_len' .*; use training.context_length"),
+    ("unknown-nearest", SFT("optimizer.weight_decy=0.1"), r"unknown field 'weight_decy' in optimizer; did you mean "
+     r"optimizer.weight_decay\?"),
+    ("unknown-moved", SFT("seed=3"), r"unknown field 'seed'; did you mean runtime.seed\?"),
+    ("unknown-several", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
+        p.read_text() + "lora_r: 8\nnum_train_epochs: 2\n"))), "--set", "training.stpes=3"],
+     r"3 fields are not read by `linnet sft`:$"),
     # the data
     ("data-missing", SFT("data.path=/nonexistent/train.jsonl"), r"train.jsonl: no such file"),
     ("data-empty", lambda ws: SFT(f"data.path={_copy(ws, 'train.jsonl', lambda p: p.write_text(''))}")(ws),
@@ -206,6 +273,49 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"--resume-from takes a checkpoint of this run"),
     ("resume-from-damaged", lambda ws: _resume_from_damaged(ws),
      r"trained.safetensors: corrupt or truncated .*--resume-from"),
+    # nothing a user owns is overwritten, only a run's own files of the same command (issue 41)
+    ("overwrite-other-command", lambda ws: [*SFT(f"runtime.output_dir={_copy(ws, 'fake-pretrain', lambda p: (p / 'run.json').write_text(json.dumps({'command': 'dpo', 'recipe': {}})))}")(ws), "--overwrite"],
+     r"run.json: a `linnet dpo` run; `linnet sft --overwrite` replaces only a `linnet sft` run"),
+    ("overwrite-data-in-final", lambda ws: (lambda run: [*SFT(f"runtime.output_dir={run}", f"data.path={run / 'final' / 'train.jsonl'}")(ws), "--overwrite"])(_in_run(ws, "final/train.jsonl", "train.jsonl")),
+     r"data.path=.*final/train.jsonl lies in .*final, which --overwrite replaces: an output is never an input"),
+    ("overwrite-model-in-checkpoints", lambda ws: (lambda run: [*SFT(f"runtime.output_dir={run}", f"model.card={run / 'checkpoints' / 'base'}")(ws), "--overwrite"])(_in_run(ws, "checkpoints/base", "model")),
+     r"model.card=.*checkpoints/base lies in .*checkpoints, which --overwrite replaces"),
+    ("eval-json-is-data", lambda ws: ["eval", str(ws / "model"), "--data", str(ws / "prompts.jsonl"), "--json", str(ws / "prompts.jsonl")],
+     r"--json .*prompts.jsonl is the --data file: eval never writes over its input"),
+    ("eval-json-other-file", lambda ws: ["eval", str(ws / "model"), "--data", str(ws / "prompts.jsonl"), "--json", str(ws / "afile")],
+     r"--json .*afile: exists and is not a `linnet eval` result"),
+    ("eval-json-model-file", lambda ws: ["eval", str(ws / "done"), "--data", str(ws / "prompts.jsonl"), "--json", str(ws / "done" / "final" / "adapter_config.json")],
+     r"--json .*adapter_config.json: a file of the model or run .*done, which eval reads"),
+    ("eval-json-new-model-file", lambda ws: ["eval", str(ws / "model"), "--data", str(ws / "prompts.jsonl"), "--json", str(ws / "model" / "generation_config.json")],
+     r"generation_config.json: a file of the model or run"),
+    ("pretrain-overwrite-sft-run", lambda ws: [*PRETRAIN(f"runtime.output_dir={ws / 'done'}")(ws), "--overwrite"],
+     r"done/run.json: a `linnet sft` run; `linnet pretrain --overwrite` replaces only a `linnet pretrain` run"),
+    ("quickstart-out-sft-run", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "done"), "--overwrite"],
+     r"done: holds a `linnet sft` run; `linnet quickstart --overwrite` replaces only a quickstart run"),
+    # a resumed run: its budget extended, never cut below what it did; its model by its files (issue 41)
+    ("resume-fewer-steps", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", "training.steps=1")(ws), "--resume"],
+     r"training.steps=1 is fewer than the 2 steps the run has taken"),
+    ("resume-steps-to-epochs", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", "training.steps=null", "training.epochs=3")(ws), "--resume"],
+     r"the run's budget is training.steps=2; extend it with a larger training.steps, not training.epochs"),
+    ("resume-changed-weights", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", f"model.card={_copy(ws, 'model', _perturb_weights)}")(ws), "--resume"],
+     r"differing: model.card: .*/model.safetensors changed since the run began"),
+    ("resume-changed-tokenizer", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", f"model.card={_copy(ws, 'model', _retokenize)}")(ws), "--resume"],
+     r"differing: model.card: .*/tokenizer.json changed since the run began"),
+    ("resume-changed-lr-extended", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}", "training.steps=4", "optimizer.lr=0.5")(ws), "--resume"],
+     r"differing: optimizer.lr: 0.001 \(run\) vs 0.5"),
+    # records (issue 41)
+    ("grpo-answer-null", lambda ws: GRPO(f"data.path={_copy(ws, 'prompts.jsonl', lambda p: _lines(p, {'prompt': '01+02=', 'answer': None}))}")(ws),
+     r"line 1: field 'answer' is null, no reference answer"),
+    ("grpo-answer-empty", lambda ws: GRPO(f"data.path={_copy(ws, 'prompts.jsonl', lambda p: _lines(p, {'prompt': '01+02=', 'answer': ''}))}")(ws),
+     r"line 1: field 'answer' is \"\", no reference answer"),
+    ("dpo-same-after-encoding", lambda ws: DPO(f"data.path={_copy(ws, 'pairs.jsonl', lambda p: _lines(p, {'prompt': '01+02=', 'chosen': '00é', 'rejected': '00ü'}, *p.read_text().splitlines()))}")(ws),
+     r"pairs.jsonl line 1: 'chosen' and 'rejected' encode to the same tokens"),
+    # devices and attention paths a run cannot use (issue 41)
+    ("device-mps", SFT("runtime.device=mps"), r"runtime.device=mps: linnet computes on cpu or cuda \(cuda:N\); mps is not"),
+    ("device-tpu", SFT("runtime.device=tpu"), r"runtime.device=tpu: not a device name; use cpu, cuda or cuda:N"),
+    ("config-binary", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_bytes(b"\x00\x01model: x\n")))],
+     r"sft.yaml: a binary file \(byte 0x00 at offset 0\), not YAML text; --config takes a YAML file"),
+    ("attention-flex-cpu", SFT("model.attention=flex", "runtime.device=cpu"), r"attention='flex' cannot train on a CPU"),
     # dpo
     ("dpo-same-answers", lambda ws: DPO(f"data.path={_copy(ws, 'pairs.jsonl', lambda p: _lines(p, {'prompt': '1+2=', 'chosen': '003', 'rejected': '003'}))}")(ws),
      r"line 1: 'chosen' and 'rejected' are the same answer"),

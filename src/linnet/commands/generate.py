@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from linnet import nest
     from linnet.data.tokenizer import load_tokenizer
     from linnet.torch.engine import Engine
-    from linnet.train.loop import resolve_device
+    from linnet.torch.loading import usable_device
 
     card = nest.resolve(args.card)
     if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} after a prompt of {len(prompt)} tokens passes "
                          f"{card.name}'s {card.max_positions} positions; lower --max-new-tokens to at most "
                          f"{card.max_positions - len(prompt)}")
-    device = resolve_device(args.device or "cpu", "--device")
+    device = usable_device(args.device or "cpu", "--device")
     engine = Engine(nest.load(card, device=device, dtype=args.dtype, weights=args.weights))
 
     start = time.perf_counter()

@@ -23,12 +23,12 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.rl.rollouts import check_prompts
     from linnet.serve import Engine
     from linnet.serve.vllm import VLLMEngine, check_usable
+    from linnet.torch.loading import usable_device
     from linnet.train.grpo import evaluate, grpo
-    from linnet.train.loop import resolve_device
 
     d, g, t, m, rt = config.data, config.grpo, config.training, config.model, config.runtime
     if g.engine == "vllm":  # where vLLM cannot run, refused before any data is read or file written
-        check_usable(resolve_device(rt.device))
+        check_usable(usable_device(rt.device, "runtime.device"))
     card = nest.resolve(m.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern) for spec in g.rewards}

@@ -41,7 +41,8 @@ from linnet.report.metrics import MetricsFile, keep_metrics
 from linnet.report.tables import print_table
 from linnet.schedules import lambda_schedule, schedule_factor
 from linnet.torch.distributed import barrier, data_share, from_first, process_group, world
-from linnet.train.loop import resolve_device, start_runtime
+from linnet.torch.loading import usable_device
+from linnet.train.loop import start_runtime
 
 
 def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool,
@@ -172,15 +173,21 @@ def recipe(config) -> dict[str, Any]:
     """The flat fields that decide what a run learns, with its data files' fingerprints
     and its model files' (`MODEL_FIELDS`)."""
     fields = {k: v for k, v in flatten(to_dict(config)).items() if k not in RUN_FIELDS}
-    fields["data.fingerprint"] = fingerprint(config.data.path)
+    fields["data.fingerprint"] = _data_fingerprint(config.data.path)
     if config.data.eval_path:
-        fields["data.eval_fingerprint"] = fingerprint(config.data.eval_path)
+        fields["data.eval_fingerprint"] = _data_fingerprint(config.data.eval_path)
     for name in MODEL_FIELDS:
         path = _local(fields.get(name))
         if path is not None:
             del fields[name]
             fields[f"{name}.files"] = model_files(path)
     return dict(sorted(fields.items()))
+
+
+def _data_fingerprint(path: str) -> str:
+    """A local data file's (or directory's) fingerprint; a hub dataset's name (with
+    data.split, a recipe field, it is what the run read)."""
+    return fingerprint(path) if Path(path).exists() else f"hub dataset {path}"
 
 
 def _as_saved(saved: dict[str, Any], now: dict[str, Any], config) -> dict[str, Any]:
@@ -442,7 +449,7 @@ def load_model(card, config):
     split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
     start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     rank, processes = world()
-    device = str(resolve_device(rt.device))
+    device = str(usable_device(rt.device, "runtime.device"))
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)

@@ -45,6 +45,7 @@ from linnet.pretrain.consensus import AdaptiveConsensus
 from linnet.pretrain.decentralized import PackedLlama, local_mean_losses, to_decoder
 from linnet.pretrain.decentralized_optimizer import PackedAdamW
 from linnet.schedules import schedule_factor
+from linnet.train.checkpoint import read_pt
 from linnet.train.loop import Work
 
 ROOT, ROOT_KIND, ROOT_VERSION = "packed.pt", "packed_epoch", 4
@@ -214,7 +215,7 @@ def read_packed_state(path: str | Path, *, model: PackedLlama | None = None,
     if not (path / ROOT).is_file():
         raise ValueError(f"{path}: not a packed snapshot (no {ROOT}); resume an ordinary checkpoint with an "
                          "ordinary config (no decentralized group)")
-    root = torch.load(path / ROOT, weights_only=True)
+    root = read_pt(path / ROOT)
     if root.get("kind") != ROOT_KIND or root.get("version") != ROOT_VERSION:
         raise ValueError(f"{path / ROOT}: kind {root.get('kind')!r} version {root.get('version')!r}; this reader "
                          f"takes kind {ROOT_KIND!r} version {ROOT_VERSION}")
@@ -234,7 +235,7 @@ def read_packed_state(path: str | Path, *, model: PackedLlama | None = None,
         if sha256_file(file) != ref["sha256"]:
             raise ValueError(f"{file}: its SHA-256 is not the one {ROOT} records; the worker file was altered or "
                              "belongs to another snapshot")
-        worker = torch.load(file, weights_only=True)
+        worker = read_pt(file)
         for key, want in (("kind", WORKER_KIND), ("version", WORKER_VERSION), ("index", ref["index"]),
                           ("num_models", root["num_models"]), ("recipe", root["recipe"]), ("step", root["step"]),
                           ("epoch", root["epoch"]), ("cursor", root["cursor"])):

@@ -337,8 +337,9 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
     from linnet.report.tracking import open_trackers
     from linnet.run import Preempted, Run
     from linnet.torch.distributed import barrier, from_first, world
+    from linnet.torch.loading import usable_device
     from linnet.train.evaluation import held_out_loss
-    from linnet.train.loop import fit, resolve_device, start_runtime
+    from linnet.train.loop import fit, start_runtime
 
     d, t, rt = config.data, config.training, config.runtime
     check_trackers(rt.report_to)
@@ -351,7 +352,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         raise ValueError(f"config: training.accumulation={t.accumulation} micro-batches an update do not split "
                          f"evenly over {processes} processes; use a multiple of {processes} (the global batch, "
                          "micro_batch_size x accumulation sequences, is part of the recipe)")
-    device = resolve_device(rt.device)
+    device = usable_device(rt.device, "runtime.device")
     if device.type == "cuda" and processes > 1:  # one GPU a process
         if device.index is None:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))

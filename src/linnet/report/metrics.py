@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from linnet.files.atomic import write_text
+from linnet.files.atomic import write_text, writing
 from linnet.report.progress import Progress
 
 FILE = "metrics.jsonl"
@@ -19,14 +19,16 @@ class MetricsFile:
     `steps` (none with progress=False)."""
 
     def __init__(self, path: str | os.PathLike, label: str, steps: int, *, progress: bool = True, trackers=None):
+        self.path = Path(path)
         self.file = open(path, "a")
         self.bar = Progress(steps, label) if progress else None
         self.trackers = trackers  # linnet.report.tracking.Trackers: each row goes to them too
 
     def write(self, row: dict[str, Any], **shown: float) -> None:
         """Append `row` (it has a "step"); the bar shows `shown`."""
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        with writing(self.path):  # a full disk names this file
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
         if self.trackers is not None:
             self.trackers.log(row)
         if self.bar is not None:

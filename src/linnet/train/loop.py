@@ -97,15 +97,6 @@ def start_runtime(seed: int, *, threads: int | None = None, deterministic: bool 
     torch.manual_seed(seed)
 
 
-def resolve_device(name: str | None, where: str = "runtime.device") -> torch.device:
-    """The device a run computes on: `name`, or CUDA when present; a CUDA device that is
-    not there is refused by name."""
-    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{where}={name}: no CUDA device is visible here; use cpu, or null (CUDA when present)")
-    return device
-
-
 def copies_of(model):
     """The processes whose sums make a step of `model` (None: every process): a split or
     pipelined model's copies, each copy's processes taking the same batches."""
