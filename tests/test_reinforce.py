@@ -256,3 +256,20 @@ def test_two_processes_share_the_prompts(workspace, tmp_path, shard):
     assert all(m["learned"] > 0 and np.isfinite(m["loss"]) for m in metrics)
     assert all(0 <= metrics[-1][k] <= 1 for k in ("held_out_pass@1", "held_out_pass@2"))
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def trl_answers(prompts, completions, answer, prompt, **kwargs):
+    """TRL's contract from a config: the prompts' text, and the records' columns (prompt, answer)."""
+    if not (prompts == prompt and all(isinstance(p, str) for p in prompts) and len(answer) == len(completions)):
+        raise AssertionError("not TRL's arguments")
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def test_linnet_grpo_scores_with_a_reward_written_for_trl(workspace, tmp_path):
+    """grpo.rewards names a TRL-style function: it gets the records' prompt texts and
+    columns, and the run trains on its scores."""
+    overrides = _overrides(workspace, tmp_path / "run", "grpo.pass_k=0", "grpo.pass_samples=null",
+                           "grpo.rewards=[tests.test_reinforce:trl_answers]")
+    assert cli.main(["grpo", *[a for o in overrides for a in ("--set", o)]]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(0 <= r["reward"] <= 1 for r in rows)

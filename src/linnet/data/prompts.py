@@ -41,7 +41,7 @@ def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, pro
         if given is None or (isinstance(given, str) and not given.strip()):
             raise ValueError(f"{record.where}: field {answer!r} is {json.dumps(given)}, no reference answer for the "
                              "rewards to compare with; give every prompt its answer, or drop this record")
-        prompts.append(Prompt(encode_prompt(tokenizer, text, chat), record.data[answer]))
+        prompts.append(Prompt(encode_prompt(tokenizer, text, chat), record.data[answer], text, record.data))
     if prompts:
         tokenizer.check_known((p.ids for p in prompts), record.where.rsplit(" ", 2)[0])
     return prompts
