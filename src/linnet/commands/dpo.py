@@ -41,18 +41,15 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
         read = functools.partial(unpaired_from_records, **fields)
     else:
         read = functools.partial(pairs_from_records, prompt=prompt, chosen=d.chosen, rejected=d.rejected, chat=d.chat,
-                                 names=spellings.RECORDS)
+                                 tokens=t.context_length, truncate=d.truncate, names=spellings.RECORDS)
     pairs = read(read_records(d.path, split=d.split, names=spellings.RECORDS), tokenizer)
     if d.eval_path:
-        held_out = read(read_records(d.eval_path), tokenizer)
+        held_out = read(read_records(d.eval_path, names=spellings.RECORDS), tokenizer)
     else:
         pairs, held_out = runs.hold_out(pairs, d.eval_share, config.runtime.seed)
-    for examples in (pairs, held_out):
-        for i, p in enumerate(examples):
-            if unpaired:  # its answer also follows the next example's prompt (the KL estimate)
-                need = max(len(p.prompt), len(examples[(i + 1) % len(examples)].prompt)) + len(p.completion)
-            else:
-                need = 2 * len(p.prompt) + len(p.chosen) + len(p.rejected)
+    for examples in (pairs, held_out) if unpaired else ():  # pairs are fitted to a row as they are read
+        for i, p in enumerate(examples):  # an answer also follows the next example's prompt (the KL estimate)
+            need = max(len(p.prompt), len(examples[(i + 1) % len(examples)].prompt)) + len(p.completion)
             if need > t.context_length:
                 raise ValueError(f"{d.path}: example {i} needs {need} positions (a prompt and its answers), more "
                                  f"than a row of {t.context_length}; raise training.context_length")

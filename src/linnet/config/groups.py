@@ -151,7 +151,8 @@ class RecordsConfig:
     chat: bool = option(True, "format the records with the chat template (when the tokenizer has one)")
     chat_template: str | None = option(None, "a Jinja chat template overriding the tokenizer's")
     tokenizer: str | None = option(None, "tokenizer directory; null: the card's")
-    truncate: bool = option(False, "cut records longer than a row instead of refusing them", only=("sft", "distill"))
+    truncate: bool = option(False, "cut records longer than a row instead of refusing them (dpo, reward: the prompt "
+                                   "first, keeping its end, then the answers)", only=("sft", "distill", "dpo", "reward"))
     shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch", only=("sft", "distill"))
 
     def __post_init__(self):
