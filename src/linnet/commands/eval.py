@@ -8,7 +8,9 @@ pass@1, pass@k; a table of sample generations; lm-evaluation-harness tasks on re
     linnet eval runs/sft --lm-eval hellaswag,arc_easy             # needs lm_eval and the tasks' data
 
 Records with a completion (prompt/completion, Alpaca, OpenAI messages, ShareGPT) give the
-loss; records with an answer field (`--answer-field`) are completed and scored. lm-eval
+loss; records with an answer field (`--answer-field`) are completed and scored, and so are
+prompt/completion and Alpaca records (instruction and input as the prompt, the completion
+or output as the answer). lm-eval
 runs on the model merged into a temporary Hugging Face directory; offline it needs the
 tasks' datasets in the Hugging Face cache (HF_DATASETS_OFFLINE=1).
 """
@@ -16,6 +18,7 @@ tasks' datasets in the Hugging Face cache (HF_DATASETS_OFFLINE=1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import json
 import math
@@ -67,6 +70,7 @@ def parser() -> argparse.ArgumentParser:
 def evaluate_file(model, tokenizer, args) -> dict:
     """Loss/perplexity of the records that have completions; scores of those with answers."""
     from linnet.data import load_examples, prompts_from_records, read_records
+    from linnet.data.examples import prompt_answer_records
     from linnet.packing import pack
     from linnet.rl.rewards import resolve, text_of
     from linnet.serve import Engine
@@ -77,12 +81,19 @@ def evaluate_file(model, tokenizer, args) -> dict:
     if not records:
         raise ValueError(f"{args.data}: no records")
     results: dict = {"records": len(records)}
-    if args.answer_field in records[0].data:
-        prompts = prompts_from_records(records, tokenizer, prompt=args.prompt_field, answer=args.answer_field,
+    scored, prompt_field, answer_field = records, args.prompt_field, args.answer_field
+    if args.answer_field not in records[0].data:  # completions: their loss, then the completions as answers
+        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.context_length, chat=args.chat,
+                                 names=RECORD_FLAGS)
+        loss = held_out_loss(model, pack(examples, args.context_length, pad_id=tokenizer.pad_id))
+        results.update(loss=loss, perplexity=math.exp(loss))
+        scored, prompt_field, answer_field = prompt_answer_records(records), "prompt", "answer"
+    if scored is not None:  # every record with one answer: complete its prompt and score the completion
+        prompts = prompts_from_records(scored, tokenizer, prompt=prompt_field, answer=answer_field,
                                        chat=args.chat, names=RECORD_FLAGS)
         bos = model.card.bos_token_id
         if tokenizer.bos_id is None and bos is not None:  # the card's BOS, where the tokenizer adds none
-            prompts = [type(p)([bos, *p.ids], p.answer) if list(p.ids[:1]) != [bos] else p for p in prompts]
+            prompts = [dataclasses.replace(p, ids=[bos, *p.ids]) if list(p.ids[:1]) != [bos] else p for p in prompts]
         engine = Engine(model)
         reward = {spec: resolve(spec, tokenizer, args.format_pattern) for spec in args.rewards}
         stop = list(tokenizer.eos_ids)
@@ -92,13 +103,8 @@ def evaluate_file(model, tokenizer, args) -> dict:
         results.update(found)
         shown = engine.sample([list(p.ids) for p in prompts[:args.show]], max_new_tokens=args.max_new_tokens,
                               temperature=0.0, stop=stop)
-        results["samples"] = [{"prompt": r.data[args.prompt_field], "completion": text_of(tokenizer, c.tokens),
-                               "answer": r.data[args.answer_field]} for r, c in zip(records, shown)]
-    else:
-        examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.context_length, chat=args.chat,
-                                 names=RECORD_FLAGS)
-        loss = held_out_loss(model, pack(examples, args.context_length, pad_id=tokenizer.pad_id))
-        results.update(loss=loss, perplexity=math.exp(loss))
+        results["samples"] = [{"prompt": r.data[prompt_field], "completion": text_of(tokenizer, c.tokens),
+                               "answer": r.data[answer_field]} for r, c in zip(scored, shown)]
     return results
 
 

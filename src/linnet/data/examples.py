@@ -164,6 +164,18 @@ def chat_example(messages: list[dict], tokenizer: Tokenizer, *, where: str = "co
     return build(tokenizer.encode_batch(texts))
 
 
+def prompt_answer_records(records: Sequence[Record]) -> list[Record] | None:
+    """Records of a prompt and its completion (prompt/completion, Alpaca's instruction,
+    input and output, ...) as {"prompt": text, "answer": completion} records, the prompt
+    fields joined as training joins them, to complete and score the completions; None for
+    chats, which hold no single answer."""
+    messages, prompt_fields, completion = _layout(records[0], None, None, None)
+    if messages is not None:
+        return None
+    return [Record(r.where, {"prompt": "\n\n".join(str(r.data[f]) for f in prompt_fields if r.data.get(f)),
+                             "answer": r.data.get(completion)}) for r in records]
+
+
 def _layout(first: Record, messages, prompt, completion, names: Mapping[str, str] | None = None) -> Layout:
     """Which fields hold the text: the caller's names, else found in the first record."""
     spelled = functools.partial(option_name, names)
