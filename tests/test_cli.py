@@ -100,3 +100,16 @@ def test_eval_flags_take_the_yaml_names():
     args = eval_command.parser().parse_args(["run", "--rewards", "exact", "numeric", "--pass-k", "4",
                                              "--pass-samples", "8", "--context-length", "512"])
     assert (args.rewards, args.pass_k, args.pass_samples, args.context_length) == (["exact", "numeric"], 4, 8, 512)
+
+
+def test_linnets_warnings_print_as_the_commands_own_lines(tmp_path, capsys):
+    """A warning from linnet (a value that works but likely is not meant) reads as the
+    command's line, not Python's `file:line: UserWarning:`."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {card: qwen2.5-0.5b-instruct}\ndata: {path: x.jsonl}\noptimizer: {weight_decay: 2.0}\n")
+    assert cli.main(["plan", "--config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "linnet plan: warning: config: optimizer.weight_decay=2 is far above" in err and "UserWarning" not in err
+    import warnings
+
+    assert warnings.showwarning.__module__ == "warnings"  # Python's own again after the command

@@ -29,9 +29,11 @@ failed (a full disk: one line naming the file; no temporary file is left); 130 i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 # name -> module of linnet.commands; each has main(argv) -> exit code.
 COMMANDS = {
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"linnet {name}: {binary}", file=sys.stderr)
         return 2
     try:
-        return importlib.import_module(f"linnet.commands.{COMMANDS[name]}").main(rest)
+        with _warnings_as(name):
+            return importlib.import_module(f"linnet.commands.{COMMANDS[name]}").main(rest)
     except BrokenPipeError:  # `linnet info CARD | head` stopped reading: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
@@ -90,6 +93,27 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"linnet {name}: interrupted", file=sys.stderr)
         return 130
+
+
+@contextlib.contextmanager
+def _warnings_as(name: str):
+    """linnet's warnings (a UserWarning: a config value that works but likely is not meant,
+    records dropped) printed as the command's own lines, `linnet sft: warning: ...`, not
+    Python's `file:line: UserWarning: ...`; other libraries' warnings as Python prints them."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UserWarning) and not issubclass(category, (DeprecationWarning, FutureWarning)) \
+                and ("linnet" in filename.replace("\\", "/").split("/") or filename == "<string>"):
+            print(f"linnet {name}: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def _binary_config(argv: list[str]) -> str | None:
