@@ -119,7 +119,7 @@ def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os
                                label: str | None = None) -> np.ndarray:
     """reference_log_probs, read from or written to `cache/<key>.npy` so later runs need
     no reference model in memory."""
-    from linnet.files.atomic import atomic_path
+    from linnet.files.atomic import atomic_path, writing
 
     path = Path(cache) / f"dpo-reference-{cache_key(reference, pairs)}.npy"
     missing = not path.is_file()
@@ -128,7 +128,7 @@ def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os
     if not missing:
         return np.load(path)
     values = reference_log_probs(reference, pairs, tokens=tokens, label=label)
-    with atomic_path(path) as tmp:
+    with writing(path), atomic_path(path) as tmp:  # a full disk names the cache file
         with open(tmp, "wb") as f:
             np.save(f, values)
     return values
