@@ -2,16 +2,16 @@
 PEFT adapter, and/or a GGUF file for llama.cpp; optionally pushed to the Hub.
 
     linnet export runs/sft --out exports/sft --merge --dtype bf16
-    linnet export runs/sft --out exports/sft --merge --gguf q8_0
+    linnet export runs/sft --out exports/sft --merge --gguf q8_0     # or f16, q4_0, q4_k_m, ...
     linnet export runs/sft --out exports/sft --merge --push me/my-model
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import shutil
 from pathlib import Path
+
+from linnet.export.gguf_file import KINDS as GGUF_KINDS
 
 DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
 
@@ -24,34 +24,32 @@ def parser() -> argparse.ArgumentParser:
                    help="fold LoRA/DoRA adapters into the base and write a whole model (otherwise an adapter "
                         "run is exported as its PEFT adapter)")
     p.add_argument("--dtype", choices=list(DTYPES), default="f32", help="weights of the exported model (default f32)")
-    p.add_argument("--gguf", choices=["f16", "q8_0"], help="also write model-KIND.gguf for llama.cpp (merges first)")
+    p.add_argument("--gguf", choices=list(GGUF_KINDS), metavar="KIND",
+                   help="also write model-KIND.gguf for llama.cpp (merges first): f32, f16, q8_0, q5_1, q5_0, q4_1, "
+                        "q4_0; q4_k_m, q5_k_m, q6_k through llama.cpp's quantizer (needs llama-cpp-python)")
     p.add_argument("--push", metavar="REPO", help="upload the export to this Hugging Face Hub repository")
     return p
 
 
 def run(args) -> Path:
-    from linnet.export import export_directory, load_trained, write_gguf
+    from linnet.export import export_directory, load_trained, plan_gguf
+    from linnet.export.gguf_file import summary
     from linnet.files.atomic import check_writable
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out}: exists and is not an empty directory; export into a new one")
     check_writable(out, "--out")
-    model, about = load_trained(args.source)  # every input is read before anything is written
-    merge = args.merge or args.gguf is not None
-    made = [d for d in (out, *out.parents) if not d.exists()]  # what a failed export removes again
-    try:
-        export_directory(model, out, about=about, merge=merge, dtype=DTYPES[args.dtype])
-        if args.gguf:
-            write_gguf(model, out / f"model-{args.gguf}.gguf", kind=args.gguf,
-                       tokenizer=out / "tokenizer.json" if (out / "tokenizer.json").is_file() else None)
-    except BaseException:  # never a half-written export: --out goes back to new or empty
-        for path in out.iterdir() if out.is_dir() else []:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        for directory in made:
-            with contextlib.suppress(OSError):
-                directory.rmdir()
-        raise
+    model, about = load_trained(args.source)  # every input is read and checked before anything is written
+    plan = plan_gguf(model, args.gguf) if args.gguf else None
+    export_directory(model, out, about=about, merge=args.merge or args.gguf is not None, dtype=DTYPES[args.dtype],
+                     gguf=args.gguf, plan=plan)  # written beside --out and renamed: never half-written
+    if plan is not None:
+        counts = summary(plan)
+        print(f"model-{args.gguf}.gguf: " + ", ".join(f"{n} {t}" for t, n in sorted(counts["types"].items()))
+              + " tensors" + (f"; {len(plan.fallbacks)} kept wider because their rows do not divide into blocks "
+                              f"({plan.fallbacks[0]}{', ...' if len(plan.fallbacks) > 1 else ''})"
+                              if plan.fallbacks else ""))
     if args.push:
         push(out, args.push)
     return out
