@@ -224,6 +224,7 @@ def test_torch_add_lora_takes_short_names_and_refuses_a_rank_larger_than_a_layer
         nest.load("debug", weights="random").add_lora("q_proj", rank=2.5)
 
 
+@pytest.mark.jax  # JAX in the worker: last, after the tests that fork (tests/conftest.py)
 def test_the_jax_backend_takes_short_names_too():
     pytest.importorskip("jax")
     model = nest.load("debug", backend="jax", weights="random")

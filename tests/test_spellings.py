@@ -174,6 +174,7 @@ def _keywords(function) -> set[str]:
             if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
 
+@pytest.mark.jax  # it imports the JAX trainers: last in a worker, after the tests that fork
 def test_the_table_names_every_objective_keyword():
     """The trainers' own keywords and the Run's fields all have a row (the objectives'
     settings are their YAML groups' fields, which have theirs)."""
