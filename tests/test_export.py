@@ -304,6 +304,24 @@ def test_gguf_greedy_tokens_in_llama_cpp_equal_linnets(families, tmp_path, famil
     assert theirs == ours
 
 
+def test_q4_k_m_is_llama_cpps_own_quantization_with_its_fallbacks(families, tmp_path, capsys):
+    """q4_k_m comes from llama.cpp's quantizer (gguf's numpy code has no K-quant): rows of 64
+    do not divide into Q4_K's blocks of 256, so llama.cpp falls back to Q5_0 there; the
+    metadata (architecture, pre-tokenizer, chat template) comes through; no f16 file stays."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed here")
+    gguf = pytest.importorskip("gguf")
+    assert cli.main(["export", str(families["qwen2"]), "--out", str(tmp_path / "out"), "--gguf", "q4_k_m"]) == 0
+    assert "model-q4_k_m.gguf:" in capsys.readouterr().out
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model-q4_k_m.gguf"))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q5_0" and types["blk.0.attn_q.bias"] == "F32"
+    assert field(reader, gguf.Keys.General.FILE_TYPE) == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    assert field(reader, "general.architecture") == "qwen2" and field(reader, "tokenizer.ggml.pre") == "qwen2"
+    assert field(reader, "tokenizer.chat_template") == nest.load(families["qwen2"]).card.chat_template
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
+
+
 def test_refusals_name_the_fix(ws, tmp_path, monkeypatch, capsys):  # noqa: F811
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "keep.txt").write_text("mine")

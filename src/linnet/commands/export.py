@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args) -> Path:
     from linnet.export import export_directory, load_trained, plan_gguf
-    from linnet.export.gguf_file import summary
+    from linnet.export.gguf_file import written_types
     from linnet.files.atomic import check_writable
 
     out = Path(args.out)
@@ -45,11 +45,10 @@ def run(args) -> Path:
     export_directory(model, out, about=about, merge=args.merge or args.gguf is not None, dtype=DTYPES[args.dtype],
                      gguf=args.gguf, plan=plan)  # written beside --out and renamed: never half-written
     if plan is not None:
-        counts = summary(plan)
-        print(f"model-{args.gguf}.gguf: " + ", ".join(f"{n} {t}" for t, n in sorted(counts["types"].items()))
-              + " tensors" + (f"; {len(plan.fallbacks)} kept wider because their rows do not divide into blocks "
-                              f"({plan.fallbacks[0]}{', ...' if len(plan.fallbacks) > 1 else ''})"
-                              if plan.fallbacks else ""))
+        counts = written_types(out / f"model-{args.gguf}.gguf")
+        print(f"model-{args.gguf}.gguf: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) + " tensors"
+              + (f"; {len(plan.fallbacks)} kept wider because their rows do not divide into blocks "
+                 f"({plan.fallbacks[0]}{', ...' if len(plan.fallbacks) > 1 else ''})" if plan.fallbacks else ""))
     if args.push:
         push(out, args.push)
     return out

@@ -38,7 +38,6 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -424,9 +423,9 @@ def write_gguf(model, path: str | os.PathLike, *, kind: str = "f16", tokenizer: 
     return path
 
 
-def summary(plan: Plan) -> dict[str, Any]:
-    """{type: count} of the plan's tensors, and its fallbacks: what the command reports."""
+def written_types(path: str | os.PathLike) -> dict[str, int]:
+    """{GGML type: how many tensors} of a GGUF file, read back with gguf's reader."""
     counts: dict[str, int] = {}
-    for _, _, typ in plan.tensors.values():
-        counts[typ] = counts.get(typ, 0) + 1
-    return {"types": counts, "fallbacks": plan.fallbacks}
+    for t in _gguf().GGUFReader(str(path)).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return counts
