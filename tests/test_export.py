@@ -213,6 +213,21 @@ def test_each_familys_gguf_follows_llama_cpps_conventions(families, tmp_path, fa
         assert tokens[-3:] == [f"[PAD{i}]" for i in range(card.vocab - 3, card.vocab)] and types[-1] == T.UNUSED
 
 
+def test_a_pre_tokenizer_llama_cpp_has_no_name_for_is_written_as_default_with_a_warning(families, tmp_path, capsys):
+    import shutil
+
+    gguf = pytest.importorskip("gguf")
+    directory = tmp_path / "model"
+    shutil.copytree(families["qwen2"], directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+"
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    assert cli.main(["export", str(directory), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 0
+    assert "llama.cpp has no name for this tokenizer's pre-tokenizer" in capsys.readouterr().err
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model-f16.gguf"))
+    assert field(reader, "tokenizer.ggml.pre") == "default"
+
+
 def test_quantized_types_fall_back_where_rows_do_not_divide(tmp_path, capsys):
     """q8_0 on a 176-wide MLP (today's traceback): ffn_down's rows of 176 do not divide into
     blocks of 32, so it stays F16 as llama.cpp's quantizer keeps it; norms stay F32; under
