@@ -882,3 +882,36 @@ def test_a_configs_lora_targets_plan_as_they_train(tmp_path, targets, adapted):
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {{card: qwen2.5-0.5b-instruct}}\ndata: {{path: x.jsonl}}\nlora: {{targets: {targets}}}\n")
     assert sorted(plan_command.settings_from_config(str(config))["targets"]) == sorted(adapted)
+
+
+# seed 004's "Why LoRA fits on one GPU": (card, method) -> trainable, states GB, + activations GB, min H100-80GB
+MODULE_TABLE = {
+    ("llama-3.1-8b-instruct", "full"): ("8.03B", 128.5, 132, 2),
+    ("llama-3.1-8b-instruct", "lora"): ("41.9M", 16.7, 20.5, 1),
+    ("llama-3.1-8b-instruct", "qlora"): ("41.9M", 4.8, 8.6, 1),
+    ("llama-3.1-70b-instruct", "full"): ("70.6B", 1129, 1138, 18),
+    ("llama-3.1-70b-instruct", "lora"): ("207M", 144.4, 153, 3),
+    ("llama-3.1-70b-instruct", "qlora"): ("207M", 39.7, 48.3, 1),
+}
+
+
+def test_the_textbook_plan_prints_every_figure_of_the_modules_table(capsys):
+    """`linnet plan --textbook` counts as the module does (16 B a trained parameter, 2 B or
+    4.127 bits a frozen one, 34·s·b·d + 2·s·b·d·L + f32 logits): every figure of its table,
+    at the precision it prints, beside linnet's own plan and a reason a row."""
+    from linnet.plan.textbook import textbook
+
+    for (card, method), (trainable, states, total, gpus) in MODULE_TABLE.items():
+        (row,) = [r for r in textbook(card) if r.method == method]
+        assert round(row.states / 1e9, 1 if isinstance(states, float) else 0) == states, (card, method)
+        # the module's 1,138 GB (70B full) is 70.6B x 16 B + 8.6 GB; the card's exact 70.55B give 1,137.5
+        slack = 0.05 if isinstance(total, float) else 0.5 if (card, method) != ("llama-3.1-70b-instruct", "full") else 0.55
+        assert abs(row.total / 1e9 - total) <= slack, (card, method)
+        scale, unit = (1e9, "B") if trainable.endswith("B") else (1e6, "M")
+        assert f"{row.trainable / scale:.3g}{unit}" == trainable and row.gpus == gpus, (card, method)
+    assert plan_command.main(["--textbook"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("128.5 GB", "132.2 GB", "16.7 GB", "20.5 GB", "4.8 GB", "8.6 GB", "1,128.9 GB", "1,137.5 GB",
+                   "144.4 GB", "153.0 GB", "39.7 GB", "48.3 GB", "41.9M (0.5%)", "207.1M (0.3%)"):
+        assert figure in out, figure
+    assert out.count("linnet's peak:") == 6 and "QLoRA keeps the embeddings and the head in bf16" in out

@@ -375,6 +375,10 @@ def parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output").add_argument
     output("--compare", action="store_true", help="full, lora and qlora side by side (and --method if another)")
     output("--json", action="store_true", help="print JSON for scripts (bytes in bytes) instead of the table")
+    output("--textbook", action="store_true",
+           help="the course module's arithmetic (seed 004's 'Why LoRA fits on one GPU': 16 B a trained parameter, "
+                "34·s·b·d activations, 4.127-bit QLoRA) for full, LoRA and QLoRA beside linnet's plan, and why they "
+                "differ; with no CARD, the module's Llama 3.1 8B and 70B")
     former_flags(parser, FORMER_FLAGS)
     return parser
 
@@ -542,6 +546,8 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
 def main(argv: list[str] | None = None) -> int:
     """`linnet plan CARD [flags]` or `linnet plan --config RUN.yaml`: print the plan; 2 on bad input."""
     args = vars(parser().parse_args(argv))
+    if args.pop("textbook"):
+        return _textbook(args)
     card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
     config = args.pop("config")
     beside: dict[str, Any] = {}
@@ -581,3 +587,23 @@ def main(argv: list[str] | None = None) -> int:
             print(note)
     return 0
 
+
+def _textbook(args: dict[str, Any]) -> int:
+    """`linnet plan --textbook [CARD]`: the module's table beside linnet's plan."""
+    from linnet.plan.textbook import render, textbook
+
+    rank, seq, batch = args.get("rank") or 16, args.get("tokens") or 4096, args.get("micro_batch_size") or 1
+    names = [args["card"]] if args.get("card") else ["llama-3.1-8b-instruct", "llama-3.1-70b-instruct"]
+    rows, plans = [], []
+    try:
+        for name in names:
+            for row in textbook(name, rank=rank, seq=seq, micro_batch=batch):
+                rows.append(row)
+                plans.append(estimate(name, **plan_inputs({"method": row.method, "rank": rank, "tokens": seq,
+                                                           "micro_batch_size": batch,
+                                                           "activation_checkpointing": "full"})))
+    except (ValueError, OSError) as error:
+        print(f"linnet plan: error: {error}", file=sys.stderr)
+        return 2
+    print(render(rows, plans))
+    return 0
