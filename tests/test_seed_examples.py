@@ -15,10 +15,11 @@ FSDP's and DTensor's parameters and adapters alike, without inductor's code gene
 (about 20 s a graph on a 2-core CPU). Which backend each spelling selects is tested in
 tests/test_cli.py, inductor's blocks against eager ones in its slow test.
 
-Not here: what needs CUDA (NCCL, peak memory, bf16 speed), and names of the seeds' own
-compiler with no counterpart in linnet (`load_source`, the JAX engine's `model.shard(mesh)`
-and `LinnetModel.copy_weights`: linnet.jax.engine.Engine.load_weights takes the policy's
-parameters, split or whole, as they are).
+Not here: what needs CUDA (NCCL, peak memory, bf16 speed). The seed's JAX names have
+their counterparts, tested in tests/test_jax.py: `linnet.jax.load_source` (what
+`save_weights` writes, read back), `JaxModel.shard(mesh)` (an engine's model split over a
+mesh) and `JaxModel.copy_weights` (a policy's parameters, split or whole, into an engine's
+model, as `Engine.load_weights` does).
 """
 
 from __future__ import annotations
