@@ -23,7 +23,7 @@ Training runs the presets through `linnet.pretrain.runner.run` on a tinyshakespe
 the tiny preset as shipped (BPE 512, context 256), and the 20M preset's model and context
 (vocabulary 32,000: model.vocab=32000 over a BPE trained to 32,000 on tinyshakespeare) with
 a smaller micro-batch so that a few updates finish on a CPU. MFU = model FLOPs/s
-(6N + 12·L·d·T per token, `runner.flops_per_token`) over the peak of a float32 matmul
+(6N + 12·L·d·T per token, `linnet.torch.flops.flops_per_token`) over the peak of a float32 matmul
 (2048², torch.mm) measured on the same threads just before; on CUDA over the bf16 dense
 peak given by --peak-tflops.
 """
@@ -149,7 +149,8 @@ def preset_config(name: str, cache: Path, out: Path, steps: int, threads: int, d
 def bench_train(data: Path, work: Path, steps: dict[str, int], threads: int, device: str | None,
                 peak_tflops: float | None) -> list[str]:
     from linnet.pretrain.cache import open_cache
-    from linnet.pretrain.runner import cache_card, flops_per_token, run
+    from linnet.pretrain.runner import cache_card, run
+    from linnet.torch.flops import flops_per_token
 
     caches = shakespeare_caches(data, work)
     if device and device.startswith("cuda"):

@@ -355,3 +355,10 @@ def test_two_sharded_processes_train_like_one_and_resume(workspace, straight, tm
     _close_weights(two / "epoch-002.safetensors", straight / "epoch-002.safetensors", atol=1e-5)
     run(_config(workspace, single), resume=two / "checkpoints" / "step-00000024")
     _close_weights(single / "final.safetensors", two / "final.safetensors", atol=1e-5)
+
+
+def test_every_update_and_the_summary_report_mfu_and_hfu(straight):
+    rows = _metrics(straight)
+    assert all(0 < r["mfu"] <= r["hfu"] < 1 for r in rows)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert 0 < summary["mfu"] <= summary["hfu"] < 1

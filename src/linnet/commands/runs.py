@@ -494,9 +494,9 @@ class MetricsLog:
     the step evaluated) to the run's metrics.jsonl and moves the progress bar, which shows
     the latest held-out metrics. Use it as a context: it times the run and closes the file."""
 
-    def __init__(self, run: RunDirectory, label: str, steps: int, config):
+    def __init__(self, run: RunDirectory, label: str, steps: int, config, utilization=None):
         lead = world()[0] == 0  # every process evaluates (its share); the first writes and shows
-        self.run = run
+        self.run, self.utilization = run, utilization  # tokens/s -> {"mfu", "hfu"} (None: not known)
         self.file = MetricsFile(run.path / "metrics.jsonl", label, steps, progress=config.runtime.progress,
                                 trackers=_trackers(config, run.path, label)) if lead else None
         self.latest: dict = {}
@@ -514,6 +514,7 @@ class MetricsLog:
     def __call__(self, step) -> None:
         row = {"step": step.step, "loss": step.loss, "lr": step.lr, "grad_norm": step.grad_norm,
                "learned": step.learned, "tokens_per_second": step.tokens_per_second,
+               **(self.utilization(step.tokens_per_second) if self.utilization else {}),
                "seconds": step.seconds, **step.metrics}
         self.latest = {k: v for k, v in step.metrics.items() if k.startswith("held_out")} or self.latest
         if self.file is not None:
@@ -560,7 +561,8 @@ class Job:
         schedule = None
         if optimizer is None:
             optimizer, schedule = optimizer_and_schedule(c, model, self.steps)
-        with self.directory.open() as out, MetricsLog(self.directory, self.label, self.steps, c) as self.log:
+        rates = _utilization(model, t.context_length)
+        with self.directory.open() as out, MetricsLog(self.directory, self.label, self.steps, c, rates) as self.log:
             yield Run(optimizer=optimizer, steps=self.steps, clip=c.optimizer.grad_clip, schedule=schedule,
                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
                       keep=t.keep, on_step=self.log, evaluate=evaluate, evaluate_every=c.evaluation.every)
@@ -568,6 +570,19 @@ class Job:
     def summarize(self, history, card: str, **extra: Any) -> dict:
         """summary.json (see `summarize`), with the card and the planned steps."""
         return summarize(self.directory, history, self.log, card=card, steps=self.steps, **extra)
+
+
+def _utilization(model, context: int):
+    """tokens/s -> MFU and HFU of a PyTorch model's training steps, each process's device
+    at its peak (linnet.torch.flops); None for a model linnet cannot count (JAX's)."""
+    if model is None or not hasattr(model, "checkpointing"):
+        return None
+    from linnet.torch.flops import utilization
+
+    frozen, processes = any(not p.requires_grad for p in model.parameters()), world()[1]
+    return lambda tokens_per_second: utilization(
+        model.card, context, tokens_per_second / processes, model.device, model.dtype, frozen_base=frozen,
+        recompute=model.checkpointing is not None)
 
 
 def start(config, steps: int, *, overwrite: bool = False, resume: bool = False,
@@ -636,6 +651,9 @@ def summarize(run: RunDirectory, history, log: MetricsLog, **extra: Any) -> dict
         "tokens_per_second": sum(r["tokens_per_second"] * r["seconds"] for r in records) / seconds if seconds else None,
         "final": str(run.path / "final"),
     }
+    for key in ("mfu", "hfu"):  # over the whole run, each step weighed by its time
+        if seconds and all(key in r for r in records):
+            summary[key] = sum(r[key] * r["seconds"] for r in records) / seconds
     for key in sorted({k for r in records for k in r if k.startswith("held_out")}):
         summary[key] = [r[key] for r in records if key in r][-1]
     curves = write_curves(records, run.path / "curves.png", title=f"linnet {run.config.command}: {run.path.name}")

@@ -69,6 +69,8 @@ from linnet.pretrain.recipe import (
 from linnet.report.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.report.plots import write_curves
 from linnet.schedules import lambda_schedule, schedule_factor
+from linnet.torch.flops import flops_per_token, utilization
+from linnet.torch.loading import compute_dtype
 from linnet.train.checkpoint import verify_checkpoint
 
 CHECKPOINTS = "checkpoints"
@@ -81,12 +83,6 @@ CHECKPOINTS = "checkpoints"
 def cache_card(config: PretrainConfig, cache: TokenCache):
     """The config's model card for the cache's tokenizer (its vocabulary, its EOS)."""
     return model_card(config, cache.vocab_size, cache.eos_id, str(cache.path))
-
-
-def flops_per_token(card, context: int) -> float:
-    """Training FLOPs per token: 6N (the tied head counted once, as a matmul) plus
-    attention's 12 L d T (PaLM's appendix B convention)."""
-    return 6 * card.params() + 12 * card.layers * card.heads * card.head_dim * context
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,7 +178,6 @@ def _trainee(config: PretrainConfig, card, budget: Budget, device: torch.device,
     m, t, o = config.model, config.training, config.optimizer
     if config.decentralized is not None:
         from linnet.pretrain.decentralized_run import PackedTrainee
-        from linnet.torch.loading import compute_dtype
 
         if m.compile or t.activation_checkpointing or o.name != "adamw":
             raise ValueError("config: packed decentralized training runs eager, without activation checkpointing, "
@@ -388,6 +383,7 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         nonlocal aside
         start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
         trainee = _trainee(config, card, budget, device, processes)
+        dtype = compute_dtype(config.model.dtype, device, card)  # what its matmuls run in (MFU's peak)
         assert sum(p.numel() for p in trainee.evaluation_model().parameters()) == card.params()
         optimizer = trainee.optimizer
         schedule = lambda_schedule(optimizer, schedule_factor(config.lr_schedule, total=budget.steps))
@@ -466,7 +462,10 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
                 aside.drop()
                 aside = None
             row = {"step": step, "epoch": epoch, "loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
-                   "tokens_per_second": record.tokens_per_second, "seconds": record.seconds, "loader_seconds": waited,
+                   "tokens_per_second": record.tokens_per_second,
+                   **utilization(card, t.context_length, record.tokens_per_second / processes, device, dtype,
+                                 frozen_base=False, recompute=bool(t.activation_checkpointing)),
+                   "seconds": record.seconds, "loader_seconds": waited,
                    "targets": step * learned}
             trainee.report(row)
             last = step == budget.boundaries[epoch - 1]
@@ -562,6 +561,8 @@ def _summary(config, out: Path, budget: Budget, card, progress: Counters, identi
         "tokens_per_second": tokens_per_second,
         "model_tflops_per_second": tokens_per_second * flops_per_token(card, config.training.context_length) / 1e12
         if tokens_per_second else None,
+        **{key: sum(r[key] * r["seconds"] for r in rows) / sum(r["seconds"] for r in rows)  # time-weighted
+           for key in ("mfu", "hfu") if rows and all(key in r for r in rows)},
         "loader_share": progress.loader_seconds / progress.seconds if progress.seconds else None,
         "first_loss": rows[0]["loss"] if rows else None,
         "final_loss": rows[-1]["loss"] if rows else None,
