@@ -137,7 +137,8 @@ def test_dpo_and_grpo_take_the_same_steps_checkpointed():
 
 
 def test_the_config_switch_reaches_the_model_and_leaves_the_recipe_alone(tmp_path):
-    from linnet.commands.runs import load_model, recipe
+    from linnet.commands.run_directory import recipe
+    from linnet.commands.runs import load_model
     from linnet.config import SFTConfig, load
 
     (tmp_path / "x.jsonl").write_text("{}\n")

@@ -194,7 +194,7 @@ def test_plot_reads_a_metrics_file_with_a_torn_last_line(ws, tmp_path):
 def test_a_run_saved_with_grpos_former_clip_fields_compares_as_grpo_clip():
     """grpo.clip_low and grpo.clip_high became grpo.clip [low, high]: a run saved before
     compares its recipe under today's names, so it resumes."""
-    from linnet.commands.runs import renamed
+    from linnet.commands.run_directory import renamed
 
     saved = {"grpo.clip_low": 0.2, "grpo.clip_high": 0.28, "grpo.group": 8}
     assert renamed(saved) == {"grpo.clip": [0.2, 0.28], "grpo.group": 8}
@@ -204,7 +204,7 @@ def test_a_run_saved_with_grpos_former_clip_fields_compares_as_grpo_clip():
 def test_a_run_saved_before_a_field_existed_resumes_at_its_old_value(ws, tmp_path, monkeypatch, capsys):
     """A field added later (dpo.rpo_alpha, grpo.engine) is absent from older runs' run.json:
     they resume when it holds the value they trained with, and are refused otherwise."""
-    from linnet.commands import runs
+    from linnet.commands import run_directory as runs
 
     out = tmp_path / "run"
     shutil.copytree(ws / "run", out)

@@ -597,7 +597,7 @@ def _textbook(args: dict[str, Any]) -> int:
     rows, plans = [], []
     try:
         for name in names:
-            for row in textbook(name, rank=rank, seq=seq, micro_batch=batch):
+            for row in textbook(name, rank=rank, tokens=seq, micro_batch=batch):
                 rows.append(row)
                 plans.append(estimate(name, **plan_inputs({"method": row.method, "rank": rank, "tokens": seq,
                                                            "micro_batch_size": batch,

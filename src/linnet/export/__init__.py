@@ -214,7 +214,7 @@ def export_directory(model, out: str | os.PathLike, *, about: dict[str, Any], me
     half-written `out` (the temporary directory goes, or a later export removes it)."""
     import shutil
 
-    from linnet.files.atomic import disk_full, ordinary_permissions, remove_stale
+    from linnet.files.atomic import DiskFull, disk_full, ordinary_permissions, remove_stale
     from linnet.torch.lora import save_peft
 
     out = Path(out)
@@ -253,7 +253,9 @@ def export_directory(model, out: str | os.PathLike, *, about: dict[str, Any], me
             except OSError:
                 break
         full = disk_full(e, out)
-        if full is None or full is e:
+        if isinstance(full, DiskFull) and full.filename and Path(full.filename).is_relative_to(tmp):
+            full = DiskFull(out / Path(full.filename).relative_to(tmp), full.strerror)  # the name the user gave
+        if full is None:
             raise
         raise full from None
     return out

@@ -45,20 +45,20 @@ class TextbookRow:
         return self.states + self.activations
 
 
-def activation_bytes(card: cards.Card, seq: int, micro_batch: int) -> float:
+def activation_bytes(card: cards.Card, tokens: int, micro_batch: int) -> float:
     """The module's activations with checkpointing: every layer's input, one layer
     recomputed, and the f32 logits."""
-    s, b, d = seq, micro_batch, card.hidden
+    s, b, d = tokens, micro_batch, card.hidden
     return 2 * s * b * d * card.layers + 34 * s * b * d + s * b * card.vocab * 4
 
 
-def textbook(card: cards.Card | str, *, rank: int = 16, seq: int = 4096, micro_batch: int = 1,
+def textbook(card: cards.Card | str, *, rank: int = 16, tokens: int = 4096, micro_batch: int = 1,
              gpu_memory: float = 80 * GB, usable: float = 0.9) -> list[TextbookRow]:
     """Full fine-tuning, LoRA and QLoRA of `card` (rank `rank` on every linear layer) as
     the module counts them (see the module docstring)."""
     card = cards.resolve(card)
     params = card.params()
-    activations = activation_bytes(card, seq, micro_batch)
+    activations = activation_bytes(card, tokens, micro_batch)
     rows = []
     for name in METHODS:
         trainable = params if name == "full" else trainable_params(card, Method(name, rank=rank))
