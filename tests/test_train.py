@@ -100,6 +100,16 @@ def test_same_seed_is_bitwise_reproducible_and_loss_falls(tmp_path):
     assert s.real > s.learned > 0 and s.grad_norm > 0 and s.seconds > 0
 
 
+def test_a_non_finite_loss_before_any_checkpoint_names_none(tmp_path):
+    """The stop names the checkpoint that is there, and says when none was written yet."""
+    model = _model(trainable=True)
+    real_loss = model.loss_packed
+    model.loss_packed = lambda batch: (real_loss(batch)[0] * float("nan"), real_loss(batch)[1])
+    with pytest.raises(FloatingPointError, match=r"step 1: .*no checkpoint was written before it"):
+        train(model, list(pack(_examples(8), tokens=48)), optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+              steps=2, checkpoint=tmp_path / "ckpt", checkpoint_every=100)
+
+
 def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
     model = _model(trainable=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -112,7 +122,7 @@ def test_non_finite_loss_stops_and_keeps_the_checkpoint(tmp_path):
         return (loss * float("nan"), count) if len(calls) == 3 else (loss, count)
 
     model.loss_packed = poisoned
-    with pytest.raises(FloatingPointError, match=r"step 3: .*last good checkpoint"):
+    with pytest.raises(FloatingPointError, match=r"step 3: .*last good checkpoint, .*step-00000002, is intact"):
         train(model, rows, optimizer=opt, steps=4, checkpoint=tmp_path, checkpoint_every=1)
     assert [p.name for p in checkpoints(tmp_path)] == ["step-00000001", "step-00000002"]
     before = _params(model)  # the failed step changed nothing

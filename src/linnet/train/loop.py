@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from linnet.files import checkpoints as layout
 from linnet.run import History, Preempted, Run, Step, due, run_and_options, step_items, stop_asked
 from linnet.torch.distributed import (
     clip_gradients,
@@ -133,7 +134,9 @@ def optimizer_step(params, run: Run, loss: float, step: int, group=None, stages=
     lr = optimizer.param_groups[0]["lr"]
     if not (math.isfinite(loss) and math.isfinite(norm)):
         optimizer.zero_grad(set_to_none=True)
-        kept = f"; the last good checkpoint in {run.checkpoint} is intact" if run.checkpoint else ""
+        found = None if run.checkpoint is None else layout.find_checkpoint(run.checkpoint)
+        kept = f"; the last good checkpoint, {found}, is intact" if found is not None else \
+            "; no checkpoint was written before it" if run.checkpoint is not None else ""
         raise FloatingPointError(
             f"step {step}: loss {loss} and gradient norm {norm}; training stopped before "
             f"the update{kept}. Lower the learning rate or check the data"
