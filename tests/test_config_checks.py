@@ -17,12 +17,11 @@ from linnet.config import FOREIGN_FIELDS, DPOConfig, GRPOConfig, PretrainConfig,
 from linnet.config.groups import (
     DistillSettings,
     DPOSettings,
-    GRPOOptions,
-    GRPOSettings,
     LoraConfig,
     OptimizerConfig,
     RewardSettings,
 )
+from linnet.config.sampling import GRPOOptions, GRPOSettings
 from linnet.paths import adapted_layers, target_matches
 from linnet.run import Run, run_and_options
 

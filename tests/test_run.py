@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from linnet import nest
-from linnet.config.groups import GRPOOptions
+from linnet.config.sampling import GRPOOptions
 from linnet.packing import Example, Pair
 from linnet.run import RUN_FIELDS, Run
 from linnet.serve import Completion
@@ -180,9 +180,9 @@ def test_the_policy_head_keeps_the_first_passes_log_probs_as_the_old_policy():
 
 def test_settings_give_an_objective_its_yaml_groups_fields():
     """linnet grpo passes config.grpo whole (settings=); a keyword still overrides a field."""
-    from linnet.config.groups import GRPOSettings
+    from linnet.config.sampling import GRPOSettings
 
     assert {f.name for f in dataclasses.fields(GRPOOptions)} <= {f.name for f in dataclasses.fields(GRPOSettings)}
     model = _model()
-    with pytest.raises(ValueError, match=r"^grpo: group >= 2"):
+    with pytest.raises(ValueError, match=r"^grpo: group=1; group >= 2"):
         grpo(model, None, [Prompt([3])], sevens, Run(optimizer=None, steps=1), settings=GRPOSettings(), group=1)

@@ -51,8 +51,7 @@ def yaml_fields() -> set[str]:
             for group in groups:
                 walk(group, name)
 
-    for cls in (config.SFTConfig, config.DPOConfig, config.GRPOConfig, config.RewardConfig, config.DistillConfig,
-                config.PretrainConfig):
+    for cls in config.COMMANDS.values():
         walk(cls, "")
     return found
 
@@ -184,7 +183,7 @@ def test_the_table_names_every_objective_keyword():
     named = set(re.findall(r"\b([a-z_]+)\b", code))
     objectives = [("linnet.train.loop", "train"), ("linnet.train.dpo", "dpo"), ("linnet.train.kto", "kto"),
                   ("linnet.train.reward", "reward"), ("linnet.train.distill", "distill"),
-                  ("linnet.train.distill", "on_policy_distill"), ("linnet.train.grpo", "grpo"),
+                  ("linnet.train.distill", "on_policy_distill"), ("linnet.train.grpo", "grpo"), ("linnet.train.ppo", "ppo"),
                   ("linnet.jax.train", "train"), ("linnet.jax.dpo", "dpo"), ("linnet.jax.grpo", "grpo")]
     wanted = {f.name for f in dataclasses.fields(run_module.Run)}
     for module, name in objectives:  # the defining modules: a package attribute may name a submodule

@@ -5,6 +5,7 @@ a thin layer over library functions.
     linnet sft --config F      supervised fine-tuning (LoRA or full) from a YAML config
     linnet dpo --config F      preference optimization (DPO, IPO, SimPO, ORPO, KTO, ...) from a YAML config
     linnet grpo --config F     GRPO with the KV-cache engine and built-in, model or custom rewards
+    linnet ppo --config F      PPO: a critic, GAE and a KL-penalised reward, with GRPO's rewards
     linnet reward --config F   a reward model (scalar head, Bradley-Terry) from preference pairs
     linnet distill --config F  a student from a frozen teacher: logit, sequence-level or on-policy
     linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --no-remat)
@@ -41,6 +42,7 @@ COMMANDS = {
     "sft": "sft",
     "dpo": "dpo",
     "grpo": "grpo",
+    "ppo": "ppo",
     "reward": "reward",
     "distill": "distill",
     "jax": "jax_sft",

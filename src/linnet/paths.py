@@ -62,6 +62,7 @@ def select(names: Sequence[str], spec: bool | str | Sequence[str] | None, *, wha
 
 
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
+CRITIC = "value."  # a PPO critic's parameters (linnet.train.ppo.value_head): trained, not part of the decoder
 
 
 def target_matches(layer: str, pattern: str) -> bool:

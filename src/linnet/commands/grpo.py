@@ -1,5 +1,7 @@
 """`linnet grpo`: GRPO from a YAML config, with the run directory and reporting every
 training command shares (linnet.commands.runs) and the rewards of linnet.rl.rewards.
+`linnet ppo` (linnet.commands.ppo) sets up its prompts, rewards, engine and held-out
+evaluation with the same functions (`prompts_and_rewards`, `engine_and_reference`).
 
     linnet grpo --config grpo.yaml --set grpo.group=16
     linnet grpo --template > grpo.yaml
@@ -9,24 +11,38 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from linnet.commands import runs, spellings
 from linnet.config import GRPOConfig
 from linnet.torch.distributed import data_share, sum_across
 
 
-def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
-        resume_from: str | None = None) -> dict:
+@dataclasses.dataclass
+class Rollouts:
+    """What a sampling command trains on: each process's share of the prompts and held-out
+    prompts, the rewards by name, and the run's steps."""
+
+    card: Any
+    prompts: list
+    held_out: list
+    functions: dict
+    steps: int
+    per_process: int
+    share: int
+
+
+def prompts_and_rewards(config, g) -> Rollouts:
+    """Read and check the prompts and resolve the rewards of a `grpo` or `ppo` config (`g`:
+    its group), before anything is written."""
     from linnet import nest
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.rl import rewards
     from linnet.rl.rollouts import check_prompts
-    from linnet.serve import Engine
-    from linnet.serve.vllm import VLLMEngine, check_usable
+    from linnet.serve.vllm import check_usable
     from linnet.torch.loading import usable_device
-    from linnet.train.grpo import evaluate, grpo
 
-    d, g, t, m, rt = config.data, config.grpo, config.training, config.model, config.runtime
+    d, t, m, rt = config.data, config.training, config.model, config.runtime
     if g.engine == "vllm":  # where vLLM cannot run, refused before any data is read or file written
         check_usable(usable_device(rt.device, "runtime.device"))
     card = nest.resolve(m.card)
@@ -42,19 +58,26 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
         held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
     else:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
-    check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens, names=spellings.PROMPTS)
+    check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens,
+                  names={**spellings.PROMPTS, "max_new_tokens": f"{g.YAML}.max_new_tokens"}, who=g.YAML)
     if g.prompts_per_step > len(prompts):
-        raise ValueError(f"{d.path}: grpo.prompts_per_step={g.prompts_per_step} is more than the {len(prompts)} "
-                         "training prompts, so prompts would repeat within a step; lower grpo.prompts_per_step")
+        raise ValueError(f"{d.path}: {g.YAML}.prompts_per_step={g.prompts_per_step} is more than the {len(prompts)} "
+                         f"training prompts, so prompts would repeat within a step; lower {g.YAML}.prompts_per_step")
     steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
     runs.steps_factor(config, steps)
-    per_process = runs.split_per_step("grpo.prompts_per_step", g.prompts_per_step, t.per_copy)
+    per_process = runs.split_per_step(f"{g.YAML}.prompts_per_step", g.prompts_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
-    prompts, held_out = prompts[share::shares], held_out[share::shares]
-    job = runs.start(config, steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    if job.complete is not None:
-        return job.complete
-    policy = job.load(card)
+    return Rollouts(card, prompts[share::shares], held_out[share::shares], functions, steps, per_process, share)
+
+
+def engine_and_reference(config, g, card, policy, reference: bool):
+    """The engine that samples the rollouts (the builtin one or vLLM, as `g.engine` says)
+    and, when `reference`, a frozen copy of the starting model."""
+    from linnet import nest
+    from linnet.serve import Engine
+    from linnet.serve.vllm import VLLMEngine
+
+    m, t, rt = config.model, config.training, config.runtime
     base = dict(device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed, quantize=m.quantize)
     if g.engine == "vllm":
         engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, tokens=t.context_length,
@@ -62,25 +85,46 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     else:
         engine = Engine(nest.load(card, **{**base, "dtype": g.engine_dtype or m.dtype,
                                            "quantize": runs.engine_quantize(config)}))
-    reference = nest.load(card, **base) if g.beta else None
+    return engine, nest.load(card, **base) if reference else None
+
+
+def held_out_evaluation(config, g, engine, r: Rollouts):
+    """The held-out reward, pass@1 and pass@k (means over every process's prompts) that
+    a sampling command reports each evaluation; None when no process holds one out."""
+    from linnet.train.grpo import evaluate
+
+    held_out, seed = r.held_out, config.runtime.seed
     names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
 
     def held_out_metrics(policy):
-        """Means over every process's held-out prompts."""
         if held_out:
-            found = evaluate(policy, engine, held_out, functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
+            found = evaluate(policy, engine, held_out, r.functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
                              samples=g.pass_samples, passing=g.pass_reward, temperature=g.temperature,
-                             top_k=g.top_k, top_p=g.top_p, seed=rt.seed)
+                             top_k=g.top_k, top_p=g.top_p, seed=seed)
         else:  # none here; still take the policy's weights, with every process, as evaluate does
             engine.load_weights(policy)
         n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])
         return {f"held_out_{name}": value / n for name, value in zip(names, sums, strict=True)}
 
-    with job.open(policy, held_out_metrics if sum_across([len(held_out)])[0] else None) as run:
-        history = grpo(policy, engine, prompts, functions, run,
-                       settings=dataclasses.replace(g, prompts_per_step=per_process), reference=reference,
-                       tokens=t.context_length, seed=rt.seed + 7919 * share)
-    return job.summarize(history, card=card.name)
+    return held_out_metrics if sum_across([len(held_out)])[0] else None
+
+
+def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
+        resume_from: str | None = None) -> dict:
+    from linnet.train.grpo import grpo
+
+    g = config.grpo
+    r = prompts_and_rewards(config, g)
+    job = runs.start(config, r.steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
+    policy = job.load(r.card)
+    engine, reference = engine_and_reference(config, g, r.card, policy, reference=bool(g.beta))
+    with job.open(policy, held_out_evaluation(config, g, engine, r)) as run:
+        history = grpo(policy, engine, r.prompts, r.functions, run,
+                       settings=dataclasses.replace(g, prompts_per_step=r.per_process), reference=reference,
+                       tokens=config.training.context_length, seed=config.runtime.seed + 7919 * r.share)
+    return job.summarize(history, card=r.card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,6 @@ from linnet.config.groups import (
     DistillSettings,
     DPOSettings,
     EvaluationConfig,
-    GRPOSettings,
     LoraConfig,
     LRScheduleConfig,
     ModelConfig,
@@ -31,6 +30,7 @@ from linnet.config.groups import (
     RuntimeConfig,
     TrainingConfig,
 )
+from linnet.config.sampling import GRPOSettings, PPOSettings
 
 # Former spellings, refused with the field that replaced them. Old names are not translated.
 FORMER_FIELDS = {
@@ -223,14 +223,33 @@ class GRPOConfig(FineTuningConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.grpo.engine == "vllm" and self.training.pipeline > 1:
-            raise ValueError(f"config: grpo.engine=vllm with training.pipeline={self.training.pipeline} is not "
-                             "supported yet (vLLM takes a policy's weights from one process's model); use "
-                             "grpo.engine=builtin, whose engines take them from every stage")
-        if self.grpo.engine_dtype is not None and self.model.quantize:
-            raise ValueError(f"config: grpo.engine_dtype={self.grpo.engine_dtype} with model.quantize="
-                             f"{self.model.quantize}: the engine samples from the policy's own 4-bit base, in its "
-                             "dtype; remove grpo.engine_dtype")
+        _check_engine(self, self.grpo)
+
+
+@dataclass
+class PPOConfig(FineTuningConfig):
+    command: ClassVar[str] = "ppo"
+    runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output", output_dir="runs/ppo")
+    ppo: PPOSettings = group(PPOSettings, "sampling, rewards, the critic and the objective")
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_engine(self, self.ppo)
+        if self.training.shard == "fsdp":
+            raise ValueError("config: training.shard=fsdp with linnet ppo is not supported yet (the critic is kept "
+                             "whole on every process); use training.shard=zero or none")
+
+
+def _check_engine(config, s) -> None:
+    """What a sampling command's engine cannot do with the rest of its config."""
+    g = s.YAML
+    if s.engine == "vllm" and getattr(config.training, "pipeline", 1) > 1:
+        raise ValueError(f"config: {g}.engine=vllm with training.pipeline={config.training.pipeline} is not "
+                         "supported yet (vLLM takes a policy's weights from one process's model); use "
+                         f"{g}.engine=builtin, whose engines take them from every stage")
+    if s.engine_dtype is not None and config.model.quantize:
+        raise ValueError(f"config: {g}.engine_dtype={s.engine_dtype} with model.quantize={config.model.quantize}: "
+                         f"the engine samples from the policy's own 4-bit base, in its dtype; remove {g}.engine_dtype")
 
 
 @dataclass
@@ -317,8 +336,8 @@ def checkpoint_epochs(config: PretrainConfig) -> list[int]:
     return chosen
 
 
-COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, RewardConfig, DistillConfig,
-                                                    PretrainConfig)}
+COMMANDS: dict[str, type] = {c.command: c for c in (SFTConfig, DPOConfig, GRPOConfig, PPOConfig, RewardConfig,
+                                                    DistillConfig, PretrainConfig)}
 
 
 def from_data(cls: type, data: dict[str, Any], where: str | Origins = "config"):
@@ -342,13 +361,15 @@ def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
 
 
 def command_of(data: dict[str, Any]) -> str:
-    """Which command a config is for, from the groups it gives: a `dpo`, `grpo`, `reward` or `distill` group,
+    """Which command a config is for, from the groups it gives: a `dpo`, `grpo`, `ppo`, `reward` or `distill` group,
     a corpus (`data.cache`, `data.source` or `data.dataset`) or an architecture for
     pretraining; sft otherwise."""
     if "dpo" in data:
         return "dpo"
     if "grpo" in data:
         return "grpo"
+    if "ppo" in data:
+        return "ppo"
     if "reward" in data:
         return "reward"
     if "distill" in data:

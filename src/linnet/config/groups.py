@@ -5,8 +5,9 @@ names (seed 002's names where it gives them: `training.micro_batch_size`,
 `optimizer.grad_clip`, `lr_schedule.warmup_steps`, `runtime.output_dir`, ...). A field
 that only some commands read says which (`only=`); the others refuse it and leave it out
 of their templates. Each command's defaults are set where it names the group
-(linnet.config.commands). Only the standard library is imported here: spawned tokenizer
-workers import the pretraining config.
+(linnet.config.commands); the sampling trainers' groups are in linnet.config.sampling.
+Only the standard library is imported here: spawned tokenizer workers import the
+pretraining config.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import ClassVar, Literal
 
 from linnet.config.fields import field_default, option
 
-FINE_TUNING = ("sft", "dpo", "grpo", "reward", "distill")  # `linnet jax` reads the sft config
+FINE_TUNING = ("sft", "dpo", "grpo", "ppo", "reward", "distill")  # `linnet jax` reads the sft config
 PRETRAINING = ("pretrain",)
 ALL_LINEAR = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
 WEIGHT_DECAY_WARNING = 1.0  # above this optimizer.weight_decay warns: decoupled decay of lr x wd a step erodes weights
@@ -33,7 +34,7 @@ def _positive(**fields: float | int | None) -> None:
             raise ValueError(f"config: {name}={value}; it must be a positive integer")
 
 
-def _finite(settings, group: str) -> None:
+def check_finite(settings, group: str) -> None:
     """Every float of a group (and each float of a list field) is finite, unless its field
     says `finite=False`: a YAML config is checked as it loads; this checks groups made in
     Python too."""
@@ -46,7 +47,7 @@ def _finite(settings, group: str) -> None:
             raise ValueError(f"config: {group}.{f.name}={shown}; use a finite number")
 
 
-def _one_of(settings, name: str) -> None:
+def check_one_of(settings, name: str) -> None:
     """A Literal field holds one of its values (a YAML config is checked as it loads; this
     checks settings made in Python too)."""
     allowed = typing.get_args(typing.get_type_hints(type(settings))[name])
@@ -82,7 +83,7 @@ class ModelConfig:
                                         "(bitsandbytes, the qlora extra); needs lora.enabled", only=FINE_TUNING)
 
     def __post_init__(self):
-        _finite(self, "model")
+        check_finite(self, "model")
         if self.dtype not in (None, "auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"config: model.dtype={self.dtype!r}; use auto, float32, bfloat16, float16 or null")
         if self.quantize not in (None, "nf4"):
@@ -112,7 +113,7 @@ class LoraConfig:
                                             "projection of the blocks, not the head)")
 
     def __post_init__(self):
-        _finite(self, "lora")
+        check_finite(self, "lora")
         _positive(**{"lora.rank": self.rank})
         if not self.alpha > 0 or not 0 <= self.dropout < 1:
             raise ValueError(f"config: lora.alpha={self.alpha} must be > 0 and lora.dropout={self.dropout} in [0, 1)")
@@ -147,7 +148,7 @@ class RecordsConfig:
     rejected: str = option("rejected", "other answer field", only=("dpo", "reward"))
     label: str = option("label", "kto: the field saying whether the completion is desirable (true) or not (false)",
                         only=("dpo",))
-    answer: str = option("answer", "reference answer field, given to the rewards", only=("grpo",))
+    answer: str = option("answer", "reference answer field, given to the rewards", only=("grpo", "ppo"))
     chat: bool = option(True, "format the records with the chat template (when the tokenizer has one)")
     chat_template: str | None = option(None, "a Jinja chat template overriding the tokenizer's")
     tokenizer: str | None = option(None, "tokenizer directory; null: the card's")
@@ -156,7 +157,7 @@ class RecordsConfig:
     shuffle: bool = option(True, "shuffle the examples (seeded) before packing each epoch", only=("sft", "distill"))
 
     def __post_init__(self):
-        _finite(self, "data")
+        check_finite(self, "data")
         if not 0 <= self.eval_share < 1:
             raise ValueError(f"config: data.eval_share={self.eval_share}; it must be in [0, 1)")
 
@@ -188,7 +189,7 @@ class CorpusConfig:
     repeat: bool = option(False, "allow the budget to take more than one pass over the training cache")
 
     def __post_init__(self):
-        _finite(self, "data")
+        check_finite(self, "data")
         _positive(**{"data.shard_tokens": self.shard_tokens, "data.prepare_workers": self.prepare_workers,
                      "data.prepare_batch_documents": self.prepare_batch_documents,
                      "data.shuffle_buffer": self.shuffle_buffer, "data.shuffle_group_size": self.shuffle_group_size,
@@ -261,7 +262,7 @@ class TrainingConfig:
         return self.split * self.pipeline
 
     def __post_init__(self):
-        _finite(self, "training")
+        check_finite(self, "training")
         _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
@@ -289,7 +290,7 @@ class OptimizerConfig:
                                           "a non-finite norm still stops)")
 
     def __post_init__(self):
-        _finite(self, "optimizer")
+        check_finite(self, "optimizer")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"config: optimizer.lr={self.lr}; use a positive, finite learning rate")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -320,7 +321,7 @@ class LRScheduleConfig:
     decay_fraction: float = option(0.2, "wsd: share of the steps spent decaying")
 
     def __post_init__(self):
-        _finite(self, "lr_schedule")
+        check_finite(self, "lr_schedule")
         if self.warmup_steps < 0:
             raise ValueError(f"config: lr_schedule.warmup_steps={self.warmup_steps}; it must be >= 0")
         if not 0 <= self.min_lr_ratio <= 1 or not 0 < self.decay_fraction <= 1:
@@ -338,7 +339,7 @@ class EvaluationConfig:
                                    only=PRETRAINING)
 
     def __post_init__(self):
-        _finite(self, "evaluation")
+        check_finite(self, "evaluation")
         _positive(**{"evaluation.every": self.every, "evaluation.batch_size": self.batch_size})
         if self.subset_sequences < 0:
             raise ValueError(f"config: evaluation.subset_sequences={self.subset_sequences}; it must be >= 0")
@@ -356,7 +357,7 @@ class RuntimeConfig:
                                       "tensorboard, wandb, mlflow, trackio (each its own package)")
 
     def __post_init__(self):
-        _finite(self, "runtime")
+        check_finite(self, "runtime")
         _positive(**{"runtime.threads": self.threads})
         unknown = [name for name in self.report_to if name not in ("tensorboard", "wandb", "mlflow", "trackio")]
         if unknown:
@@ -383,8 +384,8 @@ class DPOSettings:
     reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
 
     def __post_init__(self):
-        _finite(self, "dpo")
-        _one_of(self, "loss_type")
+        check_finite(self, "dpo")
+        check_one_of(self, "loss_type")
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
         if not 0 <= self.rpo_alpha < float("inf") or (self.rpo_alpha and self.loss_type in ("orpo", "kto")):
@@ -421,7 +422,7 @@ class RewardSettings:
     margin: float = option(0.0, "Bradley-Terry with a margin: -log sigmoid(r_chosen - r_rejected - margin)")
 
     def __post_init__(self):
-        _finite(self, "reward")
+        check_finite(self, "reward")
         _positive(**{"reward.pairs_per_step": self.pairs_per_step})
 
 
@@ -448,7 +449,7 @@ class DistillSettings:
     teacher_batch: int = option(64, "sequence: prompts the teacher answers at once (its KV cache holds this many)")
 
     def __post_init__(self):
-        _finite(self, "distill")
+        check_finite(self, "distill")
         if not 0 <= self.beta <= 1 or not self.temperature > 0 or self.sample_temperature < 0:
             raise ValueError("config: distill.beta must be in [0, 1], distill.temperature > 0 and "
                              "distill.sample_temperature >= 0")
@@ -462,121 +463,12 @@ class DistillSettings:
 
 
 @dataclass
-class GRPOOptions:
-    """GRPO's own options: the `grpo` group's fields that `linnet.train.grpo.grpo` takes
-    (its keywords, or `settings=`), the same definition in YAML and Python."""
-
-    YAML: ClassVar[str] = "grpo"  # the group's name in a config
-
-    group: int = option(8, "completions sampled per prompt")
-    prompts_per_step: int = option(8, "prompts per sampling step")
-    max_new_tokens: int = option(256, "longest completion")
-    temperature: float = option(1.0, "sampling temperature")
-    top_k: int | None = option(None, "sample from the k most likely tokens")
-    top_p: float | None = option(None, "sample from the smallest set reaching this probability")
-    iterations: int = option(1, "optimizer steps per sampling step (reusing the samples)")
-    clip: list[float] = option([0.2, 0.2], "the ratio's clip [low, high]: the ratio is kept in [1 - low, 1 + high] "
-                                           "(DAPO's clip-higher raises high, e.g. [0.2, 0.28])")
-    drop_uniform: bool = option(False, "leave groups whose rewards are all equal out of the loss's average "
-                                        "(with beta 0 they skip training anyway)")
-    beta: float = option(0.0, "k3 KL weight against a frozen copy of the starting model")
-    correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped (needs "
-                                                "temperature 1, no top_k or top_p)")
-    dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
-    sequence_level: bool = option(False, "GSPO: one ratio per completion")
-    advantage: Literal["group", "rloo"] = option("group", "group: reward - group mean, over the group's std; rloo: "
-                                                          "reward - the mean of the group's other rewards")
-    sequence_mean: bool = option(False, "average each completion's token losses over its own length, then over "
-                                        "completions (the GRPO paper's 1/|o_i|)")
-    dynamic_sampling: int = option(0, "DAPO's dynamic sampling: up to this many extra sampling rounds a step, "
-                                      "until it holds prompts_per_step groups whose rewards differ; 0: off")
-
-    def __post_init__(self):
-        _finite(self, "grpo")
-        _one_of(self, "advantage")
-        if self.group < 2 or self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
-            raise ValueError("config: grpo.group >= 2; grpo.prompts_per_step, grpo.iterations, grpo.max_new_tokens "
-                             ">= 1")
-        if self.dynamic_sampling < 0:
-            raise ValueError(f"config: grpo.dynamic_sampling={self.dynamic_sampling}; it is a number of extra "
-                             "sampling rounds, >= 0")
-        if self.dr_grpo and self.sequence_mean:
-            raise ValueError("config: grpo.dr_grpo divides token sums by a constant and grpo.sequence_mean by each "
-                             "completion's length; choose one")
-        if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
-            raise ValueError(f"config: grpo.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
-                             "clipped below at 1 - low) and high >= 0")
-        if self.temperature == 0:
-            raise ValueError("config: grpo.temperature=0 samples greedily: every completion of a group is the same, "
-                             "so every group's rewards are equal, its advantages 0, and nothing is learned; use a "
-                             "temperature > 0 (1.0 samples the policy as it is)")
-        if self.temperature < 0 or self.beta < 0 or (self.top_k is not None and self.top_k < 1) \
-                or (self.top_p is not None and not 0 < self.top_p <= 1) \
-                or (self.correction_cap is not None and not self.correction_cap > 0):
-            raise ValueError("config: grpo.temperature and grpo.beta must be >= 0, grpo.top_k >= 1, grpo.top_p in "
-                             "(0, 1] and grpo.correction_cap > 0")
-        if self.correction_cap is not None and (self.temperature != 1.0 or self.top_k or
-                                                self.top_p not in (None, 1.0)):
-            raise ValueError("config: grpo.correction_cap reads the engine's log-probabilities: use grpo.temperature "
-                             "1, no grpo.top_k or grpo.top_p")
-
-
-@dataclass
-class GRPOSettings(GRPOOptions):
-    """The `grpo` group: GRPO's own options, and what `linnet grpo` builds around them
-    (the rewards, the engine, the held-out pass@k)."""
-
-    rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
-                                           "reward`), or module:function; summed")
-    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
-    reward_workers: int = option(1, "score each module:function reward this many completions at a time, in "
-                                    "threads: for rewards that wait on a subprocess or a service (reward models "
-                                    "batch already)")
-    pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
-                            "top_k and top_p; 0: only the greedy reward and pass@1")
-    pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
-                                            "more lowers the estimate's variance); null: pass_k")
-    pass_reward: float | None = option(None, "a held-out completion passes when its summed reward reaches this; "
-                                             "null: one per reward (full marks from each built-in)")
-    engine: Literal["builtin", "vllm"] = option(
-        "builtin", "what samples the rollouts: builtin (linnet.serve.Engine, any device) or vllm (vLLM on the "
-                   "run's CUDA GPU beside the policy: the vllm extra)")
-    engine_dtype: Literal["float32", "bfloat16"] | None = option(
-        None, "engine builtin: the dtype it samples in; null: the model's. bfloat16 samples a float32 policy up to 2x "
-              "faster where bf16 is native (CUDA, amx_bf16/avx512_bf16 CPUs); pair it with correction_cap (e.g. 2)")
-    vllm_gpu_memory_utilization: float | None = option(
-        None, "engine vllm: the share of the GPU's memory vLLM takes for its copy of the weights and its KV cache, "
-              "the rest left to training; null: 0.3")
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not self.rewards:
-            raise ValueError("config: grpo.rewards lists no reward")
-        if self.reward_workers < 1:
-            raise ValueError(f"config: grpo.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
-                             "or more")
-        if self.pass_k < 0 or self.pass_k == 1:
-            raise ValueError("config: grpo.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
-        if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:
-            raise ValueError("config: grpo.pass_samples needs grpo.pass_k >= 2, and must be at least pass_k")
-        if self.engine_dtype is not None and self.engine != "builtin":
-            raise ValueError(f"config: grpo.engine_dtype={self.engine_dtype} is read with grpo.engine=builtin only "
-                             "(vLLM samples in the policy's dtype); remove it")
-        memory = self.vllm_gpu_memory_utilization
-        if memory is not None and self.engine != "vllm":
-            raise ValueError(f"config: grpo.vllm_gpu_memory_utilization={memory} is read with grpo.engine=vllm only; "
-                             "remove it, or set grpo.engine=vllm")
-        if memory is not None and not 0 < memory < 1:
-            raise ValueError(f"config: grpo.vllm_gpu_memory_utilization={memory}; use a share in (0, 1), e.g. 0.3")
-
-
-@dataclass
 class AdaptiveConsensusConfig:
     start_frac: float | None = option(None, "share of the run's updates after which mixing weakens (required)")
     p: float | None = option(None, "gamma = (lr / lr_max)^p once active; 0 keeps full mixing (required)")
 
     def __post_init__(self):
-        _finite(self, "decentralized.adaptive_consensus")
+        check_finite(self, "decentralized.adaptive_consensus")
         if self.start_frac is None or self.p is None:
             raise ValueError("config: decentralized.adaptive_consensus needs both start_frac and p")
         check_consensus(self.start_frac, self.p)
@@ -603,5 +495,5 @@ class DecentralizedConfig:
         None, "weaken mixing late in training: {start_frac, p}; null: full mixing throughout")
 
     def __post_init__(self):
-        _finite(self, "decentralized")
+        check_finite(self, "decentralized")
         _positive(**{"decentralized.num_models": self.num_models})

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.config.groups import GRPOOptions
+from linnet.config.sampling import GRPOOptions
 from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys

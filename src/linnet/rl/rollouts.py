@@ -54,18 +54,21 @@ class Prompt:
 Reward = Callable[[Prompt, list[int]], float]
 
 
-def reward_functions(reward: Reward | Mapping[str, Reward]) -> dict[str, Reward]:
+def reward_functions(reward: Reward | Mapping[str, Reward], who: str = "grpo") -> dict[str, Reward]:
+    """The rewards by name; `who`: the trainer an error names."""
     if callable(reward):
         return {getattr(reward, "__name__", "reward"): reward}
     if isinstance(reward, Mapping) and reward and all(callable(f) for f in reward.values()):
         return dict(reward)
-    raise TypeError("grpo: reward must be a callable (prompt, completion) -> number, or a dict of them")
+    raise TypeError(f"{who}: reward must be a callable (prompt, completion) -> number, or a dict of them")
 
 
-def score(functions: dict[str, Reward], items: Sequence[tuple[Prompt, list[int], str]]) -> list[dict[str, float]]:
+def score(functions: dict[str, Reward], items: Sequence[tuple[Prompt, list[int], str]],
+          who: str = "grpo") -> list[dict[str, float]]:
     """Each reward function's value for each (prompt, completion, where) item; a function
     with a `batch(items)` method (a reward model, linnet.train.reward.RewardScorer) scores
-    them all at once. A failure or a value that is not a finite number names the item."""
+    them all at once. A failure or a value that is not a finite number names the item (and
+    `who`, the trainer)."""
     out: list[dict[str, float]] = [{} for _ in items]
     for name, f in functions.items():
         batch = getattr(f, "batch", None)
@@ -77,34 +80,35 @@ def score(functions: dict[str, Reward], items: Sequence[tuple[Prompt, list[int],
                     batch([(p, c)])
                 except Exception as one:
                     if type(one) is type(e) and str(one) == str(e):
-                        raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
-            raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on a batch of "
+                        raise ValueError(f"{who}: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
+            raise ValueError(f"{who}: reward {name!r} raised {type(e).__name__}: {e} on a batch of "
                              f"{len(items)} completions") from e
         for i, (prompt, completion, where) in enumerate(items):
             try:
                 value = values[i] if values is not None else f(prompt, completion)
             except Exception as e:
-                raise ValueError(f"grpo: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
+                raise ValueError(f"{who}: reward {name!r} raised {type(e).__name__}: {e} on {where}") from e
             if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(value):
-                raise ValueError(f"grpo: reward {name!r} returned {value!r} on {where}; it must return a finite number")
+                raise ValueError(f"{who}: reward {name!r} returned {value!r} on {where}; it must return a finite number")
             out[i][name] = float(value)
     return out
 
 
 def check_prompts(prompts: Iterable[tuple[int, Prompt]], room: int, max_new_tokens: int,
-                  names: Mapping[str, str] | None = None) -> None:
+                  names: Mapping[str, str] | None = None, who: str = "grpo") -> None:
     """Each (index, prompt) is a non-empty Prompt leaving room for its completion in a row
     of `room` positions. `names`: how the error names the row's length and max_new_tokens
     where the caller's user spells them otherwise (`linnet grpo`: training.context_length,
-    grpo.max_new_tokens); default the keywords (`tokens=`, `max_new_tokens=`)."""
+    grpo.max_new_tokens); default the keywords (`tokens=`, `max_new_tokens=`). `who`: the
+    trainer the error names."""
     names = {"tokens": "tokens=", "max_new_tokens": "max_new_tokens=", **(names or {})}
     for i, p in prompts:
         if not isinstance(p, Prompt):
-            raise TypeError(f"grpo: item {i} is a {type(p).__name__}, not a linnet.train.grpo.Prompt")
+            raise TypeError(f"{who}: item {i} is a {type(p).__name__}, not a linnet.train.grpo.Prompt")
         if len(p.ids) == 0:
-            raise ValueError(f"grpo: prompt {i} is empty; every prompt needs at least one token")
+            raise ValueError(f"{who}: prompt {i} is empty; every prompt needs at least one token")
         if len(p.ids) + max_new_tokens > room:
-            raise ValueError(f"grpo: prompt {i} has {len(p.ids)} tokens; with {max_new_tokens} new ones "
+            raise ValueError(f"{who}: prompt {i} has {len(p.ids)} tokens; with {max_new_tokens} new ones "
                              f"({names['max_new_tokens']}) it does not fit a row of {room} positions; raise the "
                              f"row length ({names['tokens']}) or lower {names['max_new_tokens']}")
 
@@ -238,6 +242,13 @@ def counted(scored: Scored) -> tuple[int, int]:
     return len(kept), sum(len(s.tokens) for s in kept)
 
 
+def reward_metrics(rewards: np.ndarray, per_function: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The summed reward's mean and spread over a step's completions, and each reward's
+    mean where there are several."""
+    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+            **{f"reward_{name}": float(v.mean()) for name, v in per_function.items() if len(per_function) > 1}}
+
+
 def step_metrics(scored: Scored, trained: np.ndarray, *, tokens: float, checked: float, clipped: float, kl: float,
                  mismatch: float) -> dict[str, float]:
     """What a GRPO step reports: rewards, uniform groups, lengths, stops, the share of
@@ -246,9 +257,7 @@ def step_metrics(scored: Scored, trained: np.ndarray, *, tokens: float, checked:
     lengths = np.array([len(s.tokens) for s in scored.samples])
     per_token = max(tokens, 1.0)
     return {
-        "reward": float(scored.rewards.mean()), "reward_std": float(scored.rewards.std()),
-        **{f"reward_{name}": float(v.mean()) for name, v in scored.per_function.items()
-           if len(scored.per_function) > 1},
+        **reward_metrics(scored.rewards, scored.per_function),
         "uniform": float(scored.uniform.mean()), "completion_length": float(lengths.mean()),
         "stopped": float(np.mean([s.stopped for s in scored.samples])),
         "skipped": float((scored.keep & ~trained).mean()),

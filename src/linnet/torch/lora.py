@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from linnet.files.adapters import ADAPTER_SUFFIXES, ADAPTERS, MAGNITUDES, check_adapter_options, write_peft
-from linnet.paths import adapted_layers
+from linnet.paths import CRITIC, adapted_layers
 from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import is_quantized
 from linnet.torch.sharding import full, is_sharded
@@ -165,11 +165,12 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
 
 def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, nn.Linear | None]]:
     """(name, parameter, its layer if adapted or NF4, else None) for each of a policy's
-    weights, by Hugging Face name, the adapters' own tensors left out: what an engine copies in."""
+    weights, by Hugging Face name, the adapters' own tensors and a PPO critic
+    left out: what an engine copies in and an export writes."""
     adapted = {f"{name}.weight": m for name, m in policy.named_modules()
                if isinstance(m, nn.Linear) and (m.lora_a is not None or is_quantized(m))}
     for name, p in policy.named_parameters():
-        if not name.endswith(ADAPTER_SUFFIXES):
+        if not name.endswith(ADAPTER_SUFFIXES) and not name.startswith(CRITIC):
             yield name, p, adapted.get(name)
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from linnet.files.adapters import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
 from linnet.files.atomic import atomic_path, safetensors_file, write_text
 from linnet.files.weights import ignorable, locate_weights
-from linnet.paths import select
+from linnet.paths import CRITIC, select
 from linnet.torch.distributed import merged_at_first, world
 from linnet.torch.quantize import dense, quant_states
 from linnet.torch.sharding import full
@@ -139,7 +139,7 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
                  merged: bool = False) -> None:
     """Write the parameters as safetensors in `dtype` (default: the model's compute
     dtype). include / exclude: glob patterns over the model's paths picking what to write
-    (default everything), e.g. include=["*.lora_a", "*.lora_b"] for the adapters alone.
+    (default everything but a PPO critic, which is no part of the decoder), e.g. include=["*.lora_a", "*.lora_b"] for the adapters alone.
     names: "hf" writes each tensor under the name transformers and PEFT read (the
     checkpoint names; adapters as PEFT's `base_model.model.<layer>.lora_A.weight`), "linnet"
     under the model's own paths (`<layer>.lora_a`); bind_weights reads either. A path
@@ -153,7 +153,7 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
         raise ValueError(f"save_weights: names={names!r}; use 'hf' (transformers' and PEFT's names) or 'linnet' "
                          "(the model's parameter paths)")
     dtype = model.dtype if dtype is None else as_dtype(dtype)
-    paths = [n for n, _ in model.named_parameters()]
+    paths = [n for n, _ in model.named_parameters() if include is not None or not n.startswith(CRITIC)]
     chosen = select(paths, True if include is None else include, what="include")
     chosen -= select(paths, exclude, what="exclude")
     def stored(name: str) -> str:

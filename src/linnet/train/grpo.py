@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from linnet.config.groups import GRPOOptions
+from linnet.config.sampling import GRPOOptions
 from linnet.packing import pack_prompted
 from linnet.report.tables import print_table
 from linnet.rl.rollouts import (

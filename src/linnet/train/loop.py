@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from linnet.files import checkpoints as layout
+from linnet.paths import CRITIC
 from linnet.run import History, Preempted, Run, Step, due, run_and_options, step_items, stop_asked
 from linnet.torch.distributed import (
     clip_gradients,
@@ -113,14 +114,17 @@ def trained_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def save_trained(model, path: str | os.PathLike) -> None:
     """The run's result: the adapters alone (PEFT format) after add_lora, else the
-    whole model's weights (gathered from every process when sharded or split). The
-    first process writes."""
+    whole model's weights (gathered from every process when sharded or split); a PPO
+    critic beside them, as critic.safetensors. The first process writes."""
     if not getattr(model, "lora", None):
         model.save_weights(path)
     else:
         from linnet.torch.lora import save_peft
 
         save_peft(model, path)
+    if getattr(model, "value", None) is not None:
+        model.save_weights(os.path.join(path, "critic.safetensors"), include=[CRITIC + "*"], names="linnet",
+                           dtype=torch.float32)
 
 
 def optimizer_step(params, run: Run, loss: float, step: int, group=None, stages=None) -> tuple[float, float]:

@@ -1,0 +1,172 @@
+"""The groups of the trainers that sample their own data: `grpo` and `ppo`. What they
+share keeps one name in both (`SamplingOptions`, `RolloutSettings`); each trainer's
+options class is what its Python function takes (`settings=` or keywords), its settings
+class what its command reads (the options and the rewards, engine and held-out pass@k)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from linnet.config.fields import option
+from linnet.config.groups import check_finite, check_one_of
+
+
+@dataclass
+class SamplingOptions:
+    """What GRPO and PPO share, under the same names in their groups: the prompts a step,
+    how completions are sampled, and the optimizer steps that reuse them, the ratio clipped."""
+
+    YAML: ClassVar[str] = "grpo"  # the group's name in a config
+
+    prompts_per_step: int = option(8, "prompts per sampling step")
+    max_new_tokens: int = option(256, "longest completion")
+    temperature: float = option(1.0, "sampling temperature")
+    top_k: int | None = option(None, "sample from the k most likely tokens")
+    top_p: float | None = option(None, "sample from the smallest set reaching this probability")
+    iterations: int = option(1, "optimizer steps per sampling step (reusing the samples)")
+    clip: list[float] = option([0.2, 0.2], "the ratio's clip [low, high]: the ratio is kept in [1 - low, 1 + high] "
+                                           "(DAPO's clip-higher raises high, e.g. [0.2, 0.28])")
+
+    def __post_init__(self):
+        g = self.YAML
+        check_finite(self, g)
+        if self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"config: {g}.prompts_per_step, {g}.iterations and {g}.max_new_tokens must be >= 1")
+        if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
+            raise ValueError(f"config: {g}.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
+                             "clipped below at 1 - low) and high >= 0")
+        if self.temperature < 0 or (self.top_k is not None and self.top_k < 1) \
+                or (self.top_p is not None and not 0 < self.top_p <= 1):
+            raise ValueError(f"config: {g}.temperature must be >= 0, {g}.top_k >= 1 and {g}.top_p in (0, 1]")
+
+
+@dataclass
+class GRPOOptions(SamplingOptions):
+    """GRPO's own options: the `grpo` group's fields that `linnet.train.grpo.grpo` takes
+    (its keywords, or `settings=`), the same definition in YAML and Python."""
+
+    YAML: ClassVar[str] = "grpo"
+
+    group: int = option(8, "completions sampled per prompt")
+    drop_uniform: bool = option(False, "leave groups whose rewards are all equal out of the loss's average "
+                                        "(with beta 0 they skip training anyway)")
+    beta: float = option(0.0, "k3 KL weight against a frozen copy of the starting model")
+    correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped (needs "
+                                                "temperature 1, no top_k or top_p)")
+    dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
+    sequence_level: bool = option(False, "GSPO: one ratio per completion")
+    advantage: Literal["group", "rloo"] = option("group", "group: reward - group mean, over the group's std; rloo: "
+                                                          "reward - the mean of the group's other rewards")
+    sequence_mean: bool = option(False, "average each completion's token losses over its own length, then over "
+                                        "completions (the GRPO paper's 1/|o_i|)")
+    dynamic_sampling: int = option(0, "DAPO's dynamic sampling: up to this many extra sampling rounds a step, "
+                                      "until it holds prompts_per_step groups whose rewards differ; 0: off")
+
+    def __post_init__(self):
+        check_one_of(self, "advantage")
+        if self.group < 2:
+            raise ValueError(f"config: grpo.group={self.group}; grpo.group >= 2 (a group's rewards are compared "
+                             "with each other)")
+        super().__post_init__()
+        if self.dynamic_sampling < 0:
+            raise ValueError(f"config: grpo.dynamic_sampling={self.dynamic_sampling}; it is a number of extra "
+                             "sampling rounds, >= 0")
+        if self.dr_grpo and self.sequence_mean:
+            raise ValueError("config: grpo.dr_grpo divides token sums by a constant and grpo.sequence_mean by each "
+                             "completion's length; choose one")
+        if self.temperature == 0:
+            raise ValueError("config: grpo.temperature=0 samples greedily: every completion of a group is the same, "
+                             "so every group's rewards are equal, its advantages 0, and nothing is learned; use a "
+                             "temperature > 0 (1.0 samples the policy as it is)")
+        if self.beta < 0 or (self.correction_cap is not None and not self.correction_cap > 0):
+            raise ValueError("config: grpo.beta must be >= 0 and grpo.correction_cap > 0")
+        if self.correction_cap is not None and (self.temperature != 1.0 or self.top_k or
+                                                self.top_p not in (None, 1.0)):
+            raise ValueError("config: grpo.correction_cap reads the engine's log-probabilities: use grpo.temperature "
+                             "1, no grpo.top_k or grpo.top_p")
+
+
+@dataclass
+class PPOOptions(SamplingOptions):
+    """PPO's own options: the `ppo` group's fields that `linnet.train.ppo.ppo` takes (its
+    keywords, or `settings=`); what it shares with GRPO keeps GRPO's names."""
+
+    YAML: ClassVar[str] = "ppo"
+
+    iterations: int = option(4, "optimizer steps per sampling step (PPO's epochs over the batch)")
+    samples: int = option(1, "completions sampled per prompt")
+    kl_coef: float = option(0.05, "the reward's per-token KL penalty against a frozen copy of the starting model")
+    gamma: float = option(1.0, "discount of later tokens' rewards")
+    lam: float = option(0.95, "GAE's lambda: 0 the one-step TD advantage, 1 the whole return")
+    vf_coef: float = option(0.1, "weight of the value loss beside the policy loss")
+    value_clip: float = option(0.2, "the new value is kept within this of the old in the value loss")
+    whiten: bool = option(True, "advantages normalised to mean 0 and std 1 over each step")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.samples < 1 or self.kl_coef < 0 or self.vf_coef < 0 or self.value_clip <= 0:
+            raise ValueError("config: ppo.samples must be >= 1, ppo.kl_coef and ppo.vf_coef >= 0, ppo.value_clip > 0")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ValueError(f"config: ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
+
+
+@dataclass
+class RolloutSettings:
+    """What `linnet grpo` and `linnet ppo` build around their objective's options, under
+    the same names in either group: the rewards, the engine, the held-out pass@k. Mixed
+    in before the options (`GRPOSettings`, `PPOSettings`), so its fields come after theirs."""
+
+    rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
+                                           "reward`), or module:function; summed")
+    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
+    reward_workers: int = option(1, "score each module:function reward this many completions at a time, in "
+                                    "threads: for rewards that wait on a subprocess or a service (reward models "
+                                    "batch already)")
+    pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
+                            "top_k and top_p; 0: only the greedy reward and pass@1")
+    pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
+                                            "more lowers the estimate's variance); null: pass_k")
+    pass_reward: float | None = option(None, "a held-out completion passes when its summed reward reaches this; "
+                                             "null: one per reward (full marks from each built-in)")
+    engine: Literal["builtin", "vllm"] = option(
+        "builtin", "what samples the rollouts: builtin (linnet.serve.Engine, any device) or vllm (vLLM on the "
+                   "run's CUDA GPU beside the policy: the vllm extra)")
+    engine_dtype: Literal["float32", "bfloat16"] | None = option(
+        None, "engine builtin: the dtype it samples in; null: the model's. bfloat16 samples a float32 policy up to 2x "
+              "faster where bf16 is native (CUDA, amx_bf16/avx512_bf16 CPUs); pair it with correction_cap (e.g. 2)")
+    vllm_gpu_memory_utilization: float | None = option(
+        None, "engine vllm: the share of the GPU's memory vLLM takes for its copy of the weights and its KV cache, "
+              "the rest left to training; null: 0.3")
+
+    def __post_init__(self):
+        super().__post_init__()
+        g = self.YAML
+        if not self.rewards:
+            raise ValueError(f"config: {g}.rewards lists no reward")
+        if self.reward_workers < 1:
+            raise ValueError(f"config: {g}.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
+                             "or more")
+        if self.pass_k < 0 or self.pass_k == 1:
+            raise ValueError(f"config: {g}.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
+        if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:
+            raise ValueError(f"config: {g}.pass_samples needs {g}.pass_k >= 2, and must be at least pass_k")
+        if self.engine_dtype is not None and self.engine != "builtin":
+            raise ValueError(f"config: {g}.engine_dtype={self.engine_dtype} is read with {g}.engine=builtin only "
+                             "(vLLM samples in the policy's dtype); remove it")
+        memory = self.vllm_gpu_memory_utilization
+        if memory is not None and self.engine != "vllm":
+            raise ValueError(f"config: {g}.vllm_gpu_memory_utilization={memory} is read with {g}.engine=vllm only; "
+                             f"remove it, or set {g}.engine=vllm")
+        if memory is not None and not 0 < memory < 1:
+            raise ValueError(f"config: {g}.vllm_gpu_memory_utilization={memory}; use a share in (0, 1), e.g. 0.3")
+
+
+@dataclass
+class GRPOSettings(RolloutSettings, GRPOOptions):
+    """The `grpo` group: GRPO's options and what `linnet grpo` builds around them."""
+
+
+@dataclass
+class PPOSettings(RolloutSettings, PPOOptions):
+    """The `ppo` group: PPO's options and what `linnet ppo` builds around them."""
