@@ -146,11 +146,14 @@ def _step_work(policy, reference, engine, functions, chunk: list, step: int, s: 
     samples = engine.sample([list(p.ids) for p in prompts], n=s.samples, max_new_tokens=s.max_new_tokens,
                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, stop=stop,
                             seed=seed * 1_000_003 + step)
+    sampled = time.perf_counter()
     scores = score(functions, [(prompts[x.prompt], x.tokens, f"prompt {chunk[x.prompt][0]}, completion {i % s.samples}")
                                for i, x in enumerate(samples)], "ppo")
     per_function = {name: np.array([v[name] for v in scores]) for name in functions}
     rewards = np.sum(list(per_function.values()), axis=0)
+    scored = time.perf_counter()
     batch = _rollout(policy, reference, samples, rewards, prompts, s, tokens)
+    read = time.perf_counter() - scored
     copies = copies_of(policy)
     count, = sum_across([float(sum(len(x) for x in batch.old_logp))], copies)
 
@@ -165,7 +168,8 @@ def _step_work(policy, reference, engine, functions, chunk: list, step: int, s: 
         lengths = [len(x.tokens) for x in samples]
         return {**reward_metrics(rewards, per_function), "kl": batch.kl / max(count, 1.0),
                 "clip_fraction": sums["clipped"] / max(count, 1.0), "value_loss": sums["value_loss"] / max(count, 1.0),
-                "completion_length": float(np.mean(lengths)), "sample_seconds": time.perf_counter() - started}
+                "completion_length": float(np.mean(lengths)), "sample_seconds": sampled - started,
+                "score_seconds": scored - sampled, "rollout_seconds": read}
 
     head = HiddenAt(_learned, loss)
     return Work(batch.rows, head_loss(policy, head), max(count, 1.0), count, batch.real, ("clipped", "value_loss"),
