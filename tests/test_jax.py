@@ -211,7 +211,9 @@ def _lora_pair(jx, tmp_path, dora=False):
     patterns = ["model.layers.*.self_attn.*_proj", "model.layers.*.mlp.*_proj"]
     torch.manual_seed(0)  # A from the global generator: the same whatever tests ran before in this process
     layers = torch_model.add_lora(patterns, rank=4, alpha=8, dora=dora)
-    assert jax_model.add_lora(patterns, rank=4, alpha=8, dora=dora) == layers
+    # the seeds' names for the same layers (seed 000: layers.*.attention.*_proj.weight)
+    assert jax_model.add_lora(["layers.*.attention.*_proj.weight", "layers.*.feed_forward.*_proj"], rank=4, alpha=8,
+                              dora=dora) == layers
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in torch_model.named_parameters():

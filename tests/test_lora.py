@@ -188,6 +188,21 @@ def test_lora_errors(tmp_path):
         model.add_lora(PATTERNS, rank=2)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_the_seeds_paths_pick_what_the_checkpoint_paths_pick(tmp_path, family):
+    """Seed 000's `layers.*.attention.*_proj.weight` (Meta's names) adapts the layers that
+    `model.layers.*.self_attn.*_proj.weight` does, in every family; `trainable=` and
+    `save_weights(include=)` read the seeds' names too."""
+    make_hf_model(family).save_pretrained(tmp_path / "base")
+    seed, hf = nest.load(tmp_path / "base"), nest.load(tmp_path / "base")
+    assert seed.add_lora("layers.*.attention.*_proj.weight", rank=2) == hf.add_lora(
+        "model.layers.*.self_attn.*_proj.weight", rank=2) != []
+    assert seed.add_lora("layers.*.feed_forward.*", rank=2) == hf.add_lora("model.layers.*.mlp.*", rank=2) != []
+    trained = nest.load(tmp_path / "base", trainable=["layers.0.attention_norm.weight", "embedding.weight"])
+    assert {n for n, p in trained.named_parameters() if p.requires_grad} == {
+        "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight"}
+
+
 @pytest.mark.parametrize("dora", [False, True])
 def test_adapters_given_to_load_equal_add_lora_after_it(dora):
     """nest.load(lora=...) is model.add_lora(...) after loading: the same draws from the

@@ -5,8 +5,8 @@ with the calls and keywords as the seeds write them.
 What is adapted, and only that: the card (a tiny local model directory rather than
 Llama 3.1 8B), the data (the quickstart's addition problems stand in for Alpaca and
 UltraFeedback), the sizes (tokens, steps, groups), CUDA and NCCL (CPU and gloo, the
-processes forked by tests.conftest.in_processes), and parameter paths written in the
-seed's own model language (`layers.*.attention.*_proj.weight`) to ours. A learning rate
+processes forked by tests.conftest.in_processes). The seed's own parameter paths
+(`layers.*.attention.*_proj.weight`) run as written (linnet.paths.from_seed_path). A learning rate
 of 1e-5 moves a random tiny model too little to see, so the steps take LR.
 
 compile="inductor" is passed as written, and each block compiles with torch.compile's
@@ -271,7 +271,7 @@ def test_low_rank_adapters(card, tmp_path, cheap_compile):
 
     path = card.weights.path  # the seed's load("src/model.linnet", weights="init/")
     model = nest.load(card, generics={"T": "f32"}, weights=path, compile="inductor")
-    model.add_lora("model.layers.*.self_attn.*_proj.weight", rank=16, alpha=32)  # seed: layers.*.attention.*
+    model.add_lora("layers.*.attention.*_proj.weight", rank=16, alpha=32)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     row = next(pack([Example.prompted(p, c) for p, c in _data(4, seed=1)], tokens=TOKENS))
     train(model, pack([Example.prompted(p, c) for p, c in _data(64)], tokens=TOKENS), optimizer=optimizer,
@@ -285,7 +285,7 @@ def test_low_rank_adapters(card, tmp_path, cheap_compile):
     assert not any("lora" in name for name, _ in model.named_parameters())
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=0)
     fresh = nest.load(card, weights=path)
-    fresh.add_lora("model.layers.*.self_attn.*_proj.weight", rank=16, alpha=32)
+    fresh.add_lora("layers.*.attention.*_proj.weight", rank=16, alpha=32)
     assert len(bind_weights(fresh, tmp_path / "adapters.safetensors", strict=False)) == 2 * 4 * card.layers
     with torch.no_grad():
         torch.testing.assert_close(fresh.log_probs_packed(row)[: row.real], adapted, atol=1e-5, rtol=0)

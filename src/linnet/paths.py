@@ -2,7 +2,8 @@
 checkpoint path (`model.layers.3.self_attn.q_proj.weight`, …), so checkpoints load by
 name and adapter targets read like PEFT's. Here: a card's paths and shapes, and picking
 paths by glob patterns (what trains, what is saved) and adapter targets (globs, PEFT's
-`target_modules` names such as `q_proj`, or `all-linear`)."""
+`target_modules` names such as `q_proj`, or `all-linear`). Patterns may also use the
+seeds' names for a decoder's parts (`layers.*.attention.*_proj.weight`)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,27 @@ def parameter_shapes(card: Card) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The seeds write a decoder's parts in Meta's Llama names (`layers.3.attention.q_proj.weight`,
+# `embedding.weight`); every family linnet loads (Llama, Mistral, Qwen2, Qwen3) is laid out as
+# transformers' Llama, so one map of path parts serves them all: the first part, then any part.
+SEED_FIRST = {"layers": "model.layers", "embedding": "model.embed_tokens", "tok_embeddings": "model.embed_tokens",
+              "norm": "model.norm", "output": "lm_head"}
+SEED_PARTS = {"attention": "self_attn", "feed_forward": "mlp", "attention_norm": "input_layernorm",
+              "ffn_norm": "post_attention_layernorm"}
+
+
+def from_seed_path(path: str) -> str:
+    """A path or glob in the seeds' names as the checkpoint path it means
+    (`layers.*.attention.*_proj.weight` -> `model.layers.*.self_attn.*_proj.weight`); a
+    checkpoint path is returned as it is."""
+    first, *rest = path.split(".")
+    return ".".join([SEED_FIRST.get(first, first), *(SEED_PARTS.get(part, part) for part in rest)])
+
+
 def select(names: Sequence[str], spec: bool | str | Sequence[str] | None, *, what: str) -> set[str]:
-    """The names a True / False / glob-pattern(s) spec picks; a pattern matching
-    nothing is an error (a typo would otherwise silently train nothing)."""
+    """The names a True / False / glob-pattern(s) spec picks (checkpoint paths, or the
+    seeds' names: `from_seed_path`); a pattern matching nothing is an error (a typo would
+    otherwise silently train nothing)."""
     if spec is True:
         return set(names)
     if spec is False or spec is None:
@@ -51,7 +70,7 @@ def select(names: Sequence[str], spec: bool | str | Sequence[str] | None, *, wha
     patterns = [spec] if isinstance(spec, str) else list(spec)
     chosen: set[str] = set()
     for pattern in patterns:
-        hits = fnmatch.filter(names, pattern)
+        hits = fnmatch.filter(names, pattern) or fnmatch.filter(names, from_seed_path(pattern))
         if not hits:
             raise ValueError(
                 f"{what} pattern {pattern!r} matches no parameter; paths look like "
@@ -70,11 +89,13 @@ def target_matches(layer: str, pattern: str) -> bool:
     `.weight`): a glob over the layer's path or its weight's path
     (`model.layers.*.self_attn.q_proj`); a name without glob characters as PEFT's
     `target_modules` match one, the path itself or its last parts (`q_proj`,
-    `self_attn.q_proj`); `all-linear`, every layer (the output head is never one)."""
+    `self_attn.q_proj`); `all-linear`, every layer (the output head is never one). A glob
+    in the seeds' names (`layers.*.attention.*_proj.weight`) picks what its checkpoint
+    path picks (`from_seed_path`)."""
     if pattern == ALL_LINEAR:
         return True
     weight = f"{layer}.weight"
-    if fnmatch.fnmatchcase(weight, pattern) or fnmatch.fnmatchcase(layer, pattern):
+    if any(fnmatch.fnmatchcase(weight, p) or fnmatch.fnmatchcase(layer, p) for p in (pattern, from_seed_path(pattern))):
         return True
     return not any(c in pattern for c in "*?[") and (layer.endswith(f".{pattern}") or weight.endswith(f".{pattern}"))
 
