@@ -40,6 +40,27 @@ def _batch(n: int, seed: int, B: int = 3, T: int = 12):
 # -- the model and optimizer ---------------------------------------------------------------
 
 
+def test_seed_002_s_packed_block_runs_as_written():
+    """Seed 002's block, its module names linnet's: PackedLlama(config.model, 4) from the
+    config's model group, PackedAdamW(model, config), and the arenas it names."""
+    config = load_config(PretrainConfig, None, ["model.vocab=96", "model.hidden=32", "model.intermediate=64",
+                                                "model.layers=2", "model.heads=4", "model.kv_heads=2"])
+    device = "cpu"
+
+    model = PackedLlama(config.model, 4).to(device)
+    optimizer = PackedAdamW(model, config)
+    parameters = model.parameter_storage
+    m, v = optimizer.first_moment_storage, optimizer.second_moment_storage
+    layout = model.layout  # name, local shape, start, numel, padded_numel
+
+    assert parameters.shape == m.shape == v.shape and parameters.shape[0] == 4
+    assert layout[0].name == "model.embed_tokens.weight" and layout[0].shape == (96, 32)
+    same = PackedLlama(CARD.replace(name="pretrain", max_positions=2048, eos_token_ids=(), pad_token_id=None), 4)
+    assert torch.equal(same.parameter_storage, parameters)  # the group's card is the pretraining Llama's
+    with pytest.raises(ValueError, match="model.vocab is null"):
+        PackedLlama(load_config(PretrainConfig, None, []).model, 4)
+
+
 def test_every_worker_starts_as_the_ordinary_model_and_the_arena_is_aligned():
     model = PackedLlama(CARD, 3, seed=5)
     reference = dict(ordinary(CARD, 5).named_parameters())

@@ -57,11 +57,17 @@ def ordinary(card: Card, seed: int, device="cpu") -> nn.Module:
 
 
 class PackedLlama(nn.Module):
-    """`num_models` Llama workers of `card`, each initialised exactly as
-    `nest.load(card, weights="random", seed=seed)`; see the module docstring."""
+    """`num_models` Llama workers of `card` (or of a pretraining config's `model` group, as
+    seed 002 writes `PackedLlama(config.model, 4)`: it needs `model.vocab`), each
+    initialised exactly as `nest.load(card, weights="random", seed=seed)`; see the module
+    docstring."""
 
-    def __init__(self, card: Card, num_models: int, *, seed: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(self, card, num_models: int, *, seed: int = 0, dtype: torch.dtype = torch.float32):
         super().__init__()
+        if not isinstance(card, Card):
+            from linnet.pretrain.recipe import group_card
+
+            card = group_card(card)
         if num_models < 1:
             raise ValueError(f"PackedLlama: num_models={num_models}; it must be at least 1")
         if not card.tied_embeddings or card.qkv_bias or card.o_bias or card.mlp_bias or card.qk_norm:

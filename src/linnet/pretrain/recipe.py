@@ -27,17 +27,28 @@ LOADER_VERSION = 2
 def model_card(config: PretrainConfig, vocab_size: int, eos_id: int, tokenizer: str | None = None):
     """A Llama card with tied embeddings for the config's model group and a tokenizer of
     `vocab_size` tokens whose `eos_id` ends each document."""
-    from linnet.cards import Card, Location
-
     m = config.model
     vocab = m.vocab or vocab_size
     if vocab < vocab_size:
         raise ValueError(f"config: model.vocab={m.vocab} is smaller than the tokenizer's {vocab_size} tokens; use "
                          "null (the tokenizer's size) or a larger vocabulary")
+    return group_card(m, vocab, context=config.training.context_length, eos_id=eos_id, tokenizer=tokenizer)
+
+
+def group_card(m, vocab: int | None = None, *, context: int = 2048, eos_id: int | None = None,
+               tokenizer: str | None = None):
+    """The pretraining Llama (tied embeddings, no biases) a config's `model` group
+    describes, with `vocab` rows (default the group's own `model.vocab`)."""
+    from linnet.cards import Card, Location
+
+    vocab = vocab or m.vocab
+    if vocab is None:
+        raise ValueError("config: model.vocab is null (the token cache's tokenizer sets it); give model.vocab, or "
+                         "build the card with linnet.pretrain.recipe.model_card(config, vocab_size, eos_id)")
     return Card(
         "pretrain", "llama", vocab, m.hidden, m.intermediate, m.layers, m.heads, m.kv_heads or m.heads,
         m.head_dim or m.hidden // m.heads, rope_base=m.rope_base, norm_eps=m.norm_eps, tied_embeddings=True,
-        max_positions=config.training.context_length, eos_token_ids=(eos_id,), pad_token_id=eos_id,
+        max_positions=context, eos_token_ids=() if eos_id is None else (eos_id,), pad_token_id=eos_id,
         dtype=m.dtype if m.dtype not in (None, "auto") else "bfloat16", tokenizer=Location(path=tokenizer),
         source="linnet pretrain",
     )
