@@ -317,6 +317,63 @@ def test_packed_resume_from_an_epoch_snapshot_is_bitwise(workspace, ring, tmp_pa
         assert _same_weights(branch / name, ring / name)
 
 
+def test_the_seeds_command_branches_from_an_epoch_and_its_snippet_inspects_a_worker(ring, tmp_path, capsys):
+    """Seed 002's run layout as it writes it: `--config RUN/config.yaml --resume
+    RUN/epoch-002.pt --set runtime.output_dir=BRANCH` through the CLI ends with the
+    uninterrupted run's weights; its inspection snippet, with read_worker_state in place of
+    torch.load and the seed's parameter name, reads the snapshot's tensors; a name no
+    snapshot answers to is refused naming what the run keeps."""
+    from linnet import cli
+    from linnet.pretrain.decentralized_run import read_packed_state
+    from linnet.pretrain.snapshots import find_checkpoint, read_worker_state
+
+    branch = tmp_path / "branch"
+    assert cli.main(["pretrain", "--config", str(ring / "config.yaml"), "--resume", str(ring / "epoch-002.pt"),
+                     "--set", f"runtime.output_dir={branch}"]) == 0
+    snapshot = ring / "checkpoints" / "step-00000016"
+    assert json.loads((branch / "run.json").read_text())["resumed_from"] == str(snapshot)
+    assert [r["local_losses"] for r in _metrics(branch)] == [r["local_losses"] for r in _metrics(ring)]
+    for name in ("final.safetensors", "node-000/final.safetensors", "node-001/final.safetensors"):
+        assert _same_weights(branch / name, ring / name)
+    for name, step in (("epoch-002", 16), ("epoch-003.pt", 24), ("final.pt", 32), ("epoch-004.pt", 32)):
+        assert find_checkpoint(ring / name) == ring / "checkpoints" / f"step-{step:08d}"
+
+    local = read_worker_state(ring / "node-000" / "epoch-002.pt")  # the seed's torch.load(...) line
+    name = "embedding.weight"
+    weights = local["model"][name]
+    first_moment = local["optimizer"]["state"][name]["exp_avg"]
+    second_moment = local["optimizer"]["state"][name]["exp_avg_sq"]
+    optimizer_step = local["optimizer"]["state"][name]["step"]
+    saved = read_packed_state(snapshot)["workers"][0]
+    ours = "model.embed_tokens.weight"
+    assert torch.equal(weights, saved["model"][ours]) and weights.shape == (1024, 32)
+    assert torch.equal(weights, load_file(str(ring / "node-000" / "epoch-002.safetensors"))[ours])  # the export
+    assert torch.equal(first_moment, saved["optimizer"]["state"][ours]["exp_avg"])
+    assert torch.equal(second_moment, saved["optimizer"]["state"][ours]["exp_avg_sq"])
+    assert float(optimizer_step) == 16 and local["index"] == 0 and local["epoch"] == 2
+    assert not torch.equal(first_moment, second_moment) and first_moment.abs().sum() > 0
+    q = "layers.1.attention.q_proj.weight"  # another seed name, and linnet's own path of the file
+    assert q in local["model"] and torch.equal(local["model"][q], local["model"]["model.layers.1.self_attn.q_proj.weight"])
+    assert set(local["model"]) == set(saved["model"])  # one entry a tensor: linnet's paths
+    last = read_worker_state(ring / "checkpoints" / "step-00000032" / "node-001.pt")
+    assert torch.equal(last["model"][name], read_worker_state(ring / "node-001" / "final.pt")["model"][ours])
+    assert torch.equal(last["model"][name], load_file(str(ring / "node-001" / "final.safetensors"))[ours])
+
+    # the branch keeps epoch 3 and the final state; epoch 2 is its parent's
+    capsys.readouterr()
+    assert cli.main(["pretrain", "--config", str(branch / "config.yaml"), "--resume", str(branch / "epoch-002.pt"),
+                     "--set", f"runtime.output_dir={tmp_path / 'twig'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{branch / 'epoch-002.pt'}: {branch} keeps no training-state snapshot of epoch 2" in err
+    assert "it keeps epoch-003.pt, final.pt (epoch-004.pt)" in err and not (tmp_path / "twig").exists()
+    with pytest.raises(FileNotFoundError, match=r"node-000/epoch-009.pt: .* no training-state snapshot of epoch 9"):
+        read_worker_state(ring / "node-000" / "epoch-009.pt")
+    with pytest.raises(FileNotFoundError, match=r"has no node-002.pt; it holds node-000.pt, node-001.pt"):
+        read_worker_state(ring / "node-002" / "epoch-002.pt")
+    with pytest.raises(ValueError, match=r"state.pt: not a packed worker file \(kind None"):
+        read_worker_state(snapshot / "state.pt")
+
+
 def test_damaged_or_incomplete_snapshots_and_another_scheme_are_refused_by_name(workspace, ring, tmp_path):  # noqa: F811
     from linnet.pretrain.decentralized_run import read_packed_state
 

@@ -136,6 +136,29 @@ def test_resume_from_the_middle_of_a_shard_group_equals_the_straight_run(workspa
     assert best["epoch"] == 3 and best["weights"] is None
 
 
+def test_the_seeds_command_resumes_an_epoch_by_its_name(workspace, straight, tmp_path):
+    """Seed 002's line, `--config RUN/config.yaml --resume RUN/epoch-002.pt --set
+    runtime.output_dir=BRANCH`, branches from epoch 2's snapshot (checkpoints/step-00000016)
+    and ends with the straight run's weights."""
+    from linnet.pretrain.snapshots import find_checkpoint
+
+    branch = tmp_path / "branch"
+    assert cli(["--config", str(straight / "config.yaml"), "--resume", str(straight / "epoch-002.pt"),
+                "--set", f"runtime.output_dir={branch}"]) == 0
+    assert json.loads((branch / "run.json").read_text())["resumed_from"] == str(straight / "checkpoints" / "step-00000016")
+    assert [r["loss"] for r in _metrics(branch)] == [r["loss"] for r in _metrics(straight)]
+    assert _same_weights(branch / "final.safetensors", straight / "final.safetensors")
+    for name, step in (("epoch-001.pt", 8), ("epoch-003", 24), ("final.pt", 32), ("epoch-004.pt", 32)):
+        assert find_checkpoint(straight / name) == straight / "checkpoints" / f"step-{step:08d}"
+    with pytest.raises(FileNotFoundError, match=r"epoch-001.pt: .* keeps no training-state snapshot of epoch 1; it "
+                                                r"keeps epoch-003.pt, final.pt \(epoch-004.pt\)"):
+        run(_config(workspace, tmp_path / "twig"), resume=branch / "epoch-001.pt")
+    plain = tmp_path / "plain"  # the default policy keeps the final state alone
+    run(_config(workspace, plain, "training.epochs=1", f"training.total_targets={8 * 128}"))
+    with pytest.raises(FileNotFoundError, match=r"epoch 0; it keeps final.pt \(epoch-001.pt\)"):
+        find_checkpoint(plain / "epoch-000.pt")
+
+
 def test_an_interrupted_run_resumes_itself_from_its_latest_snapshot(workspace, straight, tmp_path, monkeypatch):
     from linnet.train import loop
 

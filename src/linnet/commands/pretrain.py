@@ -4,8 +4,10 @@ with epoch validation, checkpoint policies and exact resume.
     linnet prepare  --config configs/pretrain-tiny-cpu.yaml
     linnet pretrain --config configs/pretrain-tiny-cpu.yaml
     linnet pretrain --config runs/tiny/config.yaml --resume     # continue from the latest checkpoint
+    linnet pretrain --config runs/tiny/config.yaml --resume runs/tiny/epoch-010.pt \\
+        --set runtime.output_dir=runs/tiny-branch                # branch from epoch 10's snapshot
     linnet pretrain --config runs/tiny/config.yaml --resume-from runs/tiny/checkpoints/step-00000480 \\
-        --set runtime.output_dir=runs/tiny-branch                # branch from a checkpoint
+        --set runtime.output_dir=runs/tiny-branch                # the same, by its step directory
     linnet pretrain --config a.yaml --config b.yaml      # run (or finish) several experiments
     linnet pretrain --config a.yaml --plan               # the budget table, no training
     torchrun --nproc_per_node 2 -m linnet.cli pretrain --config configs/pretrain-tiny-cpu.yaml
@@ -32,12 +34,14 @@ def parser() -> argparse.ArgumentParser:
                    help="YAML config (repeat to run several experiments in turn)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field, e.g. training.epochs=4 (repeatable)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in runtime.output_dir from its latest checkpoint (what running a config "
-                        "whose run is incomplete does anyway)")
+    p.add_argument("--resume", nargs="?", const=True, default=False, metavar="CKPT",
+                   help="alone: continue the run in runtime.output_dir from its latest checkpoint (what running a "
+                        "config whose run is incomplete does anyway); with CKPT, as seed 002 writes it: the same "
+                        "as --resume-from CKPT")
     p.add_argument("--resume-from", metavar="CKPT",
-                   help="continue from this checkpoints/step-… directory (or a run directory's latest), into "
-                        "runtime.output_dir: the same run, or a branch in a fresh one")
+                   help="continue from this snapshot: RUN/epoch-NNN.pt or RUN/final.pt (seed 002's names), a "
+                        "checkpoints/step-… directory, or a run directory's latest; into runtime.output_dir: the "
+                        "same run, or a branch in a fresh one")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run in runtime.output_dir (once the new run takes its first update)")
     p.add_argument("--plan", action="store_true", help="print the budget and exit")
@@ -48,12 +52,6 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cli = parser()
-    for i, arg in enumerate(argv):  # the former `--resume CKPT`
-        value = arg.partition("=")[2] if arg.startswith("--resume=") else \
-            argv[i + 1] if arg == "--resume" and i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
-        if value:
-            cli.error(f"--resume {value}: --resume CKPT was renamed --resume-from CKPT (--resume alone continues "
-                      "the latest checkpoint of runtime.output_dir)")
     args = cli.parse_args(argv)
     if args.template:
         print(template(PretrainConfig))
@@ -61,9 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.config or ([None] if args.set else [])
     if not paths:
         cli.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
-    if args.resume_from and len(paths) > 1:
-        cli.error("--resume-from takes one --config")
-    if args.overwrite and args.resume:
+    named = args.resume if isinstance(args.resume, str) else None  # `--resume CKPT`, the seed's spelling
+    if named and args.resume_from:
+        cli.error(f"--resume {named} and --resume-from {args.resume_from}: give one checkpoint")
+    resume_from = named or args.resume_from
+    if resume_from and len(paths) > 1:
+        cli.error(f"{'--resume' if named else '--resume-from'} CKPT takes one --config")
+    if args.overwrite and args.resume is True:
         cli.error("--resume continues the run in runtime.output_dir and --overwrite replaces it; give one")
     with process_group(), stop_after_a_step():  # under torchrun; SIGTERM stops after the step in progress
         for path in paths:
@@ -72,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows = plan(config)
             else:
                 try:
-                    # --resume is the runner's own default: an incomplete run in runtime.output_dir continues
-                    # from its latest checkpoint; --resume-from names the checkpoint
-                    summary = run(config, resume=args.resume_from, overwrite=args.overwrite)
+                    # --resume alone is the runner's own default: an incomplete run in runtime.output_dir
+                    # continues from its latest checkpoint; --resume CKPT or --resume-from CKPT names it
+                    summary = run(config, resume=resume_from, overwrite=args.overwrite)
                 except KeyboardInterrupt:
                     found = layout.checkpoints(Path(config.runtime.output_dir) / CHECKPOINTS)
                     where = f"the latest checkpoint is {found[-1]}; " if found else "no training state was kept; "

@@ -23,10 +23,12 @@ leaves nothing a reader would take, and the next run rewrites it):
     checksums.json  every file's SHA-256 (checkpoint_layout)
 
 `read_packed_state` is the one reader: it validates the whole set (files, checksums, kinds,
-indices, counts, recipe, step, names and shapes) before anything is restored.
+indices, counts, recipe, step, names and shapes) before anything is restored. One worker's
+file reads on its own, by seed 002's name for it or its own path, with the seed's parameter
+names or linnet's (`linnet.pretrain.snapshots.read_worker_state`):
 
-    local = torch.load("runs/x/checkpoints/step-00000040/node-000.pt", weights_only=True)
-    local["model"]["model.embed_tokens.weight"], local["optimizer"]["state"]["model.norm.weight"]["exp_avg"]
+    local = read_worker_state("runs/x/node-000/epoch-002.pt")   # or runs/x/checkpoints/step-…/node-000.pt
+    local["model"]["embedding.weight"], local["optimizer"]["state"]["model.norm.weight"]["exp_avg"]
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ A run directory holds:
     final.safetensors       final weights (every policy but none)
     checkpoints/step-NNNNNNNN/  resumable training state (linnet.train.checkpoint format,
                   plus checksums.json): final, and selected epochs with
-                  save_epoch_training_state
+                  save_epoch_training_state; `--resume RUN/epoch-NNN.pt` (or final.pt)
+                  names them as seed 002 does (linnet.pretrain.snapshots)
     summary.json  final metrics and full validation; its presence marks a complete run
 
 Running a config whose output directory holds an incomplete run resumes it from its
@@ -66,15 +67,13 @@ from linnet.pretrain.recipe import (
     recipe_fields,
     to_yaml,
 )
+from linnet.pretrain.snapshots import CHECKPOINTS, find_checkpoint
 from linnet.report.metrics import MetricsFile, keep_metrics, read_metrics
 from linnet.report.plots import write_curves
 from linnet.schedules import lambda_schedule, schedule_factor
 from linnet.torch.flops import flops_per_token, utilization
 from linnet.torch.loading import compute_dtype
 from linnet.train.checkpoint import verify_checkpoint
-
-CHECKPOINTS = "checkpoints"
-
 
 # ---------------------------------------------------------------------------------------
 # The model, optimizer and schedule of a config
@@ -86,18 +85,8 @@ def cache_card(config: PretrainConfig, cache: TokenCache):
 
 
 # ---------------------------------------------------------------------------------------
-# Checkpoints: linnet.train.checkpoint directories, verified by checksums
-
-
-def find_checkpoint(source: str | os.PathLike) -> Path:
-    """A checkpoint directory, or the latest checkpoint of a run directory."""
-    path = Path(source)
-    found = layout.find_checkpoint(path / CHECKPOINTS) if (path / CHECKPOINTS).is_dir() else None
-    found = found or layout.find_checkpoint(path)
-    if found is None:
-        raise FileNotFoundError(f"{path}: no checkpoint there (expected a checkpoints/step-… directory or a run "
-                                "directory holding checkpoints/)")
-    return found
+# Checkpoints: linnet.train.checkpoint directories, verified by checksums (found by step
+# directory, run directory or the seed's names: linnet.pretrain.snapshots.find_checkpoint)
 
 
 @dataclass
@@ -325,7 +314,9 @@ def _open_run_directory(out: Path, start: Start, progress: Counters, config: Pre
 
 def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Pretrain as `config` says (resuming when told, or when its output directory holds
-    an incomplete run); returns the summary written to summary.json, on every process."""
+    an incomplete run); returns the summary written to summary.json, on every process.
+    `resume`: a checkpoints/step-… directory, a run directory (its latest), or the seed's
+    `RUN/epoch-NNN.pt` / `RUN/final.pt` (linnet.pretrain.snapshots.find_checkpoint)."""
     from linnet.config import to_dict
     from linnet.pretrain.loader import Loader, Validation
     from linnet.report.tracking import check as check_trackers
