@@ -364,6 +364,26 @@ def test_compiled_engine_equals_eager(saved):
     assert compiled.compiled
 
 
+def test_warmup_compiles_every_pass_sampling_then_uses(saved):
+    """After warmup, calls that stop rows at different steps (the batch shrinking to one
+    prompt's rows, one row a prompt, one row), with other prompt lengths, counts and
+    completion lengths, compile no further graph. torch.compile's "eager" backend: the
+    graphs dynamo captures are the same, without inductor's code generation."""
+    from torch._dynamo.utils import counters
+
+    engine = Engine(nest.load(saved("llama"), compile="eager"))
+    assert engine.compiled
+    lengths = [int(x) for x in torch.randint(5, 22, (32,), generator=torch.Generator().manual_seed(0))]
+    engine.warmup(lengths, n=1, max_new_tokens=21)
+    warmed = counters["stats"]["unique_graphs"]
+    stop = list(range(3, 97, 7))  # about one token in seven stops a row
+    for call, (count, n) in enumerate([(32, 1), (7, 1), (3, 1), (4, 8), (2, 8), (1, 8), (1, 1)]):
+        out = engine.sample(_prompts([5 + (3 * i + call) % 17 for i in range(count)], seed=call), n=n,
+                            max_new_tokens=21, stop=stop, seed=call)
+        assert any(c.stopped for c in out) and len(out) == count * n
+    assert counters["stats"]["unique_graphs"] == warmed
+
+
 def test_compile_failure_falls_back_to_eager(saved):
     directory = saved("llama")
     engine = Engine(nest.load(directory), compile=True)

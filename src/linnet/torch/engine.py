@@ -25,9 +25,10 @@ The passes themselves are in `linnet.torch.passes`.
 
 Compiled passes (`Engine(model, compile=True)`, or a model loaded with `compile=`): the
 decode step and the prefill are each one `torch.compile`d function (on CUDA the decode
-step is captured as a CUDA graph, mode "reduce-overhead"). A pass size compiles the first
-time a call needs it (later sizes of a changing dimension compile once more, as dynamic
-shapes); `warmup(prompt_lengths)` compiles them before the first real call. The compiled
+step is captured as a CUDA graph, mode "reduce-overhead"), with dynamic sizes. A pass
+compiles the first time a call needs it, and again for the sizes a compiler keeps apart
+(one prompt, one row, one row a prompt); `warmup(prompt_lengths)` compiles all of them
+before the first real call. The compiled
 prefill attends through one block-diagonal mask (one kernel, no per-prompt Python loop).
 If compiling fails (no C++ compiler, an unsupported op) the engine warns once and runs
 eagerly from then on. Stop tokens are checked on the host every `stop_every` steps (1 on
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
 from linnet import hardware
@@ -137,8 +139,10 @@ class Engine:
         if self.compiled:  # with the model's backend (inductor unless it names another)
             backend = model.compiled if isinstance(model.compiled, str) and compile is None else "inductor"
             graphs = {"mode": "reduce-overhead"} if backend == "inductor" and model.device.type == "cuda" else {}
-            self._decode_pass = torch.compile(decode_pass, backend=backend, **graphs)
-            self._prefill_pass = torch.compile(prefill_pass, backend=backend)
+            # dynamic sizes from the start: a batch shrinks as rows stop and prompts differ in
+            # length, so static graphs would recompile for each new size (see `warmup`)
+            self._decode_pass = torch.compile(decode_pass, backend=backend, dynamic=True, **graphs)
+            self._prefill_pass = torch.compile(prefill_pass, backend=backend, dynamic=True)
         self.stop_every = 8 if model.device.type == "cuda" else 1
         self._reordered = None if self.compiled else reorder_weights(model, reordered_layers)
         if max_batch is not None:
@@ -278,12 +282,34 @@ class Engine:
 
     def warmup(self, prompt_lengths: Sequence[int], *, n: int = 1, max_new_tokens: int = 2) -> None:
         """Allocate the cache for prompts of these lengths (n completions each) and, in a
-        compiled engine, compile the passes they need: one dummy prefill and
-        `max_new_tokens - 1` decode steps. Stats are left unchanged."""
+        compiled engine, compile every pass size sampling uses: a dummy call at these
+        sizes, then the prefill of one prompt and the decode steps of the batches that
+        remain as completions stop (`_warm_shapes`). The passes compile with dynamic
+        sizes, so later calls of other lengths and batch sizes compile nothing more (on
+        CUDA each new size still captures its own graph). Stats are left unchanged."""
         saved = Stats(**vars(self.stats))
         prompts = [[0] * int(t) for t in prompt_lengths]
         self.sample(prompts, n, max_new_tokens=max_new_tokens, temperature=0.0, stop=())
+        if self.compiled:
+            self._warm_shapes(max(map(len, prompts)))
         self.stats = saved
+
+    @torch.inference_mode()
+    def _warm_shapes(self, length: int) -> None:
+        """Run the passes whose sizes a compiler keeps apart (a size of 1): a prefill of one
+        and of two prompts, and a decode step of one row, of one prompt's rows, of one row
+        a prompt and of several rows a prompt (a row's prompt index each: `Batch`), the
+        ways the rows can stand once some completions have stopped."""
+        dev = self.model.device
+        layouts = ([0], [0, 0], [0, 1], [0, 0, 1, 1])  # one row; one prompt's; one row a prompt; the rest
+        Sp = self._round(length)
+        self._ensure_cache(2, Sp, max(map(len, layouts)), 1)
+        cos, sin = self._rope_table(length + 1)
+        for prompts in (1, 2):
+            self._prefill([[0] * length] * prompts, cos, sin)
+        for group in layouts:
+            tokens = torch.zeros(len(group), dtype=torch.long, device=dev)
+            self._decode(tokens, Batch(group, [length] * (max(group) + 1), Sp, dev, grid=True), 0, cos, sin)
 
     def reset_stats(self) -> None:
         self.stats = Stats()
@@ -312,7 +338,7 @@ class Engine:
         logits = self._prefill(prompts, cos, sin).repeat_interleave(n, dim=0)
         rows = torch.arange(B, device=dev)  # completion index of each row in the batch
         group = [r // n for r in range(B)]  # host: each row's prompt-cache row
-        batch = Batch(group, lengths, Sp, dev)
+        batch = Batch(group, lengths, Sp, dev, grid=self.compiled)
         finished = torch.zeros(B, dtype=torch.bool, device=dev)  # rows that sampled a stop token
         for step in range(N):
             tok, lp = _pick(logits, sampling, rows, B)
@@ -343,7 +369,7 @@ class Engine:
                         new = {old: i for i, old in enumerate(moved)}
                         group = [new[g] for g in group]
                         lengths = [lengths[old] for old in moved]
-                    batch = Batch(group, lengths, Sp, dev)
+                    batch = Batch(group, lengths, Sp, dev, grid=self.compiled)
             logits = self._decode(tok, batch, step, cos, sin)
 
         out_tok, out_lp, length, stopped = out_tok.cpu(), out_lp.cpu(), length.tolist(), stopped.tolist()
@@ -421,7 +447,10 @@ class Engine:
         try:
             if self.model.device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are read
-            return getattr(self, name)(*args)
+            # sizes that happen to be equal (a batch filling the cache) are not assumed equal
+            # later: no graph is kept for such a coincidence
+            with fx_config.patch(use_duck_shape=False):
+                return getattr(self, name)(*args)
         except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the same code, eager
             warnings.warn(f"Engine: compiling its passes failed ({type(error).__name__}: "
                           f"{str(error).splitlines()[0] if str(error) else ''}); sampling eagerly", stacklevel=3)

@@ -27,7 +27,8 @@ class Batch:
     prompt cache is read one prompt at a time with all its rows as queries (a group's
     prompt keys are read once, not once a completion): `grid` [groups, n] lists each
     prompt's rows (padded with a repeat), `place` [B] each row's cell in it; both None
-    when the rows are the grid in order (no row has stopped yet)."""
+    when the rows are the grid in order (no row has stopped yet), unless `grid` (a compiled
+    engine: one graph whether or not rows have stopped)."""
 
     groups: int
     n: int
@@ -36,13 +37,13 @@ class Batch:
     prompt_len: torch.Tensor  # [B]
     unseen: torch.Tensor  # [B, 1, 1, S]: prompt slots past the row's prompt
 
-    def __init__(self, group: list[int], lengths: list[int], slots: int, device):
+    def __init__(self, group: list[int], lengths: list[int], slots: int, device, *, grid: bool = False):
         members: list[list[int]] = [[] for _ in lengths]
         for row, g in enumerate(group):
             members[g].append(row)
         self.groups, self.n = len(lengths), max(map(len, members))
         self.grid = self.place = None
-        if any(len(m) != self.n for m in members) or group != sorted(group):
+        if grid or any(len(m) != self.n for m in members) or group != sorted(group):
             self.grid = torch.tensor([m + [m[0] if m else 0] * (self.n - len(m)) for m in members], device=device)
             place = [0] * len(group)
             for g, m in enumerate(members):
