@@ -58,6 +58,31 @@ def test_reward_rises_under_ppo():
     assert kl[0] == pytest.approx(0.0, abs=1e-5) and max(map(abs, kl[1:])) > 1e-3, kl  # it leaves the reference
 
 
+def test_a_separate_critic_trains_and_saves_beside_the_policy(tmp_path):
+    """value_head(policy, critic=model): the values come from the critic's own hidden
+    states, its weights train with the policy's, the engine takes the policy alone, and
+    final/ holds the critic in critic.safetensors."""
+    torch.manual_seed(0)
+    critic = nest.load(CARD, weights="random", seed=2, trainable=True)
+    policy = value_head(nest.load(CARD, weights="random", seed=1, trainable=True), critic=critic)
+    assert getattr(policy, "value", None) is None and policy.critic is critic
+    before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    history = ppo(policy, Engine(nest.load(CARD, weights="random", seed=1)), _prompts(), sevens, optimizer=opt,
+                  steps=2, samples=2, prompts_per_step=2, max_new_tokens=4, tokens=64, kl_coef=0.0,
+                  save_to=tmp_path / "final")
+    assert all(np.isfinite(s.metrics["value_loss"]) for s in history.steps)
+    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"],
+                           critic.get_parameter("model.layers.0.self_attn.q_proj.weight"))
+    with safe_open(tmp_path / "final" / "critic.safetensors", "pt") as f:
+        assert "critic.value.weight" in f.keys() and "critic.model.embed_tokens.weight" in f.keys()
+    with safe_open(tmp_path / "final" / "model.safetensors", "pt") as f:
+        assert not any(k.startswith(("critic.", "value.")) for k in f.keys())
+    with pytest.raises(ValueError, match="its vocabulary"):
+        value_head(nest.load(CARD, weights="random"), critic=nest.load(CARD.replace(vocab=CARD.vocab + 1),
+                                                                       weights="random"))
+
+
 def test_ppo_refuses_a_policy_without_a_critic_and_a_kl_without_a_reference():
     policy = nest.load(CARD, weights="random", trainable=True)
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
@@ -107,6 +132,18 @@ def test_linnet_ppo_writes_the_policy_and_its_critic_and_resumes_exactly(workspa
     assert (out / "final" / "critic.safetensors").read_bytes() == (final / "critic.safetensors").read_bytes()
 
 
+def test_linnet_ppo_with_a_separate_critic(workspace, tmp_path):
+    """ppo.critic names a model: it loads as the policy does (LoRA here) and its value head
+    and adapters are saved beside the policy's adapters."""
+    run(_config(workspace, tmp_path / "run", f"ppo.critic={workspace / 'model'}", "training.steps=1"))
+    final = tmp_path / "run" / "final"
+    with safe_open(final / "critic.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert "critic.value.weight" in names and any(n.endswith("lora_a") for n in names)
+    with safe_open(final / "adapter_model.safetensors", "pt") as f:
+        assert not any("critic" in k for k in f.keys())
+
+
 def test_linnet_ppo_refuses_grpo_s_fields_and_a_split_policy(workspace, tmp_path):
     with pytest.raises(ValueError, match="ppo.group"):
         _config(workspace, tmp_path / "x", "ppo.group=4")
@@ -114,4 +151,6 @@ def test_linnet_ppo_refuses_grpo_s_fields_and_a_split_policy(workspace, tmp_path
         _config(workspace, tmp_path / "x", "training.split=2")
     with pytest.raises(ValueError, match=r"ppo.prompts_per_step=50 is more than the 36 training prompts"):
         run(_config(workspace, tmp_path / "x", "ppo.prompts_per_step=50"))
+    with pytest.raises((ValueError, FileNotFoundError), match="no-such-critic"):
+        run(_config(workspace, tmp_path / "x", "ppo.critic=no-such-critic"))
     assert not (tmp_path / "x").exists()

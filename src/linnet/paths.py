@@ -81,7 +81,9 @@ def select(names: Sequence[str], spec: bool | str | Sequence[str] | None, *, wha
 
 
 ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer but the output head
-CRITIC = "value."  # a PPO critic's parameters (linnet.train.ppo.value_head): trained, not part of the decoder
+# a PPO critic's parameters (linnet.train.ppo.value_head): its head on the policy, or a separate
+# model held by the policy; trained and checkpointed with it, never part of the decoder's weights
+CRITIC = ("value.", "critic.")
 
 
 def target_matches(layer: str, pattern: str) -> bool:

@@ -1,7 +1,8 @@
 """`linnet ppo`: PPO from a YAML config: the prompts, rewards, engine and held-out
 evaluation as `linnet grpo` sets them up, a critic on the policy (linnet.train.ppo), and
 the run directory every training command shares. final/ holds the policy as every run
-does, with the critic beside it in critic.safetensors.
+does, with the critic beside it in critic.safetensors (`ppo.critic`: a value head on the
+policy, or a separate model).
 
     linnet ppo --config ppo.yaml --set ppo.kl_coef=0.02
     linnet ppo --template > ppo.yaml
@@ -18,14 +19,18 @@ from linnet.config import PPOConfig
 
 def run(config: PPOConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None) -> dict:
+    from linnet import nest
     from linnet.train.ppo import ppo, value_head
 
     g = config.ppo
     r = prompts_and_rewards(config, g)
+    critic_card = nest.resolve(g.critic) if g.critic else None  # a bad one is refused before anything is written
     job = runs.start(config, r.steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
     if job.complete is not None:
         return job.complete
-    policy = value_head(job.load(r.card), seed=config.runtime.seed)  # before the optimizer is made
+    policy = job.load(r.card)
+    critic = job.load(critic_card) if critic_card else None
+    policy = value_head(policy, seed=config.runtime.seed, critic=critic)  # before the optimizer is made
     engine, reference = engine_and_reference(config, g, r.card, policy, reference=bool(g.kl_coef))
     with job.open(policy, held_out_evaluation(config, g, engine, r)) as run:
         history = ppo(policy, engine, r.prompts, r.functions, run,

@@ -170,3 +170,7 @@ class GRPOSettings(RolloutSettings, GRPOOptions):
 @dataclass
 class PPOSettings(RolloutSettings, PPOOptions):
     """The `ppo` group: PPO's options and what `linnet ppo` builds around them."""
+
+    critic: str | None = option(None, "null: the critic is a value head on the policy's hidden states; a card, "
+                                      "model directory or run: a separate model, loaded and trained as the policy "
+                                      "is (the lora group applies to it too), with its value head")

@@ -154,7 +154,7 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
     if not getattr(model, "lora", None):
         raise ValueError("save_peft: the model has no adapters; call add_lora first")
     adapters = {n: full(p).detach().to("cpu", torch.float32).numpy() for n, p in model.named_parameters()
-                if n.endswith(ADAPTER_SUFFIXES)}
+                if n.endswith(ADAPTER_SUFFIXES) and not n.startswith(CRITIC)}
     if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks' adapters
         adapters = merged_at_first(adapters)
     if world()[0] == 0:

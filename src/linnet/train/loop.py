@@ -122,8 +122,9 @@ def save_trained(model, path: str | os.PathLike) -> None:
         from linnet.torch.lora import save_peft
 
         save_peft(model, path)
-    if getattr(model, "value", None) is not None:
-        model.save_weights(os.path.join(path, "critic.safetensors"), include=[CRITIC + "*"], names="linnet",
+    critic = [f"{part}*" for part in CRITIC if hasattr(model, part.rstrip("."))]
+    if critic:
+        model.save_weights(os.path.join(path, "critic.safetensors"), include=critic, names="linnet",
                            dtype=torch.float32)
 
 

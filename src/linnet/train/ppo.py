@@ -1,8 +1,10 @@
 """PPO in its RLHF form (Schulman et al. 2017, arXiv:1707.06347; Stiennon et al. 2020,
 Ouyang et al. 2022): a policy, a frozen reference, a reward (a function or a reward model
-through `reward=`), and a critic: a value head on the policy's own final hidden states.
+through `reward=`), and a critic: a value head on the policy's own final hidden states, or
+on a separate model's.
 
     value_head(policy)                                  # before the optimizer is made
+    value_head(policy, critic=nest.load(card, trainable=True))   # or: a critic of its own
     history = ppo(policy, engine, prompts, reward, optimizer=opt, steps=100, kl_coef=0.05,
                   reference=nest.load(card))
 
@@ -62,19 +64,29 @@ def value_loss(values: torch.Tensor, old: torch.Tensor, returns: torch.Tensor, c
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2).sum()
 
 
-def value_head(model, seed: int = 0):
-    """Give `model` a trainable float32 critic, `value` (hidden -> 1), on its final hidden
-    states; returns the model. Add it before the optimizer is made."""
+def value_head(model, seed: int = 0, *, critic=None):
+    """Give `model` a trainable float32 critic, `value` (hidden -> 1): on its own final
+    hidden states, or, with `critic` (a separate model: another copy of the card, a
+    reward model's trunk, with or without adapters), on that model's, `critic` becoming
+    `model.critic` so that it trains, checkpoints and saves with the policy. Returns
+    `model`. Add it before the optimizer is made."""
     from linnet.torch.model import Linear
 
-    if getattr(model, "pipe", None) is not None or model.split_head() is not None:
-        raise ValueError("value_head: PPO's critic reads the whole model's hidden states; train PPO on a model in one "
-                         "piece (no pipeline stages, no split)")
-    head = Linear(model.card.hidden, 1, bias=False).to(model.device)
+    reader = model if critic is None else critic
+    for m in (model, reader):
+        if getattr(m, "pipe", None) is not None or m.split_head() is not None:
+            raise ValueError("value_head: PPO's critic reads the whole model's hidden states; train PPO on models in "
+                             "one piece (no pipeline stages, no split)")
+    if reader.card.vocab != model.card.vocab:
+        raise ValueError(f"value_head: the critic reads the policy's tokens, so its vocabulary ({reader.card.vocab}) "
+                         f"must be the policy's ({model.card.vocab})")
+    head = Linear(reader.card.hidden, 1, bias=False).to(reader.device)
     with torch.no_grad():
-        head.weight.copy_(torch.empty(1, model.card.hidden).normal_(0.0, 0.02,
-                                                                    generator=torch.Generator().manual_seed(seed)))
-    model.value = head
+        head.weight.copy_(torch.empty(1, reader.card.hidden).normal_(0.0, 0.02,
+                                                                     generator=torch.Generator().manual_seed(seed)))
+    reader.value = head
+    if critic is not None:
+        model.critic = critic
     return model
 
 
@@ -86,9 +98,14 @@ def _learned(row) -> np.ndarray:
 
 def _token_stats(model, row, h) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probabilities of the row's completion tokens, values of their states) from the
-    final hidden states at those states."""
+    final hidden states at those states: the policy's, and a separate critic's own."""
     targets = torch.as_tensor(np.asarray(row.targets)[_learned(row)], device=h.device)
-    return linear_token_log_probs(h, model.head_weight, targets), model.value(h.float())[:, 0]
+    critic = getattr(model, "critic", None)
+    if critic is not None:
+        values = critic.value(critic.hidden_packed(row, at=_learned(row)).float())[:, 0].to(h.device)
+    else:
+        values = model.value(h.float())[:, 0]
+    return linear_token_log_probs(h, model.head_weight, targets), values
 
 
 @dataclass
@@ -187,9 +204,9 @@ def ppo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str,
     against `reference`), gamma (1), lam (0.95), vf_coef (0.1), value_clip (0.2), whiten.
     A sequence of prompts repeats as epochs."""
     run, s = run_and_options("ppo", run, options, PPOOptions, settings)
-    if getattr(policy, "value", None) is None:
-        raise ValueError("ppo: the policy has no critic; call linnet.train.ppo.value_head(policy) before making its "
-                         "optimizer")
+    if getattr(policy, "value", None) is None and getattr(policy, "critic", None) is None:
+        raise ValueError("ppo: the policy has no critic; call linnet.train.ppo.value_head(policy) (or "
+                         "value_head(policy, critic=model)) before making its optimizer")
     if s.kl_coef and reference is None:
         raise ValueError("ppo: kl_coef > 0 needs reference=, a frozen copy of the starting model")
     functions = reward_functions(reward, "ppo")
