@@ -597,6 +597,20 @@ def test_plan_of_a_grpo_config_adds_the_sampling_engine(tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["sampling"]["weights_bytes"] == card.params() * 2, cut
 
 
+def test_plan_of_a_ppo_config_adds_its_engine_of_samples_x_prompts_rows(tmp_path, capsys):
+    config = tmp_path / "ppo.yaml"
+    config.write_text("model: {card: llama-3.2-1b-instruct}\ndata: {path: p.jsonl}\ntraining: {context_length: 1024}\n"
+                      "ppo: {samples: 2, prompts_per_step: 16}\n")
+    assert plan_command.main(["--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sampling"]["rows"] == 32
+    assert plan_command.main(["--config", str(config)]) == 0
+    assert "PPO also holds its sampling engine" in capsys.readouterr().out
+    config.write_text(config.read_text().replace("prompts_per_step: 16}", "prompts_per_step: 16, engine: vllm}"))
+    assert plan_command.main(["--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "PPO's vLLM engine takes 30%" in out and "(ppo.vllm_gpu_memory_utilization)" in out
+
+
 @pytest.mark.parametrize("projections", [True, False])
 def test_a_float32_engine_on_a_cpu_counts_its_weights_reordered_for_onednn(tmp_path, capsys, monkeypatch, projections):
     """The head reordered again (Llama 3.2 1B's is over 2^20 weights), and on an AVX-512 CPU

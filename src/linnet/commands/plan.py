@@ -445,18 +445,20 @@ def settings_from_config(path: str) -> dict[str, Any]:
 
 
 def _beside(config, device: str) -> dict[str, Any]:
-    """What a run holds beside the trained model, from its config: GRPO's sampling engine
-    (`rows` completions, in `dtype` or the policy's) or vLLM's share of the GPU;
+    """What a run holds beside the trained model, from its config: GRPO's or PPO's sampling
+    engine (`rows` completions, in `dtype` or the policy's) or vLLM's share of the GPU;
     distillation's frozen teacher (in the student's dtype) and, on-policy, the student's
     sampling engine (a completion a prompt)."""
-    if config.command == "grpo" and config.grpo.engine == "vllm":
-        from linnet.serve.vllm import GPU_SHARE
+    if config.command in ("grpo", "ppo"):
+        g = getattr(config, config.command)
+        if g.engine == "vllm":
+            from linnet.serve.vllm import GPU_SHARE
 
-        return {"vllm_share": config.grpo.vllm_gpu_memory_utilization or GPU_SHARE}
-    if config.command == "grpo":
-        engine_dtype = config.grpo.engine_dtype
-        return {"who": "GRPO", "rows": config.grpo.prompts_per_step * config.grpo.group,
-                "dtype": None if engine_dtype is None else _config_dtype(engine_dtype, device)}
+            return {"who": config.command.upper(), "group": g.YAML,
+                    "vllm_share": g.vllm_gpu_memory_utilization or GPU_SHARE}
+        completions = g.group if config.command == "grpo" else g.samples
+        return {"who": config.command.upper(), "rows": g.prompts_per_step * completions,
+                "dtype": None if g.engine_dtype is None else _config_dtype(g.engine_dtype, device)}
     if config.command == "distill":
         d = config.distill
         return {"who": "Distillation", "teacher": d.teacher, "dtype": None,
@@ -512,9 +514,9 @@ def _held_beside(beside: dict[str, Any], card, inputs: dict[str, Any]) -> tuple[
         share = beside["vllm_share"]
         extras["sampling"] = {"engine": "vllm", "gpu_memory_share": share,
                               "bytes": share * inputs["cluster"].gpu.memory_gb * GB}
-        notes.append(f"GRPO's vLLM engine takes {share:.0%} of each GPU's memory ({gb(extras['sampling']['bytes'])}) "
-                     "for its weights and KV cache, left out of the usable memory above "
-                     "(grpo.vllm_gpu_memory_utilization).")
+        notes.append(f"{beside['who']}'s vLLM engine takes {share:.0%} of each GPU's memory "
+                     f"({gb(extras['sampling']['bytes'])}) for its weights and KV cache, left out of the usable memory "
+                     f"above ({beside['group']}.vllm_gpu_memory_utilization).")
     if beside.get("teacher"):
         try:
             teacher = cards.resolve(beside["teacher"])
