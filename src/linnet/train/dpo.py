@@ -23,12 +23,12 @@ import itertools
 import os
 from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from linnet.config.groups import DPOSettings
+from linnet.files import reference_cache as cache
 from linnet.packing import Pair, check_pairs, pack_prompted, segments
 from linnet.report.progress import phase
 from linnet.run import History, Run, run_and_options
@@ -95,42 +95,34 @@ def rows_answer_log_probs(model, rows) -> list[torch.Tensor]:
 
 
 def cache_key(reference, pairs: Sequence[Pair]) -> str:
-    """A hash of the reference weights (a sharded or split model's gathered whole, so every
-    process count gives one key; a pipeline's, the hashes of its stages in order: its own
-    key, the same on every stage; every process calls this together) and the pairs' token
-    ids (which already carry the data and the chat template that rendered it)."""
-    h = hashlib.sha256()
-    for name, p in reference.named_parameters():
-        h.update(name.encode())
-        h.update(full(p.detach()).float().cpu().numpy().tobytes())
+    """The reference cache's key (linnet.files.reference_cache): a hash of the reference
+    weights in name order (a sharded or split model's gathered whole, so every process
+    count gives one key, and the JAX backend's for the same weights; a pipeline's, the
+    hashes of its stages in order: its own key, the same on every stage; every process
+    calls this together) and the pairs' token ids."""
+    digest = cache.weights_digest(dict(reference.named_parameters()),
+                                  lambda p: full(p.detach()).float().cpu().numpy())
     pipe = getattr(reference, "pipe", None)
     if pipe is not None:
         stages = [None] * pipe.stages
-        torch.distributed.all_gather_object(stages, h.hexdigest(), group=pipe.group)
-        h = hashlib.sha256("".join(stages).encode())
-    for pair in pairs:
-        for part in (pair.prompt, pair.chosen, pair.rejected):
-            h.update(np.asarray(part, np.int64).tobytes())
-            h.update(b"|")
-    return h.hexdigest()[:32]
+        torch.distributed.all_gather_object(stages, digest.hexdigest(), group=pipe.group)
+        digest = hashlib.sha256("".join(stages).encode())
+    return cache.cache_key(digest, pairs)
 
 
-def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache: str | os.PathLike, *, tokens: int = 4096,
-                               label: str | None = None) -> np.ndarray:
-    """reference_log_probs, read from or written to `cache/<key>.npy` so later runs need
-    no reference model in memory."""
-    from linnet.files.atomic import atomic_path, writing
-
-    path = Path(cache) / f"dpo-reference-{cache_key(reference, pairs)}.npy"
+def cached_reference_log_probs(reference, pairs: Sequence[Pair], cache_dir: str | os.PathLike, *,
+                               tokens: int = 4096, label: str | None = None) -> np.ndarray:
+    """reference_log_probs, read from or written to `cache_dir` (linnet.files.reference_cache's
+    layout, which the JAX backend reads and writes too) so later runs need no reference
+    model in memory."""
+    path = cache.cache_file(cache_dir, cache_key(reference, pairs))
     missing = not path.is_file()
     if is_sharded(reference) or getattr(reference, "pipe", None) is not None:
         missing = bool(most_across(int(missing)))  # its passes are collectives: every process computes, or none
     if not missing:
-        return np.load(path)
+        return cache.read(path, len(pairs))
     values = reference_log_probs(reference, pairs, tokens=tokens, label=label)
-    with writing(path), atomic_path(path) as tmp:  # a full disk names the cache file
-        with open(tmp, "wb") as f:
-            np.save(f, values)
+    cache.write(path, values)
     return values
 
 
