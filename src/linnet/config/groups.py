@@ -404,6 +404,12 @@ class DPOSettings:
                                  "those losses")
 
 
+# How the pair losses read the answers (linnet.train.preference_loss and its JAX twin,
+# linnet.jax.preference_loss): the reference-free ones take no reference log-probabilities;
+# the per-token ones score each answer by its mean log-probability a token.
+REFERENCE_FREE = frozenset({"simpo", "orpo"})
+PER_TOKEN = frozenset({"ipo", "simpo", "orpo"})
+
 # The dpo fields only some losses read (linnet.train.preference_loss): a value other than
 # the default with another loss would be ignored, so it is refused.
 IGNORED_BY_LOSS = {

@@ -6,8 +6,10 @@ same options:
                            optimizer=optax.adamw(1e-6), steps=200, group=8, prompts_per_step=8)
 
 Each step: the engine takes the policy's current parameters (adapters merged) and samples
-`group` completions of each prompt; rewards give each completion its advantage (its
-reward less its group's mean, over the group's std unless dr_grpo); the completions are
+`group` completions of each prompt (with dynamic_sampling, more rounds until the step
+holds prompts_per_step groups whose rewards differ: `rollouts.Sampler`, PyTorch's own);
+rewards give each completion its advantage (its reward less its group's mean, over the
+group's std unless dr_grpo; or rloo's leave-one-out baseline); the completions are
 packed with each prompt once (`Packed.prefix`) and the policy takes `iterations` clipped
 policy-gradient steps on them, one compiled step each (completions whose advantage is 0
 skip it when beta = 0, counted in the normaliser all the same: `rollouts.to_train`). The
@@ -33,21 +35,22 @@ from linnet.packing import pack_prompted
 from linnet.rl.rollouts import (
     Prompt,
     Reward,
+    Sampler,
     check_prompts,
     counted,
     prompt_groups,
     reward_functions,
-    sample_and_score,
     step_metrics,
     to_train,
 )
 from linnet.run import History, Run, run_and_options
 
 
-def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, tokens: int, sequence_level: bool):
+def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, tokens: int, per_sequence: bool):
     """The samples that train (`rollouts.to_train`) packed into rows [R, P] (each prompt
     once), with per-position advantage, engine log-probability, token weight (1, or
-    1/length for sequence-level) and completion index; None when none trains."""
+    1/length for per-sequence averaging: sequence_mean, GSPO) and completion index; None
+    when none trains."""
     kept = [(i, s) for i, s in enumerate(samples) if trained[i]]
     if not kept:
         return None
@@ -64,7 +67,7 @@ def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, toke
             where = learned[at: at + len(s.tokens)]
             extra["advantage"][r, where] = advantages[i]
             extra["engine"][r, where] = np.asarray(s.logprobs)
-            extra["token_weight"][r, where] = 1.0 / len(s.tokens) if sequence_level else 1.0
+            extra["token_weight"][r, where] = 1.0 / len(s.tokens) if per_sequence else 1.0
             extra["sequence"][r, where] = i
             at += len(s.tokens)
     return {k: np.stack([a[k] for a in arrays]) for k in arrays[0]} | extra, sum(row.real for row in rows)
@@ -114,10 +117,15 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
          remat: bool = False, **options) -> tuple[Params, History]:
     """Train `policy` with GRPO for `run.steps` steps (see the module docstring); returns
     (parameters, history). `run`: a linnet.run.Run, or its fields as keywords (the
-    gradient-norm clip is the Run's; grpo's `clip` is the ratio's). options: the fields of
-    linnet.config.GRPOOptions (or `settings=`) but advantage, sequence_mean and
-    dynamic_sampling, which are PyTorch's (linnet.train.grpo). `reference` (parameters,
-    path -> array) is needed for beta > 0.
+    gradient-norm clip is the Run's; grpo's `clip` is the ratio's; a schedule goes in the
+    optax optimizer: Run.schedule is PyTorch's). options: the fields of
+    linnet.config.GRPOOptions (or `settings=`), as linnet.train.grpo.grpo takes them:
+    advantage ("group", or "rloo": the leave-one-out baseline), sequence_mean (each
+    completion's token losses averaged over its own length, then over completions),
+    dynamic_sampling (DAPO's: up to this many extra sampling rounds a step, seeded by the
+    step, until it holds prompts_per_step groups whose rewards differ; needs a sequence of
+    prompts; linnet.rl.rollouts.Sampler, PyTorch's own) among them. `reference`
+    (parameters, path -> array) is needed for beta > 0.
     Each Step's metrics hold the mean reward (and each function's, when several), the
     share of uniform groups, completion length, stop share, clip fraction, KL and the
     engine/policy log-probability mismatch. `mesh` and `remat` work as for
@@ -126,18 +134,16 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     each iteration from (seed, step, iteration, row), the first iteration's also for the
     `old` log-probabilities."""
     run, s = run_and_options("grpo", run, options, GRPOOptions, settings)
-    pytorch_only = {name: getattr(s, name) for name in ("advantage", "sequence_mean", "dynamic_sampling")
-                    if getattr(s, name) != getattr(GRPOOptions(), name)}
-    if pytorch_only:
-        raise ValueError(f"grpo (JAX): {pytorch_only} are PyTorch's options (linnet.train.grpo), not in the JAX "
-                         "backend yet")
     if s.beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
-    group, max_new_tokens, temperature, top_k, top_p = s.group, s.max_new_tokens, s.temperature, s.top_k, s.top_p
-    iterations, beta, dr_grpo, sequence_level = s.iterations, s.beta, s.dr_grpo, s.sequence_level
-    functions = reward_functions(reward)
+    if s.dynamic_sampling and not isinstance(prompts, Sequence):
+        raise ValueError("grpo: dynamic_sampling draws prompts again: pass the prompts as a sequence")
+    max_new_tokens, iterations, beta, dr_grpo = s.max_new_tokens, s.iterations, s.beta, s.dr_grpo
+    sequence_level = s.sequence_level
+    per_sequence = s.sequence_level or s.sequence_mean  # each completion's tokens weigh 1/its length
     if isinstance(prompts, Sequence):
         check_prompts(enumerate(prompts), tokens, max_new_tokens)
+    sampler = Sampler(engine, reward_functions(reward), s, stop, seed, prompts if isinstance(prompts, Sequence) else ())
     card, dtype, lora_scale = policy.card, policy.dtype, policy.lora_scale
     rate = policy.lora_dropout
     forward = jax.jit(rows_log_probs, static_argnums=(1, 3, 4, 5, 6))
@@ -145,18 +151,15 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     def step(number: int, chunk: list, state: State) -> Update:
         check_prompts(chunk, tokens, max_new_tokens)
         engine.load_weights(policy, state.params)
-        scored = sample_and_score(engine, chunk, functions, group=group, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                                  seed=seed * 1_000_003 + number, dr_grpo=dr_grpo, drop_uniform=s.drop_uniform)
+        chunk, scored, rounds = sampler(chunk, number)
         trained = to_train(scored, beta)
-        rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens,
-                           sequence_level)
+        rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens, per_sequence)
         sequences, n_tokens = counted(scored)
         loss = norm = clipped = kl = mismatch = checked = 0.0
         real = 0
         if rollout is not None:
             host, real = rollout
-            normaliser = sequences if sequence_level else sequences * max_new_tokens if dr_grpo else n_tokens
+            normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
             def placed(iteration: int):  # each iteration new dropout masks, the first's also `old`'s (as PyTorch's)
                 keys = {"lora_key": dropout_keys(seed, number, len(host["weights"]), iteration)} if rate else {}
                 return place_rows({**host, **keys}, mesh)
@@ -176,6 +179,8 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
             loss = float(loss_sum) / max(normaliser, 1.0)
         metrics = step_metrics(scored, trained, tokens=n_tokens, checked=checked, clipped=float(clipped),
                                kl=float(kl), mismatch=mismatch)
+        if s.dynamic_sampling:
+            metrics.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
         return Update(loss, norm, n_tokens, real, metrics)
 
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)

@@ -16,9 +16,12 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from linnet.config.sampling import GRPOOptions
 
 
 @dataclass
@@ -218,6 +221,46 @@ def fill_groups(parts: list[tuple[list, Scored]], want: int) -> tuple[list, Scor
                          rewards, np.zeros(n, bool), np.concatenate(advantages) if advantages else np.zeros(0),
                          np.ones(n * group, bool), sum(s.seconds for _, s in parts),
                          sum(s.score_seconds for _, s in parts))
+
+
+@dataclass
+class Sampler:
+    """Samples and scores a step's groups: `group` completions of each prompt through the
+    engine, scored by the reward functions into group advantages; with DAPO's dynamic
+    sampling, more rounds of prompts drawn from `prompts` until the step holds
+    prompts_per_step groups whose rewards differ. Seeded by (seed, step, round), so a
+    resumed run samples what an uninterrupted one does; `rank` (the process's, in
+    PyTorch's process group) draws its own extra prompts. Both backends' grpo use it."""
+
+    engine: Any
+    functions: dict[str, Reward]
+    settings: GRPOOptions
+    stop: Iterable[int] | None = None
+    seed: int = 0
+    prompts: Sequence[Prompt] = ()
+    rank: int = 0
+
+    def round(self, chunk: list, step: int, round_: int) -> Scored:
+        s = self.settings
+        return sample_and_score(self.engine, chunk, self.functions, group=s.group, max_new_tokens=s.max_new_tokens,
+                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, stop=self.stop,
+                                seed=self.seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=s.dr_grpo,
+                                drop_uniform=s.drop_uniform, advantage=s.advantage)
+
+    def __call__(self, chunk: list, step: int) -> tuple[list, Scored, int]:
+        """(the step's (index, prompt) pairs, their Scored samples, sampling rounds)."""
+        scored, rounds = self.round(chunk, step, 0), 1
+        if not self.settings.dynamic_sampling:
+            return chunk, scored, rounds
+        parts = [(chunk, scored)]
+        draw = np.random.default_rng([self.seed, step, self.rank])
+        while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) \
+                and rounds <= self.settings.dynamic_sampling:
+            extra = [(int(i), self.prompts[int(i)]) for i in draw.integers(0, len(self.prompts), len(chunk))]
+            parts.append((extra, self.round(extra, step, rounds)))
+            rounds += 1
+        chunk, scored = fill_groups(parts, len(chunk))
+        return chunk, scored, rounds
 
 
 def to_train(scored: Scored, beta: float) -> np.ndarray:

@@ -20,7 +20,8 @@ loss and gradient are exactly 0, and their tokens still count in the average
 engine (greedy reward and pass@1, and pass@k from sampled completions), for a Run's
 `evaluate`; `linnet grpo` calls it every `evaluation.every` steps.
 
-A step is three pieces, each tested alone: a `Sampler` (sampling and scoring), the rows
+A step is three pieces, each tested alone: a `Sampler` (sampling and scoring, with DAPO's
+dynamic sampling; linnet.rl.rollouts, shared with the JAX trainer), the rows
 packed from what trains (`_rollout`), and a `PolicyHead` (the loss of a row, with the
 state it keeps across the step's iterations); `step_work` joins them into the step's
 Work, and `fit` (linnet.train.loop) takes it.
@@ -33,7 +34,6 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -44,14 +44,12 @@ from linnet.report.tables import print_table
 from linnet.rl.rollouts import (
     Prompt,
     Reward,
-    Scored,
+    Sampler,
     check_prompts,
     counted,
-    fill_groups,
     pass_at_k,
     prompt_groups,
     reward_functions,
-    sample_and_score,
     sample_in_batches,
     score,
     step_metrics,
@@ -110,44 +108,6 @@ def _completion_log_probs(model, row) -> torch.Tensor:
 def _completions(logp_P: torch.Tensor, row) -> torch.Tensor:
     """A row's per-position log-probabilities at its learned positions."""
     return logp_P[torch.as_tensor(np.flatnonzero(row.weights > 0), device=logp_P.device)]
-
-
-@dataclass
-class Sampler:
-    """Samples and scores a step's groups: `group` completions of each prompt through the
-    engine, scored by the reward functions into group advantages; with DAPO's dynamic
-    sampling, more rounds of prompts drawn from `prompts` until the step holds
-    prompts_per_step groups whose rewards differ. Seeded by (seed, step, round), so a
-    resumed run samples what an uninterrupted one does."""
-
-    engine: Any
-    functions: dict[str, Reward]
-    settings: GRPOOptions
-    stop: Iterable[int] | None = None
-    seed: int = 0
-    prompts: Sequence[Prompt] = ()
-
-    def round(self, chunk: list, step: int, round_: int) -> Scored:
-        s = self.settings
-        return sample_and_score(self.engine, chunk, self.functions, group=s.group, max_new_tokens=s.max_new_tokens,
-                                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, stop=self.stop,
-                                seed=self.seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=s.dr_grpo,
-                                drop_uniform=s.drop_uniform, advantage=s.advantage)
-
-    def __call__(self, chunk: list, step: int) -> tuple[list, Scored, int]:
-        """(the step's (index, prompt) pairs, their Scored samples, sampling rounds)."""
-        scored, rounds = self.round(chunk, step, 0), 1
-        if not self.settings.dynamic_sampling:
-            return chunk, scored, rounds
-        parts = [(chunk, scored)]
-        draw = np.random.default_rng([self.seed, step, world()[0]])
-        while sum(int((~sc.uniform).sum()) for _, sc in parts) < len(chunk) \
-                and rounds <= self.settings.dynamic_sampling:
-            extra = [(int(i), self.prompts[int(i)]) for i in draw.integers(0, len(self.prompts), len(chunk))]
-            parts.append((extra, self.round(extra, step, rounds)))
-            rounds += 1
-        chunk, scored = fill_groups(parts, len(chunk))
-        return chunk, scored, rounds
 
 
 class PolicyHead:
@@ -257,7 +217,8 @@ def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str
     stream = itertools.cycle(enumerate(prompts)) if isinstance(prompts, Sequence) else enumerate(prompts)
     if verbose and world()[0] == 0:
         _print_batch_table(s, tokens, share)
-    sampler = Sampler(engine, functions, s, stop, seed, prompts if isinstance(prompts, Sequence) else ())
+    sampler = Sampler(engine, functions, s, stop, seed, prompts if isinstance(prompts, Sequence) else (),
+                      rank=world()[0])
     return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
                                                              share=share, reference=reference),
                run, per_step=s.prompts_per_step, what="grpo: the prompts")

@@ -33,9 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from linnet.config.groups import PER_TOKEN, REFERENCE_FREE
+
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "orpo", "kto")
-REFERENCE_FREE = frozenset({"simpo", "orpo"})
-PER_TOKEN = frozenset({"ipo", "simpo", "orpo"})  # scores are per-token means of log-probabilities
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
