@@ -7,8 +7,9 @@ Hugging Face checkpoint paths (the same paths as the PyTorch model), driven by a
 
 Numerics as in PyTorch: parameters may be stored in float32 and are cast to the compute
 dtype where used; norms, RoPE tables, attention scores and losses run in float32.
-Attention stays inside each document of a packed row (a document-causal mask built from
-the row's bounds). Shapes: P positions, D hidden, H query heads, K kv heads, d head dim.
+Attention stays inside each document of a packed row and computes only the blocks of
+positions that documents reach (`linnet.jax.attention`). Shapes: P positions, D hidden,
+H query heads, K kv heads, d head dim.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 from linnet.cards import Card
 from linnet.files.adapters import ADAPTER_SUFFIXES, check_adapter_options, write_peft
+from linnet.jax.attention import attend
 from linnet.jax.lora import Params, adapted_weight, linear
 from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
 from linnet.packing import segments
@@ -49,8 +51,10 @@ def as_dtype(dtype: Any):
 
 def row_arrays(batch) -> dict[str, np.ndarray]:
     """A packed row as the arrays the functions here take: tokens, targets, weights,
-    positions, each position's document (`segments`) and the document it also attends
-    to (`shared`: its shared prompt, from `Packed.prefix`; -1 for none)."""
+    positions, each position's document (`segments`), the document it also attends to
+    (`shared`: its shared prompt, from `Packed.prefix`; -1 for none) and the first
+    position it may attend to (`first`: its prompt's or its document's start; in the
+    padding after `batch.real`, its own position, so the padding costs no attention)."""
     bounds = np.asarray(batch.bounds)
     arrays = {name: np.asarray(getattr(batch, name)) for name in ("tokens", "targets", "positions")}
     arrays["weights"] = np.asarray(batch.weights, dtype=np.float32)
@@ -59,6 +63,11 @@ def row_arrays(batch) -> dict[str, np.ndarray]:
     prefix = getattr(batch, "prefix", None)
     prefix = np.full(len(lengths), -1) if prefix is None else np.asarray(prefix)
     arrays["shared"] = np.repeat(prefix, lengths).astype(np.int32)
+    starts = bounds[:-1]
+    first = np.repeat(np.where(prefix >= 0, starts[np.maximum(prefix, 0)], starts), lengths).astype(np.int32)
+    real = int(getattr(batch, "real", bounds[-1]))
+    first[real:] = np.arange(real, len(first))
+    arrays["first"] = first
     return arrays
 
 
@@ -96,15 +105,11 @@ def project(params: Params, card: Card, i: int, x, cos, sin, s: float, drop=None
     return rotate(q, cos, sin), rotate(k, cos, sin), v
 
 
-def _attention(params: Params, card: Card, i: int, x, cos, sin, mask, s: float, drop=None):
+def _attention(params: Params, card: Card, i: int, x, cos, sin, row: dict, s: float, drop=None):
     c = card
     P = x.shape[0]
     q, k, v = project(params, card, i, x, cos, sin, s, drop)
-    groups = c.heads // c.kv_heads
-    q = q.reshape(P, c.kv_heads, groups, c.head_dim).astype(jnp.float32)
-    scores = jnp.einsum("qkgd,tkd->kgqt", q, k.astype(jnp.float32)) / np.sqrt(c.head_dim)
-    scores = jnp.where(mask, scores, -jnp.inf)
-    out = jnp.einsum("kgqt,tkd->qkgd", jax.nn.softmax(scores, axis=-1), v.astype(jnp.float32))
+    out = attend(q.reshape(P, c.kv_heads, c.heads // c.kv_heads, c.head_dim), k, v, row)  # float32
     return linear(params, f"model.layers.{i}.self_attn.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s,
                   drop)
 
@@ -123,17 +128,13 @@ def hidden(params: Params, card: Card, row: dict, dtype=jnp.float32, lora_scale:
     layer in backward instead of keeping its values (jax.checkpoint): a step then keeps
     each layer's input alone, for about a third more compute. lora_dropout > 0 drops the
     adapters' input, the masks drawn from the row's `lora_key` (a raw uint32[2] key)."""
-    positions, segments = row["positions"], row["segments"]
-    cos, sin = cos_sin(card, positions, dtype)
-    index = jnp.arange(positions.shape[0])
-    same = (segments[:, None] == segments[None, :]) | (row["shared"][:, None] == segments[None, :])
-    mask = same & (index[:, None] >= index[None, :])  # within the document (and its shared prompt), causal
+    cos, sin = cos_sin(card, row["positions"], dtype)
 
     def layer(x, i: int):
         path = f"model.layers.{i}"
         drop = (lora_dropout, row["lora_key"]) if lora_dropout else None
         x = x + _attention(params, card, i, rms_norm(x, params[f"{path}.input_layernorm.weight"], card.norm_eps),
-                           cos, sin, mask, lora_scale, drop)
+                           cos, sin, row, lora_scale, drop)
         return x + mlp(params, card, i, rms_norm(x, params[f"{path}.post_attention_layernorm.weight"],
                                                    card.norm_eps), lora_scale, drop)
 
