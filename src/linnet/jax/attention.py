@@ -1,4 +1,4 @@
-"""Causal attention within the documents of a packed row, in JAX, a band of blocks at a time.
+"""Causal attention within the documents of a packed row, in JAX, only the blocks that meet.
 
     out = attend(q, k, v, row)      # q [P, K, G, d], k and v [P, K, d]; row: see `model.row_arrays`
 
@@ -6,27 +6,32 @@ A query may see a key when the key is not later, lies in the query's document or
 shared prompt (`row["shared"]`), and is not before the first position it may see
 (`row["first"]`: its prompt's or its document's start; its own position in the padding,
 which so attends to itself alone). A masked P x P product spends almost all its work on
-pairs that mask out; here the row is cut into blocks of B positions and query block i
-meets key block i - j for j = 0, 1, ... W - 1 only, all the query blocks at once each
-turn, where the band W is the widest reach, in blocks, of any query block (from the
-row's `first`; a lax.while_loop with that many turns, so rows of any documents share
-one compiled shape). A row of short documents computes a narrow band; a row that one
-document fills computes every block pair, about what the masked product does.
+pairs that mask out. Here the row is cut into N blocks of B positions; query block i needs
+key blocks lo_i .. i only, lo_i the block of the earliest position any of its queries may
+see. Every (query block, key block) pair below the diagonal is listed in one static order
+with the needed pairs first, and a lax.while_loop takes them CHUNK pairs a turn until the
+needed ones are done, so rows of any documents share one compiled shape and a row of short
+documents computes a few pairs a block (one document filling the row computes the whole
+lower triangle of blocks, about half the masked product's work).
 
-Each turn folds its block into the running softmax (flash attention's online max and
-sum), and backward (a custom_vjp) recomputes each turn's probabilities from the saved
-log-sum-exp, so nothing of size P x P is held. Everything runs in float32.
+Each turn folds its pairs into each query block's running softmax (flash attention's online
+max and sum, gathered and scattered by block), and backward (a custom_vjp) recomputes each
+pair's probabilities from the saved log-sum-exp, so nothing of size P x P is held.
+Everything runs in float32.
 
-Shapes: P positions, N blocks of B positions, K key/value heads, G query heads a key
-head, d head dim.
+Shapes: P positions, N blocks of B positions, C pairs a turn, K key/value heads, G query
+heads a key head, d head dim.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-BLOCK = 64  # positions a block: measured on a 2-core AVX2 CPU, 64 beat 32 and 128 (bench/jax_vs_torch.py)
+BLOCK = 32  # positions a block, and
+CHUNK = 32  # block pairs a turn: both measured best of 16-128 on a 2-core AVX2 CPU (bench/jax_vs_torch.py)
+FLOOR = -1e30  # a running maximum before any key: finite, so exp(FLOOR - FLOOR) = 1, not nan
 
 
 def allowed(q_index, k_index, k_segment, segment, shared, first):
@@ -63,71 +68,89 @@ def attend(q_PKGd, k_PKd, v_PKd, row: dict, block: int = BLOCK):
     meta = (index.reshape(N, B), blocks(row["segments"].astype(jnp.int32), -1),
             blocks(row["shared"].astype(jnp.int32), -1),
             jnp.concatenate([row["first"].astype(jnp.int32), index[P:]]).reshape(N, B))
-    band = jnp.max(jnp.arange(N) - meta[3].min(axis=1) // B) + 1  # key blocks the widest query block reaches
     q_NKGBd = blocks(q_PKGd.astype(jnp.float32) / jnp.sqrt(jnp.float32(d))).transpose(0, 2, 3, 1, 4)
     k_NKBd, v_NKBd = (blocks(x.astype(jnp.float32)).transpose(0, 2, 1, 3) for x in (k_PKd, v_PKd))
-    out_NKGBd = _banded(q_NKGBd, k_NKBd, v_NKBd, meta, band)
+    out_NKGBd = _paired(q_NKGBd, k_NKBd, v_NKBd, meta, _pairs(meta[3], B, N))
     return out_NKGBd.transpose(0, 3, 1, 2, 4).reshape(N * B, K, G, d)[:P]
 
 
-def _turn_mask(meta, j):
-    """[N, B, B] which (query, key) pairs of query block i and key block i - j may meet
-    (key blocks wrap around below block 0: those are later than every query, so masked)."""
+def _pairs(first_NB, B: int, N: int):
+    """(query blocks [T, C], key blocks [T, C], turns): every pair below the diagonal in
+    turns of C = CHUNK pairs, the needed ones first. The others that share
+    the last needed turn are masked out whole by `_mask`: their key blocks lie before the
+    query block's reach, or (the spare pairs filling the last turn) after it."""
+    C = CHUNK
+    i_M, j_M = np.tril_indices(N)
+    lo_N = first_NB.min(axis=1) // B
+    needed = jnp.asarray(j_M) >= lo_N[i_M]
+    order = jnp.argsort(~needed, stable=True)
+    spare = -len(i_M) % C
+    qi, ki = (jnp.pad(jnp.asarray(x, jnp.int32)[order], (0, spare), constant_values=fill).reshape(-1, C)
+              for x, fill in ((i_M, 0), (j_M, N - 1)))  # spare pairs: key block N - 1 is later than query block 0
+    return qi, ki, (needed.sum() + C - 1) // C
+
+
+def _mask(meta, qi_C, ki_C):
+    """[C, B, B] which (query, key) pairs of each listed block pair may meet."""
     index, seg, shared, first = meta
-    k_index, k_seg = jnp.roll(index, j, axis=0), jnp.roll(seg, j, axis=0)
-    return allowed(index[:, :, None], k_index[:, None, :], k_seg[:, None, :], seg[:, :, None], shared[:, :, None],
-                   first[:, :, None])
+    return allowed(index[qi_C][:, :, None], index[ki_C][:, None, :], seg[ki_C][:, None, :], seg[qi_C][:, :, None],
+                   shared[qi_C][:, :, None], first[qi_C][:, :, None])
 
 
-def _scores(q_NKGBd, k_NKBd, mask_NBB):
-    return jnp.where(mask_NBB[:, None, None], jnp.einsum("nkgqd,nktd->nkgqt", q_NKGBd, k_NKBd), -jnp.inf)
+def _scores(q_CKGBd, k_CKBd, mask_CBB):
+    return jnp.where(mask_CBB[:, None, None], jnp.einsum("ckgqd,cktd->ckgqt", q_CKGBd, k_CKBd), -jnp.inf)
 
 
-def _forward(q_NKGBd, k_NKBd, v_NKBd, meta, band):
-    """(out, log-sum-exp [N, K, G, B]) over the band's turns, softmax kept online."""
+def _forward(q_NKGBd, k_NKBd, v_NKBd, meta, pairs):
+    """(out, log-sum-exp [N, K, G, B]) over the needed pairs, softmax kept online."""
+    qi_TC, ki_TC, turns = pairs
+
     def turn(carry):
-        j, m, total, acc = carry
-        s = _scores(q_NKGBd, jnp.roll(k_NKBd, j, axis=0), _turn_mask(meta, j))
-        m_new = jnp.maximum(m, s.max(axis=-1))  # finite from turn 0 on: a query always sees itself
-        p = jnp.exp(s - m_new[..., None])
+        t, m, total, acc = carry
+        qi, ki = qi_TC[t], ki_TC[t]
+        s = _scores(q_NKGBd[qi], k_NKBd[ki], _mask(meta, qi, ki))
+        m_new = m.at[qi].max(s.max(axis=-1))
+        p = jnp.exp(s - m_new[qi][..., None])
         scale = jnp.exp(m - m_new)
-        acc = acc * scale[..., None] + jnp.einsum("nkgqt,nktd->nkgqd", p, jnp.roll(v_NKBd, j, axis=0))
-        return j + 1, m_new, total * scale + p.sum(axis=-1), acc
+        total = (total * scale).at[qi].add(p.sum(axis=-1))
+        acc = (acc * scale[..., None]).at[qi].add(jnp.einsum("ckgqt,cktd->ckgqd", p, v_NKBd[ki]))
+        return t + 1, m_new, total, acc
 
     stats = jnp.zeros(q_NKGBd.shape[:-1], jnp.float32)
-    _, m, total, acc = jax.lax.while_loop(lambda c: c[0] < band, turn,
-                                      (jnp.int32(0), stats - jnp.inf, stats, jnp.zeros_like(q_NKGBd)))
+    _, m, total, acc = jax.lax.while_loop(lambda c: c[0] < turns, turn,
+                                          (jnp.int32(0), stats + FLOOR, stats, jnp.zeros_like(q_NKGBd)))
     return acc / total[..., None], m + jnp.log(total)
 
 
 @jax.custom_vjp
-def _banded(q_NKGBd, k_NKBd, v_NKBd, meta, band):
-    return _forward(q_NKGBd, k_NKBd, v_NKBd, meta, band)[0]
+def _paired(q_NKGBd, k_NKBd, v_NKBd, meta, pairs):
+    return _forward(q_NKGBd, k_NKBd, v_NKBd, meta, pairs)[0]
 
 
-def _banded_forward(q_NKGBd, k_NKBd, v_NKBd, meta, band):
-    out, lse = _forward(q_NKGBd, k_NKBd, v_NKBd, meta, band)
-    return out, (q_NKGBd, k_NKBd, v_NKBd, meta, band, out, lse)
+def _paired_forward(q_NKGBd, k_NKBd, v_NKBd, meta, pairs):
+    out, lse = _forward(q_NKGBd, k_NKBd, v_NKBd, meta, pairs)
+    return out, (q_NKGBd, k_NKBd, v_NKBd, meta, pairs, out, lse)
 
 
-def _banded_backward(saved, dout_NKGBd):
-    q_NKGBd, k_NKBd, v_NKBd, meta, band, out, lse = saved
+def _paired_backward(saved, dout_NKGBd):
+    q_NKGBd, k_NKBd, v_NKBd, meta, pairs, out, lse = saved
+    qi_TC, ki_TC, turns = pairs
     delta = (dout_NKGBd * out).sum(axis=-1)  # [N, K, G, B]: sum_t p * dp, per query
 
     def turn(carry):
-        j, dq, dk, dv = carry
-        k_j = jnp.roll(k_NKBd, j, axis=0)
-        p = jnp.exp(_scores(q_NKGBd, k_j, _turn_mask(meta, j)) - lse[..., None])
-        dv_j = jnp.einsum("nkgqt,nkgqd->nktd", p, dout_NKGBd)
-        ds = p * (jnp.einsum("nkgqd,nktd->nkgqt", dout_NKGBd, jnp.roll(v_NKBd, j, axis=0)) - delta[..., None])
-        dq = dq + jnp.einsum("nkgqt,nktd->nkgqd", ds, k_j)
-        dk_j = jnp.einsum("nkgqt,nkgqd->nktd", ds, q_NKGBd)
-        return j + 1, dq, dk + jnp.roll(dk_j, -j, axis=0), dv + jnp.roll(dv_j, -j, axis=0)
+        t, dq, dk, dv = carry
+        qi, ki = qi_TC[t], ki_TC[t]
+        q, k, dout = q_NKGBd[qi], k_NKBd[ki], dout_NKGBd[qi]
+        p = jnp.exp(_scores(q, k, _mask(meta, qi, ki)) - lse[qi][..., None])
+        ds = p * (jnp.einsum("ckgqd,cktd->ckgqt", dout, v_NKBd[ki]) - delta[qi][..., None])
+        return (t + 1, dq.at[qi].add(jnp.einsum("ckgqt,cktd->ckgqd", ds, k)),
+                dk.at[ki].add(jnp.einsum("ckgqt,ckgqd->cktd", ds, q)),
+                dv.at[ki].add(jnp.einsum("ckgqt,ckgqd->cktd", p, dout)))
 
-    _, dq, dk, dv = jax.lax.while_loop(lambda c: c[0] < band, turn,
+    _, dq, dk, dv = jax.lax.while_loop(lambda c: c[0] < turns, turn,
                                        (jnp.int32(0), jnp.zeros_like(q_NKGBd), jnp.zeros_like(k_NKBd),
                                         jnp.zeros_like(v_NKBd)))
     return dq, dk, dv, None, None
 
 
-_banded.defvjp(_banded_forward, _banded_backward)
+_paired.defvjp(_paired_forward, _paired_backward)
