@@ -468,7 +468,7 @@ def test_an_engine_split_over_a_mesh_takes_a_split_policy_in_place(jx, tmp_path)
     from jax.sharding import Mesh
 
     from linnet.jax.engine import Engine
-    from linnet.jax.model import part
+    from linnet.jax.sharding import part
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     _, policy = _lora_pair(jx, tmp_path)

@@ -53,6 +53,7 @@ def load(
     quantize: str | None = None,
     numerics: str | None = None,
     lora: dict | None = None,
+    mesh: Any = None,
     **seed_spelling: Any,
 ):
     """Build the card's decoder for `backend`. `card`: a Card, a registered name, a local
@@ -103,7 +104,10 @@ def load(
     full float32 matmuls and f32 sums, for runs compared to the last digits. A CPU
     computes one way, so neither changes anything there; None leaves the settings alone.
     backend="jax" (or the seed's "jax_source") gives a linnet.jax.JaxModel (needs the
-    `jax` extra); it takes weights, dtype, seed and numerics.
+    `jax` extra); it takes weights, dtype, seed, numerics and mesh: a jax.sharding.Mesh
+    (one axis, or ("data", "model")) over which each parameter is placed in its parts as
+    the JAX trainers split it, each device reading its own slice of each tensor
+    (linnet.jax.sharding).
     """
     card = resolve(card)
     if backend not in ("torch", "jax", "jax_source"):
@@ -126,6 +130,9 @@ def load(
                          "weights are read: " + ("that is the PyTorch backend's for now; export the run "
                                                  "(`linnet export --merge`) and load that directory"
                                                  if backend != "torch" else "weights='random' would leave them out"))
+    if backend == "torch" and mesh is not None:
+        raise ValueError("mesh= places a JAX model (backend='jax'); the PyTorch backend splits a model with "
+                         "tensor_parallel=, pipeline= or fully_shard=True")
     if backend != "torch":
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
                                                    ("compile", compile, False), ("attention", attention, "auto"),
@@ -145,7 +152,7 @@ def load(
             if e.name not in ("jax", "jaxlib", "optax"):
                 raise
             raise ModuleNotFoundError(f"backend={backend!r} needs {e.name}: pip install 'linnet[jax]'") from e
-        return load_model(card, weights=weights, dtype=dtype, seed=seed, numerics=numerics)
+        return load_model(card, weights=weights, dtype=dtype, seed=seed, numerics=numerics, mesh=mesh)
     from linnet.torch.loading import build
 
     return build(

@@ -28,6 +28,7 @@ from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.jax.preference_loss import pair_losses
+from linnet.jax.sharding import check_mesh
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.run import History, Run, run_and_options
 
@@ -136,6 +137,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, setti
     work as for `linnet.jax.train.train` (a step's rows split over the devices, filled out
     with rows that learn nothing); the reference log-probabilities take no dropout."""
     run, s = run_and_options("dpo", run, options, DPOSettings, settings)
+    mesh = check_mesh(mesh)
     if s.loss_type == "kto" or (s.desirable_weight, s.undesirable_weight) != (1.0, 1.0):
         raise ValueError("dpo (JAX): loss_type='kto', desirable_weight and undesirable_weight are KTO's, which "
                          "trains on unpaired answers: use linnet.train.kto.kto (the PyTorch backend's; JAX has no "

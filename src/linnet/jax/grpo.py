@@ -31,6 +31,7 @@ from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
+from linnet.jax.sharding import check_mesh
 from linnet.packing import pack_prompted
 from linnet.rl.rollouts import (
     Prompt,
@@ -134,6 +135,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     each iteration from (seed, step, iteration, row), the first iteration's also for the
     `old` log-probabilities."""
     run, s = run_and_options("grpo", run, options, GRPOOptions, settings)
+    mesh = check_mesh(mesh)
     if s.beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
     if s.dynamic_sampling and not isinstance(prompts, Sequence):

@@ -24,7 +24,8 @@ import numpy as np
 from linnet.files import checkpoints as layout
 from linnet.files.adapters import ADAPTERS, MAGNITUDES
 from linnet.jax.lora import Params
-from linnet.jax.model import JaxModel, part, save_peft, save_weights
+from linnet.jax.model import JaxModel, save_peft, save_weights
+from linnet.jax.sharding import place, place_like, row_axis, rows_sharding
 from linnet.paths import select
 from linnet.run import History, Preempted, Run, Step, due, step_items, stop_asked
 
@@ -67,16 +68,13 @@ def apply_gradients(grads: Params, trained: Params, opt_state, optimizer, clip: 
 
 
 def place_rows(rows: dict[str, np.ndarray], mesh) -> dict:
-    """Stacked rows [R, ...] split over the mesh's devices, filled out to a multiple of
-    the device count with all-zero rows (which learn nothing); as they are without a mesh."""
+    """Stacked rows [R, ...] split over the mesh's (data) devices, filled out to a multiple
+    of their count with all-zero rows (which learn nothing); as they are without a mesh."""
     if mesh is None:
         return rows
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    devices = mesh.shape[mesh.axis_names[0]]
-    missing = -len(rows["weights"]) % devices
+    missing = -len(rows["weights"]) % mesh.shape[row_axis(mesh)]
     rows = {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
-    return jax.device_put(rows, NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])))
+    return jax.device_put(rows, rows_sharding(mesh))
 
 
 def learning_rate(opt_state) -> float:
@@ -169,20 +167,19 @@ def start_run(model: JaxModel, optimizer, trainable, checkpoint, mesh=None):
     """(trained, frozen, optimizer state, step to start from): the parameters split by
     `trainable` (default all, or the adapters after add_lora), trained ones as float32
     copies (each step donates its buffers; the model's arrays must survive), placed in
-    parts over `mesh`, and resumed from `checkpoint` when it holds one."""
+    parts over `mesh` (`linnet.jax.sharding`), and resumed from `checkpoint` when it holds one."""
     if trainable is None:  # the adapters (DoRA's magnitudes too, when there are any) or everything
         trainable = [p for p in [*ADAPTERS, MAGNITUDES] if fnmatch.filter(model.params, p)] if model.lora else True
     chosen = select(list(model.params), trainable, what="trainable")
     trained = {k: v for k, v in model.params.items() if k in chosen}
     frozen = {k: v for k, v in model.params.items() if k not in chosen}
     trained = {k: jnp.array(v, jnp.float32, copy=True) for k, v in trained.items()}
+    head_dim = model.card.head_dim
     if mesh is not None:
-        trained = {k: jax.device_put(v, part(v, mesh)) for k, v in trained.items()}
-        frozen = {k: jax.device_put(v, part(v, mesh)) for k, v in frozen.items()}
+        trained, frozen = place(trained, mesh, head_dim), place(frozen, mesh, head_dim)
     opt_state = optimizer.init(trained)
     if mesh is not None:  # its scalars too (a step count): placed as the step returns them, or step 2 compiles again
-        opt_state = jax.tree.map(lambda x: jax.device_put(x, part(x, mesh)) if isinstance(x, jax.Array) else x,
-                                 opt_state)
+        opt_state = place_like(opt_state, trained, mesh, head_dim)
     start = 0
     if checkpoint is not None:
         start, trained, opt_state = load_checkpoint(checkpoint, trained, opt_state)

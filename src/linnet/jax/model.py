@@ -240,10 +240,13 @@ class JaxModel:
         save_weights(self.params if params is None else params, path, self.card)
 
     def shard(self, mesh) -> JaxModel:
-        """Split the parameters over `mesh` as training splits a policy's (`part`): an
-        Engine over this model then computes split over those devices (GSPMD), and
-        `copy_weights` places what it takes the same way. Returns the model."""
-        self.params = {k: jax.device_put(v, part(v, mesh)) for k, v in self.params.items()}
+        """Split the parameters over `mesh` as training splits a policy's
+        (`linnet.jax.sharding`: one axis, or "data" and "model"): an Engine over this model
+        then computes split over those devices (GSPMD), and `copy_weights` places what it
+        takes the same way. Returns the model."""
+        from linnet.jax.sharding import check_mesh, place
+
+        self.params = place(self.params, check_mesh(mesh), self.card.head_dim)
         return self
 
     def copy_weights(self, source: JaxModel, params: Params | None = None) -> None:
@@ -309,18 +312,6 @@ def save_peft(model: JaxModel, directory: str | os.PathLike, params: Params | No
     write_peft(directory, adapters, model.lora, card.weights.repo or card.weights.path)
 
 
-def part(x, mesh):
-    """A NamedSharding splitting `x` along its largest axis the mesh's device count
-    divides (FSDP); whole on every device when none does."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    axis = mesh.axis_names[0]
-    for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
-        if x.shape[d] % mesh.shape[axis] == 0:
-            return NamedSharding(mesh, PartitionSpec(*[axis if i == d else None for i in range(x.ndim)]))
-    return NamedSharding(mesh, PartitionSpec())
-
-
 def set_numerics(numerics: str | None, platform: str) -> None:
     """The matmul rounding `nest.load(numerics=)` asks for, as JAX's process-wide default
     precision: on a GPU or TPU "fast" takes XLA's default (TF32 or bf16 passes for float32
@@ -331,14 +322,19 @@ def set_numerics(numerics: str | None, platform: str) -> None:
 
 
 def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, seed: int = 0,
-               numerics: str | None = None) -> JaxModel:
+               numerics: str | None = None, mesh=None) -> JaxModel:
     """The card's decoder in JAX. weights: a directory or .safetensors file; None takes the
     card's own; "random" draws N(0, 0.02) matrices (zero biases, unit norms) from `seed`.
     Parameters are kept in float32; `dtype` (default float32) is the compute dtype.
-    numerics: see `linnet.nest.load`."""
+    numerics: see `linnet.nest.load`. mesh: place each parameter in its parts over the
+    mesh as the trainers split it (`linnet.jax.sharding`), each device reading its own
+    slice of each tensor from the safetensors files and never the whole model; random
+    weights are drawn whole on the host, then placed."""
     from linnet.cards import resolve, weights_directory
+    from linnet.jax.sharding import check_mesh, place
 
     card = resolve(card)
+    mesh = check_mesh(mesh)
     set_numerics(numerics, jax.default_backend())
     shapes = parameter_shapes(card)
     if isinstance(weights, str) and weights == "random":
@@ -351,22 +347,33 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
                 params[name] = np.zeros(shape, np.float32)
             else:
                 params[name] = rng.normal(0.0, 0.02, shape).astype(np.float32)
+        if mesh is not None:
+            params = place(params, mesh, card.head_dim)
     else:
-        params = _read_weights(card, weights_directory(card) if weights is None else weights, shapes)
+        params = _read_weights(card, weights_directory(card) if weights is None else weights, shapes, mesh)
     return JaxModel(card, {k: jnp.asarray(params[k]) for k in shapes}, as_dtype(dtype))  # in the model's order
 
 
-def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """Every parameter from `source` in float32, checked as the PyTorch loader checks it."""
+def _read_weights(card: Card, source, shapes: dict[str, tuple[int, ...]], mesh=None) -> dict:
+    """Every parameter from `source` in float32, checked as the PyTorch loader checks it:
+    numpy arrays, or over `mesh` arrays in their parts, each device's part read alone
+    (a slice of the tensor) and cast to float32."""
     from linnet.files.atomic import safetensors_file
     from linnet.files.weights import ignorable, locate_weights
+    from linnet.jax.sharding import part
 
     found = locate_weights(source, shapes, card.name, skip=lambda name: ignorable(name, card.tied_embeddings))
-    params: dict[str, np.ndarray] = {}
+    params: dict = {}
     for file in dict.fromkeys(file for file, _ in found.values()):
         with safetensors_file(file, "numpy") as f:
-            params.update({name: f.get_tensor(key).astype(np.float32)
-                           for name, (where, key) in found.items() if where == file})
+            for name, (where, key) in found.items():
+                if where == file and mesh is None:
+                    params[name] = f.get_tensor(key).astype(np.float32)
+                elif where == file:  # each device's part alone: a slice of the tensor
+                    tensor, shape = f.get_slice(key), jax.ShapeDtypeStruct(shapes[name], jnp.float32)
+                    params[name] = jax.make_array_from_callback(
+                        shape.shape, part(shape, mesh, name, card.head_dim),
+                        lambda index, tensor=tensor: np.asarray(tensor[index], np.float32))
     return params
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from linnet.jax.loop import State, Update, apply_gradients, fit
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, loss_packed, row_arrays
+from linnet.jax.sharding import check_mesh, row_axis, rows_sharding
 from linnet.run import History, Run, run_and_options
 
 
@@ -65,9 +66,11 @@ def train(model: JaxModel, batches: Iterable, run: Run | None = None, *, accumul
     checkpoint there (skipping the batches its steps took). `save_to` writes the
     result: the weights as safetensors, or the adapters as a PEFT directory.
 
-    mesh: a one-axis `jax.sharding.Mesh` for data-parallel, fully sharded training: every
-    accumulated micro-step takes one row a device, and every parameter, its gradient and
-    optimizer state are split along the largest axis the device count divides.
+    mesh: a `jax.sharding.Mesh` (`linnet.jax.sharding`). One axis: data-parallel, fully
+    sharded training: every accumulated micro-step takes one row a device, and every
+    parameter, its gradient and optimizer state are split along the largest axis the device
+    count divides. Two, ("data", "model"): a micro-step takes one row a "data" index, and
+    the weights are split tensor-parallel over "model" and fully sharded over "data".
     remat: recompute each layer in backward (see `linnet.jax.model.hidden`).
     seed: the adapters' dropout masks
     (add_lora(dropout=)), drawn a row at a time from (seed, step, row), so a resumed run
@@ -75,12 +78,9 @@ def train(model: JaxModel, batches: Iterable, run: Run | None = None, *, accumul
     run, _ = run_and_options("train", run, options)
     if accumulate < 1:
         raise ValueError(f"train: accumulate={accumulate}; it must be >= 1")
-    per_micro, row_sharding = 1, None
-    if mesh is not None:
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        per_micro = mesh.shape[mesh.axis_names[0]]
-        row_sharding = NamedSharding(mesh, PartitionSpec(None, mesh.axis_names[0]))
+    mesh = check_mesh(mesh)
+    per_micro = 1 if mesh is None else mesh.shape[row_axis(mesh)]
+    row_sharding = None if mesh is None else rows_sharding(mesh, dim=1)
     rate = model.lora_dropout
     compiled = _make_step(model.card, model.dtype, model.lora_scale, run.optimizer, run.clip, remat, rate)
 
