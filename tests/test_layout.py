@@ -13,7 +13,7 @@ MAX_LINES = 650
 # Backend-neutral: no torch, no JAX when imported (the JAX backend, tokenizer workers and
 # the planner use them).
 NEUTRAL = ["cards", "hardware", "plan.memory", "plan.parts", "packing", "paths", "files.atomic", "run",
-           "schedules", "files.checkpoints", "files.reference_cache", "rl.rollouts", "files.adapters",
+           "schedules", "files.checkpoints", "files.reference_cache", "rl.rollouts", "rl.sandbox", "files.adapters",
            "report.metrics", "report.tables", "report.progress", "plan", "config", "pretrain.recipe", "data.corpus",
            "pretrain.tokenize", "commands.plan"]
 

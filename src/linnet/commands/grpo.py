@@ -52,11 +52,13 @@ def prompts_and_rewards(config, g) -> Rollouts:
         functions = {name: f if hasattr(f, "batch") else rewards.Concurrent(f, g.reward_workers)
                      for name, f in functions.items()}
     fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat, names=spellings.RECORDS)
-    prompts = prompts_from_records(read_records(d.path, split=d.split, names=spellings.RECORDS), tokenizer,
-                                   **fields)
-    if d.eval_path:
-        held_out = prompts_from_records(read_records(d.eval_path), tokenizer, **fields)
-    else:
+    records = read_records(d.path, split=d.split, names=spellings.RECORDS)
+    eval_records = read_records(d.eval_path) if d.eval_path else []
+    prompts = prompts_from_records(records, tokenizer, **fields)
+    held_out = prompts_from_records(eval_records, tokenizer, **fields)
+    if "code" in g.rewards:  # its tests, every record's, before anything is written
+        check_tests(records + eval_records, d.answer)
+    if not d.eval_path:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
     check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens,
                   names={**spellings.PROMPTS, "max_new_tokens": f"{g.YAML}.max_new_tokens"}, who=g.YAML)
@@ -68,6 +70,17 @@ def prompts_and_rewards(config, g) -> Rollouts:
     per_process = runs.split_per_step(f"{g.YAML}.prompts_per_step", g.prompts_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
     return Rollouts(card, prompts[share::shares], held_out[share::shares], functions, steps, per_process, share)
+
+
+def check_tests(records, field: str) -> None:
+    """The `code` reward's tests in each record's `field` (data.answer) are tests it can run."""
+    from linnet.rl.sandbox import as_tests
+
+    for record in records:
+        try:
+            as_tests(record.data[field])
+        except ValueError as e:
+            raise ValueError(f"{record.where}: field {field!r} holds the code reward's tests (data.answer): {e}") from None
 
 
 def engine_and_reference(config, g, card, policy, reference: bool):

@@ -6,12 +6,15 @@ returns `reward(prompt, completion_ids) -> float` with `prompt.answer` the refer
   exact      1 when the completion's final answer equals the reference answer
   numeric    1 when the completion's last number equals the reference number
   format     1 when the completion matches a regular expression (no answer needed)
+  code       the share of the reference tests that the completion's program passes, run in
+             a sandboxed process (linnet.rl.sandbox); the program is the completion's last
+             ```python block, else the whole completion, and `prompt.answer` the tests
 
 A final answer is the text after the last "####" (GSM8K's convention), else after the
 last "answer:"/"answer is", else the whole completion, stripped.
 
-`Concurrent(reward, workers)` scores a slow per-completion reward (one that runs a
-subprocess or asks a service) several completions at a time (`grpo.reward_workers`).
+`Concurrent(reward, workers)` scores a slow per-completion reward (`code`, or one that runs
+a subprocess or asks a service) several completions at a time (`grpo.reward_workers`).
 
 A `module:function` reward may also follow TRL's contract, recognised by its parameters
 `prompts` and `completions`: `f(prompts, completions, **columns) -> list[float]` over a
@@ -30,7 +33,10 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from linnet.rl import sandbox
+
 NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
+FENCED = re.compile(r"```py(?:thon)?[ \t]*\n(.*?)```", flags=re.DOTALL)
 
 
 def final_answer(text: str) -> str:
@@ -80,6 +86,26 @@ def format_match(tokenizer, pattern: str) -> Callable:
         return float(compiled.search(text_of(tokenizer, completion)) is not None)
 
     return format_reward
+
+
+def code_of(text: str) -> str:
+    """A completion's program: its last ```python fenced block, else the whole text."""
+    blocks = FENCED.findall(text)
+    return blocks[-1] if blocks else text
+
+
+def code(tokenizer) -> Callable:
+    sandbox.check_platform()
+
+    def code_tests(prompt, completion: list[int]) -> float:
+        try:
+            tests = sandbox.as_tests(prompt.answer)
+        except ValueError as e:
+            raise ValueError(f"the code reward runs the prompt's answer as its tests (from a data file, the field "
+                             f"data.answer names, e.g. data.answer: tests): {e}") from None
+        return sandbox.run_tests(code_of(text_of(tokenizer, completion)), tests).share
+
+    return code_tests
 
 
 class Concurrent:
@@ -154,7 +180,7 @@ class trl_reward:  # noqa: N801  (used as a function: trl_reward(f, tokenizer))
 
 def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
     """A reward from its config spelling: "exact", "numeric", "format" (with `pattern`),
-    "model:DIR" (a reward model saved by `linnet reward`, scored in packed batches), or
+    "code", "model:DIR" (a reward model saved by `linnet reward`, scored in packed batches), or
     "package.module:function" (a function taking (prompt, completion_ids), or TRL's
     (prompts, completions, **columns) for a batch: see the module docstring)."""
     if spec == "exact":
@@ -165,13 +191,15 @@ def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
         if not pattern:
             raise ValueError("reward 'format' needs grpo.format_pattern, a regular expression")
         return format_match(tokenizer, pattern)
+    if spec == "code":
+        return code(tokenizer)
     if spec.startswith("model:"):  # a reward model trained by `linnet reward`
         from linnet.train.reward import RewardScorer
 
         return RewardScorer(spec.removeprefix("model:"))
     module, sep, name = spec.partition(":")
     if not sep:
-        raise ValueError(f"reward {spec!r}: use exact, numeric, format, or 'module:function'")
+        raise ValueError(f"reward {spec!r}: use exact, numeric, format, code, or 'module:function'")
     try:
         function = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
