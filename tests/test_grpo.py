@@ -27,15 +27,20 @@ def _prompts(n=16, seed=0):
     return [Prompt(g.integers(3, 16, size=int(g.integers(1, 5))).tolist()) for _ in range(n)]
 
 
-def _run(steps, checkpoint=None, **kw):
+def _run(steps, checkpoint=None, reward=sevens, lora=False, keep_policy=None, **kw):
+    """GRPO on CARD for `steps` steps (the policy appended to `keep_policy`, when given)."""
     torch.manual_seed(0)
-    policy = nest.load(CARD, weights="random", seed=1, trainable=True)
+    policy = nest.load(CARD, weights="random", seed=1, trainable=not lora)
+    if lora:
+        policy.add_lora("model.layers.*.self_attn.*_proj", rank=4, alpha=8)
+    if keep_policy is not None:
+        keep_policy.append(policy)
     engine = Engine(nest.load(CARD, weights="random", seed=1))
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
     options = dict(group=8, prompts_per_step=4, max_new_tokens=6, tokens=64, checkpoint=checkpoint,
                    checkpoint_every=2, verbose=False)
     options.update(kw)
-    return grpo(policy, engine, _prompts(), sevens, optimizer=opt, steps=steps, **options)
+    return grpo(policy, engine, _prompts(), reward, optimizer=opt, steps=steps, **options)
 
 
 def test_reward_rises_and_first_iteration_is_unclipped():

@@ -54,6 +54,9 @@ class GRPOOptions(SamplingOptions):
     beta: float = option(0.0, "k3 KL weight against a frozen copy of the starting model")
     correction_cap: float | None = option(None, "truncated importance weights p_policy/p_engine, capped (needs "
                                                 "temperature 1, no top_k or top_p)")
+    correction: Literal["token", "sequence"] = option("token", "correction_cap's weights: token, each token's "
+                                                               "own; sequence, one a completion (the product of "
+                                                               "its tokens' ratios)")
     dr_grpo: bool = option(False, "Dr. GRPO: no std division, constant normaliser")
     sequence_level: bool = option(False, "GSPO: one ratio per completion")
     advantage: Literal["group", "rloo"] = option("group", "group: reward - group mean, over the group's std; rloo: "
@@ -62,9 +65,16 @@ class GRPOOptions(SamplingOptions):
                                         "completions (the GRPO paper's 1/|o_i|)")
     dynamic_sampling: int = option(0, "DAPO's dynamic sampling: up to this many extra sampling rounds a step, "
                                       "until it holds prompts_per_step groups whose rewards differ; 0: off")
+    max_staleness: int = option(0, "sample up to this many steps ahead on a second thread, each from the weights "
+                                   "that many updates old (correction_cap weighs them); 0: each step samples the "
+                                   "current weights")
+    stall_timeout: float = option(1800.0, "with max_staleness: seconds the trainer waits for a step's samples, or "
+                                          "the sampler for the next weights, before the run ends naming the side "
+                                          "that stalled")
 
     def __post_init__(self):
         check_one_of(self, "advantage")
+        check_one_of(self, "correction")
         if self.group < 2:
             raise ValueError(f"config: grpo.group={self.group}; grpo.group >= 2 (a group's rewards are compared "
                              "with each other)")
@@ -72,6 +82,10 @@ class GRPOOptions(SamplingOptions):
         if self.dynamic_sampling < 0:
             raise ValueError(f"config: grpo.dynamic_sampling={self.dynamic_sampling}; it is a number of extra "
                              "sampling rounds, >= 0")
+        if self.max_staleness < 0 or not self.stall_timeout > 0:
+            raise ValueError(f"config: grpo.max_staleness={self.max_staleness}, grpo.stall_timeout="
+                             f"{self.stall_timeout}; max_staleness is a number of steps, >= 0, and stall_timeout "
+                             "a number of seconds, > 0")
         if self.dr_grpo and self.sequence_mean:
             raise ValueError("config: grpo.dr_grpo divides token sums by a constant and grpo.sequence_mean by each "
                              "completion's length; choose one")

@@ -34,12 +34,15 @@ class Completion:
                numpy array from the JAX one): the model's log-probability of each token
                (temperature 1, before top-k/top-p; see `linnet.torch.engine`)
     stopped    True when it ended on a stop token, False when it hit max_new_tokens
+    version    the policy's weights it came from, in updates applied (GRPO sampling ahead:
+               `grpo.max_staleness`; else those of the step it trains)
     """
 
     prompt: int
     tokens: list[int]
     logprobs: Any
     stopped: bool
+    version: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ Work, and `fit` (linnet.train.loop) takes it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import sys
 import time
@@ -58,6 +60,7 @@ from linnet.rl.rollouts import (
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 from linnet.torch.sharding import copy_first
+from linnet.train.grpo_async import Ahead, Lookahead, check_ahead
 from linnet.train.grpo_loss import grpo_loss
 from linnet.train.loop import Work, copies_of, fit, head_loss
 
@@ -130,7 +133,12 @@ class PolicyHead:
             self.mismatch[r] = float((self.old[r].cpu() - rollout.engine_logp[r]).abs().sum())
         weight = rollout.token_weight[r].to(dev)
         if s.correction_cap is not None:
-            weight = weight * torch.exp(self.old[r] - rollout.engine_logp[r].to(dev)).clamp(max=s.correction_cap)
+            log_ratio = self.old[r] - rollout.engine_logp[r].to(dev)
+            if s.correction == "sequence":  # each token takes its completion's summed log-ratio
+                seq = rollout.sequence[r].to(dev)
+                log_ratio = torch.zeros(self.sequences, device=dev, dtype=log_ratio.dtype).index_add(
+                    0, seq, log_ratio)[seq]
+            weight = weight * torch.exp(log_ratio).clamp(max=s.correction_cap)
         ref = None
         if s.beta:
             with torch.no_grad():
@@ -143,16 +151,23 @@ class PolicyHead:
                        "checked": float(len(logp))}
 
 
-def step_work(policy, sampler: Sampler, chunk: list, step: int, *, tokens: int, share: bool, reference=None) -> Work:
+def step_work(policy, sampler: Sampler, chunk: list, step: int, *, tokens: int, share: bool, reference=None,
+              ahead: Ahead | None = None) -> Work:
     """One GRPO step's Work: the policy's weights into the engine, the step's groups sampled
     and scored (a split's or a pipeline's processes train on their first process's), the
-    completions that train packed into rows, and the PolicyHead over them."""
+    completions that train packed into rows, and the PolicyHead over them. With `ahead`
+    (max_staleness > 0) the samples come from the sampler thread instead."""
     s = sampler.settings
     check_prompts(chunk, tokens, s.max_new_tokens)
-    t0 = time.perf_counter()
-    sampler.engine.load_weights(policy)
-    copy_seconds = time.perf_counter() - t0
-    chunk, scored, rounds = copy_first(policy, lambda: sampler(chunk, step))
+    if ahead is None:
+        t0 = time.perf_counter()
+        sampler.engine.load_weights(policy)
+        sampling = {"copy_seconds": time.perf_counter() - t0}  # the policy's weights into the engine
+        chunk, scored, rounds = copy_first(policy, lambda: sampler(chunk, step))
+        for sample in scored.samples:
+            sample.version = step - 1
+    else:
+        chunk, scored, rounds, version = ahead.take(step, chunk)
     per_sequence = s.sequence_level or s.sequence_mean
     trained = to_train(scored, s.beta)
     rollout = _rollout(scored.samples, scored.advantages, trained, [p for _, p in chunk], tokens, per_sequence, share)
@@ -168,7 +183,7 @@ def step_work(policy, sampler: Sampler, chunk: list, step: int, *, tokens: int, 
 
     def metrics(sums: dict[str, float]) -> dict[str, float]:
         out = step_metrics(scored, trained, tokens=n_tokens, **sums)
-        out["copy_seconds"] = copy_seconds  # the policy's weights into the engine
+        out.update(sampling if ahead is None else ahead.metrics(step, version))
         out["train_seconds"] = time.perf_counter() - started  # forward, backward and update(s)
         if s.dynamic_sampling:
             out.update(groups=float(len(chunk)), sampling_rounds=float(rounds))
@@ -199,7 +214,10 @@ def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str
         completion's token losses averaged over its own length, then over completions),
         dynamic_sampling (DAPO's: up to this many extra sampling rounds a step, seeded by
         the step, until the step holds prompts_per_step groups whose rewards are not all
-        equal; uniform groups never train; needs a sequence of prompts).
+        equal; uniform groups never train; needs a sequence of prompts), correction
+        ("token", or "sequence": correction_cap's weight one a completion),
+        max_staleness (sample up to this many steps ahead on a second thread, from weights
+        that many updates old: linnet.train.grpo_async) and stall_timeout (its seconds).
     reward: f(prompt, completion_ids) -> number, or a dict name -> f (summed, each
         reported). tokens: positions per packed micro-batch row. A sequence of prompts is
         repeated as epochs; an iterator is read once.
@@ -219,9 +237,25 @@ def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str
         _print_batch_table(s, tokens, share)
     sampler = Sampler(engine, functions, s, stop, seed, prompts if isinstance(prompts, Sequence) else (),
                       rank=world()[0])
-    return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
-                                                             share=share, reference=reference),
-               run, per_step=s.prompts_per_step, what="grpo: the prompts")
+    ahead = None
+    if s.max_staleness:
+        check_ahead(policy, engine)
+        stream = Lookahead(stream)
+        ahead = Ahead(sampler, policy, stream, staleness=s.max_staleness, per_step=s.prompts_per_step,
+                      last=run.steps, timeout=s.stall_timeout)
+        run = dataclasses.replace(run, evaluate=ahead.paused(run.evaluate))
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.nullcontext() if ahead is None else ahead.interruptible():
+            if ahead is not None:  # half the threads a side
+                torch.set_num_threads(max(1, threads // 2))
+            return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
+                                                                     share=share, reference=reference, ahead=ahead),
+                       run, per_step=s.prompts_per_step, what="grpo: the prompts", carry=ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
+            torch.set_num_threads(threads)
 
 
 def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,

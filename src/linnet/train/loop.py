@@ -187,25 +187,30 @@ def take_step(params: Sequence[torch.nn.Parameter], work: Work, run: Run, step: 
     return Step(step, loss, int(learned), int(real), norms[-1], rates[0], time.perf_counter() - started, metrics)
 
 
-def resume(run: Run, model) -> int:
-    """The step to start from: the latest checkpoint's, or 0."""
+def resume(run: Run, model) -> tuple[int, dict]:
+    """The step to start from (the latest checkpoint's, or 0) and the checkpoint's extras."""
     if run.checkpoint is None:
-        return 0
+        return 0, {}
     state = load_checkpoint(run.checkpoint, model=model, optimizer=run.optimizer, schedule=run.schedule)
-    return 0 if state is None else state["step"]
+    return (0, {}) if state is None else (state["step"], state["extra"])
 
 
 def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run, *, per_step: int,
-        what: str = "the items", start: int | None = None) -> History:
+        what: str = "the items", start: int | None = None, carry=None) -> History:
     """Train for `run.steps` steps of `per_step` items each: `work(step, items)` makes each
     step's Work (sampling, scoring and packing happen there), `take_step` trains on it.
     Resumes from `run.checkpoint`'s latest checkpoint (skipping the items its steps took),
     adds `run.evaluate(model)`'s held-out metrics when due, calls `run.on_step`, writes
     checkpoints, and saves the result to `run.save_to`. `start`: the step a caller that
-    restored its own state resumes after (the pretraining runner). Stops early, with a
+    restored its own state resumes after (the pretraining runner). `carry`: what the work
+    keeps across steps beyond the model (GRPO's samples drawn ahead): its `state(step)`
+    goes into each checkpoint and `restore(extra)` takes it back. Stops early, with a
     warning, when the items run out."""
     params = trained_parameters(model)
-    start = resume(run, model) if start is None else start
+    if start is None:
+        start, extra = resume(run, model)
+        if carry is not None:
+            carry.restore(extra)
     history = History()
     for step, chunk in step_items(items, per_step, start=start, steps=run.steps, what=what):
         started = time.perf_counter()
@@ -220,7 +225,7 @@ def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run
         stop = step < run.steps and _stop_agreed()
         if run.checkpoint is not None and (saved or stop):
             save_checkpoint(run.checkpoint, model=model, optimizer=run.optimizer, step=step, schedule=run.schedule,
-                            keep=run.keep)
+                            keep=run.keep, extra=None if carry is None else carry.state(step))
         if stop:
             raise Preempted(step, run.checkpoint)
     if run.save_to is not None:
