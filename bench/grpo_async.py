@@ -1,0 +1,133 @@
+"""How much faster is a GRPO step when sampling runs ahead of training (grpo.max_staleness)?
+
+bench/compare.py's GRPO work (its model and LoRA adapter, prompts of a median 60 tokens, the
+reward: the share of completion tokens in the lower half of the vocabulary), 4 prompts x 8
+completions x 64 new tokens a step, float32, AdamW at 1e-3, both cases given the same two
+threads:
+
+  sync      max_staleness 0: each step samples, then trains, every op on 2 threads
+  ahead     max_staleness 1: a sampler thread samples step t+1 while step t trains, 1 thread a side
+
+Each case runs in a fresh process, the cases' order reversed each round. Reported: the
+median step after the first two, the step-rate ratio, each side's busy share (ahead), and
+each step's mean reward, so the two reward curves can be compared.
+
+    python bench/grpo_async.py                       # 7m and 60m, 10 steps, 2 rounds; writes bench/grpo_async.md
+    python bench/grpo_async.py --size 7m --steps 4 --repeats 1 --out -   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import KEEP, command, machine, run_child, send_result, table, write_report
+
+HERE = Path(__file__).resolve().parent
+CASES = {"sync": 0, "ahead": 1}
+
+
+def child(spec: dict) -> None:
+    """One case in this process: train, then send each step's seconds and metrics."""
+    import torch
+
+    from linnet import nest
+    from linnet.serve import Engine
+    from linnet.torch.weights import bind_weights
+    from linnet.train.grpo import Prompt, grpo
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    data = json.loads(Path(spec["data"]).read_text())
+    model = nest.load(spec["model_dir"], dtype="float32", trainable=False)
+    model.add_lora([f"model.layers.*.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj")], rank=16, alpha=32)
+    bind_weights(model, spec["adapter_dir"], strict=False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+    engine = Engine(nest.load(spec["model_dir"], dtype="float32"))
+    target = spec["vocab"] // 2
+
+    def lower_half(prompt, completion):
+        return sum(1 for t in completion if 3 <= t < target) / max(len(completion), 1)
+
+    steps, per_step = spec["steps"], 4
+    prompts = [Prompt(p) for p in data["prompt"][:steps * per_step]]
+    records = []
+    grpo(model, engine, prompts, lower_half, optimizer=optimizer, steps=steps, prompts_per_step=per_step, group=8,
+         max_new_tokens=64, temperature=1.0, stop=(2,), tokens=4096, seed=0, verbose=False,
+         max_staleness=CASES[spec["case"]], correction_cap=2.0,
+         on_step=lambda r: records.append((r.seconds, dict(r.metrics))))
+    send_result(dict(case=spec["case"], seconds=[s for s, _ in records], metrics=[m for _, m in records]))
+
+
+def measure(size: str, args, root: Path) -> list:
+    """Both cases at one size, alternating; a table row a case."""
+    from compare import SIZES, build_model, grpo_data
+
+    info = build_model(size, root / size)
+    data = root / f"{size}.json"
+    data.write_text(json.dumps(grpo_data(SIZES[size]["vocab"], args.steps, 0)))
+    got: dict[str, list] = {case: [] for case in CASES}
+    order = list(CASES)
+    for _ in range(args.repeats):
+        for case in order:
+            spec = dict(case=case, steps=args.steps, data=str(data), vocab=SIZES[size]["vocab"],
+                        model_dir=info["model_dir"], adapter_dir=info["adapter_dir"])
+            r = run_child([__file__, "--child", json.dumps(spec)])
+            if "error" in r:
+                raise SystemExit(f"{size} {case}: {r['error']}\n{r['log']}")
+            got[case].append(r)
+            print(f"  {size} {case:6} step {statistics.median(r['seconds'][2:]):5.2f} s", flush=True)
+        order.reverse()
+    step = {case: statistics.median(s for r in runs for s in r["seconds"][2:]) for case, runs in got.items()}
+    rows = []
+    for case, runs in got.items():
+        timed = [m for r in runs for m in r["metrics"][2:]]
+        busy = (f"{statistics.median(m['sampler_busy'] for m in timed):.2f} / "
+                f"{statistics.median(m['trainer_busy'] for m in timed):.2f}" if case == "ahead" else "-")
+        curve = " ".join(f"{statistics.mean(r['metrics'][i]['reward'] for r in runs):.3f}"
+                         for i in range(args.steps))
+        rows.append([size, case, f"{step[case]:.2f} s", f"{step['sync'] / step[case]:.2f}x",
+                     f"{statistics.median(m['sample_seconds'] for m in timed):.2f} s",
+                     f"{statistics.median(m['train_seconds'] for m in timed):.2f} s", busy, curve])
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", nargs="+", default=["7m", "60m"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=str(HERE / "grpo_async.md"), help="the report ('-': print only)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(json.loads(args.child))
+    sys.path.insert(0, str(HERE))
+    started = time.perf_counter()
+    print(f"machine: {machine()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="linnet-grpo-async-") as tmp:
+        rows = [row for size in args.size for row in measure(size, args, Path(tmp))]
+    text = "\n".join([
+        "# GRPO sampling ahead of training on CPU", "",
+        "Produced by `bench/grpo_async.py`; numbers are measured, not edited.", "",
+        f"- Command: `{command(__file__)}` ({(time.perf_counter() - started) / 60:.1f} min, "
+        f"{time.strftime('%Y-%m-%d')})",
+        f"- Machine: {machine()}; 2 threads a process (ahead: 1 a side).",
+        "- Work: bench/compare.py's GRPO models with their LoRA adapters, float32, 4 prompts x 8 completions x 64 "
+        f"new tokens a step, correction_cap 2, {args.steps} steps a run, {args.repeats} round(s) a case.", "",
+        *table(["size", "case", "step (median)", "step rate / sync", "sampling", "training",
+                "busy: sampler / trainer", "reward, step by step"], rows),
+        "", KEEP, ""])
+    print(text)
+    if args.out != "-":
+        write_report(text, args.out)
+
+
+if __name__ == "__main__":
+    main()
