@@ -131,10 +131,11 @@ class RolloutSettings:
     the same names in either group: the rewards, the engine, the held-out pass@k. Mixed
     in before the options (`GRPOSettings`, `PPOSettings`), so its fields come after theirs."""
 
-    rewards: list[str] = option(["exact"], "exact, numeric, format, model:DIR (a reward model from `linnet "
+    rewards: list[str] = option(["exact"], "exact, numeric, format, code (the share of the record's tests a "
+                                           "sandboxed run passes), model:DIR (a reward model from `linnet "
                                            "reward`), or module:function; summed")
     format_pattern: str | None = option(None, "regular expression for the 'format' reward")
-    reward_workers: int = option(1, "score each module:function reward this many completions at a time, in "
+    reward_workers: int = option(1, "score each code or module:function reward this many completions at a time, in "
                                     "threads: for rewards that wait on a subprocess or a service (reward models "
                                     "batch already)")
     pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
