@@ -79,23 +79,23 @@ def test_a_stalled_sampler_is_named_within_the_timeout():
 
     def stuck(prompt, completion):
         if threading.current_thread() is not threading.main_thread():
-            release.wait(60)
+            release.wait(120)
         return sevens(prompt, completion)
 
     started = time.monotonic()
     try:
-        with pytest.raises(TimeoutError, match="the sampler delivered no samples for step 1 in 1 s"):
-            _run(3, max_staleness=1, stall_timeout=1.0, reward=stuck)
+        with pytest.raises(TimeoutError, match="the sampler delivered no samples for step 1 in 5 s"):
+            _run(3, max_staleness=1, stall_timeout=5.0, reward=stuck)
     finally:
         release.set()
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 30
 
 
 def test_a_stalled_trainer_is_named_within_the_timeout():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="the trainer published no weights or prompts for step 3"):
-        _run(4, max_staleness=1, stall_timeout=1.0, on_step=lambda record: time.sleep(30))
-    assert time.monotonic() - started < 20
+        _run(4, max_staleness=1, stall_timeout=5.0, on_step=lambda record: time.sleep(60))
+    assert time.monotonic() - started < 30
 
 
 def test_refusals_name_the_fix():
