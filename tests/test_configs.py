@@ -28,7 +28,7 @@ from linnet.config import (
 )
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
-PRESETS = {"sft-lora.yaml": "sft", "sft-full.yaml": "sft", "dpo.yaml": "dpo", "grpo.yaml": "grpo", "ppo.yaml": "ppo", "reward.yaml": "reward",
+PRESETS = {"sft-lora.yaml": "sft", "sft-full.yaml": "sft", "dpo.yaml": "dpo", "dpo_online.yaml": "dpo", "grpo.yaml": "grpo", "ppo.yaml": "ppo", "reward.yaml": "reward",
            "distill.yaml": "distill",
            "pretrain-tiny-cpu.yaml": "pretrain", "pretrain-20m.yaml": "pretrain", "packed4-20m-awc.yaml": "pretrain",
            "packed4-20m-atc.yaml": "pretrain", "packed4-tiny-cpu.yaml": "pretrain"}

@@ -123,7 +123,8 @@ def test_a_reference_cache_written_by_either_backend_is_read_by_the_other(jx, tm
 
 def test_dpo_refuses_what_it_cannot_train_by_name(jx, tmp_path, monkeypatch):
     """KTO and its weights name linnet.train.kto; a reference-free loss takes no reference;
-    a Run's schedule is refused before the reference pass, naming the optax way."""
+    a Run's schedule is refused before the reference pass, naming the optax way; online
+    training names PyTorch's online_dpo."""
     import optax
 
     import linnet.jax.dpo as J
@@ -141,6 +142,8 @@ def test_dpo_refuses_what_it_cannot_train_by_name(jx, tmp_path, monkeypatch):
         J.dpo(jax_model, pairs, optimizer=opt, steps=1, loss_type="simpo", reference_cache=str(tmp_path))
     with pytest.raises(ValueError, match=r"Run.schedule .*optax.adamw\(optax.warmup_cosine_decay_schedule"):
         J.dpo(jax_model, pairs, optimizer=opt, steps=1, schedule=object())
+    with pytest.raises(ValueError, match=r"online=True .* not supported by the JAX backend.*online_dpo"):
+        J.dpo(jax_model, pairs, optimizer=opt, steps=1, online=True)
 
 
 def test_train_and_grpo_refuse_a_run_schedule_naming_optax(jx, tmp_path):

@@ -92,7 +92,7 @@ def test_held_out_evaluation_runs_every_evaluate_every_steps_and_at_the_last():
 
 
 OBJECTIVES = {
-    "linnet.train.loop": ["train"], "linnet.train.dpo": ["dpo"], "linnet.train.kto": ["kto"],
+    "linnet.train.loop": ["train"], "linnet.train.dpo": ["dpo"], "linnet.train.online_dpo": ["online_dpo"], "linnet.train.kto": ["kto"],
     "linnet.train.reward": ["reward"], "linnet.train.distill": ["distill", "on_policy_distill"],
     "linnet.train.grpo": ["grpo"],
 }

@@ -181,7 +181,7 @@ def test_the_table_names_every_objective_keyword():
 
     code = " ".join(re.findall(r"`([^`]*)`", " ".join(table()["Python"])))
     named = set(re.findall(r"\b([a-z_]+)\b", code))
-    objectives = [("linnet.train.loop", "train"), ("linnet.train.dpo", "dpo"), ("linnet.train.kto", "kto"),
+    objectives = [("linnet.train.loop", "train"), ("linnet.train.dpo", "dpo"), ("linnet.train.online_dpo", "online_dpo"), ("linnet.train.kto", "kto"),
                   ("linnet.train.reward", "reward"), ("linnet.train.distill", "distill"),
                   ("linnet.train.distill", "on_policy_distill"), ("linnet.train.grpo", "grpo"), ("linnet.train.ppo", "ppo"),
                   ("linnet.jax.train", "train"), ("linnet.jax.dpo", "dpo"), ("linnet.jax.grpo", "grpo")]

@@ -2,7 +2,12 @@
 reporting every training command shares (linnet.commands.runs).
 
     linnet dpo --config dpo.yaml --set dpo.beta=0.2
+    linnet dpo --config configs/dpo_online.yaml     # dpo.online: pairs sampled each step
     linnet dpo --template > dpo.yaml
+
+With `dpo.online: true` the records are prompts (`prompt`, and `data.answer` for the
+rewards), read, rewarded and evaluated as `linnet grpo` does (linnet.commands.grpo), and
+linnet.train.online_dpo trains on the pairs it samples.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
     from linnet.train.kto import reference_log_probs as kto_reference
     from linnet.train.preference_loss import REFERENCE_FREE
 
+    if config.dpo.online:
+        return run_online(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
     card, pairs, held_out, steps = read_pairs(config)
     t, s = config.training, config.dpo
     per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step, t.per_copy)
@@ -121,6 +128,32 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
             history = dpo(model, pairs, run, settings=dataclasses.replace(s, pairs_per_step=per_process),
                           tokens=t.context_length)
     return job.summarize(history, card=card.name)
+
+
+def run_online(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
+               resume_from: str | None = None) -> dict:
+    """`linnet dpo` with dpo.online: prompts and rewards as `linnet grpo` reads them, the
+    builtin engine, a frozen reference (none for simpo and orpo), held-out reward and pass@1."""
+    from linnet.commands.grpo import engine_and_reference, held_out_evaluation, prompts_and_rewards
+    from linnet.rl.rollouts import check_prompts
+    from linnet.train.online_dpo import online_dpo
+    from linnet.train.preference_loss import REFERENCE_FREE
+
+    s, t = config.dpo, config.training
+    r = prompts_and_rewards(config, s, "pairs_per_step")
+    check_prompts(enumerate(r.prompts), t.context_length // 2, s.max_new_tokens, who="dpo", names={
+        "tokens": "training.context_length, half of it: a row holds a pair's prompt and two answers",
+        "max_new_tokens": "dpo.max_new_tokens"})
+    job = runs.start(config, r.steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    if job.complete is not None:
+        return job.complete
+    policy = job.load(r.card)
+    engine, reference = engine_and_reference(config, s, r.card, policy, reference=s.loss_type not in REFERENCE_FREE)
+    with job.open(policy, held_out_evaluation(config, s, engine, r)) as run:
+        history = online_dpo(policy, engine, r.prompts, r.functions, run,
+                             settings=dataclasses.replace(s, pairs_per_step=r.per_process), reference=reference,
+                             tokens=t.context_length, seed=config.runtime.seed + 7919 * r.share)
+    return job.summarize(history, card=r.card.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from linnet.commands import runs, spellings
 from linnet.config import GRPOConfig
+from linnet.config.sampling import RolloutSettings
 from linnet.torch.distributed import data_share, sum_across
 
 
@@ -32,9 +33,10 @@ class Rollouts:
     share: int
 
 
-def prompts_and_rewards(config, g) -> Rollouts:
+def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollouts:
     """Read and check the prompts and resolve the rewards of a `grpo` or `ppo` config (`g`:
-    its group), before anything is written."""
+    its group), or an online `dpo` one (its prompts a step are `per_step`: pairs_per_step),
+    before anything is written."""
     from linnet import nest
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.rl import rewards
@@ -43,7 +45,7 @@ def prompts_and_rewards(config, g) -> Rollouts:
     from linnet.torch.loading import usable_device
 
     d, t, m, rt = config.data, config.training, config.model, config.runtime
-    if g.engine == "vllm":  # where vLLM cannot run, refused before any data is read or file written
+    if _vllm(g):  # where vLLM cannot run, refused before any data is read or file written
         check_usable(usable_device(rt.device, "runtime.device"))
     card = nest.resolve(m.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
@@ -62,12 +64,13 @@ def prompts_and_rewards(config, g) -> Rollouts:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
     check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens,
                   names={**spellings.PROMPTS, "max_new_tokens": f"{g.YAML}.max_new_tokens"}, who=g.YAML)
-    if g.prompts_per_step > len(prompts):
-        raise ValueError(f"{d.path}: {g.YAML}.prompts_per_step={g.prompts_per_step} is more than the {len(prompts)} "
-                         f"training prompts, so prompts would repeat within a step; lower {g.YAML}.prompts_per_step")
-    steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / g.prompts_per_step))
+    field, n = f"{g.YAML}.{per_step}", getattr(g, per_step)
+    if n > len(prompts):
+        raise ValueError(f"{d.path}: {field}={n} is more than the {len(prompts)} training prompts, so prompts would "
+                         f"repeat within a step; lower {field}")
+    steps = t.steps or max(1, math.ceil(t.epochs * len(prompts) / n))
     runs.steps_factor(config, steps)
-    per_process = runs.split_per_step(f"{g.YAML}.prompts_per_step", g.prompts_per_step, t.per_copy)
+    per_process = runs.split_per_step(field, n, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
     return Rollouts(card, prompts[share::shares], held_out[share::shares], functions, steps, per_process, share)
 
@@ -83,20 +86,27 @@ def check_tests(records, field: str) -> None:
             raise ValueError(f"{record.where}: field {field!r} holds the code reward's tests (data.answer): {e}") from None
 
 
+def _vllm(g) -> bool:
+    """Whether group `g` samples with vLLM (grpo's and ppo's `engine`; online dpo has the
+    builtin engine alone)."""
+    return isinstance(g, RolloutSettings) and g.engine == "vllm"
+
+
 def engine_and_reference(config, g, card, policy, reference: bool):
-    """The engine that samples the rollouts (the builtin one or vLLM, as `g.engine` says)
-    and, when `reference`, a frozen copy of the starting model."""
+    """The engine that samples the rollouts (the builtin one or vLLM, as `g.engine` says;
+    online dpo's: the builtin one) and, when `reference`, a frozen copy of the starting model."""
     from linnet import nest
     from linnet.serve import Engine
     from linnet.serve.vllm import VLLMEngine
 
     m, t, rt = config.model, config.training, config.runtime
     base = dict(device=policy.device, dtype=m.dtype, weights=m.weights, seed=rt.seed, quantize=m.quantize)
-    if g.engine == "vllm":
+    if _vllm(g):
         engine = VLLMEngine(card, device=policy.device, dtype=policy.dtype, tokens=t.context_length,
                             gpu_memory_utilization=g.vllm_gpu_memory_utilization, seed=rt.seed)
     else:
-        engine = Engine(nest.load(card, **{**base, "dtype": g.engine_dtype or m.dtype,
+        dtype = g.engine_dtype if isinstance(g, RolloutSettings) else None
+        engine = Engine(nest.load(card, **{**base, "dtype": dtype or m.dtype,
                                            "quantize": runs.engine_quantize(config)}))
     return engine, nest.load(card, **base) if reference else None
 
@@ -107,12 +117,13 @@ def held_out_evaluation(config, g, engine, r: Rollouts):
     from linnet.train.grpo import evaluate
 
     held_out, seed = r.held_out, config.runtime.seed
-    names = ["reward", "pass@1"] + ([f"pass@{g.pass_k}"] if g.pass_k else [])
+    k, samples, passing = (g.pass_k, g.pass_samples, g.pass_reward) if isinstance(g, RolloutSettings) else (0, None, None)
+    names = ["reward", "pass@1"] + ([f"pass@{k}"] if k else [])
 
     def held_out_metrics(policy):
         if held_out:
-            found = evaluate(policy, engine, held_out, r.functions, max_new_tokens=g.max_new_tokens, k=g.pass_k,
-                             samples=g.pass_samples, passing=g.pass_reward, temperature=g.temperature,
+            found = evaluate(policy, engine, held_out, r.functions, max_new_tokens=g.max_new_tokens, k=k,
+                             samples=samples, passing=passing, temperature=g.temperature,
                              top_k=g.top_k, top_p=g.top_p, seed=seed)
         else:  # none here; still take the policy's weights, with every process, as evaluate does
             engine.load_weights(policy)

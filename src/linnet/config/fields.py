@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import numbers
 import types
 import typing
 from collections.abc import Mapping
@@ -408,3 +409,25 @@ def differences(saved: dict[str, Any], current: dict[str, Any], labels: tuple[st
             show = lambda v: "(absent)" if v is missing else repr(v)
             out.append(f"{name}: {show(a)} ({labels[0]}) vs {show(b)} ({labels[1]})")
     return out
+
+
+def check_finite(settings, group: str) -> None:
+    """Every float of a group (and each float of a list field) is finite, unless its field
+    says `finite=False`: a YAML config is checked as it loads; this checks groups made in
+    Python too."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if f.metadata.get("finite", True) and any(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                                  and not math.isfinite(v) for v in items):
+            shown = list(value) if isinstance(value, (list, tuple)) else value
+            raise ValueError(f"config: {group}.{f.name}={shown}; use a finite number")
+
+
+def check_one_of(settings, name: str) -> None:
+    """A Literal field holds one of its values (a YAML config is checked as it loads; this
+    checks settings made in Python too)."""
+    allowed = typing.get_args(typing.get_type_hints(type(settings))[name])
+    value = getattr(settings, name)
+    if value not in allowed:
+        raise ValueError(f"config: {settings.YAML}.{name}={value!r}; use one of {', '.join(map(str, allowed))}")

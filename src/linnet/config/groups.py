@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-import typing
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from linnet.config.fields import field_default, option
+from linnet.config.fields import check_finite, check_one_of, field_default, option
+from linnet.config.sampling import Rewards, Sampling
 
 FINE_TUNING = ("sft", "dpo", "grpo", "ppo", "reward", "distill")  # `linnet jax` reads the sft config
 PRETRAINING = ("pretrain",)
@@ -32,28 +31,6 @@ def _positive(**fields: float | int | None) -> None:
     for name, value in fields.items():
         if value is not None and not value >= 1:
             raise ValueError(f"config: {name}={value}; it must be a positive integer")
-
-
-def check_finite(settings, group: str) -> None:
-    """Every float of a group (and each float of a list field) is finite, unless its field
-    says `finite=False`: a YAML config is checked as it loads; this checks groups made in
-    Python too."""
-    for f in dataclasses.fields(settings):
-        value = getattr(settings, f.name)
-        items = value if isinstance(value, (list, tuple)) else [value]
-        if f.metadata.get("finite", True) and any(isinstance(v, numbers.Real) and not isinstance(v, bool)
-                                                  and not math.isfinite(v) for v in items):
-            shown = list(value) if isinstance(value, (list, tuple)) else value
-            raise ValueError(f"config: {group}.{f.name}={shown}; use a finite number")
-
-
-def check_one_of(settings, name: str) -> None:
-    """A Literal field holds one of its values (a YAML config is checked as it loads; this
-    checks settings made in Python too)."""
-    allowed = typing.get_args(typing.get_type_hints(type(settings))[name])
-    value = getattr(settings, name)
-    if value not in allowed:
-        raise ValueError(f"config: {settings.YAML}.{name}={value!r}; use one of {', '.join(map(str, allowed))}")
 
 
 @dataclass
@@ -148,7 +125,7 @@ class RecordsConfig:
     rejected: str = option("rejected", "other answer field", only=("dpo", "reward"))
     label: str = option("label", "kto: the field saying whether the completion is desirable (true) or not (false)",
                         only=("dpo",))
-    answer: str = option("answer", "reference answer field, given to the rewards", only=("grpo", "ppo"))
+    answer: str = option("answer", "reference answer field, given to the rewards (dpo: with dpo.online)", only=("grpo", "ppo", "dpo"))
     chat: bool = option(True, "format the records with the chat template (when the tokenizer has one)")
     chat_template: str | None = option(None, "a Jinja chat template overriding the tokenizer's")
     tokenizer: str | None = option(None, "tokenizer directory; null: the card's")
@@ -366,7 +343,10 @@ class RuntimeConfig:
 
 
 @dataclass
-class DPOSettings:
+class DPOSettings(Rewards, Sampling):
+    """The `dpo` group. With `online`, each step samples its own pairs (the sampling and
+    reward fields, GRPO's names, are read only then; linnet.train.online_dpo)."""
+
     YAML: ClassVar[str] = "dpo"  # the group's name in a config
 
     beta: float = option(0.1, "strength of the implicit KL constraint: rewards are beta * log(pi / ref)")
@@ -382,10 +362,21 @@ class DPOSettings:
     undesirable_weight: float = option(1.0, "kto: weight of the undesirable answers' losses")
     pairs_per_step: int = option(32, "pairs per optimizer step")
     reference_cache: str | None = option(None, "directory caching reference log-probs across runs")
+    online: bool = option(False, "sample the pairs each step: `samples` completions of each of pairs_per_step "
+                                 "prompts (data: prompt records, as grpo's), the best-rewarded over the worst")
+    samples: int = option(2, "online: completions sampled per prompt (>= 2)")
 
     def __post_init__(self):
-        check_finite(self, "dpo")
+        super().__post_init__()
         check_one_of(self, "loss_type")
+        if self.online:
+            self._check_online()
+        else:
+            read = [f.name for f in dataclasses.fields(Rewards) + dataclasses.fields(Sampling) + (
+                DPOSettings.__dataclass_fields__["samples"],) if getattr(self, f.name) != field_default(f)]
+            if read:
+                raise ValueError(f"config: dpo.{read[0]}={getattr(self, read[0])!r} is read with dpo.online: true "
+                                 "only (it samples the pairs); remove it, or set dpo.online: true")
         if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
             raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
         if not 0 <= self.rpo_alpha < float("inf") or (self.rpo_alpha and self.loss_type in ("orpo", "kto")):
@@ -403,12 +394,42 @@ class DPOSettings:
                                  f"and dpo.loss_type={self.loss_type} would ignore it; remove it, or choose one of "
                                  "those losses")
 
+    def _check_online(self) -> None:
+        if self.samples < 2:
+            raise ValueError(f"config: dpo.samples={self.samples}; online DPO pairs the best of a prompt's completions "
+                             "with the worst: use 2 or more")
+        if self.loss_type == "kto" or self.reference_cache is not None:
+            raise ValueError("config: dpo.online: true with " + ("dpo.loss_type=kto (unpaired answers)" if
+                             self.loss_type == "kto" else "dpo.reference_cache (each step's pairs are new)")
+                             + " is not supported; remove it")
+        if self.temperature == 0:
+            raise ValueError("config: dpo.temperature=0 samples greedily: a prompt's completions are all the same and "
+                             "make no pair; use a temperature > 0 (1.0 samples the policy as it is)")
+
 
 # How the pair losses read the answers (linnet.train.preference_loss and its JAX twin,
 # linnet.jax.preference_loss): the reference-free ones take no reference log-probabilities;
 # the per-token ones score each answer by its mean log-probability a token.
 REFERENCE_FREE = frozenset({"simpo", "orpo"})
 PER_TOKEN = frozenset({"ipo", "simpo", "orpo"})
+
+
+def pair_scores(loss_type: str, chosen, rejected, ref_chosen=None, ref_rejected=None, chosen_tokens=None,
+                rejected_tokens=None):
+    """(chosen score, rejected score) a pair loss compares, for arrays of either backend:
+    the summed log-probabilities less the reference's, a token's mean for PER_TOKEN
+    losses, the policy's alone for REFERENCE_FREE ones; each missing input refused."""
+    free = loss_type in REFERENCE_FREE
+    if free != (ref_chosen is None):
+        raise ValueError(f"loss_type={loss_type!r} " + ("takes no reference log-probabilities" if free
+                                                         else "needs the reference's log-probabilities"))
+    if loss_type in PER_TOKEN:
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError(f"loss_type={loss_type!r} compares per-token means: pass chosen_tokens and rejected_tokens")
+        chosen, rejected = chosen / chosen_tokens, rejected / rejected_tokens
+        if not free:
+            ref_chosen, ref_rejected = ref_chosen / chosen_tokens, ref_rejected / rejected_tokens
+    return (chosen, rejected) if free else (chosen - ref_chosen, rejected - ref_rejected)
 
 # The dpo fields only some losses read (linnet.train.preference_loss): a value other than
 # the default with another loss would be ignored, so it is refused.

@@ -1,44 +1,79 @@
-"""The groups of the trainers that sample their own data: `grpo` and `ppo`. What they
-share keeps one name in both (`SamplingOptions`, `RolloutSettings`); each trainer's
-options class is what its Python function takes (`settings=` or keywords), its settings
-class what its command reads (the options and the rewards, engine and held-out pass@k)."""
+"""The groups of the trainers that sample their own data: `grpo`, `ppo`, and `dpo` when it
+trains online. What they share keeps one name in each (`Sampling`, `Rewards`,
+`SamplingOptions`, `RolloutSettings`); each trainer's options class is what its Python
+function takes (`settings=` or keywords), its settings class what its command reads (the
+options and the rewards, engine and held-out pass@k)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from linnet.config.fields import option
-from linnet.config.groups import check_finite, check_one_of
+from linnet.config.fields import check_finite, check_one_of, option
 
 
 @dataclass
-class SamplingOptions:
-    """What GRPO and PPO share, under the same names in their groups: the prompts a step,
-    how completions are sampled, and the optimizer steps that reuse them, the ratio clipped."""
+class Sampling:
+    """How completions are sampled, under the same names in every group that samples
+    (grpo, ppo, dpo's online training)."""
 
     YAML: ClassVar[str] = "grpo"  # the group's name in a config
 
-    prompts_per_step: int = option(8, "prompts per sampling step")
     max_new_tokens: int = option(256, "longest completion")
     temperature: float = option(1.0, "sampling temperature")
     top_k: int | None = option(None, "sample from the k most likely tokens")
     top_p: float | None = option(None, "sample from the smallest set reaching this probability")
+
+    def __post_init__(self):
+        g = self.YAML
+        check_finite(self, g)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"config: {g}.max_new_tokens={self.max_new_tokens}; it must be >= 1")
+        if self.temperature < 0 or (self.top_k is not None and self.top_k < 1) \
+                or (self.top_p is not None and not 0 < self.top_p <= 1):
+            raise ValueError(f"config: {g}.temperature must be >= 0, {g}.top_k >= 1 and {g}.top_p in (0, 1]")
+
+
+@dataclass
+class Rewards:
+    """The rewards that score sampled completions, under the same names in every group
+    that samples; mixed in before the sampling options, so its fields come after theirs."""
+
+    rewards: list[str] = option(["exact"], "exact, numeric, format, code (the share of the record's tests a "
+                                           "sandboxed run passes), model:DIR (a reward model from `linnet "
+                                           "reward`), or module:function; summed")
+    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
+    reward_workers: int = option(1, "score each code or module:function reward this many completions at a time, in "
+                                    "threads: for rewards that wait on a subprocess or a service (reward models "
+                                    "batch already)")
+    def __post_init__(self):
+        super().__post_init__()
+        g = self.YAML
+        if not self.rewards:
+            raise ValueError(f"config: {g}.rewards lists no reward")
+        if self.reward_workers < 1:
+            raise ValueError(f"config: {g}.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
+                             "or more")
+
+
+@dataclass
+class SamplingOptions(Sampling):
+    """What GRPO and PPO share, under the same names in their groups: the prompts a step,
+    how completions are sampled, and the optimizer steps that reuse them, the ratio clipped."""
+
+    prompts_per_step: int = option(8, "prompts per sampling step")
     iterations: int = option(1, "optimizer steps per sampling step (reusing the samples)")
     clip: list[float] = option([0.2, 0.2], "the ratio's clip [low, high]: the ratio is kept in [1 - low, 1 + high] "
                                            "(DAPO's clip-higher raises high, e.g. [0.2, 0.28])")
 
     def __post_init__(self):
         g = self.YAML
-        check_finite(self, g)
-        if self.prompts_per_step < 1 or self.iterations < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"config: {g}.prompts_per_step, {g}.iterations and {g}.max_new_tokens must be >= 1")
+        super().__post_init__()
+        if self.prompts_per_step < 1 or self.iterations < 1:
+            raise ValueError(f"config: {g}.prompts_per_step and {g}.iterations must be >= 1")
         if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
             raise ValueError(f"config: {g}.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
                              "clipped below at 1 - low) and high >= 0")
-        if self.temperature < 0 or (self.top_k is not None and self.top_k < 1) \
-                or (self.top_p is not None and not 0 < self.top_p <= 1):
-            raise ValueError(f"config: {g}.temperature must be >= 0, {g}.top_k >= 1 and {g}.top_p in (0, 1]")
 
 
 @dataclass
@@ -126,18 +161,11 @@ class PPOOptions(SamplingOptions):
 
 
 @dataclass
-class RolloutSettings:
+class RolloutSettings(Rewards):
     """What `linnet grpo` and `linnet ppo` build around their objective's options, under
-    the same names in either group: the rewards, the engine, the held-out pass@k. Mixed
+    the same names in either group: the rewards (`Rewards`), the engine, the held-out pass@k. Mixed
     in before the options (`GRPOSettings`, `PPOSettings`), so its fields come after theirs."""
 
-    rewards: list[str] = option(["exact"], "exact, numeric, format, code (the share of the record's tests a "
-                                           "sandboxed run passes), model:DIR (a reward model from `linnet "
-                                           "reward`), or module:function; summed")
-    format_pattern: str | None = option(None, "regular expression for the 'format' reward")
-    reward_workers: int = option(1, "score each code or module:function reward this many completions at a time, in "
-                                    "threads: for rewards that wait on a subprocess or a service (reward models "
-                                    "batch already)")
     pass_k: int = option(0, "held-out pass@k at each evaluation, from completions sampled with temperature, "
                             "top_k and top_p; 0: only the greedy reward and pass@1")
     pass_samples: int | None = option(None, "completions sampled per held-out prompt for pass@k (>= pass_k; "
@@ -157,11 +185,6 @@ class RolloutSettings:
     def __post_init__(self):
         super().__post_init__()
         g = self.YAML
-        if not self.rewards:
-            raise ValueError(f"config: {g}.rewards lists no reward")
-        if self.reward_workers < 1:
-            raise ValueError(f"config: {g}.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
-                             "or more")
         if self.pass_k < 0 or self.pass_k == 1:
             raise ValueError(f"config: {g}.pass_k is 0 (off) or >= 2; pass@1 (greedy) is always reported")
         if self.pass_samples is not None and not 2 <= self.pass_k <= self.pass_samples:

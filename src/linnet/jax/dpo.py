@@ -137,6 +137,9 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, setti
     work as for `linnet.jax.train.train` (a step's rows split over the devices, filled out
     with rows that learn nothing); the reference log-probabilities take no dropout."""
     run, s = run_and_options("dpo", run, options, DPOSettings, settings)
+    if s.online:
+        raise ValueError("dpo (JAX): online=True (pairs sampled each step) is not supported by the JAX backend yet; "
+                         "use linnet.train.online_dpo.online_dpo (PyTorch), or pairs you have with online=False")
     mesh = check_mesh(mesh)
     if s.loss_type == "kto" or (s.desirable_weight, s.undesirable_weight) != (1.0, 1.0):
         raise ValueError("dpo (JAX): loss_type='kto', desirable_weight and undesirable_weight are KTO's, which "

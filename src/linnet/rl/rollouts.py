@@ -226,6 +226,12 @@ def fill_groups(parts: list[tuple[list, Scored]], want: int) -> tuple[list, Scor
                          sum(s.score_seconds for _, s in parts))
 
 
+def step_seed(seed: int, step: int, round_: int = 0) -> int:
+    """The engine's seed for a step's sampling round: a resumed run draws what an
+    uninterrupted one does (GRPO's Sampler, online DPO)."""
+    return seed * 1_000_003 + step + 100_000_019 * round_
+
+
 @dataclass
 class Sampler:
     """Samples and scores a step's groups: `group` completions of each prompt through the
@@ -247,7 +253,7 @@ class Sampler:
         s = self.settings
         return sample_and_score(self.engine, chunk, self.functions, group=s.group, max_new_tokens=s.max_new_tokens,
                                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, stop=self.stop,
-                                seed=self.seed * 1_000_003 + step + 100_000_019 * round_, dr_grpo=s.dr_grpo,
+                                seed=step_seed(self.seed, step, round_), dr_grpo=s.dr_grpo,
                                 drop_uniform=s.drop_uniform, advantage=s.advantage)
 
     def __call__(self, chunk: list, step: int) -> tuple[list, Scored, int]:

@@ -40,6 +40,7 @@ from linnet.train.preference_loss import PER_TOKEN, REFERENCE_FREE, pair_losses
 # Step metrics under TRL's names, so dashboards built for TRL read linnet runs
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
+STATS = ("chosen", "rejected", "margin", "correct", "logp_chosen", "logp_rejected")  # summed over pairs, as METRICS
 
 
 def answer_log_probs(model, row) -> torch.Tensor:
@@ -158,13 +159,13 @@ def dpo(model, pairs: Iterable[Pair], run: Run | None = None, *, settings: DPOSe
         raise ValueError("dpo: loss_type='kto' trains on unpaired answers: use linnet.train.kto.kto")
     if (s.desirable_weight, s.undesirable_weight) != (1.0, 1.0):
         raise ValueError("dpo: desirable_weight and undesirable_weight weigh KTO's answers: use linnet.train.kto.kto")
-    loss_type, beta, pairs_per_step = s.loss_type, s.beta, s.pairs_per_step
+    if s.online:
+        raise ValueError("dpo: online=True samples its own pairs from prompts: call "
+                         "linnet.train.online_dpo.online_dpo(policy, engine, prompts, reward, ...)")
     reference_cache = s.reference_cache
-    free = loss_type in REFERENCE_FREE
-    nll = 1.0 if loss_type == "orpo" else s.rpo_alpha
+    free = s.loss_type in REFERENCE_FREE
     if free and (reference is not None or reference_cache is not None):
-        raise ValueError(f"dpo: loss_type={loss_type!r} is reference-free; pass no reference or reference_cache")
-    copies = copies_of(model)
+        raise ValueError(f"dpo: loss_type={s.loss_type!r} is reference-free; pass no reference or reference_cache")
     trained_parameters(model)  # nothing to train: say so before the reference pass
     fixed: np.ndarray | None = None
     if not free and (reference is None or reference_cache is not None):
@@ -175,54 +176,69 @@ def dpo(model, pairs: Iterable[Pair], run: Run | None = None, *, settings: DPOSe
         source = model if reference is None else reference
         fixed = (cached_reference_log_probs(source, pairs, reference_cache, tokens=tokens, label="dpo")
                  if reference_cache is not None else reference_log_probs(source, pairs, tokens=tokens, label="dpo"))
-    live_reference = reference if fixed is None else None
 
     def work(step: int, chunk: list) -> Work:
-        indices, batch = [i for i, _ in chunk], [p for _, p in chunk]
-        check_pairs(batch)
-        (count, chosen_total) = sum_across([float(len(batch)), float(sum(len(p.chosen) for p in batch))], copies)
-        rows = list(_rows(batch, tokens, model, reference))
-        starts = np.cumsum([0] + [row.examples // 2 for row in rows])  # each row's first pair
-        short = passes_short(len(rows), model, live_reference)
-
-        def head(r: int, row, positions: torch.Tensor):
-            """The row's summed loss and statistics from its per-position log-probabilities."""
-            n = row.examples // 2
-            mine = batch[starts[r] : starts[r] + n]
-            logp = answer_sums(positions, row).view(n, 2)
-            ref = None
-            if fixed is not None:
-                ref = torch.as_tensor(fixed[indices[starts[r] : starts[r] + n]], dtype=logp.dtype, device=logp.device)
-            elif not free:
-                with torch.no_grad():
-                    ref = answer_log_probs(reference, row).view(n, 2).to(logp.dtype)
-            lengths = None
-            if loss_type in PER_TOKEN:
-                lengths = torch.tensor([[len(p.chosen), len(p.rejected)] for p in mine], dtype=logp.dtype,
-                                       device=logp.device)
-            losses, good, bad = pair_losses(
-                loss_type, logp[:, 0], logp[:, 1], None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
-                beta=beta, label_smoothing=s.label_smoothing, simpo_gamma=s.simpo_gamma,
-                chosen_tokens=None if lengths is None else lengths[:, 0],
-                rejected_tokens=None if lengths is None else lengths[:, 1])
-            total = losses.sum()
-            if nll:  # the chosen answers' NLL, a mean over the step's chosen tokens
-                total = total - nll * logp[:, 0].sum() * (count / chosen_total)
-            margins = good - bad
-            return total, {"correct": float((margins > 0).sum()), "margin": float(margins.sum()),
-                           "chosen": float(good.sum()), "rejected": float(bad.sum()),
-                           "logp_chosen": float(logp[:, 0].detach().sum()),
-                           "logp_rejected": float(logp[:, 1].detach().sum())}
-
-        def metrics(sums: dict[str, float]) -> dict[str, float]:
-            means = [sums[k] / count for k in ("chosen", "rejected", "margin", "correct", "logp_chosen",
-                                                 "logp_rejected")]
-            return {"pairs": count, **dict(zip(METRICS, means))}
-
-        return Work(rows, head_loss(model, head), count, sum(r.learned for r in rows), sum(r.real for r in rows),
-                    ("correct", "margin", "chosen", "rejected", "logp_chosen", "logp_rejected"), metrics,
-                    idle=lambda: idle_passes(short, model, live_reference, row=rows[0]), group=copies, head=head)
+        batch = [p for _, p in chunk]
+        if fixed is None:
+            return pair_work(model, batch, s, tokens=tokens, reference=reference)
+        return pair_work(model, batch, s, tokens=tokens, fixed=fixed[[i for i, _ in chunk]])
 
     # a sequence is taken epoch after epoch; an iterator once
     stream = itertools.cycle(enumerate(pairs)) if isinstance(pairs, Sequence) else enumerate(pairs)
-    return fit(model, stream, work, run, per_step=pairs_per_step, what="dpo: the pairs")
+    return fit(model, stream, work, run, per_step=s.pairs_per_step, what="dpo: the pairs")
+
+
+def pair_work(model, batch: Sequence[Pair], settings: DPOSettings, *, tokens: int, reference=None,
+              fixed: np.ndarray | None = None) -> Work:
+    """One DPO step's Work over `batch` (`dpo`'s, and `online_dpo`'s fresh pairs): the
+    reference's log-probabilities from `fixed` ([pairs, 2], computed before) or from the
+    frozen `reference`, row by row (neither for a reference-free loss). A batch with no
+    pair (on this process) takes a step that changes nothing but the optimizer's state."""
+    s = settings
+    free = s.loss_type in REFERENCE_FREE
+    nll = 1.0 if s.loss_type == "orpo" else s.rpo_alpha
+    live_reference = None if free or fixed is not None else reference
+    assert free or fixed is not None or reference is not None, "a reference loss without reference log-probabilities"
+    copies = copies_of(model)
+    check_pairs(batch)
+    count, chosen_total = sum_across([float(len(batch)), float(sum(len(p.chosen) for p in batch))], copies)
+    rows = list(_rows(batch, tokens, model, live_reference))
+    starts = np.cumsum([0] + [row.examples // 2 for row in rows])  # each row's first pair
+    short = passes_short(len(rows), model, live_reference)
+
+    def head(r: int, row, positions: torch.Tensor):
+        """The row's summed loss and statistics from its per-position log-probabilities."""
+        n = row.examples // 2
+        mine = batch[starts[r] : starts[r] + n]
+        logp = answer_sums(positions, row).view(n, 2)
+        ref = None
+        if fixed is not None:
+            ref = torch.as_tensor(fixed[starts[r] : starts[r] + n], dtype=logp.dtype, device=logp.device)
+        elif live_reference is not None:
+            with torch.no_grad():
+                ref = answer_log_probs(live_reference, row).view(n, 2).to(logp.dtype)
+        lengths = None
+        if s.loss_type in PER_TOKEN:
+            lengths = torch.tensor([[len(p.chosen), len(p.rejected)] for p in mine], dtype=logp.dtype,
+                                   device=logp.device)
+        losses, good, bad = pair_losses(
+            s.loss_type, logp[:, 0], logp[:, 1], None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
+            beta=s.beta, label_smoothing=s.label_smoothing, simpo_gamma=s.simpo_gamma,
+            chosen_tokens=None if lengths is None else lengths[:, 0],
+            rejected_tokens=None if lengths is None else lengths[:, 1])
+        total = losses.sum()
+        if nll:  # the chosen answers' NLL, a mean over the step's chosen tokens
+            total = total - nll * logp[:, 0].sum() * (count / chosen_total)
+        margins = good - bad
+        return total, {"correct": float((margins > 0).sum()), "margin": float(margins.sum()),
+                       "chosen": float(good.sum()), "rejected": float(bad.sum()),
+                       "logp_chosen": float(logp[:, 0].detach().sum()),
+                       "logp_rejected": float(logp[:, 1].detach().sum())}
+
+    def metrics(sums: dict[str, float]) -> dict[str, float]:
+        means = [sums[k] / max(count, 1.0) for k in STATS]
+        return {"pairs": count, **dict(zip(METRICS, means))}
+
+    return Work(rows, head_loss(model, head), max(count, 1.0), sum(r.learned for r in rows),
+                sum(r.real for r in rows), STATS, metrics, group=copies, head=head,
+                idle=lambda: idle_passes(short, model, live_reference, row=rows[0] if rows else None))
