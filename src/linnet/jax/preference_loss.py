@@ -18,7 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from linnet.config.groups import PER_TOKEN, REFERENCE_FREE
+from linnet.config.groups import pair_scores
 
 
 def dpo_sigmoid(d, *, beta: float, label_smoothing: float = 0.0):
@@ -77,17 +77,7 @@ def pair_losses(loss_type: str, chosen, rejected, ref_chosen=None, ref_rejected=
     if loss_type not in LOSSES:
         raise ValueError(f"loss_type={loss_type!r}: the JAX pair losses are {', '.join(LOSSES)} (kto trains on "
                          "unpaired answers: linnet.train.kto.kto, PyTorch)")
-    free = loss_type in REFERENCE_FREE
-    if free != (ref_chosen is None):
-        raise ValueError(f"loss_type={loss_type!r} " + ("takes no reference log-probabilities" if free
-                                                         else "needs the reference's log-probabilities"))
-    if loss_type in PER_TOKEN:
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError(f"loss_type={loss_type!r} compares per-token means: pass chosen_tokens and rejected_tokens")
-        chosen, rejected = chosen / chosen_tokens, rejected / rejected_tokens
-        if not free:
-            ref_chosen, ref_rejected = ref_chosen / chosen_tokens, ref_rejected / rejected_tokens
-    sc, sr = (chosen, rejected) if free else (chosen - ref_chosen, rejected - ref_rejected)
+    sc, sr = pair_scores(loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
     hyper = {"beta": beta, "label_smoothing": label_smoothing, "simpo_gamma": simpo_gamma}
-    losses = LOSSES[loss_type](sc - sr, chosen, rejected, hyper)
+    losses = LOSSES[loss_type](sc - sr, sc, sr, hyper)  # orpo (reference-free) reads sc, sr: the per-token means
     return losses, jax.lax.stop_gradient(beta * sc), jax.lax.stop_gradient(beta * sr)

@@ -33,7 +33,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from linnet.config.groups import PER_TOKEN, REFERENCE_FREE
+from linnet.config.groups import PER_TOKEN as PER_TOKEN  # re-exported: the trainers read them here
+from linnet.config.groups import REFERENCE_FREE as REFERENCE_FREE
+from linnet.config.groups import pair_scores
 
 LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo", "simpo", "orpo", "kto")
 
@@ -50,17 +52,7 @@ def pair_losses(loss_type: str, chosen, rejected, ref_chosen=None, ref_rejected=
     if loss_type not in LOSS_TYPES or loss_type == "kto":
         raise ValueError(f"loss_type={loss_type!r}: pair losses are {', '.join(t for t in LOSS_TYPES if t != 'kto')} "
                          "(kto trains on unpaired answers: kto_losses)")
-    free = loss_type in REFERENCE_FREE
-    if free != (ref_chosen is None):
-        raise ValueError(f"loss_type={loss_type!r} " + ("takes no reference log-probabilities" if free
-                                                         else "needs the reference's log-probabilities"))
-    if loss_type in PER_TOKEN:
-        if chosen_tokens is None or rejected_tokens is None:
-            raise ValueError(f"loss_type={loss_type!r} compares per-token means: pass chosen_tokens and rejected_tokens")
-        chosen, rejected = chosen / chosen_tokens, rejected / rejected_tokens
-        if not free:
-            ref_chosen, ref_rejected = ref_chosen / chosen_tokens, ref_rejected / rejected_tokens
-    sc, sr = (chosen, rejected) if free else (chosen - ref_chosen, rejected - ref_rejected)
+    sc, sr = pair_scores(loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
     d = sc - sr
     e = label_smoothing
     if loss_type == "sigmoid":
@@ -75,7 +67,7 @@ def pair_losses(loss_type: str, chosen, rejected, ref_chosen=None, ref_rejected=
         z = d - simpo_gamma / beta
         losses = -(1 - e) * F.logsigmoid(beta * z) - e * F.logsigmoid(-beta * z)
     else:  # orpo
-        log_odds = d - (log1mexp(chosen) - log1mexp(rejected))
+        log_odds = d - (log1mexp(sc) - log1mexp(sr))  # reference-free: sc, sr are the per-token means
         losses = -beta * F.logsigmoid(log_odds)
     return losses, (beta * sc).detach(), (beta * sr).detach()
 
