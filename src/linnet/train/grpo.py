@@ -30,7 +30,6 @@ Work, and `fit` (linnet.train.loop) takes it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import sys
 import time
@@ -60,7 +59,7 @@ from linnet.rl.rollouts import (
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import idle_passes, passes_short, sum_across, world
 from linnet.torch.sharding import copy_first
-from linnet.train.grpo_async import Ahead, Lookahead, check_ahead
+from linnet.train.grpo_async import Ahead, sample_ahead
 from linnet.train.grpo_loss import grpo_loss
 from linnet.train.loop import Work, copies_of, fit, head_loss
 
@@ -237,25 +236,11 @@ def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str
         _print_batch_table(s, tokens, share)
     sampler = Sampler(engine, functions, s, stop, seed, prompts if isinstance(prompts, Sequence) else (),
                       rank=world()[0])
-    ahead = None
-    if s.max_staleness:
-        check_ahead(policy, engine)
-        stream = Lookahead(stream)
-        ahead = Ahead(sampler, policy, stream, staleness=s.max_staleness, per_step=s.prompts_per_step,
-                      last=run.steps, timeout=s.stall_timeout)
-        run = dataclasses.replace(run, evaluate=ahead.paused(run.evaluate))
-    threads = torch.get_num_threads()
-    try:
-        with contextlib.nullcontext() if ahead is None else ahead.interruptible():
-            if ahead is not None:  # half the threads a side
-                torch.set_num_threads(max(1, threads // 2))
-            return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
-                                                                     share=share, reference=reference, ahead=ahead),
-                       run, per_step=s.prompts_per_step, what="grpo: the prompts", carry=ahead)
-    finally:
-        if ahead is not None:
-            ahead.close()
-            torch.set_num_threads(threads)
+    stream, ahead, run = sample_ahead(sampler, policy, stream, run)
+    with contextlib.nullcontext() if ahead is None else ahead.running():
+        return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
+                                                                 share=share, reference=reference, ahead=ahead),
+                   run, per_step=s.prompts_per_step, what="grpo: the prompts", carry=ahead)
 
 
 def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,

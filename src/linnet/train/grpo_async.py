@@ -25,6 +25,7 @@ extended past them samples its first k steps from the restored weights instead.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import signal
 import sys
@@ -38,6 +39,20 @@ import torch
 from linnet.rl.rollouts import Completion, Sampler, Scored
 from linnet.torch.lora import merged, policy_weights
 from linnet.torch.sharding import is_sharded
+
+
+def sample_ahead(sampler: Sampler, policy, stream, run):
+    """(the prompt stream, the Ahead or None, the Run) for grpo: with max_staleness > 0 the
+    stream read ahead, the sampler thread's Ahead, and the Run's evaluation made to wait
+    for the engine."""
+    s = sampler.settings
+    if not s.max_staleness:
+        return stream, None, run
+    check_ahead(policy, sampler.engine)
+    stream = Lookahead(stream)
+    ahead = Ahead(sampler, policy, stream, staleness=s.max_staleness, per_step=s.prompts_per_step, last=run.steps,
+                  timeout=s.stall_timeout)
+    return stream, ahead, dataclasses.replace(run, evaluate=ahead.paused(run.evaluate))
 
 
 def check_ahead(policy, engine) -> None:
@@ -217,21 +232,25 @@ class Ahead:
             signal.pthread_kill(self.trainer, signal.SIGUSR2)
 
     @contextlib.contextmanager
-    def interruptible(self):
-        """While grpo trains: a stalled sampler's SIGUSR2 raises its error in the trainer
-        (installed only on the main thread, where Python runs signal handlers)."""
-        if threading.get_ident() != threading.main_thread().ident:
-            yield
-            return
+    def running(self):
+        """While grpo trains: half of torch's threads a side, and a stalled trainer
+        interrupted by the sampler's SIGUSR2, which raises its error (on the main thread
+        alone, where Python runs signal handlers); the thread told to stop after."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads // 2))
 
         def stalled(signum, frame):
             raise self.error if self.error is not None else TimeoutError("grpo: the sampler interrupted the trainer")
 
-        before = signal.signal(signal.SIGUSR2, stalled)
+        main = threading.get_ident() == threading.main_thread().ident
+        before = signal.signal(signal.SIGUSR2, stalled) if main else None
         try:
             yield
         finally:
-            signal.signal(signal.SIGUSR2, before)
+            if main:
+                signal.signal(signal.SIGUSR2, before)
+            self.close()
+            torch.set_num_threads(threads)
 
     def paused(self, evaluate: Callable | None) -> Callable | None:
         """`evaluate` run with the engine to itself (it loads the policy's own weights)."""
