@@ -11,6 +11,10 @@ import torch
 # BF16 and in float32 elsewhere: the suite computes in float32 on every machine, child
 # processes included (tests/test_dtype.py checks the choice itself).
 os.environ["LINNET_CPU_BF16"] = "0"
+# four CPU host devices for the JAX mesh tests, set before any test starts JAX (whichever
+# JAX test a worker runs first); the JAX tests take the devices they need of them
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
 TINY = dict(
     vocab_size=97,

@@ -29,12 +29,8 @@ FLAGS = {
 
 @pytest.fixture(scope="module")
 def jx():
-    """(jax, linnet.jax.model): imported inside the tests only (see pytestmark)."""
-    import os
-    import sys
-
-    if "jax" not in sys.modules:  # four host devices for the mesh test, set before JAX starts
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    """(jax, linnet.jax.model): imported inside the tests only (see pytestmark); four
+    host devices for the mesh tests (tests/conftest.py)."""
     jax = pytest.importorskip("jax")
     from linnet.jax import model
 
@@ -296,7 +292,7 @@ def test_mesh_trains_like_one_device_with_the_rows_accumulated(jx, tmp_path):
     from linnet.jax.train import train as jax_train
 
     if len(jax.devices()) < 2:
-        pytest.skip("needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count was set too late)")
+        pytest.skip("needs two devices (tests/conftest.py sets XLA_FLAGS; it was overridden)")
     _, jax_model = _pair(jx, {"tied_embeddings": False}, tmp_path)
     rows = _rows(8, seed=5)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
@@ -464,7 +460,7 @@ def test_an_engine_split_over_a_mesh_takes_a_split_policy_in_place(jx, tmp_path)
     samples what a whole engine samples."""
     jax, _ = jx
     if len(jax.devices()) < 2:
-        pytest.skip("needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count was set too late)")
+        pytest.skip("needs two devices (tests/conftest.py sets XLA_FLAGS; it was overridden)")
     from jax.sharding import Mesh
 
     from linnet.jax.engine import Engine

@@ -29,8 +29,7 @@ def _mesh(jax, how: str):
     from jax.sharding import Mesh
 
     if len(jax.devices()) < 4:
-        pytest.skip("needs four devices (XLA_FLAGS=--xla_force_host_platform_device_count=4, set by "
-                    "tests/test_jax.py's fixture before JAX starts)")
+        pytest.skip("needs four devices (tests/conftest.py sets XLA_FLAGS; it was overridden)")
     if how == "make_mesh":
         return jax.make_mesh((2, 2), ("data", "model"))
     return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
