@@ -14,6 +14,9 @@ needed ones are done, so rows of any documents share one compiled shape and a ro
 documents computes a few pairs a block (one document filling the row computes the whole
 lower triangle of blocks, about half the masked product's work).
 
+Rows of at most DENSE_UP_TO positions take the masked product instead: there it is small,
+and it compiles and runs faster than the loop.
+
 Each turn folds its pairs into each query block's running softmax (flash attention's online
 max and sum, gathered and scattered by block), and backward (a custom_vjp) recomputes each
 pair's probabilities from the saved log-sum-exp, so nothing of size P x P is held.
@@ -31,6 +34,7 @@ import numpy as np
 
 BLOCK = 32  # positions a block, and
 CHUNK = 32  # block pairs a turn: both measured best of 16-128 on a 2-core AVX2 CPU (bench/jax_vs_torch.py)
+DENSE_UP_TO = 256  # positions: shorter rows compile and run faster as one masked product
 FLOOR = -1e30  # a running maximum before any key: finite, so exp(FLOOR - FLOOR) = 1, not nan
 
 
@@ -51,10 +55,13 @@ def dense(q_PKGd, k_PKd, v_PKd, row: dict):
     return jnp.einsum("kgqt,tkd->qkgd", probs, v_PKd)
 
 
-def attend(q_PKGd, k_PKd, v_PKd, row: dict, block: int = BLOCK):
+def attend(q_PKGd, k_PKd, v_PKd, row: dict, block: int = BLOCK, dense_up_to: int = DENSE_UP_TO):
     """[P, K, G, d] float32 attention of each query over the keys it may see (see the
-    module docstring), within documents, in blocks of `block` positions."""
+    module docstring), within documents, in blocks of `block` positions; a row of at most
+    `dense_up_to` positions takes the masked product, cheaper there."""
     P, K, G, d = q_PKGd.shape
+    if P <= dense_up_to:
+        return dense(*(x.astype(jnp.float32) for x in (q_PKGd, k_PKd, v_PKd)), row)
     B = min(block, P)
     pad = -P % B
     N = (P + pad) // B
