@@ -34,8 +34,9 @@ class Completion:
                numpy array from the JAX one): the model's log-probability of each token
                (temperature 1, before top-k/top-p; see `linnet.torch.engine`)
     stopped    True when it ended on a stop token, False when it hit max_new_tokens
-    version    the policy's weights it came from, in updates applied (GRPO sampling ahead:
-               `grpo.max_staleness`; else those of the step it trains)
+    version    the policy's weights it came from, in updates applied: GRPO's (both backends)
+               step s samples those after s - 1 updates, or older ones when sampling ahead
+               (`grpo.max_staleness`); 0 where nothing sets it
     """
 
     prompt: int
@@ -257,7 +258,14 @@ class Sampler:
                                 drop_uniform=s.drop_uniform, advantage=s.advantage)
 
     def __call__(self, chunk: list, step: int) -> tuple[list, Scored, int]:
-        """(the step's (index, prompt) pairs, their Scored samples, sampling rounds)."""
+        """(the step's (index, prompt) pairs, their Scored samples, sampling rounds), each
+        sample's version step - 1: the weights a step samples when it samples them itself."""
+        chunk, scored, rounds = self._sample(chunk, step)
+        for sample in scored.samples:
+            sample.version = step - 1
+        return chunk, scored, rounds
+
+    def _sample(self, chunk: list, step: int) -> tuple[list, Scored, int]:
         scored, rounds = self.round(chunk, step, 0), 1
         if not self.settings.dynamic_sampling:
             return chunk, scored, rounds

@@ -163,8 +163,6 @@ def step_work(policy, sampler: Sampler, chunk: list, step: int, *, tokens: int, 
         sampler.engine.load_weights(policy)
         sampling = {"copy_seconds": time.perf_counter() - t0}  # the policy's weights into the engine
         chunk, scored, rounds = copy_first(policy, lambda: sampler(chunk, step))
-        for sample in scored.samples:
-            sample.version = step - 1
     else:
         chunk, scored, rounds, version = ahead.take(step, chunk)
     per_sequence = s.sequence_level or s.sequence_mean
