@@ -9,6 +9,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -175,6 +176,25 @@ def table(head: list[str], rows: list[list], align: str = "") -> list[str]:
 
 
 # notes written by hand under a generated report start at this line, and outlive a rerun
+def alternate(script: str, specs: dict[str, dict], repeats: int, label: str = "") -> dict[str, list]:
+    """{case: its results}: each case's spec run by `script --child` in a fresh process (its
+    memory its own), `repeats` rounds, the cases' order reversed each round so drift
+    falls on both; stops naming a case that failed. Prints each run's median step after
+    the first two (and its peak memory, when the child sends one)."""
+    got: dict[str, list] = {case: [] for case in specs}
+    order = list(specs)
+    for _ in range(repeats):
+        for case in order:
+            r = run_child([script, "--child", json.dumps(specs[case])])
+            if "error" in r:
+                raise SystemExit(f"{label}{case}: {r['error']}\n{r['log']}")
+            got[case].append(r)
+            peak = f"  peak {r['peak_bytes'] / GiB:4.2f} GiB" if "peak_bytes" in r else ""
+            print(f"  {label}{case:10} step {statistics.median(r['seconds'][2:]):5.2f} s{peak}", flush=True)
+        order.reverse()
+    return got
+
+
 KEEP = "<!-- everything below this line is kept when the script rewrites the file -->"
 
 

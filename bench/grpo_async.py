@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import KEEP, command, machine, run_child, send_result, table, write_report
+from _common import KEEP, alternate, command, machine, send_result, table, write_report
 
 HERE = Path(__file__).resolve().parent
 CASES = {"sync": 0, "ahead": 1}
@@ -72,18 +72,9 @@ def measure(size: str, args, root: Path) -> list:
     info = build_model(size, root / size)
     data = root / f"{size}.json"
     data.write_text(json.dumps(grpo_data(SIZES[size]["vocab"], args.steps, 0)))
-    got: dict[str, list] = {case: [] for case in CASES}
-    order = list(CASES)
-    for _ in range(args.repeats):
-        for case in order:
-            spec = dict(case=case, steps=args.steps, data=str(data), vocab=SIZES[size]["vocab"],
-                        model_dir=info["model_dir"], adapter_dir=info["adapter_dir"])
-            r = run_child([__file__, "--child", json.dumps(spec)])
-            if "error" in r:
-                raise SystemExit(f"{size} {case}: {r['error']}\n{r['log']}")
-            got[case].append(r)
-            print(f"  {size} {case:6} step {statistics.median(r['seconds'][2:]):5.2f} s", flush=True)
-        order.reverse()
+    got = alternate(__file__, {case: dict(case=case, steps=args.steps, data=str(data), vocab=SIZES[size]["vocab"],
+                                          model_dir=info["model_dir"], adapter_dir=info["adapter_dir"])
+                               for case in CASES}, args.repeats, label=f"{size} ")
     step = {case: statistics.median(s for r in runs for s in r["seconds"][2:]) for case, runs in got.items()}
     rows = []
     for case, runs in got.items():

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import KEEP, GiB, command, machine, peak_rss, reset_peak, rss, run_child, send_result, table, write_report
+from _common import KEEP, GiB, alternate, command, machine, peak_rss, reset_peak, rss, send_result, table, write_report
 
 HERE = Path(__file__).resolve().parent
 CASES = {"grpo": {}, "ppo": {"iterations": 1}, "ppo-epochs": {"iterations": 4}}
@@ -97,24 +97,14 @@ def main() -> None:
 
     started = time.perf_counter()
     print(f"machine: {machine()}", flush=True)
-    got: dict[str, list] = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory(prefix="linnet-ppo-") as tmp:
         root = Path(tmp)
         info = build_model("7m", root)
         data = root / "prompts.json"
         data.write_text(json.dumps(grpo_data(SIZES["7m"]["vocab"], args.steps, 0)))
-        order = list(CASES)
-        for _ in range(args.repeats):
-            for case in order:
-                spec = dict(case=case, steps=args.steps, data=str(data), vocab=SIZES["7m"]["vocab"],
-                            model_dir=info["model_dir"], adapter_dir=info["adapter_dir"])
-                r = run_child([__file__, "--child", json.dumps(spec)])
-                if "error" in r:
-                    raise SystemExit(f"{case}: {r['error']}\n{r['log']}")
-                got[case].append(r)
-                print(f"  {case:10} step {statistics.median(r['seconds'][2:]):5.2f} s  "
-                      f"peak {r['peak_bytes'] / GiB:4.2f} GiB", flush=True)
-            order.reverse()
+        got = alternate(__file__, {case: dict(case=case, steps=args.steps, data=str(data), vocab=SIZES["7m"]["vocab"],
+                                              model_dir=info["model_dir"], adapter_dir=info["adapter_dir"])
+                                   for case in CASES}, args.repeats)
     rows, grpo_step = [], None
     for case, runs in got.items():
         step = statistics.median(s for r in runs for s in r["seconds"][2:])
