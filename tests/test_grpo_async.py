@@ -88,14 +88,14 @@ def test_a_stalled_sampler_is_named_within_the_timeout():
             _run(3, max_staleness=1, stall_timeout=5.0, reward=stuck)
     finally:
         release.set()
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 120  # ended by the timeout, not by the sampler's block running out
 
 
 def test_a_stalled_trainer_is_named_within_the_timeout():
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="the trainer published no weights or prompts for step 3"):
         _run(4, max_staleness=1, stall_timeout=5.0, on_step=lambda record: time.sleep(60))
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60  # interrupted by the sampler, not the sleep running out
 
 
 def test_refusals_name_the_fix():
