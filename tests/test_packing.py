@@ -120,7 +120,7 @@ def test_grpo_splits_a_group_longer_than_a_row():
     from linnet.rl.rollouts import prompt_groups
 
     prompts = [SimpleNamespace(ids=[1, 2, 3, 4])]
-    samples = [SimpleNamespace(prompt=0, tokens=[5] * n) for n in (3, 3, 3)]
+    samples = [SimpleNamespace(prompt=0, tokens=[5] * n, learned=None) for n in (3, 3, 3)]
     shared = list(prompt_groups(samples, prompts, tokens=12, share=True))
     assert [len(c) for _, c in shared] == [2, 1]  # 4 + (1 + 3) * 2 fits 12, a third does not
     assert [len(c) for _, c in prompt_groups(samples, prompts, tokens=12, share=False)] == [1, 1, 1]

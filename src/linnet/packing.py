@@ -18,6 +18,15 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class PartlyLearned:
+    """A completion of which only the flagged tokens are learned: a multi-turn conversation,
+    whose turns inserted by its environment are context."""
+
+    tokens: Sequence[int]
+    learned: Sequence[bool]
+
+
+@dataclass(frozen=True)
 class Example:
     """Token ids and which of them are learned (predicted from what precedes them)."""
 
@@ -40,8 +49,11 @@ class Example:
         object.__setattr__(self, "learned", learned)
 
     @classmethod
-    def prompted(cls, prompt: Sequence[int], completion: Sequence[int]) -> Example:
-        """Learn the completion only: the prompt is context."""
+    def prompted(cls, prompt: Sequence[int], completion: Sequence[int] | PartlyLearned) -> Example:
+        """Learn the completion only: the prompt is context (and so are the tokens a
+        PartlyLearned completion flags, a conversation's inserted turns)."""
+        if isinstance(completion, PartlyLearned):
+            return cls(list(prompt) + list(completion.tokens), [False] * len(prompt) + list(completion.learned))
         return cls(list(prompt) + list(completion), [False] * len(prompt) + [True] * len(completion))
 
     @classmethod
@@ -271,10 +283,11 @@ def _shared_prompt(prompt: Sequence[int], completions: Sequence[Sequence[int]]) 
     return docs
 
 
-def pack_prompted(groups: Iterable[tuple[Sequence[int], Sequence[Sequence[int]]]], tokens: int, *,
+def pack_prompted(groups: Iterable[tuple[Sequence[int], Sequence[Sequence[int] | PartlyLearned]]], tokens: int, *,
                   share: bool = True, pad_id: int = 0) -> Iterator[Packed]:
     """Rows of (prompt, completions) groups, each completion learned after its prompt,
-    every group whole in one row and in order (DPO's answers, GRPO's samples).
+    every group whole in one row and in order (DPO's answers, GRPO's samples; a
+    PartlyLearned completion learns the tokens it flags).
 
     share=True places each prompt once and lets its completions attend to it
     (`Packed.prefix`): the same log-probabilities as one prompt+completion example a

@@ -31,6 +31,7 @@ class Rollouts:
     steps: int
     per_process: int
     share: int
+    tokenizer: Any = None
 
 
 def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollouts:
@@ -40,6 +41,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     from linnet import nest
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.rl import rewards
+    from linnet.rl.environments import environment_factory
     from linnet.rl.rollouts import check_prompts
     from linnet.serve.vllm import check_usable
     from linnet.torch.loading import usable_device
@@ -60,6 +62,8 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     held_out = prompts_from_records(eval_records, tokenizer, **fields)
     if "code" in g.rewards:  # its tests, every record's, before anything is written
         check_tests(records + eval_records, d.answer)
+    if getattr(g, "environment", None) or getattr(g, "tools", None):  # importable, its tools known
+        environment_factory(g.environment, g.tools)
     if not d.eval_path:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
     check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens,
@@ -72,7 +76,8 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     runs.steps_factor(config, steps)
     per_process = runs.split_per_step(field, n, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
-    return Rollouts(card, prompts[share::shares], held_out[share::shares], functions, steps, per_process, share)
+    return Rollouts(card, prompts[share::shares], held_out[share::shares], functions, steps, per_process, share,
+                    tokenizer)
 
 
 def check_tests(records, field: str) -> None:
@@ -147,7 +152,8 @@ def run(config: GRPOConfig, *, overwrite: bool = False, resume: bool = False,
     with job.open(policy, held_out_evaluation(config, g, engine, r)) as run:
         history = grpo(policy, engine, r.prompts, r.functions, run,
                        settings=dataclasses.replace(g, prompts_per_step=r.per_process), reference=reference,
-                       tokens=config.training.context_length, seed=config.runtime.seed + 7919 * r.share)
+                       tokens=config.training.context_length, seed=config.runtime.seed + 7919 * r.share,
+                       tokenizer=r.tokenizer)
     return job.summarize(history, card=r.card.name)
 
 

@@ -106,6 +106,13 @@ class GRPOOptions(SamplingOptions):
     stall_timeout: float = option(1800.0, "with max_staleness: seconds the trainer waits for a step's samples, or "
                                           "the sampler for the next weights, before the run ends naming the side "
                                           "that stalled")
+    environment: str | None = option(None, "module:Class: an environment answering the model's turns, so each "
+                                           "completion is a conversation (linnet.rl.environments); its rewards are "
+                                           "summed in as the reward 'environment'")
+    tools: list[str] = option([], "tools of the built-in tool environment: calculator, python (run in the "
+                                  "sandbox); tool calls in the chat template's format, results inserted as tool "
+                                  "turns, never learned")
+    max_turns: int = option(4, "with environment or tools: the model turns a conversation may take")
 
     def __post_init__(self):
         check_one_of(self, "advantage")
@@ -117,6 +124,8 @@ class GRPOOptions(SamplingOptions):
         if self.dynamic_sampling < 0:
             raise ValueError(f"config: grpo.dynamic_sampling={self.dynamic_sampling}; it is a number of extra "
                              "sampling rounds, >= 0")
+        if self.max_turns < 1:
+            raise ValueError(f"config: grpo.max_turns={self.max_turns}; a conversation takes at least one turn")
         if self.max_staleness < 0 or not self.stall_timeout > 0:
             raise ValueError(f"config: grpo.max_staleness={self.max_staleness}, grpo.stall_timeout="
                              f"{self.stall_timeout}; max_staleness is a number of steps, >= 0, and stall_timeout "
@@ -203,6 +212,12 @@ class RolloutSettings(Rewards):
 @dataclass
 class GRPOSettings(RolloutSettings, GRPOOptions):
     """The `grpo` group: GRPO's options and what `linnet grpo` builds around them."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.engine == "vllm" and (self.environment or self.tools):
+            raise ValueError("config: grpo.environment and grpo.tools sample conversations with the builtin engine, "
+                             "which inserts each turn's answer into its cache; use grpo.engine=builtin")
 
 
 @dataclass

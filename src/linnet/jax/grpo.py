@@ -140,9 +140,10 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
     if s.dynamic_sampling and not isinstance(prompts, Sequence):
         raise ValueError("grpo: dynamic_sampling draws prompts again: pass the prompts as a sequence")
-    if s.max_staleness or s.correction != "token":
-        raise ValueError("grpo: the JAX trainer samples each step from the current weights with token-level "
-                         "corrections; max_staleness > 0 and correction='sequence' are linnet.train.grpo.grpo's")
+    if s.max_staleness or s.correction != "token" or s.environment or s.tools:
+        raise ValueError("grpo: the JAX trainer samples each step from the current weights, one turn a "
+                         "completion, with token-level corrections; max_staleness > 0, correction='sequence' and "
+                         "multi-turn environments or tools are linnet.train.grpo.grpo's")
     max_new_tokens, iterations, beta, dr_grpo = s.max_new_tokens, s.iterations, s.beta, s.dr_grpo
     sequence_level = s.sequence_level
     per_sequence = s.sequence_level or s.sequence_mean  # each completion's tokens weigh 1/its length

@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from linnet.packing import PartlyLearned
+from linnet.rl.conversations import last_turn
+
 if TYPE_CHECKING:
     from linnet.config.sampling import GRPOOptions
 
@@ -37,6 +40,9 @@ class Completion:
     version    the policy's weights it came from, in updates applied: GRPO's (both backends)
                step s samples those after s - 1 updates, or older ones when sampling ahead
                (`grpo.max_staleness`); 0 where nothing sets it
+    learned    a multi-turn conversation's [len(tokens)] flags, False at the tokens its
+               environment inserted (never learned; their logprobs are 0); None: all sampled
+    turn_rewards  a conversation's environment reward of each model turn (None: single-turn)
     """
 
     prompt: int
@@ -44,6 +50,8 @@ class Completion:
     logprobs: Any
     stopped: bool
     version: int = 0
+    learned: Any = None
+    turn_rewards: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -182,17 +190,25 @@ def sample_in_batches(engine, prompts: Sequence[Sequence[int]], n: int = 1, *, b
 
 def sample_and_score(engine, chunk, functions: dict[str, Reward], *, group: int, max_new_tokens: int,
                      temperature: float, top_k, top_p, stop, seed: int, dr_grpo: bool, drop_uniform: bool,
-                     advantage: str = "group") -> Scored:
+                     advantage: str = "group", conversations: Callable | None = None) -> Scored:
     """Sample `group` completions of each (index, prompt) of `chunk` with `engine` (the
-    PyTorch or the JAX one), score them and give each its group advantage."""
+    PyTorch or the JAX one), score them and give each its group advantage. With
+    `conversations(prompts, group)` (a linnet.rl.conversations.Conversations) each
+    completion is a multi-turn conversation: the rewards grade its last turn, and its
+    environment's rewards are summed in as the reward "environment"."""
     prompts = [p for _, p in chunk]
     t0 = time.perf_counter()
+    turns = {} if conversations is None else {"turns": conversations(prompts, group)}
     samples = engine.sample([list(p.ids) for p in prompts], n=group, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed)
+                            temperature=temperature, top_k=top_k, top_p=top_p, stop=stop, seed=seed, **turns)
     seconds = time.perf_counter() - t0
     t1 = time.perf_counter()
-    scores = score(functions, [(prompts[s.prompt], s.tokens, f"prompt {chunk[s.prompt][0]}, completion {i % group}")
-                               for i, s in enumerate(samples)])
+    scores = score(functions, [(prompts[s.prompt], last_turn(s.tokens, s.learned),
+                                f"prompt {chunk[s.prompt][0]}, completion {i % group}") for i, s in enumerate(samples)])
+    if turns:
+        for values, s in zip(scores, samples):
+            values["environment"] = float(sum(s.turn_rewards))
+        functions = {**functions, "environment": None}
     scoring = time.perf_counter() - t1
     per_function = {name: np.array([sc[name] for sc in scores]) for name in functions}
     rewards = np.sum(list(per_function.values()), axis=0).reshape(len(prompts), group)
@@ -249,13 +265,29 @@ class Sampler:
     seed: int = 0
     prompts: Sequence[Prompt] = ()
     rank: int = 0
+    tokenizer: Any = None  # multi-turn: the environments read and answer text
+
+    def __post_init__(self):
+        from linnet.rl.environments import environment_factory
+
+        s = self.settings
+        make = environment_factory(s.environment, s.tools)
+        self.conversations = None
+        if make is not None:
+            if self.tokenizer is None:
+                raise ValueError("grpo: an environment (environment= or tools=) reads and answers text: pass "
+                                 "tokenizer=")
+            from linnet.rl.conversations import Conversations
+
+            self.conversations = lambda prompts, n: Conversations(prompts, n, make, self.tokenizer, s.max_turns)
 
     def round(self, chunk: list, step: int, round_: int) -> Scored:
         s = self.settings
         return sample_and_score(self.engine, chunk, self.functions, group=s.group, max_new_tokens=s.max_new_tokens,
                                 temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, stop=self.stop,
                                 seed=step_seed(self.seed, step, round_), dr_grpo=s.dr_grpo,
-                                drop_uniform=s.drop_uniform, advantage=s.advantage)
+                                drop_uniform=s.drop_uniform, advantage=s.advantage,
+                                conversations=self.conversations)
 
     def __call__(self, chunk: list, step: int) -> tuple[list, Scored, int]:
         """(the step's (index, prompt) pairs, their Scored samples, sampling rounds), each
@@ -297,9 +329,14 @@ def to_train(scored: Scored, beta: float) -> np.ndarray:
 
 
 def counted(scored: Scored) -> tuple[int, int]:
-    """(completions, tokens) a step's loss averages over: the kept ones, skipped or not."""
+    """(completions, tokens) a step's loss averages over: the kept ones, skipped or not, and
+    their learned tokens (a conversation's inserted ones are not)."""
     kept = [s for s, k in zip(scored.samples, scored.keep) if k]
-    return len(kept), sum(len(s.tokens) for s in kept)
+    return len(kept), sum(learned_count(s) for s in kept)
+
+
+def learned_count(sample: Completion) -> int:
+    return len(sample.tokens) if sample.learned is None else int(sample.learned.sum())
 
 
 def reward_metrics(rewards: np.ndarray, per_function: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -324,6 +361,8 @@ def step_metrics(scored: Scored, trained: np.ndarray, *, tokens: float, checked:
         "clip_fraction": clipped / per_token, "kl": kl / per_token, "mismatch": mismatch / max(checked, 1.0),
         "sample_seconds": scored.seconds, "score_seconds": scored.score_seconds,
         "sampled_tokens_per_second": float(lengths.sum()) / max(scored.seconds, 1e-9),
+        **({"turns": float(np.mean([len(s.turn_rewards or ()) for s in scored.samples]))}
+           if any(s.turn_rewards is not None for s in scored.samples) else {}),
     }
 
 
@@ -338,7 +377,7 @@ def prompt_groups(samples, prompts, tokens: int, share: bool):
             if chunk and size + each + len(s.tokens) > tokens:
                 yield ids, chunk
                 chunk, size = [], base
-            chunk.append(s.tokens)
+            chunk.append(s.tokens if s.learned is None else PartlyLearned(s.tokens, s.learned))
             size += each + len(s.tokens)
         yield ids, chunk
 

@@ -58,6 +58,7 @@ ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        # numerical libraries start a thread a core, which the process limit refuses (OpenBLAS then aborts)
        "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 OPEN_FILES = 64
+OUTPUT_CHARS = 4000
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class Outcome:
              size limit); "refused": it tried an operation the sandbox refuses
     stderr   the end of what it wrote to stderr: why tests failed, what was refused
     layers   the kernel layers that held in this run ("uid", "netns", "landlock<ABI>")
+    output   the end of what the code printed (its last OUTPUT_CHARS characters)
     """
 
     passed: int
@@ -78,6 +80,7 @@ class Outcome:
     status: str
     stderr: str = ""
     layers: tuple[str, ...] = ()
+    output: str = ""
 
     @property
     def share(self) -> float:
@@ -130,16 +133,27 @@ def run_tests(code: str, tests, *, timeout: float = 10.0, cpu_seconds: int = 5, 
     processes    RLIMIT_NPROC, which counts every process and thread of the child's user
                  (nobody's, or yours when not root): 1 lets it start none
     """
+    return _run(code, as_tests(tests), dict(timeout=timeout, cpu_seconds=cpu_seconds, memory_mb=memory_mb,
+                                            file_mb=file_mb, processes=processes), "run_tests")
+
+
+def run_code(code: str, *, timeout: float = 10.0, cpu_seconds: int = 5, memory_mb: int = 1024, file_mb: int = 16,
+             processes: int = 1) -> Outcome:
+    """Run `code` alone in the sandbox (the limits of `run_tests`): what it printed is the
+    Outcome's `output` (the python tool's result); status "ok" when it ran to its end."""
+    return _run(code, [], dict(timeout=timeout, cpu_seconds=cpu_seconds, memory_mb=memory_mb, file_mb=file_mb,
+                               processes=processes), "run_code")
+
+
+def _run(code: str, sources: list[str], limits: dict, who: str) -> Outcome:
     import subprocess  # here, not at the top: the child runs this file and must not hold subprocess
 
     check_platform()
     if not isinstance(code, str):
-        raise TypeError(f"run_tests: code is {type(code).__name__}; give the program's text")
-    sources = as_tests(tests)
-    limits = dict(timeout=timeout, cpu_seconds=cpu_seconds, memory_mb=memory_mb, file_mb=file_mb, processes=processes)
+        raise TypeError(f"{who}: code is {type(code).__name__}; give the program's text")
     for name, value in limits.items():
         if not value > 0:
-            raise ValueError(f"run_tests: {name}={value}; use a positive number")
+            raise ValueError(f"{who}: {name}={value}; use a positive number")
     nonce = secrets.token_hex(16)
     root = os.path.realpath(tempfile.mkdtemp(prefix="linnet-sandbox-"))
     uid = NOBODY if os.geteuid() == 0 else None
@@ -158,7 +172,7 @@ def run_tests(code: str, tests, *, timeout: float = 10.0, cpu_seconds: int = 5, 
                                      cwd=root, env={**ENV, "TMPDIR": root}, start_new_session=True)
             late = False
             try:
-                child.wait(timeout)
+                child.wait(limits["timeout"])
             except subprocess.TimeoutExpired:
                 late = True
             finally:
@@ -179,18 +193,19 @@ def _outcome(stdout: str, stderr: str, nonce: str, total: int, returncode: int, 
     """The child's records: lines "<nonce> <kind> <detail>" that the code cannot forge (it
     never sees the nonce), among whatever else it printed."""
     records = re.findall(rf"^{nonce} (\w+) ?(.*)$", stdout, flags=re.MULTILINE)
+    output = re.sub(rf"\n{nonce} [^\n]*\n", "", stdout)[-OUTPUT_CHARS:]
     kinds = {kind for kind, _ in records}
     layers = next((tuple(detail.split()) for kind, detail in records if kind == "ready"), ())
     passed = len({detail for kind, detail in records if kind == "pass"})
     if "refused" in kinds:
         status, passed = "refused", 0
     elif "done" in kinds:
-        status = "ok" if passed == total else "failed"
+        status = "ok" if passed == total and "raised" not in kinds else "failed"
     elif late or returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         status = "timeout"
     else:
         status = "crashed"
-    return Outcome(passed, total, status, stderr.strip(), layers)
+    return Outcome(passed, total, status, stderr.strip(), layers, output)
 
 
 def _remove(root: str) -> None:
@@ -337,6 +352,7 @@ def _jail(job: dict, layers: list) -> None:
     neither learn the nonce nor change what the hook allows or the loop records."""
     nonce, root = job["nonce"], job["root"]
     write, getcwd, fspath, exit_, own_pid = os.write, os.getcwd, os.fspath, os._exit, os.getpid()
+    printed = sys.stdout
     isinstance_, hasattr_, type_, int_, str_, bytes_ = isinstance, hasattr, type, int, str, bytes
     exec_, compile_ = exec, compile
     AttributeError_, BaseException_, ImportError_, OSError_, PermissionError_, ValueError_ = (  # noqa: N806
@@ -447,6 +463,7 @@ def _jail(job: dict, layers: list) -> None:
         ran = True
     except BaseException_ as e:
         failed("the code", e)
+        emit("raised")
         ran = False
     for i, check in checks:
         passed = False
@@ -459,6 +476,10 @@ def _jail(job: dict, layers: list) -> None:
         if refused:
             break
         emit("pass" if passed else "fail", f"{i}")
+    try:  # what the code printed, before _exit drops the buffer
+        printed.flush()
+    except BaseException_:
+        pass
     emit("refused" if refused else "done")
     exit_(0)
 

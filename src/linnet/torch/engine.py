@@ -250,6 +250,7 @@ class Engine:
         stop: Iterable[int] | None = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        turns=None,
     ) -> list[Completion]:
         """Sample n completions of each prompt.
 
@@ -263,10 +264,14 @@ class Engine:
             eos_token_ids, () never stops early.
         seed / generator: the random stream for sampling (the global one when neither).
 
+        turns: a linnet.rl.conversations.Conversations: a stop token ends a model turn, and the
+            completion only when its environment is done (max_new_tokens bounds it all)
+
         Returns len(prompts) * n completions, prompt-major: completion j of prompt i is
         at i * n + j.
         """
-        run = self._generate(prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator)
+        run = self._generate(prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator,
+                             turns=turns)
         while True:
             try:
                 next(run)
@@ -318,7 +323,7 @@ class Engine:
 
     @torch.inference_mode()
     def _generate(self, prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator,
-                  stop_every=None):
+                  stop_every=None, turns=None):
         """Yields the sampled tokens [rows in the batch] each step; returns the completions."""
         prompts = token_prompts(prompts, self.card.vocab)
         sampling = self._check_sampling(n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator)
@@ -342,12 +347,17 @@ class Engine:
         finished = torch.zeros(B, dtype=torch.bool, device=dev)  # rows that sampled a stop token
         for step in range(N):
             tok, lp = _pick(logits, sampling, rows, B)
+            if turns is not None:  # inserted tokens take the place of sampled ones
+                tok, lp, forced = _insert(turns, rows, tok, lp)
             out_tok[rows, step] = tok
             out_lp[rows, step] = lp
             self.stats.sampled_tokens += len(group)
             yield tok
             if len(sampling.stop):
                 hit = torch.isin(tok, sampling.stop) & ~finished
+                if turns is not None:  # a turn ended: its conversation goes on while its environment answers
+                    hit &= torch.tensor([not f and not turns.ended(r, out_tok[r, : step + 1].tolist(), N - step - 1)
+                                         for r, f in zip(rows.tolist(), forced)], device=dev)
                 length[rows] = torch.where(hit, step + 1, length[rows])
                 stopped[rows] |= hit
                 finished |= hit
@@ -374,7 +384,9 @@ class Engine:
 
         out_tok, out_lp, length, stopped = out_tok.cpu(), out_lp.cpu(), length.tolist(), stopped.tolist()
         return [
-            Completion(r // n, out_tok[r, : length[r]].tolist(), out_lp[r, : length[r]].clone(), stopped[r])
+            Completion(r // n, out_tok[r, : length[r]].tolist(), out_lp[r, : length[r]].clone(), stopped[r],
+                       **({} if turns is None else dict(learned=turns.learned(r, length[r]),
+                                                        turn_rewards=turns.rewards[r])))
             for r in range(B)
         ]
 
@@ -558,6 +570,17 @@ def sampling_options(n, max_new_tokens, temperature, top_k, top_p, vocab: int,
         raise ValueError(f"{who}: top_p={top_p!r}; it must be in (0, 1], or None for all tokens")
     return min(top_k, vocab), top_p
 
+
+
+def _insert(turns, rows_B: torch.Tensor, tok_B: torch.Tensor, lp_B: torch.Tensor):
+    """(tokens, logprobs, inserted flags [B] on the host): the rows whose conversation has
+    tokens queued take the next one, with log-probability 0."""
+    queued = turns.next_tokens(rows_B.tolist())
+    if not any(forced := [t is not None for t in queued]):
+        return tok_B, lp_B, forced
+    mask = torch.tensor(forced, device=tok_B.device)
+    ids = torch.tensor([t or 0 for t in queued], device=tok_B.device)
+    return torch.where(mask, ids, tok_B), lp_B.masked_fill(mask, 0.0), forced
 
 
 def _pick(logits_BV: torch.Tensor, s: _Sampling, rows_B: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ from linnet.rl.rollouts import (
     Sampler,
     check_prompts,
     counted,
+    learned_count,
     pass_at_k,
     prompt_groups,
     reward_functions,
@@ -90,9 +91,9 @@ def _rollout(samples, advantages: np.ndarray, trained: np.ndarray, prompts, toke
         adv, elp, w, seq = [], [], [], []
         for _ in range(row.examples):
             i, s = next(it)
-            n = len(s.tokens)
+            n = learned_count(s)
             adv.append(torch.full((n,), float(advantages[i])))
-            elp.append(s.logprobs.float())
+            elp.append(s.logprobs.float() if s.learned is None else s.logprobs.float()[torch.from_numpy(s.learned)])
             w.append(torch.full((n,), 1.0 / n if per_sequence else 1.0))
             seq.append(torch.full((n,), i, dtype=torch.long))
         out.advantage.append(torch.cat(adv))
@@ -193,7 +194,7 @@ def step_work(policy, sampler: Sampler, chunk: list, step: int, *, tokens: int, 
 
 def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str, Reward], run: Run | None = None, *,
          settings: GRPOOptions | None = None, reference=None, stop: Iterable[int] | None = None, tokens: int = 4096,
-         seed: int = 0, verbose: bool = True, **options) -> History:
+         seed: int = 0, verbose: bool = True, tokenizer=None, **options) -> History:
     """Train `policy` with GRPO for `run.steps` sampling steps (see the module docstring).
 
     run: a linnet.run.Run, or its fields as keywords (optimizer=, steps=, ...); the
@@ -214,7 +215,10 @@ def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str
         equal; uniform groups never train; needs a sequence of prompts), correction
         ("token", or "sequence": correction_cap's weight one a completion),
         max_staleness (sample up to this many steps ahead on a second thread, from weights
-        that many updates old: linnet.train.grpo_async) and stall_timeout (its seconds).
+        that many updates old: linnet.train.grpo_async) and stall_timeout (its seconds),
+        environment (a class making an environment, or its "module:Class") or tools
+        (built-in tool names), with max_turns: multi-turn conversations
+        (linnet.rl.conversations), which need `tokenizer` (linnet.data.load_tokenizer).
     reward: f(prompt, completion_ids) -> number, or a dict name -> f (summed, each
         reported). tokens: positions per packed micro-batch row. A sequence of prompts is
         repeated as epochs; an iterator is read once.
@@ -233,7 +237,7 @@ def grpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mapping[str
     if verbose and world()[0] == 0:
         _print_batch_table(s, tokens, share)
     sampler = Sampler(engine, functions, s, stop, seed, prompts if isinstance(prompts, Sequence) else (),
-                      rank=world()[0])
+                      rank=world()[0], tokenizer=tokenizer)
     stream, ahead, run = sample_ahead(sampler, policy, stream, run)
     with contextlib.nullcontext() if ahead is None else ahead.running():
         return fit(policy, stream, lambda step, chunk: step_work(policy, sampler, chunk, step, tokens=tokens,
