@@ -5,14 +5,13 @@ never learned), max_turns and done, and GRPO training on conversations."""
 from __future__ import annotations
 
 import itertools
-import string
 
 import numpy as np
 import pytest
 import torch
 
 from linnet import nest
-from linnet.data import load_tokenizer
+from linnet.data import character_tokenizer
 from linnet.packing import Example, PartlyLearned, pack
 from linnet.rl.conversations import Conversations, inserted_text, last_turn
 from linnet.rl.environments import ToolEnvironment, Turn, calculator, environment_factory, parse_tool_calls
@@ -40,17 +39,9 @@ SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_i
 
 
 def char_tokenizer(template: str):
-    """One token a printable character, and the templates' special tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(["<unk>", *SPECIALS, *string.printable])}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    raw.add_special_tokens([AddedToken(s, special=True) for s in SPECIALS])
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    raw.decoder = decoders.Fuse()
     if template == QWEN:
-        return load_tokenizer(raw, chat_template=QWEN, eos=["<|im_end|>"])
-    return load_tokenizer(raw, chat_template=LLAMA3, eos=["<|eot_id|>"], bos="<|begin_of_text|>")
+        return character_tokenizer(SPECIALS, chat_template=QWEN, eos="<|im_end|>")
+    return character_tokenizer(SPECIALS, chat_template=LLAMA3, eos="<|eot_id|>", bos="<|begin_of_text|>")
 
 
 TOKENIZER = char_tokenizer(QWEN)
@@ -166,6 +157,12 @@ def test_max_turns_and_room_end_a_conversation():
     turns = Conversations(prompts, 2, Endless, TOKENIZER, max_turns=2)
     done = engine.sample([p.ids for p in prompts], 2, max_new_tokens=160, stop=EVERY_TOKEN, seed=0, turns=turns)
     assert all(len(c.turn_rewards) == 2 and c.learned.sum() == 2 for c in done)
+    turns = Conversations(prompts, 4, Endless, TOKENIZER, max_turns=3)  # turns of several tokens
+    done = engine.sample([p.ids for p in prompts], 4, max_new_tokens=160, stop=range(0, CARD.vocab, 4), seed=0,
+                         turns=turns)
+    for c in done:  # the environment saw each model turn once, and only those
+        runs = np.flatnonzero(np.diff(np.concatenate([[0], c.learned.astype(int)])) == 1)
+        assert len(c.turn_rewards) == len(runs) <= 3 and (len(runs) == 3 or not c.stopped)
     turns = Conversations(prompts, 1, Endless, TOKENIZER, max_turns=9)  # the answer does not fit: it ends there
     (c,) = engine.sample([prompts[0].ids], max_new_tokens=10, stop=EVERY_TOKEN, seed=0, turns=turns)
     assert c.tokens == c.tokens[:1] and c.learned.all() and len(c.turn_rewards) == 1

@@ -121,15 +121,19 @@ def held_out_evaluation(config, g, engine, r: Rollouts):
     a sampling command reports each evaluation; None when no process holds one out."""
     from linnet.train.grpo import evaluate
 
+    from linnet.rl.conversations import conversations_for
+
     held_out, seed = r.held_out, config.runtime.seed
     k, samples, passing = (g.pass_k, g.pass_samples, g.pass_reward) if isinstance(g, RolloutSettings) else (0, None, None)
+    conversations = conversations_for(getattr(g, "environment", None), getattr(g, "tools", ()), r.tokenizer,
+                                      getattr(g, "max_turns", 1))  # held out as in training: with the tools
     names = ["reward", "pass@1"] + ([f"pass@{k}"] if k else [])
 
     def held_out_metrics(policy):
         if held_out:
             found = evaluate(policy, engine, held_out, r.functions, max_new_tokens=g.max_new_tokens, k=k,
                              samples=samples, passing=passing, temperature=g.temperature,
-                             top_k=g.top_k, top_p=g.top_p, seed=seed)
+                             top_k=g.top_k, top_p=g.top_p, seed=seed, conversations=conversations)
         else:  # none here; still take the policy's weights, with every process, as evaluate does
             engine.load_weights(policy)
         n, *sums = sum_across([len(held_out)] + [found[k] * len(held_out) if held_out else 0.0 for k in names])

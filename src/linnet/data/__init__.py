@@ -18,11 +18,12 @@ from linnet.data.examples import chat_example, examples_from_records, load_examp
 from linnet.data.pairs import pairs_from_records, unpaired_from_records
 from linnet.data.prompts import encode_prompt, prompts_from_records
 from linnet.data.readers import Record, iter_records, read_records
-from linnet.data.tokenizer import Tokenizer, load_tokenizer
+from linnet.data.tokenizer import Tokenizer, character_tokenizer, load_tokenizer
 
 __all__ = [
     "Record",
     "Tokenizer",
+    "character_tokenizer",
     "chat_example",
     "encode_prompt",
     "examples_from_records",

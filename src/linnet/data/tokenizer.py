@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import string
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -308,3 +309,20 @@ def _jinja_renderer(template: str, names: dict[str, str], where: str) -> Render:
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **names)
 
     return render
+
+
+def character_tokenizer(specials: Sequence[str] = (), *, chat_template: str | None = None,
+                        eos: str | Sequence[str] = (), bos: str | None = None,
+                        characters: str = string.printable) -> Tokenizer:
+    """A tokenizer of one token a character (`characters`, then `specials` whole), for toy
+    tasks and tests that build their own model: it spells any text in those characters and
+    needs no file. Ids: <unk> 0, the specials, then the characters."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Raw
+
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(["<unk>", *specials, *characters]))}
+    raw = Raw(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    raw.decoder = decoders.Fuse()
+    return load_tokenizer(raw, chat_template=chat_template, eos=eos, bos=bos)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from linnet.rl.environments import Turn
+from linnet.rl.environments import Turn, environment_factory
 
 MARK = "\u2063LINNET-TURN\u2063"  # stands for the model's turn when the template is rendered
 
@@ -102,3 +102,14 @@ class Conversations:
         for start, end in self.inserted[row]:
             mask[start:end] = False
         return mask
+
+
+def conversations_for(environment, tools: Sequence[str], tokenizer, max_turns: int) -> Callable | None:
+    """(prompts, n) -> Conversations over the environment (a class or function, or its
+    "module:Class") or the built-in tools; None when neither (single-turn sampling)."""
+    make = environment_factory(environment, tools)
+    if make is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("grpo: an environment (environment= or tools=) reads and answers text: pass tokenizer=")
+    return lambda prompts, n: Conversations(prompts, n, make, tokenizer, max_turns)

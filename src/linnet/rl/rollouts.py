@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from linnet.packing import PartlyLearned
-from linnet.rl.conversations import last_turn
+from linnet.rl.conversations import conversations_for, last_turn
 
 if TYPE_CHECKING:
     from linnet.config.sampling import GRPOOptions
@@ -164,13 +164,15 @@ class Scored:
     score_seconds: float = 0.0  # the rewards' time
 
 
-def sample_in_batches(engine, prompts: Sequence[Sequence[int]], n: int = 1, *, batch: int = 64,
-                      seed: int | None = None, label: str | None = None, **options) -> list[Completion]:
+def sample_in_batches(engine, prompts: Sequence[Sequence[int] | Prompt], n: int = 1, *, batch: int = 64,
+                      seed: int | None = None, label: str | None = None, conversations: Callable | None = None,
+                      **options) -> list[Completion]:
     """`engine.sample(prompts, n, ...)` over `batch` prompts a call: an engine's KV cache
     holds one call's prompts and completions, so a whole data set in one call could take
     all the memory. Completions come prompt-major as from one call (completion j of
     prompt i at i * n + j); a batch draws with `seed` plus its first prompt's index. A
-    progress bar named `label` on a terminal (none without a label)."""
+    progress bar named `label` on a terminal (none without a label). `conversations`
+    (`Sampler.conversations`; the prompts then Prompts): multi-turn, an environment each."""
     from linnet.report.progress import Progress
 
     if batch < 1:
@@ -178,8 +180,10 @@ def sample_in_batches(engine, prompts: Sequence[Sequence[int]], n: int = 1, *, b
     bar = Progress(len(prompts), label, unit="prompt") if label else None
     done: list[Completion] = []
     for start in range(0, len(prompts), batch):
-        part = engine.sample([list(p) for p in prompts[start : start + batch]], n, seed=None if seed is None
-                             else seed + start, **options)
+        mine = prompts[start : start + batch]
+        turns = {} if conversations is None else {"turns": conversations(mine, n)}
+        part = engine.sample([list(getattr(p, "ids", p)) for p in mine], n, seed=None if seed is None
+                             else seed + start, **options, **turns)
         done += [dataclasses.replace(c, prompt=start + c.prompt) for c in part]
         if bar is not None:
             bar.update(min(start + batch, len(prompts)))
@@ -268,18 +272,8 @@ class Sampler:
     tokenizer: Any = None  # multi-turn: the environments read and answer text
 
     def __post_init__(self):
-        from linnet.rl.environments import environment_factory
-
         s = self.settings
-        make = environment_factory(s.environment, s.tools)
-        self.conversations = None
-        if make is not None:
-            if self.tokenizer is None:
-                raise ValueError("grpo: an environment (environment= or tools=) reads and answers text: pass "
-                                 "tokenizer=")
-            from linnet.rl.conversations import Conversations
-
-            self.conversations = lambda prompts, n: Conversations(prompts, n, make, self.tokenizer, s.max_turns)
+        self.conversations = conversations_for(s.environment, s.tools, self.tokenizer, s.max_turns)
 
     def round(self, chunk: list, step: int, round_: int) -> Scored:
         s = self.settings

@@ -356,8 +356,8 @@ class Engine:
             if len(sampling.stop):
                 hit = torch.isin(tok, sampling.stop) & ~finished
                 if turns is not None:  # a turn ended: its conversation goes on while its environment answers
-                    hit &= torch.tensor([not f and not turns.ended(r, out_tok[r, : step + 1].tolist(), N - step - 1)
-                                         for r, f in zip(rows.tolist(), forced)], device=dev)
+                    hit = torch.tensor([h and not f and not turns.ended(r, out_tok[r, : step + 1].tolist(), N - step - 1)
+                                        for r, h, f in zip(rows.tolist(), hit.tolist(), forced)], device=dev)
                 length[rows] = torch.where(hit, step + 1, length[rows])
                 stopped[rows] |= hit
                 finished |= hit

@@ -42,6 +42,7 @@ import torch
 from linnet.config.sampling import GRPOOptions
 from linnet.packing import pack_prompted
 from linnet.report.tables import print_table
+from linnet.rl.conversations import last_turn
 from linnet.rl.rollouts import (
     Prompt,
     Reward,
@@ -249,7 +250,7 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
              max_new_tokens: int = 256, k: int = 0, samples: int | None = None, passing: float | None = None,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
-             label: str | None = None) -> dict[str, float]:
+             label: str | None = None, conversations=None) -> dict[str, float]:
     """Held-out metrics of `policy` (its weights are loaded into `engine` first), sampled
     `batch` prompts an engine call (`sample_in_batches`; a progress bar named `label`):
 
@@ -260,7 +261,9 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
 
     A completion passes when its summed reward is at least `passing`; the default is one
     per reward function, full marks when each reward's best is 1 (as for linnet's
-    built-in exact, numeric and format rewards).
+    built-in exact, numeric and format rewards). With `conversations` (a Sampler's) each
+    completion is a conversation: the rewards grade its last turn, and its environment's
+    rewards add to the sum.
     """
     functions = reward_functions(reward)
     passing = float(len(functions)) if passing is None else passing
@@ -268,15 +271,16 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
     if k == 1 or k < 0 or samples < k:
         raise ValueError(f"evaluate: k={k}, samples={samples}; k is 0 (greedy only) or >= 2 (pass@1 is the "
                          "greedy one), and samples >= k")
-    ids = [list(p.ids) for p in prompts]
+    ids = list(prompts) if conversations else [list(p.ids) for p in prompts]
 
     def scores(done, n):
-        found = score(functions, [(prompts[c.prompt], c.tokens, f"held-out prompt {c.prompt}, completion {i % n}")
-                                  for i, c in enumerate(done)])
-        return np.array([sum(values.values()) for values in found]).reshape(len(prompts), n)
+        found = score(functions, [(prompts[c.prompt], last_turn(c.tokens, c.learned),
+                                   f"held-out prompt {c.prompt}, completion {i % n}") for i, c in enumerate(done)])
+        return np.array([sum(values.values()) + sum(c.turn_rewards or ())
+                         for values, c in zip(found, done)]).reshape(len(prompts), n)
 
     engine.load_weights(policy)
-    each = dict(batch=batch, max_new_tokens=max_new_tokens, stop=stop)
+    each = dict(batch=batch, max_new_tokens=max_new_tokens, stop=stop, conversations=conversations)
     greedy = scores(sample_in_batches(engine, ids, temperature=0.0, label=label and f"{label} greedy", **each),
                     1)[:, 0]
     out = {"reward": float(greedy.mean()), "pass@1": float(np.mean(greedy >= passing))}
