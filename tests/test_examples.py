@@ -50,6 +50,12 @@ def test_grpo_example(tmp_path):
     assert "mean reward" in out and (tmp_path / "grpo" / "adapter_config.json").is_file()
 
 
+def test_tool_use_example():
+    out = _run("13_tool_use.py", "--sft-steps", "2", "--steps", "1", "--held-out", "4", "--code")
+    assert "held-out accuracy with the calculator" in out and "GRPO steps" in out
+    assert out.strip().endswith("a right answer's 1")  # the sandbox ran the right program and it passed
+
+
 @pytest.mark.slow
 def test_resume_example():
     assert _run("03_resume.py").strip().endswith("identical")
