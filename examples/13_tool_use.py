@@ -91,7 +91,7 @@ def accuracy(label: str) -> None:
 demos = (demonstration(*problem(rng)) for _ in itertools.count())
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 train(model, pack(demos, tokens=1024), optimizer=optimizer, steps=args.sft_steps,
-      schedule=cosine_schedule(optimizer, 20, args.sft_steps))
+      schedule=cosine_schedule(optimizer, min(20, args.sft_steps), args.sft_steps))
 accuracy(f"after {args.sft_steps} SFT steps")
 
 model.set_trainable(False)

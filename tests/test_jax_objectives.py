@@ -159,7 +159,7 @@ def test_train_and_grpo_refuse_a_run_schedule_naming_optax(jx, tmp_path):
         grpo(jax_model, _ScriptedEngine(np.asarray), [Prompt([5, 6])], lambda p, c: 1.0, optimizer=optax.sgd(0.1),
              steps=1, schedule=object())
     for option in ({"max_staleness": 1}, {"correction": "sequence", "correction_cap": 2.0}):
-        with pytest.raises(ValueError, match="max_staleness > 0 and correction='sequence' are linnet.train.grpo"):
+        with pytest.raises(ValueError, match="multi-turn environments or tools are linnet.train.grpo"):
             grpo(jax_model, _ScriptedEngine(np.asarray), [Prompt([5, 6])], lambda p, c: 1.0,
                  optimizer=optax.sgd(0.1), steps=1, **option)
 

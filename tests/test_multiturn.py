@@ -203,3 +203,29 @@ def test_the_python_tool_returns_what_sandboxed_code_prints(monkeypatch):
     assert "hunter2" not in env.step(call % '"import os; print(os.environ)"').messages[0]["content"]
     refused = env.step(call % '"import socket; socket.create_connection((\\"1.1.1.1\\", 80))"').messages[0]
     assert refused["content"].startswith("refused: sandbox: refused socket")
+
+
+def test_linnet_grpo_reads_the_tool_settings_and_checks_them_before_writing(tmp_path):
+    import json
+
+    from linnet.commands.grpo import run
+    from linnet.config import GRPOConfig, load
+    from linnet.config.sampling import GRPOSettings
+    from tests.conftest import quickstart_model
+
+    quickstart_model(tmp_path / "model")
+    records = [{"prompt": f"{a}+{b}=", "answer": f"{a + b}"} for a in range(4) for b in range(5)]
+    (tmp_path / "add.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fields = [f"model.card={tmp_path / 'model'}", f"data.path={tmp_path / 'add.jsonl'}", "data.chat=false",
+              "data.eval_share=0.1", "training.context_length=64", "grpo.group=4", "grpo.prompts_per_step=4",
+              "grpo.max_new_tokens=6", "grpo.rewards=[numeric]", "training.steps=1", "lr_schedule.warmup_steps=0"]
+    with pytest.raises(ValueError, match="grpo.environment='no.such:Env'"):
+        run(load(GRPOConfig, None, [*fields, "grpo.environment=no.such:Env", f"runtime.output_dir={tmp_path / 'x'}"]))
+    assert not (tmp_path / "x").exists()
+    run(load(GRPOConfig, None, [*fields, "grpo.tools=[calculator]", "grpo.max_turns=2",
+                                f"runtime.output_dir={tmp_path / 'run'}"]))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 <= metrics[0]["turns"] <= 2 and metrics[0]["reward_environment"] == 0.0  # no call: one turn, no reward
+    for bad, message in [(dict(max_turns=0), "max_turns"), (dict(engine="vllm", tools=["calculator"]), "builtin")]:
+        with pytest.raises(ValueError, match=message):
+            GRPOSettings(**bad)

@@ -12,8 +12,11 @@ of 1e-5 moves a random tiny model too little to see, so the steps take LR.
 compile="inductor" is passed as written, and each block compiles with torch.compile's
 "eager" backend here (`cheap_compile`): dynamo captures the blocks as it would, over
 FSDP's and DTensor's parameters and adapters alike, without inductor's code generation
-(about 20 s a graph on a 2-core CPU). Which backend each spelling selects is tested in
-tests/test_cli.py, inductor's blocks against eager ones in its slow test.
+(about 20 s a graph on a 2-core CPU). An Engine given compile=True samples eagerly here:
+dynamo's capture of its passes took a minute of this module's time, and its compiled
+passes are checked against eager ones in tests/test_engine.py. Which backend each spelling
+selects is tested in tests/test_cli.py, inductor's blocks against eager ones in its slow
+test.
 
 Not here: what needs CUDA (NCCL, peak memory, bf16 speed). The seed's JAX names have
 their counterparts, tested in tests/test_jax.py: `linnet.jax.load_source` (what
@@ -33,7 +36,7 @@ from torch import nn
 
 from linnet import nest
 from linnet.commands import quickstart
-from linnet.torch import loading as loading_module
+from linnet.serve import Engine
 from linnet.torch.model import Block
 from tests.conftest import in_processes
 
@@ -55,19 +58,9 @@ def cheap_compile(monkeypatch):
         nn.Module.compile(self, backend="eager")
 
     monkeypatch.setattr(Block, "compile", compile)
-    monkeypatch.setattr(loading_module, "build", _eager_build(loading_module.build))
+    init = Engine.__init__
+    monkeypatch.setattr(Engine, "__init__", lambda self, model, **kw: init(self, model, **{**kw, "compile": False}))
     return asked
-
-
-def _eager_build(build):
-    """nest.load's builder with the model's backend reported as "eager", so an Engine that
-    follows its model compiles its passes with the eager backend too."""
-    def eager(*args, **kw):
-        model = build(*args, **kw)
-        if model.compiled:
-            model.compiled = "eager"
-        return model
-    return eager
 
 
 @pytest.fixture(scope="module")

@@ -101,8 +101,8 @@ class Engine:
         prompts and completions, each up to this many tokens; without them they are
         allocated at the first call's size. A cache grows (reallocates) only when a call
         needs more rows or slots than it has.
-    compile: compile the decode and prefill passes (see the module docstring); None
-        follows the model (`nest.load(..., compile=...)`, with its backend).
+    compile: compile the decode and prefill passes (module docstring) with the backend the
+        model names (`nest.load(..., compile="eager")`), else inductor; None: as the model.
     """
 
     def __init__(self, model: Decoder, *, max_batch: int | None = None, tokens: int | None = None,
@@ -137,7 +137,7 @@ class Engine:
             raise ValueError("Engine: an NF4 (quantize='nf4') model samples eagerly; pass compile=False")
         self._decode_pass, self._prefill_pass = decode_pass, prefill_pass
         if self.compiled:  # with the model's backend (inductor unless it names another)
-            backend = model.compiled if isinstance(model.compiled, str) and compile is None else "inductor"
+            backend = model.compiled if isinstance(model.compiled, str) else "inductor"
             graphs = {"mode": "reduce-overhead"} if backend == "inductor" and model.device.type == "cuda" else {}
             # dynamic sizes from the start: a batch shrinks as rows stop and prompts differ in
             # length, so static graphs would recompile for each new size (see `warmup`)
