@@ -119,9 +119,8 @@ def engine_and_reference(config, g, card, policy, reference: bool):
 def held_out_evaluation(config, g, engine, r: Rollouts):
     """The held-out reward, pass@1 and pass@k (means over every process's prompts) that
     a sampling command reports each evaluation; None when no process holds one out."""
-    from linnet.train.grpo import evaluate
-
     from linnet.rl.conversations import conversations_for
+    from linnet.train.grpo import evaluate
 
     held_out, seed = r.held_out, config.runtime.seed
     k, samples, passing = (g.pass_k, g.pass_samples, g.pass_reward) if isinstance(g, RolloutSettings) else (0, None, None)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 import string
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
