@@ -229,11 +229,13 @@ def dpo_data(vocab: int, steps: int, seed: int) -> dict:
     return out
 
 
-def grpo_data(vocab: int, steps: int, seed: int, per_step: int = PROMPTS_PER_STEP) -> dict:
+def grpo_data(vocab: int, steps: int, seed: int, per_step: int = PROMPTS_PER_STEP, median: int = 60) -> dict:
+    """GRPO's prompts: log-normal lengths of this median, from a third of it to 10/3 of it."""
     rng = np.random.default_rng(seed + 2)
     draw = Tokens(rng, vocab)
     n = steps * per_step
-    return dict(prompt=[[BOS] + draw(p - 1) for p in lognormal(rng, n, 60, 20, 200)], words=words(vocab))
+    lengths = lognormal(rng, n, median, max(2, median // 3), median * 10 // 3)
+    return dict(prompt=[[BOS] + draw(p - 1) for p in lengths], words=words(vocab))
 
 
 def distill_data(vocab: int, steps: int, seed: int) -> dict:

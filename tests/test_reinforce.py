@@ -242,15 +242,17 @@ def _grpo_process(rank, overrides):
     return grpo_cli([a for o in overrides for a in ("--set", o)])
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp"])
-def test_two_processes_share_the_prompts(workspace, tmp_path, shard):
+@pytest.mark.parametrize("settings", [["training.shard=none"], ["training.shard=fsdp"],
+                                      ["training.shard=none", "grpo.max_staleness=1"]])
+def test_two_processes_share_the_prompts(workspace, tmp_path, settings):
     """Under torchrun each process samples and trains on half of every step's prompts
-    (with its own sampling seed) and evaluates half the held-out ones; the first writes
-    one metrics line a step with held-out means over both halves."""
+    (with its own sampling seed; sampling ahead, with its own sampler thread) and evaluates
+    half the held-out ones; the first writes one metrics line a step with held-out means
+    over both halves."""
     from tests.conftest import in_processes
 
     out = tmp_path / "two"
-    assert in_processes(_grpo_process, _overrides(workspace, out, f"training.shard={shard}")) == [0, 0]
+    assert in_processes(_grpo_process, _overrides(workspace, out, *settings)) == [0, 0]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["learned"] > 0 and np.isfinite(m["loss"]) for m in metrics)
