@@ -124,7 +124,7 @@ def test_a_failed_quickstart_leaves_no_temporary_folder(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("broke mid-run")
 
-    monkeypatch.setattr(quickstart, "own_pairs", broken)
+    monkeypatch.setattr(quickstart, "save_tokenizer", broken)  # after the stages, before publishing
     with pytest.raises(RuntimeError, match="mid-run"):
         quickstart.run(tmp_path / "qs", steps=1, dpo_steps=1, grpo_steps=0, demos=10, practice=10, tokens=64,
                        threads=1)
