@@ -86,7 +86,7 @@ def _torchrun(script: str, *args: str, done: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("qlora", [False, True])
+@pytest.mark.parametrize("qlora", [False, pytest.param(True, marks=pytest.mark.slow)])  # QLoRA under FSDP: test_qlora
 def test_fully_shard_example_under_torchrun(tmp_path, qlora):
     """A real torchrun launch (two CPU processes, gloo): the sharded run's gathered
     weights load back as a whole model; with --qlora, its adapters in PEFT's files."""
@@ -118,6 +118,7 @@ def test_pipeline_example_under_torchrun(tmp_path):
     assert {k.split(".layers.")[1].split(".")[0] for k in saved} == {"0", "1", "2", "3"}
 
 
+@pytest.mark.slow  # the mesh itself: tests/test_jax_mesh.py
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs the jax extra")
 def test_fully_shard_jax_example_on_host_devices(tmp_path):
     """The JAX FSDP example over two CPU host devices, layers kept (--no-remat; its default

@@ -1,5 +1,7 @@
 """bench/gpu_check.py --dry-run: the GPU check's plumbing (its three steps on tiny models on
-the CPU) keeps working between the sessions that have a GPU."""
+the CPU) keeps working between the sessions that have a GPU. It takes about a minute, so it
+is a slow test: `python -m pytest -m slow tests/test_gpu_check.py` before a GPU session runs
+the check."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # run it (pytest -m slow tests/test_gpu_check.py) before a session's GPU check
 def test_the_gpu_check_runs_dry_on_a_cpu(tmp_path, capsys):
     pytest.importorskip("trl")
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")

@@ -524,10 +524,8 @@ def test_grpo_skipping_zero_advantages_changes_nothing_but_the_work(jx, monkeypa
         np.testing.assert_allclose(np.asarray(params[name]), np.asarray(params_all[name]), rtol=1e-4, atol=1e-5)
 
 
-def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
-    """GRPO on the 'sevens' task (the share of 7s in a completion): the mean reward rises,
-    the first iteration is unclipped, and the engine's log-probabilities equal the
-    policy's; the other options run and resume."""
+def _sevens_grpo(steps, split_engine=None, **kw):
+    """JAX GRPO on the 'sevens' task (the share of 7s in a completion) for `steps` steps: its History."""
     import optax
 
     from linnet.jax.engine import Engine
@@ -543,38 +541,48 @@ def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx, tmp_path):
     def sevens(prompt, completion):
         return sum(t == 7 for t in completion) / len(completion)
 
-    def run(steps, split_engine=None, **kw):
-        policy = load_model(card, weights="random", seed=1)
-        engine_model = load_model(card, weights="random", seed=1)
-        engine = Engine(engine_model if split_engine is None else engine_model.shard(split_engine))
-        options = dict(group=8, prompts_per_step=4, max_new_tokens=6, tokens=64) | kw
-        return grpo(policy, engine, prompts, sevens, optimizer=optax.adamw(2e-2), steps=steps, **options)[1]
+    policy = load_model(card, weights="random", seed=1)
+    engine_model = load_model(card, weights="random", seed=1)
+    engine = Engine(engine_model if split_engine is None else engine_model.shard(split_engine))
+    if kw.pop("reference", None):
+        kw["reference"] = load_model(card, weights="random", seed=1).params
+    options = dict(group=8, prompts_per_step=4, max_new_tokens=6, tokens=64) | kw
+    return grpo(policy, engine, prompts, sevens, optimizer=optax.adamw(2e-2), steps=steps, **options)[1]
 
-    history = run(12)
+
+def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx):
+    """GRPO on the 'sevens' task: the mean reward rises, the first iteration is unclipped,
+    and the engine's log-probabilities equal the policy's; split over two devices, the
+    first steps are the same."""
+    history = _sevens_grpo(12)
     rewards = [s.metrics["reward"] for s in history.steps]
     assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.2, rewards
     assert all(s.metrics["clip_fraction"] == 0 and s.metrics["mismatch"] < 1e-4 for s in history.steps)
-    options = run(2, iterations=2, clip=(0.1, 0.1), drop_uniform=True, correction_cap=2.0, sequence_level=True,
-                  checkpoint=tmp_path / "ckpt", checkpoint_every=1)
-    assert len(options) == 2 and all(np.isfinite(s.loss) for s in options.steps)
-    resumed = run(3, iterations=2, clip=(0.1, 0.1), drop_uniform=True, correction_cap=2.0, sequence_level=True,
-                  checkpoint=tmp_path / "ckpt", checkpoint_every=1, dr_grpo=True)
-    assert [s.step for s in resumed.steps] == [3]
-    with pytest.raises(ValueError, match="needs reference"):
-        run(1, beta=0.1)
-    kl = run(2, beta=0.1, iterations=2, reference=load_model(card, weights="random", seed=1).params)
-    assert kl.steps[0].metrics["kl"] > 0 and all(np.isfinite(s.metrics["kl"]) for s in kl.steps)
     jax, _ = jx
     if len(jax.devices()) >= 2:  # the same first steps with the rows, then the engine too, split over two devices
         from jax.sharding import Mesh
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-        for split in (run(1, mesh=mesh, remat=True), run(2, mesh=mesh, split_engine=mesh)):
+        for split in (_sevens_grpo(1, mesh=mesh, remat=True), _sevens_grpo(2, mesh=mesh, split_engine=mesh)):
             assert split.steps[0].metrics["reward"] == history.steps[0].metrics["reward"]
             assert split.steps[0].loss == pytest.approx(history.steps[0].loss, rel=1e-4, abs=1e-6)
             assert split.steps[0].grad_norm == pytest.approx(history.steps[0].grad_norm, rel=1e-4)
         # step 2 samples with the split policy's updated weights, copied part to part
         assert split.steps[1].metrics["mismatch"] < 1e-4
+
+
+def test_grpo_options_run_and_resume(jx, tmp_path):
+    """The other GRPO options run, a checkpointed run resumes, and beta adds a KL term."""
+    each = dict(iterations=2, clip=(0.1, 0.1), drop_uniform=True, correction_cap=2.0, sequence_level=True,
+                checkpoint=tmp_path / "ckpt", checkpoint_every=1)
+    options = _sevens_grpo(2, **each)
+    assert len(options) == 2 and all(np.isfinite(s.loss) for s in options.steps)
+    resumed = _sevens_grpo(3, **each, dr_grpo=True)
+    assert [s.step for s in resumed.steps] == [3]
+    with pytest.raises(ValueError, match="needs reference"):
+        _sevens_grpo(1, beta=0.1)
+    kl = _sevens_grpo(2, beta=0.1, iterations=2, reference=True)
+    assert kl.steps[0].metrics["kl"] > 0 and all(np.isfinite(s.metrics["kl"]) for s in kl.steps)
 
 
 def test_numerics_set_jax_matmul_precision_on_accelerators_only(jx):

@@ -329,7 +329,8 @@ def _sft_process(rank, config, resume=False):
     return run(config, resume=resume).get("last_loss")  # the first process writes the summary
 
 
-@pytest.mark.parametrize("shard, optimizer", [("fsdp", "adamw"), ("fsdp", "adamw8bit"), ("zero", "adamw8bit")])
+@pytest.mark.parametrize("shard, optimizer", [pytest.param("fsdp", "adamw", marks=pytest.mark.slow), ("fsdp", "adamw8bit"),
+                                              pytest.param("zero", "adamw8bit", marks=pytest.mark.slow)])
 def test_a_sharded_qlora_sft_run_takes_one_process_steps_and_resumes(workspace, tmp_path, shard, optimizer):
     """`linnet sft` with model.quantize=nf4 and training.shard=fsdp (the 4-bit base split;
     8-bit AdamW's states whole beside the whole adapters) or zero (8-bit AdamW's states
