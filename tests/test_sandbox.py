@@ -173,3 +173,27 @@ def test_linnet_grpo_grades_with_the_code_reward(tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert metrics[0]["reward_code"] == metrics[0]["reward_format"] == 0.0  # three random tokens define no add
     assert metrics[0]["held_out_reward"] == 0.0
+
+
+def test_the_code_rewards_limits_come_from_the_config(tmp_path, monkeypatch):
+    """grpo.sandbox_timeout and grpo.sandbox_memory_mb reach run_tests (CPU seconds: half
+    the wall clock); nonsense is refused."""
+    from linnet.commands.grpo import prompts_and_rewards
+    from linnet.config import GRPOConfig, load
+    from linnet.rl.sandbox import Outcome
+    from tests.conftest import quickstart_model
+
+    quickstart_model(tmp_path / "model")
+    (tmp_path / "code.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+1=", "tests": [f"assert add({a}, 1)"]})
+                                                 + "\n" for a in range(8)))
+    fields = [f"model.card={tmp_path / 'model'}", f"data.path={tmp_path / 'code.jsonl'}", "data.answer=tests",
+              "data.chat=false", "training.context_length=64", "grpo.prompts_per_step=2", "grpo.max_new_tokens=3",
+              "grpo.rewards=[code]", "training.steps=1", "lr_schedule.warmup_steps=0"]
+    seen = {}
+    monkeypatch.setattr(rewards.sandbox, "run_tests", lambda code, tests, **kw: seen.update(kw) or Outcome(1, 1, "ok"))
+    config = load(GRPOConfig, None, [*fields, "grpo.sandbox_timeout=30", "grpo.sandbox_memory_mb=256"])
+    r = prompts_and_rewards(config, config.grpo)
+    assert r.functions["code"](r.prompts[0], [3, 4]) == 1.0
+    assert seen == {"timeout": 30.0, "cpu_seconds": 15, "memory_mb": 256}
+    with pytest.raises(ValueError, match="sandbox_timeout"):
+        load(GRPOConfig, None, [*fields, "grpo.sandbox_timeout=0"])

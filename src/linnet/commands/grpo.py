@@ -51,7 +51,10 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
         check_usable(usable_device(rt.device, "runtime.device"))
     card = nest.resolve(m.card)
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
-    functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern) for spec in g.rewards}
+    limits = dict(timeout=g.sandbox_timeout, cpu_seconds=max(1, round(g.sandbox_timeout / 2)),
+                  memory_mb=g.sandbox_memory_mb)
+    functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern, limits)
+                 for spec in g.rewards}
     if g.reward_workers > 1:  # reward models score in packed batches already
         functions = {name: f if hasattr(f, "batch") else rewards.Concurrent(f, g.reward_workers)
                      for name, f in functions.items()}

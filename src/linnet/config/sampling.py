@@ -46,11 +46,18 @@ class Rewards:
     reward_workers: int = option(1, "score each code or module:function reward this many completions at a time, in "
                                     "threads: for rewards that wait on a subprocess or a service (reward models "
                                     "batch already)")
+    sandbox_timeout: float = option(10.0, "the code reward: wall-clock seconds a program and its tests may run in "
+                                          "the sandbox (its CPU seconds: half of it, at least 1)")
+    sandbox_memory_mb: int = option(1024, "the code reward: the program's address space in the sandbox, MiB")
+
     def __post_init__(self):
         super().__post_init__()
         g = self.YAML
         if not self.rewards:
             raise ValueError(f"config: {g}.rewards lists no reward")
+        if not (self.sandbox_timeout > 0 and self.sandbox_memory_mb > 0):
+            raise ValueError(f"config: {g}.sandbox_timeout={self.sandbox_timeout} and {g}.sandbox_memory_mb="
+                             f"{self.sandbox_memory_mb} must be > 0")
         if self.reward_workers < 1:
             raise ValueError(f"config: {g}.reward_workers={self.reward_workers}; use 1 (one completion at a time) "
                              "or more")

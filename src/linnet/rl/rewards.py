@@ -94,7 +94,9 @@ def code_of(text: str) -> str:
     return blocks[-1] if blocks else text
 
 
-def code(tokenizer) -> Callable:
+def code(tokenizer, **limits) -> Callable:
+    """The share of the prompt's tests a completion's program passes in the sandbox;
+    `limits`: run_tests's (timeout, cpu_seconds, memory_mb, ...)."""
     sandbox.check_platform()
 
     def code_tests(prompt, completion: list[int]) -> float:
@@ -103,7 +105,7 @@ def code(tokenizer) -> Callable:
         except ValueError as e:
             raise ValueError(f"the code reward runs the prompt's answer as its tests (from a data file, the field "
                              f"data.answer names, e.g. data.answer: tests): {e}") from None
-        return sandbox.run_tests(code_of(text_of(tokenizer, completion)), tests).share
+        return sandbox.run_tests(code_of(text_of(tokenizer, completion)), tests, **limits).share
 
     return code_tests
 
@@ -178,9 +180,10 @@ class trl_reward:  # noqa: N801  (used as a function: trl_reward(f, tokenizer))
         return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
 
 
-def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
+def resolve(spec: str, tokenizer, pattern: str | None = None, limits: dict | None = None) -> Callable:
     """A reward from its config spelling: "exact", "numeric", "format" (with `pattern`),
-    "code", "model:DIR" (a reward model saved by `linnet reward`, scored in packed batches), or
+    "code" (sandboxed within `limits`, run_tests's keywords), "model:DIR" (a reward model
+    saved by `linnet reward`, scored in packed batches), or
     "package.module:function" (a function taking (prompt, completion_ids), or TRL's
     (prompts, completions, **columns) for a batch: see the module docstring)."""
     if spec == "exact":
@@ -192,7 +195,7 @@ def resolve(spec: str, tokenizer, pattern: str | None = None) -> Callable:
             raise ValueError("reward 'format' needs grpo.format_pattern, a regular expression")
         return format_match(tokenizer, pattern)
     if spec == "code":
-        return code(tokenizer)
+        return code(tokenizer, **(limits or {}))
     if spec.startswith("model:"):  # a reward model trained by `linnet reward`
         from linnet.train.reward import RewardScorer
 
