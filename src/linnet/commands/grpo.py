@@ -32,6 +32,7 @@ class Rollouts:
     per_process: int
     share: int
     tokenizer: Any = None
+    conversations: Any = None  # grpo's environment or tools: (prompts, n) -> Conversations
 
 
 def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollouts:
@@ -41,7 +42,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     from linnet import nest
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.rl import rewards
-    from linnet.rl.environments import environment_factory
+    from linnet.rl.conversations import conversations_for
     from linnet.rl.rollouts import check_prompts
     from linnet.serve.vllm import check_usable
     from linnet.torch.loading import usable_device
@@ -65,8 +66,8 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     held_out = prompts_from_records(eval_records, tokenizer, **fields)
     if "code" in g.rewards:  # its tests, every record's, before anything is written
         check_tests(records + eval_records, d.answer)
-    if getattr(g, "environment", None) or getattr(g, "tools", None):  # importable, its tools known
-        environment_factory(g.environment, g.tools)
+    conversations = conversations_for(getattr(g, "environment", None), getattr(g, "tools", ()), tokenizer,
+                                      getattr(g, "max_turns", 1))  # importable, its tools known, before writing
     if not d.eval_path:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
     check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens,
@@ -80,7 +81,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     per_process = runs.split_per_step(field, n, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same prompts
     return Rollouts(card, prompts[share::shares], held_out[share::shares], functions, steps, per_process, share,
-                    tokenizer)
+                    tokenizer, conversations)
 
 
 def check_tests(records, field: str) -> None:
@@ -122,13 +123,11 @@ def engine_and_reference(config, g, card, policy, reference: bool):
 def held_out_evaluation(config, g, engine, r: Rollouts):
     """The held-out reward, pass@1 and pass@k (means over every process's prompts) that
     a sampling command reports each evaluation; None when no process holds one out."""
-    from linnet.rl.conversations import conversations_for
     from linnet.train.grpo import evaluate
 
     held_out, seed = r.held_out, config.runtime.seed
     k, samples, passing = (g.pass_k, g.pass_samples, g.pass_reward) if isinstance(g, RolloutSettings) else (0, None, None)
-    conversations = conversations_for(getattr(g, "environment", None), getattr(g, "tools", ()), r.tokenizer,
-                                      getattr(g, "max_turns", 1))  # held out as in training: with the tools
+    conversations = r.conversations  # held out as in training: with the tools
     names = ["reward", "pass@1"] + ([f"pass@{k}"] if k else [])
 
     def held_out_metrics(policy):
