@@ -104,12 +104,13 @@ def quantize_supported() -> bool:
 
 # -- the planner's side ------------------------------------------------------------------
 
-def plan_settings(method: str, checkpointing: str, dtype: str, seq: int, optimizer: str = "adamw") -> dict:
+def plan_settings(method: str, checkpointing: str, dtype: str, seq: int, optimizer: str = "adamw",
+                  mlp_tile: int | None = None) -> dict:
     """`linnet plan` settings (by their Python names, `plan.plan_inputs`) that describe linnet's CPU run."""
     return {
         "method": method, "rank": RANK, "targets": "all-linear", "tokens": seq, "micro_batch_size": 1,
         "activation_checkpointing": checkpointing, "chunked_loss": True, "dtype": dtype, "device": "cpu", "grad_dtype": "fp32",
-        **({"optimizer_bytes": 2} if optimizer == "adamw8bit" else {}),
+        **({"optimizer_bytes": 2} if optimizer == "adamw8bit" else {}), **({"mlp_tile": mlp_tile} if mlp_tile else {}),
     }
 
 
@@ -302,6 +303,7 @@ def build(args):
     if args.method == "qlora":
         options["quantize"] = "nf4"
     model = nest.load(card(args.card), **options)
+    model.tile_mlp(getattr(args, "mlp_tile", None))
     if args.method != "full":
         model.add_lora(LORA_PATTERNS, rank=RANK, dora=args.method == "dora")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -455,6 +457,7 @@ def main(argv=None) -> None:
     ap.add_argument("--card", help=argparse.SUPPRESS)
     ap.add_argument("--method", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)
+    ap.add_argument("--mlp-tile", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.seq, args.checkpointing = args.seq[0], args.checkpointing[0]

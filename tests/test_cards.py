@@ -54,7 +54,9 @@ def _config_dir(tmp_path, **changes):
     [
         ({"model_type": "gpt2"}, "unknown model_type 'gpt2'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}}, "dynamic"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "mscale": 1.0,
+                              "original_max_position_embeddings": 64}}, "mscale"),
         ({"model_type": "mistral", "sliding_window": 64}, "sliding-window"),
         ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized"),
         ({"attention_dropout": 0.1}, "attention_dropout"),

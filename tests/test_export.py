@@ -360,3 +360,24 @@ def test_linnet_eval_gives_the_held_out_loss_and_perplexity(ws, tmp_path):  # no
     assert found["records"] == 80 and found["perplexity"] == pytest.approx(math.exp(found["loss"]))
     assert 0 < found["loss"] < 5
     assert cli.main(["eval", str(ws / "run")]) == 2  # neither --data nor --lm-eval
+
+
+@pytest.mark.parametrize("kind", ["linear", "yarn"])
+def test_gguf_carries_linear_and_yarn_rope_scaling_as_llama_cpps_converter_writes_it(tmp_path, kind):
+    gguf = pytest.importorskip("gguf")
+    directory = bench_gguf().tiny_family("qwen2", tmp_path / "m", hidden=64, intermediate=128, vocab=448)
+    config = json.loads((directory / "config.json").read_text())
+    scaling = {"rope_type": kind, "factor": 4.0, "rope_theta": config.get("rope_theta", 10000.0)}
+    if kind == "yarn":
+        scaling.update(original_max_position_embeddings=64, beta_fast=16.0)
+    config.update(rope_parameters=scaling, rope_scaling=scaling)
+    (directory / "config.json").write_text(json.dumps(config))
+    assert cli.main(["export", str(directory), "--out", str(tmp_path / "out"), "--gguf", "f16"]) == 0
+    reader = gguf.GGUFReader(str(tmp_path / "out" / "model-f16.gguf"))
+    rope = gguf.Keys.Rope
+    assert field(reader, rope.SCALING_TYPE.format(arch="qwen2")) == kind
+    assert field(reader, rope.SCALING_FACTOR.format(arch="qwen2")) == 4.0
+    assert "rope_freqs.weight" not in {t.name for t in reader.tensors}
+    if kind == "yarn":
+        assert field(reader, rope.SCALING_ORIG_CTX_LEN.format(arch="qwen2")) == 64
+        assert field(reader, rope.SCALING_YARN_BETA_FAST.format(arch="qwen2")) == 16.0

@@ -732,7 +732,8 @@ def test_plan_of_a_config_describes_linnets_run(tmp_path, capsys):
     assert data["method"]["name"] == "qlora" and data["method"]["dtype"] == "f32"
     assert data["method"]["grad_dtype"] == "fp32" and data["method"]["optimizer_bytes"] == 2
     assert data["workload"] == {"tokens": 1024, "micro_batch_size": 1, "activation_checkpointing": "selective",
-                                "chunked_loss": True, "device": "cpu", "accumulate": 4, "num_models": 1}
+                                "chunked_loss": True, "device": "cpu", "accumulate": 4, "num_models": 1,
+                                "mlp_tile": None}
 
 
 def test_a_packed_config_plans_its_models_side_by_side(capsys):

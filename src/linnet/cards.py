@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +27,94 @@ from typing import Any
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
+ROPE_KINDS = ("linear", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 frequency scaling: long wavelengths slowed by `factor`, short ones kept,
-    a smooth blend between `low_freq_factor` and `high_freq_factor`."""
+    """How RoPE stretches past the context a model was pretrained on (`kind`):
+
+    linear  every frequency divided by `factor` (position interpolation)
+    llama3  wavelengths longer than original/low_freq_factor divided by `factor`, those
+            shorter than original/high_freq_factor kept, a linear blend between
+    yarn    frequencies that turn fewer than `beta_slow` times over the original context
+            divided by `factor`, those turning more than `beta_fast` times kept, a linear
+            ramp between; cos and sin multiplied by `attention_factor` (by default
+            0.1 ln(factor) + 1), which sharpens attention over the longer context
+
+    `original_max_positions` is the pretrained context (llama3 and yarn)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_positions: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int | None = None
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True  # yarn: the ramp's ends rounded outwards to whole dimensions
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope scaling: kind {self.kind!r} is not one of {', '.join(ROPE_KINDS)}")
+        if not self.factor >= 1.0:
+            raise ValueError(f"rope scaling: factor={self.factor}; it stretches the context, so it is at least 1")
+        if self.kind != "linear" and not self.original_max_positions:
+            raise ValueError(f"rope scaling: {self.kind} needs original_max_positions, the pretrained context")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by: YaRN's attention factor, else 1."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0
+
+    def hf(self) -> dict[str, Any]:
+        """The `rope_parameters` keys transformers reads for this scaling (rope_theta aside)."""
+        out: dict[str, Any] = {"rope_type": self.kind, "factor": self.factor}
+        if self.kind != "linear":
+            out["original_max_position_embeddings"] = self.original_max_positions
+        if self.kind == "llama3":
+            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
+        if self.kind == "yarn":
+            out.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
+            if self.attention_factor is not None:
+                out["attention_factor"] = self.attention_factor
+        return out
+
+
+def rope_frequencies(card: Card, xp) -> Any:
+    """[head_dim / 2] float32 inverse frequencies of the card's RoPE, its scaling applied,
+    computed with the array module `xp` (torch or numpy) in float32 as transformers
+    computes them: one formula for both backends and the GGUF export."""
+    d = card.head_dim
+    wavelengths = card.rope_base ** (xp.arange(0, d, 2, dtype=xp.float32) / d)  # over 2 pi
+    inv = 1.0 / wavelengths
+    s = card.rope_scaling
+    if s is None:
+        return inv
+    if s.kind == "linear":
+        return inv / s.factor
+    if s.kind == "llama3":
+        wavelength = 2 * math.pi / inv
+        original = s.original_max_positions
+        low, high = original / s.low_freq_factor, original / s.high_freq_factor
+        blend = (original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        blended = (1 - blend) * inv / s.factor + blend * inv
+        return xp.where(wavelength > low, inv / s.factor, xp.where(wavelength < high, inv, blended))
+
+    def dimension(turns: float) -> float:  # the dimension whose frequency turns `turns` times over the context
+        return d * math.log(s.original_max_positions / (turns * 2 * math.pi)) / (2 * math.log(card.rope_base))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    kept = 1 - xp.clip((xp.arange(0, d // 2, dtype=xp.float32) - low) / (high - low), 0, 1)
+    return 1.0 / (s.factor * wavelengths) * (1 - kept) + inv * kept
 
 
 @dataclass(frozen=True)
@@ -141,15 +221,7 @@ class Card:
         }[self.family]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_base}
         if self.rope_scaling is not None:
-            s = self.rope_scaling
-            rope = {
-                "rope_type": "llama3",
-                "rope_theta": self.rope_base,
-                "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_positions,
-            }
+            rope = {**self.rope_scaling.hf(), "rope_theta": self.rope_base}
         config: dict[str, Any] = {
             "architectures": [arch],
             "model_type": model_type,
@@ -195,17 +267,57 @@ def _rope(config: dict, where: str) -> tuple[float, RopeScaling | None]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return base, None
-    if kind != "llama3":
-        raise ValueError(
-            f"{where}: rope scaling type {kind!r} is not supported (linnet implements the "
-            "default RoPE and Llama 3 scaling); remove it or use a model without it"
-        )
-    return base, RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_positions=int(params["original_max_position_embeddings"]),
-    )
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"{where}: rope scaling type {kind!r} is not supported (linnet implements the default RoPE "
+                         f"and {', '.join(ROPE_KINDS)}); remove it or use a model without it")
+    if kind == "yarn" and (params.get("mscale") or params.get("mscale_all_dim")):
+        raise ValueError(f"{where}: YaRN's mscale / mscale_all_dim (DeepSeek's variant) is not supported; give "
+                         "attention_factor instead")
+    known = {"factor": float, "low_freq_factor": float, "high_freq_factor": float, "beta_fast": float,
+             "beta_slow": float, "attention_factor": float, "truncate": bool}
+    given = {k: cast(params[k]) for k, cast in known.items() if params.get(k) is not None}
+    original = params.get("original_max_position_embeddings")
+    if kind == "yarn" and "factor" not in given and original:  # transformers: the two contexts' ratio
+        given["factor"] = config["max_position_embeddings"] / original
+    try:
+        return base, RopeScaling(kind=kind, original_max_positions=int(original) if original else None, **given)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: rope_scaling: {e}") from None
+
+
+def configured(model: dict) -> Card:
+    """The card a fine-tuning config's `model` group names (its fields as a dict, from a
+    config or a run's config.json), with the group's RoPE changes (`with_rope`)."""
+    return with_rope(resolve(model.get("card") or ""), model.get("rope_base"), model.get("rope_scaling"),
+                     model.get("max_positions"))
+
+
+def with_rope(card: Card, base: float | None = None, scaling: dict | None = None,
+              max_positions: int | None = None, where: str = "config: model") -> Card:
+    """`card` with its RoPE changed for a longer context (the config's model.rope_base,
+    model.rope_scaling and model.max_positions; None keeps the card's own). `scaling` is
+    {kind, factor, original_max_positions, ...} (RopeScaling's fields; original defaults
+    to the card's max_positions), or {kind: none} for plain RoPE; a scaling stretches
+    max_positions to factor x original unless max_positions is given."""
+    changes: dict[str, Any] = {}
+    if base is not None:
+        changes["rope_base"] = float(base)
+    if scaling is not None:
+        fields = {f.name for f in dataclasses.fields(RopeScaling)}
+        if unknown := sorted(set(scaling) - fields):
+            raise ValueError(f"{where}.rope_scaling: unknown key(s) {', '.join(unknown)}; use {', '.join(sorted(fields))}")
+        if scaling.get("kind") == "none":
+            changes["rope_scaling"] = None
+        else:
+            try:
+                s = RopeScaling(**{"original_max_positions": card.max_positions, **scaling})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{where}.rope_scaling: {e}") from None
+            changes["rope_scaling"] = s
+            changes["max_positions"] = int(s.factor * (s.original_max_positions or card.max_positions))
+    if max_positions is not None:
+        changes["max_positions"] = int(max_positions)
+    return card.replace(**changes) if changes else card
 
 
 def _refuse_unsupported(config: dict, family: str, where: str) -> None:
@@ -429,9 +541,9 @@ def trained_card(path: str | os.PathLike) -> Card:
         if model.get("weights") == "random":
             raise ValueError(f"{run}: its base was initialised from a seed (model.weights: random), not read from "
                              "files; export the run (`linnet export --merge`) and name that directory")
-        card = _adapted(resolve(model.get("card", "")), checkpoint or weights, model.get("weights"))
+        card = _adapted(configured(model), checkpoint or weights, model.get("weights"))
     elif checkpoint:  # every weight trained: the checkpoint's are the model's
-        card = resolve(model.get("card", "")).replace(weights=Location(path=str(weights)), adapters=())
+        card = configured(model).replace(weights=Location(path=str(weights)), adapters=())
     else:
         card = card_from_directory(weights)
         if model.get("card") and card.tokenizer.path is None:  # final/ holds the weights alone

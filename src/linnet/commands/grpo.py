@@ -39,7 +39,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     """Read and check the prompts and resolve the rewards of a `grpo` or `ppo` config (`g`:
     its group), or an online `dpo` one (its prompts a step are `per_step`: pairs_per_step),
     before anything is written."""
-    from linnet import nest
+    from linnet.cards import configured
     from linnet.data import load_tokenizer, prompts_from_records, read_records
     from linnet.rl import rewards
     from linnet.rl.conversations import conversations_for
@@ -50,7 +50,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     d, t, m, rt = config.data, config.training, config.model, config.runtime
     if _vllm(g):  # where vLLM cannot run, refused before any data is read or file written
         check_usable(usable_device(rt.device, "runtime.device"))
-    card = nest.resolve(m.card)
+    card = configured(vars(m))
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     limits = dict(timeout=g.sandbox_timeout, cpu_seconds=max(1, round(g.sandbox_timeout / 2)),
                   memory_mb=g.sandbox_memory_mb)

@@ -45,7 +45,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     for name, value, default in (("runtime.device", rt.device, None), ("model.compile", m.compile, False),
                                  ("model.attention", m.attention, "auto"),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1),
-                                 ("training.pipeline", t.pipeline, 1),
+                                 ("training.pipeline", t.pipeline, 1), ("training.mlp_tile", t.mlp_tile, None),
                                  ("model.quantize", m.quantize, None)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "

@@ -263,7 +263,8 @@ CONFIG_FIELDS = {"tokens": "training.context_length", "accumulate": "training.ac
                  "micro_batch_size": "training.micro_batch_size", "num_models": "decentralized.num_models",
                  "activation_checkpointing": "training.activation_checkpointing", "shard": "training.shard",
                  "split": "training.split", "pipeline": "training.pipeline",
-                 "pipeline_schedule": "training.pipeline_schedule", "rank": "lora.rank", "targets": "lora.targets"}
+                 "pipeline_schedule": "training.pipeline_schedule", "rank": "lora.rank", "targets": "lora.targets",
+                 "mlp_tile": "training.mlp_tile"}
 
 
 class _Flags(dict):
@@ -321,6 +322,9 @@ def parser() -> argparse.ArgumentParser:
         "the block in backward; selective also keeps attention's outputs; none keeps everything (default full)")
     run("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const", const="none",
         help="the same as --activation-checkpointing none")
+    run("--mlp-tile", type=int, metavar="N",
+        help="training.mlp_tile: positions each block's MLP computes at a time, computed again in backward "
+        "(default: the whole row)")
     run("--accumulation", dest="accumulate", type=int, metavar="N",
         help="micro-steps per optimizer step, training.accumulation; from the second on, the earlier ones' "
         f"gradients are live in the forward (default {workload.accumulate})")
@@ -407,6 +411,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
         "dtype": _config_dtype(model.dtype, device),
         "optimizer_bytes": 8 if config.optimizer.name == "adamw" else 2,
         "accumulate": t.accumulation if config.command in ("sft", "distill", "pretrain") else 1,
+        "mlp_tile": t.mlp_tile,
     }
     if isinstance(config, PretrainConfig):
         from linnet.pretrain.recipe import make_budget, model_card

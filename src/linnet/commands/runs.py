@@ -145,6 +145,7 @@ def load_model(card, config):
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
                       lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                 rslora=lora.rslora, dora=lora.dora) if lora.enabled else None)
+    model.tile_mlp(t.mlp_tile)
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "")

@@ -36,12 +36,12 @@ class Inputs:
 def read_inputs(config: SFTConfig) -> Inputs:
     """Resolve the card and tokenizer, read, format and check all the data: every data
     error surfaces here, before a model is loaded."""
-    from linnet.cards import resolve
+    from linnet.cards import configured
     from linnet.data import examples_from_records, load_tokenizer
     from linnet.packing import count_rows
 
     d, t = config.data, config.training
-    card = resolve(config.model.card)
+    card = configured(vars(config.model))
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     records, held_out = split_records(config)
     read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate,

@@ -255,7 +255,8 @@ def _check_engine(config, s) -> None:
 @dataclass
 class PretrainConfig:
     command: ClassVar[str] = "pretrain"
-    model: ModelConfig = group(ModelConfig, "Llama decoder: tied embeddings, RoPE, RMSNorm, SwiGLU, no dropout")
+    model: ModelConfig = group(ModelConfig, "Llama decoder: tied embeddings, RoPE, RMSNorm, SwiGLU, no dropout",
+                               rope_base=10000.0)
     data: CorpusConfig = group(CorpusConfig, "corpus, token cache and loading")
     training: TrainingConfig = group(TrainingConfig, "sequences, batches, budget, epochs, checkpoints",
                                      context_length=1024, accumulation=4, epochs=40)

@@ -46,7 +46,15 @@ class ModelConfig:
     kv_heads: int | None = option(None, "key/value heads (grouped-query attention); null: heads", only=PRETRAINING)
     head_dim: int | None = option(None, "per-head size; null: hidden / heads", only=PRETRAINING)
     vocab: int | None = option(None, "embedding rows; null: the cache tokenizer's vocabulary", only=PRETRAINING)
-    rope_base: float = option(10000.0, "RoPE base", only=PRETRAINING)
+    rope_base: float | None = option(None, "RoPE base; null: the card's own (fine-tuning; a larger base is one way "
+                                           "to train for a longer context)")
+    rope_scaling: dict | None = option(None, "RoPE scaling for a longer context: {kind: linear|llama3|yarn, factor, "
+                                             "original_max_positions (default the card's max_positions), ...; see "
+                                             "docs/long_context.md}, or {kind: none}; null: the card's own",
+                                       only=FINE_TUNING)
+    max_positions: int | None = option(None, "the context the model is configured for (exported as "
+                                             "max_position_embeddings); null: the card's, stretched by rope_scaling's "
+                                             "factor", only=FINE_TUNING)
     norm_eps: float = option(1e-5, "RMSNorm epsilon", only=PRETRAINING)
     dtype: str | None = option("auto", "compute dtype: auto (bfloat16 where the device computes it natively: "
                                        "CUDA, a CPU with amx_bf16 or avx512_bf16; else float32), float32, "
@@ -68,6 +76,10 @@ class ModelConfig:
         if self.activation_memory_budget is not None and not (self.compile and 0 <= self.activation_memory_budget <= 1):
             raise ValueError(f"config: model.activation_memory_budget={self.activation_memory_budget} needs "
                              "model.compile=true and a share in [0, 1]")
+        _positive(**{"model.max_positions": self.max_positions})
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"config: model.rope_scaling={self.rope_scaling!r}; give a mapping such as {{kind: yarn, "
+                             "factor: 4}} (docs/long_context.md) or null")
         _positive(**{"model.hidden": self.hidden, "model.intermediate": self.intermediate,
                      "model.layers": self.layers, "model.heads": self.heads, "model.kv_heads": self.kv_heads,
                      "model.head_dim": self.head_dim})
@@ -208,6 +220,9 @@ class TrainingConfig:
         False, "keep each block's input alone and compute the block again in backward (true or full); selective "
                "also keeps attention's outputs; false keeps every activation. Same gradients, less memory. `linnet "
                "jax` recomputes whole layers whatever this says, unless --no-remat")
+    mlp_tile: int | None = option(None, "positions of a row each block's MLP computes at a time, each tile computed "
+                                        "again in backward: a long row's largest activations bounded by one tile "
+                                        "(docs/long_context.md); null: the whole row", only=FINE_TUNING + PRETRAINING)
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard; with training.pipeline, each "
@@ -243,7 +258,7 @@ class TrainingConfig:
         _positive(**{"training.steps": self.steps, "training.context_length": self.context_length,
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
-                     "training.pipeline": self.pipeline,
+                     "training.pipeline": self.pipeline, "training.mlp_tile": self.mlp_tile,
                      "training.keep": self.keep, "training.global_batch_tokens": self.global_batch_tokens})
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")

@@ -35,7 +35,7 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
     the base its config names), a model directory, or a PEFT adapter directory over the
     base its adapter_config.json names. `about` holds what the model card says."""
     from linnet import nest
-    from linnet.cards import resolve
+    from linnet.cards import configured, resolve
 
     path = Path(source)
     about: dict[str, Any] = {"source": str(path), "chain": lineage(path)}
@@ -52,7 +52,7 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
         base = model_config.get("card")
         if (final / "adapter_config.json").is_file():
             about["base"] = base
-            model = nest.load(resolve(base), weights=model_config.get("weights"), dtype=dtype)
+            model = nest.load(configured(model_config), weights=model_config.get("weights"), dtype=dtype)
             attach_adapter(model, final)
             return model, about
         about["base"] = base

@@ -255,6 +255,9 @@ def plan_gguf(model, kind: str, tokenizer: str | os.PathLike | None = None) -> P
                          f"({card.heads} x {card.head_dim} != {card.hidden})")
     if card.qk_norm and arch != "QWEN3":
         raise ValueError(f"card {card.name!r}: q/k norms in family {card.family!r}; llama.cpp reads them in qwen3 only")
+    if card.rope_scaling is not None and card.rope_scaling.kind == "yarn" and not card.rope_scaling.truncate:
+        raise ValueError(f"card {card.name!r}: YaRN with truncate: false; llama.cpp rounds the ramp's ends outwards "
+                         "(truncate: true) and has no setting for it")
     if tokenizer is not None:
         source = Path(tokenizer)
     elif card.tokenizer.path is None and card.tokenizer.repo is None:
@@ -304,6 +307,7 @@ def _metadata(writer, model, plan: Plan, file_type: str) -> None:
     writer.add_head_count(card.heads)
     writer.add_head_count_kv(card.kv_heads)
     writer.add_rope_freq_base(card.rope_base)
+    _rope_scaling(writer, card.rope_scaling)
     writer.add_layer_norm_rms_eps(card.norm_eps)
     writer.add_key_length(card.head_dim)
     writer.add_value_length(card.head_dim)
@@ -337,11 +341,27 @@ def _metadata(writer, model, plan: Plan, file_type: str) -> None:
         writer.add_chat_template(card.chat_template)
 
 
+def _rope_scaling(writer, s) -> None:
+    """Linear and YaRN scaling as llama.cpp's converter writes them (Llama 3's is the
+    rope_freqs.weight tensor, `_rope_factors`)."""
+    gguf = _gguf()
+    if s is None or s.kind == "llama3":
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR if s.kind == "linear" else gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(s.factor)
+    if s.kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(s.original_max_positions)
+        writer.add_rope_scaling_yarn_beta_fast(s.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(s.beta_slow)
+        if s.attention_factor is not None:
+            writer.add_rope_scaling_yarn_attn_factor(s.attention_factor)
+
+
 def _rope_factors(model) -> np.ndarray | None:
     """Llama 3 scaling as llama.cpp reads it: each frequency's divisor (rope_freqs.weight),
     from the frequencies linnet itself computes."""
     card = model.card
-    if card.rope_scaling is None:
+    if card.rope_scaling is None or card.rope_scaling.kind != "llama3":
         return None
     d = card.head_dim
     plain = 1.0 / card.rope_base ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.cards import Card
+from linnet.cards import Card, rope_frequencies
 from linnet.files.adapters import ADAPTER_SUFFIXES, check_adapter_options, write_peft
 from linnet.jax.attention import attend
 from linnet.jax.lora import Params, adapted_weight, linear
@@ -85,9 +85,10 @@ def rotate(x, cos, sin):
 
 def cos_sin(card: Card, positions, dtype):
     """RoPE tables [..., 1, d] for integer `positions` [...], computed in float32."""
-    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(card)
+    angles = positions[..., None].astype(jnp.float32) * rope_frequencies(card, np).astype(np.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    scale = 1.0 if card.rope_scaling is None else card.rope_scaling.cos_sin_scale
+    return (jnp.cos(angles) * scale).astype(dtype), (jnp.sin(angles) * scale).astype(dtype)
 
 
 def project(params: Params, card: Card, i: int, x, cos, sin, s: float, drop=None):
@@ -168,24 +169,6 @@ def rows_log_probs(params: Params, card: Card, rows: dict, dtype=jnp.float32, lo
     """[R, P] log_probs_packed of stacked rows (split over devices when the rows are)."""
     return jax.vmap(log_probs_packed, in_axes=(None, None, 0, None, None, None, None, None))(
         params, card, rows, dtype, lora_scale, remat, 1024, lora_dropout)
-
-
-def rope_frequencies(card: Card) -> np.ndarray:
-    """[d/2] float32 inverse frequencies, as the PyTorch model computes them (in float32,
-    Llama 3's scaling where the card has it): wavelengths longer than
-    original/low_freq_factor are slowed by `factor`, those shorter than
-    original/high_freq_factor kept, and the band between blended linearly. A power may
-    round to the other side of one float32 step from torch's."""
-    d = card.head_dim
-    inv = np.float32(1.0) / np.power(np.float32(card.rope_base), np.arange(0, d, 2, dtype=np.float32) / np.float32(d))
-    s = card.rope_scaling
-    if s is None:
-        return inv
-    wavelength = np.float32(2 * np.pi) / inv
-    low, high = s.original_max_positions / s.low_freq_factor, s.original_max_positions / s.high_freq_factor
-    blend = (s.original_max_positions / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - blend) * inv / s.factor + blend * inv
-    return np.where(wavelength > low, inv / s.factor, np.where(wavelength < high, inv, blended)).astype(np.float32)
 
 
 @dataclass

@@ -125,6 +125,8 @@ class Workload:
     and costs still come from the Cluster. `accumulate`: micro-steps per optimizer step;
     from the second on, the gradients of the earlier ones are live through the forward.
     `num_models`: packed decentralized training's whole models (and micro-batches) per GPU.
+    `mlp_tile`: positions each block's MLP computes at a time, each tile computed again in
+    backward (`Decoder.tile_mlp`); None: the whole micro-step at once.
     """
 
     tokens: int = 4096
@@ -134,6 +136,7 @@ class Workload:
     device: str = "gpu"
     accumulate: int = 1
     num_models: int = 1
+    mlp_tile: int | None = None
 
     def __post_init__(self):
         _require(self.tokens >= 1, f"{{tokens}} must be a positive number of positions (a row's length), got {self.tokens}")
@@ -148,6 +151,8 @@ class Workload:
         _require(self.device in DEVICES, f"{{device}} {self.device!r} is unknown; use one of {', '.join(DEVICES)}")
         _require(self.accumulate >= 1, f"{{accumulate}} must be a positive number of micro-steps, got {self.accumulate}")
         _require(self.num_models >= 1, f"{{num_models}} must be a positive number of packed models, got {self.num_models}")
+        _require(self.mlp_tile is None or self.mlp_tile >= 1,
+                 f"{{mlp_tile}} must be a positive number of positions, got {self.mlp_tile}")
 
     @property
     def positions(self) -> int:
@@ -273,7 +278,8 @@ def block_activation_bytes(card: cards.Card, method: Method, workload: Workload)
     token: two RMSNorms (_norm_bytes); attention keeps q, k, v and its output (a·(2q + 2k),
     a = 4 where linnet runs attention in f32, which it does for bf16 on a CPU, else c), its
     log-sum-exp (4 per head) and, when a is not c, the output cast back (c·q); the SwiGLU
-    MLP keeps gate, up, silu(gate) and their product (4·c·F). Each adapted matrix adds
+    MLP keeps gate, up, silu(gate) and their product (4·c·F), or in tiles (`mlp_tile`) only
+    its input, a view of the norm's output kept already. Each adapted matrix adds
     x·Aᵀ (c·r) and DoRA also the sum it rescales (c·d_out); Qwen3's qk-norm adds a norm
     per head of q and of k. For Llama 3 8B, bf16 on a GPU, full fine-tuning: 49·d bytes a
     token (0.82 GB at 4,096 tokens). Korthikanti et al. (2022) count 34·d for a GPT block
@@ -284,7 +290,7 @@ def block_activation_bytes(card: cards.Card, method: Method, workload: Workload)
     q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
     trains = not method.adapters
     per_token = 2 * _norm_bytes(card.hidden, c, trains) + a * (2 * q + 2 * kv) + 4 * card.heads \
-        + (c * q if a != c else 0) + 4 * c * card.intermediate
+        + (c * q if a != c else 0) + (0 if workload.mlp_tile else 4 * c * card.intermediate)
     if method.adapters:
         shapes = _targeted(card, method)
         per_token += c * method.rank * len(shapes) + (c * sum(o for o, _ in shapes) if method.name == "dora" else 0)
@@ -342,9 +348,10 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     in f32 on a CPU the head's copy reordered for oneDNN (4·V·d). A head split by vocabulary
     makes its gradients in backward instead (`_split_loss`).
     recompute: with checkpointing, the block computed again (less what selective kept),
-    with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight.
+    with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight;
+    with MLP tiles, one tile's MLP computed again.
     backward: the gradients in flight inside a block's backward, two [s·b, F] tensors in
-    the compute dtype (measured: bench/plan_vs_measured.md).
+    the compute dtype (measured: bench/plan_vs_measured.md), or two a tile.
     A pipeline stage (Part) keeps `in_flight` micro-batches' activations; a stage that sends
     its output on keeps it (c·d a token) for its backward instead of a final norm's; one
     that receives its input reads it from a receive buffer (`buffers`: c·d a token, one a
@@ -376,6 +383,8 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
                 loss += (2 * V * d if method.master_bytes else 0) + min(V, 2**26 // (4 * d)) * d * 6
     largest = max(o * i for o, i in card.linear_shapes().values())
     recompute = c * largest if method.name == "qlora" else 0
+    mlp_rows = min(workload.mlp_tile or tokens, tokens)
+    recompute += 4 * c * card.intermediate * mlp_rows if workload.mlp_tile else 0
     if workload.activation_checkpointing != "none":
         recompute += block - (selective if workload.activation_checkpointing == "selective" else 0)
         recompute += (3 + (c == 2)) * 4 * largest if method.name == "dora" else 0
@@ -385,7 +394,7 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
         earlier += part.awaiting / part.chunks * card.layers * (block - per_block +
                                                                  _output_gradients(card, method) * tokens)
     buffers = (part.receives + part.sends) * part.micro_batches * c * d * tokens
-    return Activations(each + earlier, loss, recompute, 2 * c * card.intermediate * tokens, top + earlier,
+    return Activations(each + earlier, loss, recompute, 2 * c * card.intermediate * mlp_rows, top + earlier,
                        per_block + rope - frozen_input + earlier, buffers, each)
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from linnet.cards import Card
 from linnet.pretrain.consensus import TOPOLOGIES, mixing_matrix, peer
 from linnet.torch.losses import linear_cross_entropy
-from linnet.torch.model import rope_frequencies, rotate
+from linnet.torch.model import rope_frequencies, rope_tables, rotate
 
 ALIGN = 64  # every tensor of the arena starts on a multiple of 64 elements
 
@@ -163,9 +163,7 @@ class PackedLlama(nn.Module):
         if N != self.num_models:
             raise ValueError(f"PackedLlama: {N} micro-batches for {self.num_models} workers")
         w = self.views()
-        angles = torch.arange(T, device=tokens_NBT.device).float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+        cos, sin = rope_tables(torch.arange(T, device=tokens_NBT.device), self.inv_freq, c, dt)
         table = w["model.embed_tokens.weight"]  # [N, V, D]
         offsets = torch.arange(N, device=tokens_NBT.device)[:, None, None] * c.vocab
         x = F.embedding(tokens_NBT + offsets, table.reshape(N * c.vocab, c.hidden)).to(dt).view(N, B * T, c.hidden)

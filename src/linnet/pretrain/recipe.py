@@ -79,7 +79,7 @@ RUN_FIELDS = frozenset({
     "runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress", "runtime.report_to",
     "data.prefetch", "data.prepare_workers", "data.prepare_batch_documents",
     "training.checkpoint_policy", "training.checkpoint_epochs", "training.save_epoch_training_state",
-    "evaluation.batch_size", "training.activation_checkpointing", "model.activation_memory_budget",
+    "evaluation.batch_size", "training.activation_checkpointing", "training.mlp_tile", "model.activation_memory_budget",
     "training.shard",
 })
 

@@ -168,15 +168,16 @@ def _trainee(config: PretrainConfig, card, budget: Budget, device: torch.device,
     if config.decentralized is not None:
         from linnet.pretrain.decentralized_run import PackedTrainee
 
-        if m.compile or t.activation_checkpointing or o.name != "adamw":
-            raise ValueError("config: packed decentralized training runs eager, without activation checkpointing, "
-                             "with its own AdamW over the arenas: set model.compile=false, "
-                             "training.activation_checkpointing=false and optimizer.name=adamw")
+        if m.compile or t.activation_checkpointing or t.mlp_tile or o.name != "adamw":
+            raise ValueError("config: packed decentralized training runs eager, without activation checkpointing or "
+                             "MLP tiles, with its own AdamW over the arenas: set model.compile=false, "
+                             "training.activation_checkpointing=false, training.mlp_tile=null and optimizer.name=adamw")
         return PackedTrainee(config, card, budget.steps, device, compute_dtype(m.dtype, device, card))
     model = nest.load(card, device=device, dtype=m.dtype, weights="random", seed=config.runtime.seed, trainable=True,
                       compile=m.compile, attention=m.attention, activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget,
                       fully_shard=t.shard == "fsdp" and processes > 1)  # each process drawing only its part
+    model.tile_mlp(t.mlp_tile)
     optimizer = adamw(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, kind=o.name,
                       shard=t.shard)
     return OrdinaryTrainee(model, optimizer, t.accumulation // processes,

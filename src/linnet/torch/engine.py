@@ -63,7 +63,7 @@ from linnet.rl.rollouts import Completion
 from linnet.torch import attention as attention_paths
 from linnet.torch.lora import merged, policy_weights
 from linnet.torch.losses import token_log_probs
-from linnet.torch.model import Decoder, Linear
+from linnet.torch.model import Decoder, Linear, rope_tables
 from linnet.torch.passes import Batch, decode_pass, prefill_pass, reorder_weights
 from linnet.torch.quantize import is_quantized, quant_states
 from linnet.torch.sharding import is_sharded
@@ -473,9 +473,7 @@ class Engine:
     def _rope_table(self, S: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [S, d] as `Decoder._trunk` computes them (f32 angles, then the dtype)."""
         m = self.model
-        angles = torch.arange(S, device=m.device).float()[:, None] * m.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(m.dtype), angles.sin().to(m.dtype)
+        return rope_tables(torch.arange(S, device=m.device), m.inv_freq, m.card, m.dtype)
 
     def _ensure_cache(self, groups: int, prompt_slots: int, rows: int, new_slots: int) -> None:
         """Room for `groups` prompts of `prompt_slots` tokens and `rows` completions of

@@ -19,7 +19,6 @@ F intermediate, V vocabulary.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -35,6 +34,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from linnet import cards
 from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
@@ -139,19 +139,19 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(card: Card) -> torch.Tensor:
-    """[d/2] inverse frequencies, with Llama 3 scaling when the card has it: wavelengths
-    longer than original/low_freq_factor are slowed by `factor`, those shorter than
-    original/high_freq_factor kept, and the band between blended linearly."""
-    d = card.head_dim
-    inv = 1.0 / card.rope_base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
-    s = card.rope_scaling
-    if s is None:
-        return inv
-    wavelength = 2 * math.pi / inv
-    low, high = s.original_max_positions / s.low_freq_factor, s.original_max_positions / s.high_freq_factor
-    blend = (s.original_max_positions / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - blend) * inv / s.factor + blend * inv
-    return torch.where(wavelength > low, inv / s.factor, torch.where(wavelength < high, inv, blended))
+    """[d/2] float32 inverse frequencies, the card's scaling applied (linnet.cards)."""
+    return cards.rope_frequencies(card, torch)
+
+
+def rope_tables(positions_P: torch.Tensor, inv_freq: torch.Tensor, card: Card, dtype) -> tuple:
+    """cos, sin [P, d] for integer positions: float32 angles, YaRN's factor applied, then
+    the compute dtype (as transformers computes them)."""
+    angles = positions_P[:, None].float() * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    scale = 1.0 if card.rope_scaling is None else card.rope_scaling.cos_sin_scale
+    if scale != 1.0:
+        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate(x, cos, sin):
@@ -202,8 +202,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(card.hidden, card.intermediate, card.mlp_bias)
         self.up_proj = Linear(card.hidden, card.intermediate, card.mlp_bias)
         self.down_proj = Linear(card.intermediate, card.hidden, card.mlp_bias)
+        self.tile: int | None = None  # positions computed at a time (Decoder.tile_mlp)
 
     def forward(self, x):
+        if self.tile is None or x.shape[0] <= self.tile:
+            return self._whole(x)
+        if torch.is_grad_enabled():  # each tile's [tile, intermediate] activations freed, made again in backward
+            return torch.cat([checkpoint(self._whole, part, use_reentrant=False) for part in x.split(self.tile)])
+        return torch.cat([self._whole(part) for part in x.split(self.tile)])
+
+    def _whole(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -303,9 +311,7 @@ class Decoder(nn.Module):
         attend = attention_paths.choose(self.attention, self.device)
         if prefix is not None:
             attend = functools.partial(attend, prefix=prefix)
-        angles = positions_P[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        cos, sin = rope_tables(positions_P, self.inv_freq, self.card, self.dtype)
         recompute = self.checkpointing is not None and torch.is_grad_enabled()
         blocks = self.model.layers if blocks is None else blocks
         last = len(blocks) - 1
@@ -454,6 +460,18 @@ class Decoder(nn.Module):
         if mode not in (True, False, "full", "selective"):
             raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective' or False")
         self.checkpointing = None if mode is False else "full" if mode is True else mode
+
+    def tile_mlp(self, positions: int | None) -> None:
+        """Compute each block's MLP `positions` rows at a time (None: the whole row at once).
+        A long row's MLP activations ([P, intermediate], three of them) are its largest;
+        tiled, only one tile's live at once, and in training each tile is computed again
+        in backward (about a third more MLP work). The same function, rounded alike up to
+        the order of the weight gradients' sums."""
+        if positions is not None and not (isinstance(positions, int) and positions >= 1):
+            raise ValueError(f"tile_mlp: positions={positions!r}; use a positive number of positions or None")
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.tile = positions
 
     # -- parameters ------------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""Peak memory and speed of one long row on CPU, with the planner's prediction beside each.
+
+    python bench/long_context.py                        # bench/long_context.md: 4K-32K, whole MLP and tiles
+    python bench/long_context.py --seq 4096 8192 --out -  # a quick look: print only
+
+Each configuration is bench/plan_vs_measured.py's child in a fresh process: a small Llama
+card (20m: 256 wide, 4 blocks, 32K vocabulary) built with `nest.load(card,
+weights="random", trainable=..., activation_checkpointing=...)`, one packed row of `seq`
+random tokens (one document: the causal work of the whole row), `linnet.train.train` for
+`--steps` AdamW steps; the MLP whole or in tiles (`model.tile_mlp(positions)`,
+`training.mlp_tile`). Memory is the resident set's peak above the baseline taken before the
+model is built (glibc's mmap threshold at 64 KiB, so RSS follows the live tensors; see
+plan_vs_measured.py); tokens/s is the row's length over the last step's seconds. The
+planner's peak is `linnet plan` for the same run (`--context-length S --mlp-tile T
+--activation-checkpointing full --chunked-loss --device cpu --dtype f32`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from _common import command, machine, run_child, table, write_report
+from plan_vs_measured import GB, card, malloc_env, plan_settings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KEEP = "<!-- everything below this line is kept when the script rewrites the file -->"
+
+
+def planned(size: str, method: str, checkpointing: str, seq: int, tile: int | None):
+    from linnet import plan
+
+    return plan.estimate(card(size), **plan.plan_inputs(plan_settings(method, checkpointing, "f32", seq,
+                                                                      mlp_tile=tile)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--card", default="20m", choices=["20m", "60m", "150m"])
+    ap.add_argument("--method", default="full", choices=["full", "lora"])
+    ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--tiles", nargs="+", default=["none", "2048"], help="MLP tiles: none (whole) or positions")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(HERE, "long_context.md"))
+    args = ap.parse_args()
+
+    start = time.perf_counter()
+    rows = []
+    for seq in args.seq:
+        for tile in [None if t == "none" else int(t) for t in args.tiles]:
+            r = run_child([os.path.join(HERE, "plan_vs_measured.py"), "--child", "--card", args.card, "--method",
+                           args.method, "--checkpointing", args.checkpointing, "--dtype", "f32", "--seq", seq,
+                           "--threads", args.threads, "--steps", args.steps, "--optimizer", "adamw",
+                           "--no-profile", *(["--mlp-tile", tile] if tile else [])],
+                          env=malloc_env(64 * 1024))
+            if "error" in r:
+                raise SystemExit(f"seq {seq}, tile {tile}: {r['error']}\n{r['log']}")
+            p = planned(args.card, args.method, args.checkpointing, seq, tile)
+            last = r["steps"][-1]
+            measured = r["measured"]
+            rows.append([f"{seq:,}", tile or "whole", f"{last['seconds']:.1f} s", f"{seq / last['seconds']:,.0f}",
+                         f"{measured / GB:.3f}", f"{p.total / GB:.3f}", f"{(p.total - measured) / measured * 100:+.0f}%",
+                         max(last["phases"], key=last["phases"].get), p.peak_phase])
+            print("  " + " | ".join(map(str, rows[-1])), flush=True)
+    minutes = (time.perf_counter() - start) / 60
+    lines = [
+        "# One long row on CPU: peak memory and speed, measured and planned",
+        "",
+        "Produced by `bench/long_context.py`; numbers are measured, not edited.",
+        "",
+        f"- Command: `{command(__file__)}` ({minutes:.1f} min, {time.strftime('%Y-%m-%d')})",
+        f"- Machine: {machine()}; {args.threads} threads.",
+        f"- Work: card {args.card} (`bench/plan_vs_measured.py`'s), {args.method} fine-tuning, float32, "
+        f"activation checkpointing {args.checkpointing}, one row of one document a step, AdamW, "
+        f"{args.steps} steps (the last one timed; the peak over all).",
+        "",
+        *table(["positions", "MLP", "step", "tokens/s", "peak (GB)", "planned (GB)", "error", "peak phase",
+                "planned phase"], rows, "rrrrrrr"),
+    ]
+    write_report("\n".join(lines), args.out, keep=KEEP)
+
+
+if __name__ == "__main__":
+    main()
