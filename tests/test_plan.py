@@ -930,3 +930,28 @@ def test_the_textbook_plan_prints_every_figure_of_the_modules_table(capsys):
                    "144.4 GB", "153.0 GB", "39.7 GB", "48.3 GB", "41.9M (0.5%)", "207.1M (0.3%)"):
         assert figure in out, figure
     assert out.count("linnet's peak:") == 6 and "QLoRA keeps the embeddings and the head in bf16" in out
+
+
+def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers():
+    """Each of `context` GPUs holds the activations of tokens / context positions, plus
+    the ring's tile of scores and its neighbour's keys and values in backward; the
+    states are a whole copy's; the tile is linnet.torch.context's."""
+    from linnet.torch import context
+
+    assert plan.RING_SCORE_BYTES == context.SCORE_BYTES
+    card = plan.cards.resolve("qwen2.5-0.5b-instruct")
+    method, work = Method("full"), Workload(tokens=32768, chunked_loss=True)
+    whole = plan.estimate(card, method, work)
+    ring = plan.estimate(card, method, work, Cluster(gpus=4, context=4))
+    quarter = activation_bytes(card, method, Workload(tokens=8192, chunked_loss=True))
+    assert ring.states == whole.states and ring.activations.kept == quarter.kept
+    kv, q = card.kv_heads * card.head_dim, card.heads * card.head_dim
+    added = 4 * plan.RING_SCORE_BYTES + 32 * kv * 8192 + 8 * q * 8192
+    assert plan.ring_bytes(card, Workload(tokens=8192), 4) == added
+    assert ring.activations.backward == quarter.backward + added
+    assert plan.ring_bytes(card, work, 1) == 0
+    for bad, message in [(dict(gpus=4, context=4, split=2), "whole copies"), (dict(gpus=3, context=2), "multiple of 2")]:
+        with pytest.raises(ValueError, match=message):
+            plan.estimate(card, method, work, Cluster(**bad))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        plan.estimate(card, method, Workload(tokens=1001), Cluster(gpus=4, context=4))

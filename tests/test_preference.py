@@ -84,17 +84,17 @@ def _dpo_process(rank, overrides):
     return dpo_cli([a for o in overrides for a in ("--set", o)])
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline", "pipeline-fsdp"])
+@pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline", "pipeline-fsdp", "context"])
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
     pairs), or with training.split=2 both split one model and take all of them, or with
     training.pipeline=2 each holds half its blocks and the step's rows pass through both
     (with training.shard=fsdp, four processes: two copies of the pipeline, each taking half
-    the pairs, each stage sharded over its copies): the same steps and held-out metrics as
-    one process."""
+    the pairs, each stage sharded over its copies), or with training.context=2 both take
+    every row, each half its positions: the same steps and held-out metrics as one process."""
     from tests.conftest import in_processes
 
-    mode = [f"training.{shard}=2"] if shard in ("split", "pipeline") else [f"training.shard={shard}"]
+    mode = [f"training.{shard}=2"] if shard in ("split", "pipeline", "context") else [f"training.shard={shard}"]
     if shard == "pipeline-fsdp":
         mode = ["training.pipeline=2", "training.shard=fsdp"]
     processes = 4 if shard == "pipeline-fsdp" else 2
@@ -143,12 +143,13 @@ def _kto_records(workspace, path):
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
 
 
-@pytest.mark.parametrize("mode", ["split", "pipeline"])
+@pytest.mark.parametrize("mode", ["split", "pipeline", "context"])
 def test_kto_records_over_two_processes_take_one_process_steps(workspace, tmp_path, mode):
     """`linnet dpo` with dpo.loss_type=kto and training.split=2 (both processes split one
-    model) or training.pipeline=2 (each holds half its blocks; the last computes the
+    model), training.pipeline=2 (each holds half its blocks; the last computes the
     losses, and the KL estimate's and the reference's log-probabilities pass through
-    both): every record of the step, with one process's losses, KL and held-out margins."""
+    both) or training.context=2 (each computes half of every row's positions): every
+    record of the step, with one process's losses, KL and held-out margins."""
     from tests.conftest import in_processes
 
     _kto_records(workspace, tmp_path / "kto.jsonl")

@@ -46,6 +46,7 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
                                  ("model.attention", m.attention, "auto"),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1),
                                  ("training.pipeline", t.pipeline, 1), ("training.mlp_tile", t.mlp_tile, None),
+                                 ("training.context", t.context, 1),
                                  ("model.quantize", m.quantize, None)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "

@@ -264,7 +264,7 @@ CONFIG_FIELDS = {"tokens": "training.context_length", "accumulate": "training.ac
                  "activation_checkpointing": "training.activation_checkpointing", "shard": "training.shard",
                  "split": "training.split", "pipeline": "training.pipeline",
                  "pipeline_schedule": "training.pipeline_schedule", "rank": "lora.rank", "targets": "lora.targets",
-                 "mlp_tile": "training.mlp_tile"}
+                 "mlp_tile": "training.mlp_tile", "context": "training.context"}
 
 
 class _Flags(dict):
@@ -356,6 +356,9 @@ def parser() -> argparse.ArgumentParser:
     hardware("--pipeline", type=int, metavar="N",
              help="pipeline stages, each GPU holding consecutive blocks (linnet's training.pipeline); the first the "
              f"embedding, the last the norm and head; --accumulation is the micro-batches (default {cluster.pipeline})")
+    hardware("--context", type=int, metavar="N",
+             help="GPUs that take the same rows, each computing 1/N of every row's positions (context parallel, "
+             f"linnet's training.context; attention as a ring) (default {cluster.context})")
     hardware("--pipeline-schedule", choices=list(SCHEDULES),
              help="with --pipeline: 1f1b, interleaved (two chunks of blocks a stage) or zero-bubble (those chunks, "
                   "each backward split in two), linnet's training.pipeline_schedule "
@@ -426,6 +429,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     if split * stages > 1:  # one copy, unless --gpus says how many
         settings.update(split=split, pipeline=stages, gpus=split * stages,
                         pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"))
+    if getattr(t, "context", 1) > 1:
+        settings.update(context=t.context, gpus=t.context)
     lora = config.lora
     if lora.enabled:
         if model.quantize and lora.dora:

@@ -146,9 +146,16 @@ def load_model(card, config):
                       lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                 rslora=lora.rslora, dora=lora.dora) if lora.enabled else None)
     model.tile_mlp(t.mlp_tile)
+    context = getattr(t, "context", 1)
+    if context > 1:  # after the adapters: their gradients are summed over the context group too
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model.split_context(init_device_mesh(torch.device(device).type, (data_share(context)[1], context),
+                                             mesh_dim_names=("copies", "context"))["context"])
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
-        parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "")
+        parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "") + (
+            f", each row over {context}" if context > 1 else "")
         on = f"{processes} processes ({t.shard}{parts})" if processes > 1 else device
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)

@@ -239,6 +239,10 @@ class TrainingConfig:
                               "split processes a copy); the processes form copies of such pipelines, and with "
                               "training.shard=fsdp each stage's blocks are sharded over its copies",
                            only=("sft", "dpo", "reward", "distill", "grpo"))
+    context: int = option(1, "under torchrun (sft, dpo): processes that split each packed row's positions "
+                             "between them (context parallel: attention as a ring passing keys and values) and take "
+                             "the same rows; training.context_length a multiple of 2 x context; the processes form "
+                             "copies of such groups (docs/long_context.md)", only=("sft", "dpo"))
     pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = option(
         "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks), interleaved "
                 "(interleaved 1F1B: two chunks a process, stage i of P holding chunks i and i + P of 2P, so the "
@@ -250,8 +254,9 @@ class TrainingConfig:
 
     @property
     def per_copy(self) -> int:
-        """Processes that hold one copy of the model between them (a split or a pipeline)."""
-        return self.split * self.pipeline
+        """Processes that hold one copy of the model between them (a split, a pipeline, or
+        a context-parallel group)."""
+        return self.split * self.pipeline * self.context
 
     def __post_init__(self):
         check_finite(self, "training")
@@ -259,7 +264,15 @@ class TrainingConfig:
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
                      "training.pipeline": self.pipeline, "training.mlp_tile": self.mlp_tile,
+                     "training.context": self.context,
                      "training.keep": self.keep, "training.global_batch_tokens": self.global_batch_tokens})
+        if self.context > 1 and self.context_length % (2 * self.context):
+            raise ValueError(f"config: training.context_length={self.context_length} does not cut into "
+                             f"{2 * self.context} equal chunks (2 x training.context); use a multiple of "
+                             f"{2 * self.context}")
+        if self.context > 1 and (self.split > 1 or self.pipeline > 1 or self.shard == "fsdp"):
+            raise ValueError("config: training.context > 1 with training.split, training.pipeline or "
+                             "training.shard=fsdp; context parallel runs on whole copies of the model for now")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):

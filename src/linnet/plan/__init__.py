@@ -39,6 +39,7 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     METHODS,
     NF4_BYTES,
     PHASES,
+    RING_SCORE_BYTES,
     SHARDED_STATES,
     Activations,
     Method,
@@ -50,6 +51,7 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     logits_bytes,
     loss_rows,
     quantized_params,
+    ring_bytes,
     state_bytes,
     step_moments,
     trainable_params,
@@ -158,7 +160,8 @@ class Cluster:
     reach on H100; small models and adapters usually reach less. `split` GPUs split every
     block (tensor parallel) and `pipeline` stages hold consecutive blocks (two chunks a stage
     with `pipeline_schedule` "interleaved"): split x pipeline GPUs hold one copy of the
-    model, and `gpus` counts every copy's.
+    model, and `gpus` counts every copy's. `context` GPUs take the same rows, each a whole
+    copy computing 1/context of every row's positions (context parallel: `ring_bytes`).
     """
 
     gpu: Accelerator = ACCELERATORS["h100"]
@@ -167,6 +170,7 @@ class Cluster:
     split: int = 1
     pipeline: int = 1
     pipeline_schedule: str = "1f1b"
+    context: int = 1
     usable: float = 0.9
     precision: str = "bf16"
     mfu: float = 0.35
@@ -181,6 +185,12 @@ class Cluster:
                  f"{{pipeline_schedule}} {self.pipeline_schedule!r}: use one of {', '.join(SCHEDULES)}")
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
+        _require(self.context >= 1, f"{{context}} must be a positive number of GPUs, got {self.context}")
+        _require(self.context == 1 or (self.split == self.pipeline == 1 and self.shard != "fsdp"),
+                 f"{{context}} {self.context} with {{split}}, {{pipeline}} or {{shard}} fsdp: linnet's context "
+                 "parallel runs on whole copies of the model")
+        _require(self.gpus % self.context == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} GPUs take each "
+                 f"row; use a multiple of {self.context} GPUs")
         per_copy = self.split * self.pipeline
         _require(self.gpus % per_copy == 0, f"{{gpus}}={self.gpus}: {{split}} {self.split} x {{pipeline}} {self.pipeline} = "
                  f"{per_copy} GPUs hold one copy of the model; use a multiple of {per_copy} GPUs")
@@ -371,12 +381,18 @@ def estimate(
              "zero-bubble with {shard} fsdp: linnet refuses it; plan interleaved")
     processes, modes = [], []
     copies = cluster.gpus // (cluster.split * cluster.pipeline)  # what each part's states shard over
+    _require(workload.tokens % (2 * cluster.context) == 0,
+             f"{{tokens}} {workload.tokens} with {{context}} {cluster.context}: a row cuts into 2 x context equal "
+             f"chunks; use a multiple of {2 * cluster.context}")
+    mine = dataclasses.replace(workload, tokens=workload.tokens // cluster.context)  # a GPU's positions of a row
+    ring = ring_bytes(card, mine, cluster.context)
     for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule):
-        acts = {mode: activation_bytes(card, method, dataclasses.replace(workload, activation_checkpointing=mode),
+        acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),
                                        part) for mode in CHECKPOINTING}
+        acts = {mode: dataclasses.replace(a, backward=a.backward + ring) for mode, a in acts.items()}
         over = copies if cut and cluster.shard == "fsdp" else 1  # a stage sharded over its copies
         # per GPU when over > 1
-        moments = step_moments(card, method, workload, acts[workload.activation_checkpointing], part, over)
+        moments = step_moments(card, method, mine, acts[workload.activation_checkpointing], part, over)
         states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard, copies,
                              quantized_params(part.card, method))
         n = workload.num_models

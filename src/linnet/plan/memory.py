@@ -41,6 +41,9 @@ NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 LOSS_BLOCK_BYTES = 2**30
 CPU_LOSS_BLOCK_BYTES = 2**24
 CPU_LOSS_MIN_ROWS = 512
+# linnet.torch.context.SCORE_BYTES (a test keeps them equal): the float32 scores one tile of
+# a process's queries holds against a neighbour's block of keys, in context parallel.
+RING_SCORE_BYTES = 2**26
 # From this many rows a float32 loss on a CPU reorders a head of this many weights or more
 # for oneDNN: a copy of it (linnet.torch.losses.REORDER_MIN_ROWS, REORDER_MIN_ELEMENTS).
 CPU_REORDER_MIN_ROWS = 256
@@ -396,6 +399,20 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     buffers = (part.receives + part.sends) * part.micro_batches * c * d * tokens
     return Activations(each + earlier, loss, recompute, 2 * c * card.intermediate * mlp_rows, top + earlier,
                        per_block + rope - frozen_input + earlier, buffers, each)
+
+
+def ring_bytes(card: cards.Card, mine: Workload, context: int) -> float:
+    """What context parallel's ring adds to a block's backward on one GPU holding `mine`'s
+    positions of each row: a tile's scores, probabilities, their gradient and the product
+    before it (4 x RING_SCORE_BYTES, or the whole block of scores when smaller); the
+    neighbour's keys and values with their float32 gradients, sent and received (8 x
+    4·kv·n); the keys and values repeated to every query head in float32 (2 x 4·q·n), with
+    n a GPU's positions. Nothing without context parallel."""
+    if context == 1:
+        return 0.0
+    n = mine.positions
+    q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
+    return 4 * min(RING_SCORE_BYTES, 4 * card.heads * n * n) + 8 * 4 * kv * n + 2 * 4 * q * n
 
 
 def _output_gradients(card: cards.Card, method: Method) -> int:

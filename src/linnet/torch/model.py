@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -38,10 +39,11 @@ from linnet import cards
 from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
+from linnet.torch.context import context_row, gather_row, sum_gradients_over, sum_over
 from linnet.torch.distributed import sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
-from linnet.torch.sharding import dropout, full
+from linnet.torch.sharding import copies_group, dropout, full
 
 
 class Linear(nn.Linear):
@@ -241,10 +243,12 @@ class Body(nn.Module):
 
 
 class _Layout(NamedTuple):
-    """Where a packed row's documents start and end, and which see a shared prompt."""
+    """Where a packed row's documents start and end, which see a shared prompt, and (with
+    context parallel) the attention function over this process's positions."""
 
     bounds: list[int]
     prefix: list[int] | None
+    attend: Any = None
 
 
 class Decoder(nn.Module):
@@ -265,6 +269,7 @@ class Decoder(nn.Module):
         self.pipe = None  # with pipeline: this process's stage (linnet.torch.pipeline.Pipe)
         self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
         self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
+        self.context = None  # with split_context: the process group each row's positions are split over
         self.model = Body(card)
         if not card.tied_embeddings:
             self.lm_head = Linear(card.hidden, card.vocab, bias=False)
@@ -283,7 +288,7 @@ class Decoder(nn.Module):
     def shares_prompts(self) -> bool:
         """Whether this model's attention path takes rows whose completions share their
         prompt (`Packed.prefix`; linnet.packing.pack_prompted)."""
-        return attention_paths.shares_prompts(self.attention, self.device)
+        return self.context is None and attention_paths.shares_prompts(self.attention, self.device)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -291,7 +296,8 @@ class Decoder(nn.Module):
 
     # -- the trunk ------------------------------------------------------------------
 
-    def _trunk(self, tokens_P, positions_P, bounds: list[int], prefix: list[int] | None = None, keep=None):
+    def _trunk(self, tokens_P, positions_P, bounds: list[int], prefix: list[int] | None = None, attend=None,
+               keep=None):
         """Final-normed hidden states [P, D] of one packed row (`prefix`: shared prompts),
         or [len(keep), D] at the positions `keep` only: the last block's output projection,
         MLP and norm then run on those alone (a reward model reads one position a
@@ -302,13 +308,15 @@ class Decoder(nn.Module):
                                "stages, and evaluates through loss_packed under torch.no_grad(); for other entries "
                                "load the saved weights whole (save_weights gathers the stages)")
         x = F.embedding(tokens_P, self.model.embed_tokens.weight).to(self.dtype)
-        return self.model.norm(self._blocks(x, positions_P, bounds, prefix, keep))
+        return self.model.norm(self._blocks(x, positions_P, bounds, prefix, attend, keep=keep))
 
-    def _blocks(self, x_PD, positions_P, bounds: list[int], prefix: list[int] | None = None, keep=None, blocks=None):
+    def _blocks(self, x_PD, positions_P, bounds: list[int], prefix: list[int] | None = None, attend=None, keep=None,
+                blocks=None):
         """The blocks this model holds (a pipeline stage's alone), or `blocks` of them (one
         chunk of an interleaved stage), over hidden states [P, D]; `keep` as in `_trunk`,
-        taken at the last of them."""
-        attend = attention_paths.choose(self.attention, self.device)
+        taken at the last of them; `attend` the context-parallel ring's (`_fields`)."""
+        if attend is None:
+            attend = attention_paths.choose(self.attention, self.device)
         if prefix is not None:
             attend = functools.partial(attend, prefix=prefix)
         cos, sin = rope_tables(positions_P, self.inv_freq, self.card, self.dtype)
@@ -344,6 +352,13 @@ class Decoder(nn.Module):
         fields = batch.tokens, batch.positions, batch.targets, batch.weights
         prefix = getattr(batch, "prefix", None)
         prefix = None if prefix is None else [int(i) for i in prefix]
+        if self.context is not None:  # this process's share of the whole row, padding included
+            if prefix is not None:
+                raise ValueError("context parallel: this row's completions share their prompt (pack_prompted); "
+                                 "pack each completion with its own prompt (share=False)")
+            mine, attend = context_row(len(batch.tokens), bounds, self.context, dev)
+            tokens, positions, targets, weights = (tensor(np.asarray(x)[mine]) for x in fields)
+            return tokens, positions, _Layout(bounds, None, attend), targets, weights
         real = int(getattr(batch, "real", bounds[-1]))
         if real < bounds[-1] and real in bounds and not self.compiled:
             # the trailing padding is a document of its own that every layer would compute
@@ -367,6 +382,9 @@ class Decoder(nn.Module):
         (positions, e.g. each answer's last token) [len(at), D] at those alone, the last
         block computing only what they need."""
         tokens, positions, layout, _, _ = self._fields(batch)
+        if self.context is not None:  # this process's positions, then the whole row's from every process
+            h = gather_row(self._trunk(tokens, positions, *layout), len(batch.tokens), self.context)
+            return h if at is None else h[torch.as_tensor(at, device=self.device)]
         if at is not None:
             return self._trunk(tokens, positions, *layout, keep=torch.as_tensor(at, device=self.device))
         return self._padded(self._trunk(tokens, positions, *layout), batch)
@@ -379,7 +397,12 @@ class Decoder(nn.Module):
             return self.pipe.loss(batch)
         tokens, positions, layout, targets, weights = self._fields(batch)
         keep = self._learned(batch, len(tokens))
-        return self._head_loss(self._trunk(tokens, positions, *layout, keep=keep), targets, weights, keep)
+        total, count = self._head_loss(self._trunk(tokens, positions, *layout, keep=keep), targets, weights, keep)
+        if self.context is not None:  # the row's sums, on every process of its context group
+            count = count.clone()
+            dist.all_reduce(count, group=self.context)
+            return sum_over(total, self.context), count
+        return total, count
 
     def _head_loss(self, h, targets, weights, keep) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss_packed`'s result from the final hidden states (at `keep` when given)."""
@@ -396,7 +419,10 @@ class Decoder(nn.Module):
         elsewhere (prompts, the last token of each document, padding) 0 or meaningless."""
         tokens, positions, layout, targets, _ = self._fields(batch)
         keep = self._learned(batch, len(tokens))
-        return self.head_log_probs(self._trunk(tokens, positions, *layout, keep=keep), targets, keep, batch)
+        logp = self.head_log_probs(self._trunk(tokens, positions, *layout, keep=keep), targets, keep, batch)
+        if self.context is None:
+            return logp
+        return gather_row(logp[:len(tokens)], len(batch.tokens), self.context)  # its own positions, unpadded
 
     def head_log_probs(self, h, targets, keep, batch) -> torch.Tensor:
         """`log_probs_packed` from the final (normed) hidden states `h` of the `keep`
@@ -420,6 +446,8 @@ class Decoder(nn.Module):
         the last block's MLP run on these alone: at small sizes the head is a third or
         more of a position's FLOPs."""
         weights = batch.weights
+        if self.context is not None:  # the row's positions are split: the head runs on this process's
+            return None
         if isinstance(weights, torch.Tensor):
             if weights.device.type != "cpu":
                 return None  # reading it would wait for the device
@@ -460,6 +488,23 @@ class Decoder(nn.Module):
         if mode not in (True, False, "full", "selective"):
             raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective' or False")
         self.checkpointing = None if mode is False else "full" if mode is True else mode
+
+    def split_context(self, mesh) -> None:
+        """Context parallel over `mesh`'s processes (a 1-D DeviceMesh, or the "context"
+        dimension of one whose other dimension is the copies): they take the same rows,
+        each holds 2 of a row's 2·|mesh| chunks of positions, and attention passes keys and
+        values round them as a ring (linnet.torch.context). The entries still give whole
+        rows' results on every process (loss and count summed, log-probabilities and
+        hidden states gathered), and each trained parameter's gradient is summed over the
+        mesh as backward makes it: add adapters and choose what trains first. `copies`
+        becomes the processes at this place in every copy, as for tensor_parallel."""
+        if self.pipe is not None or self.copies is not None or self.compiled or any(
+                isinstance(p, DTensor) for p in self.parameters()):
+            raise ValueError("split_context: the model is pipelined, split, sharded or compiled; context parallel "
+                             "runs on whole, eager copies for now")
+        self.context = mesh.get_group()
+        self.copies = copies_group(mesh)
+        sum_gradients_over(self, self.context)
 
     def tile_mlp(self, positions: int | None) -> None:
         """Compute each block's MLP `positions` rows at a time (None: the whole row at once).
