@@ -1,6 +1,6 @@
 """Peak memory and speed of one long row on CPU, with the planner's prediction beside each.
 
-    python bench/long_context.py                        # bench/long_context.md: 4K-32K, whole MLP and tiles
+    python bench/long_context.py                        # bench/long_context.md: 4K-16K, whole MLP and tiles
     python bench/long_context.py --seq 4096 8192 --out -  # a quick look: print only
 
 Each configuration is bench/plan_vs_measured.py's child in a fresh process: a small Llama
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--card", default="20m", choices=["20m", "60m", "150m"])
     ap.add_argument("--method", default="full", choices=["full", "lora"])
     ap.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
-    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--tiles", nargs="+", default=["none", "2048"], help="MLP tiles: none (whole) or positions")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)

@@ -474,11 +474,13 @@ def _distill_process(rank, root, out, *extra):
 
 @pytest.mark.parametrize("mode, parallel", [("logit", "split"), ("on_policy", "split"), ("logit", "pipeline"),
                                             ("sequence", "pipeline"), ("on_policy", "pipeline"),
-                                            ("on_policy", "pipeline-fsdp")])
+                                            ("on_policy", "pipeline-fsdp"), ("logit", "context"),
+                                            ("on_policy", "context")])
 def test_linnet_distill_with_a_split_or_pipelined_student_takes_one_process_steps(distill_workspace, tmp_path, mode,
                                                                                  parallel):
-    """`linnet distill` with training.split=2 (two processes split the student, LoRA) or
-    training.pipeline=2 (two stages, the last computing the divergences): both take the
+    """`linnet distill` with training.split=2 (two processes split the student, LoRA),
+    training.pipeline=2 (two stages, the last computing the divergences) or
+    training.context=2 (each computing half of every row's positions): both take the
     same rows (on-policy and sequence-level, the first process's completions), with the
     losses, held-out divergences and adapters of one process. With training.shard=fsdp too,
     four processes (two copies of the stages, sharded over them, each copy's first stage

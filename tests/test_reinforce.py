@@ -93,12 +93,13 @@ def test_grpo_run_with_a_fully_sharded_qlora_policy(workspace, tmp_path):
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
 
 
-@pytest.mark.parametrize("mode", ["split", "pipeline"])
+@pytest.mark.parametrize("mode", ["split", "pipeline", "context"])
 def test_two_processes_splitting_or_staging_the_policy_take_one_process_steps(workspace, tmp_path, mode):
-    """`linnet grpo` with training.split=2 (both processes split one policy) or
+    """`linnet grpo` with training.split=2 (both processes split one policy),
     training.pipeline=2 (two stages, every stage's engine taking the whole policy from
-    both): both train on the first one's samples, with the steps, rewards and held-out
-    metrics of one process."""
+    both) or training.context=2 (each computing half of every row's positions): both
+    train on the first one's samples, with the steps, rewards and held-out metrics of one
+    process."""
     from tests.conftest import in_processes
 
     common = ["model.dtype=float32", "training.steps=2", "evaluation.every=2", "grpo.pass_k=0",

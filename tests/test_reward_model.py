@@ -159,7 +159,7 @@ def _reward_process(rank, config):
 
 
 @pytest.mark.parametrize("mode", ["training.shard=fsdp", "training.split=2", "training.pipeline=2",
-                                  "training.pipeline=2 training.shard=fsdp"])
+                                  "training.pipeline=2 training.shard=fsdp", "training.context=2"])
 def test_linnet_reward_over_two_processes_takes_one_process_steps(records, tmp_path, mode):
     """`linnet reward` in two processes, sharded (fsdp), split (tensor parallel) or cut into
     two pipeline stages (the last holding the score head), or in four, two copies of the

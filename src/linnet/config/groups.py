@@ -239,10 +239,12 @@ class TrainingConfig:
                               "split processes a copy); the processes form copies of such pipelines, and with "
                               "training.shard=fsdp each stage's blocks are sharded over its copies",
                            only=("sft", "dpo", "reward", "distill", "grpo"))
-    context: int = option(1, "under torchrun (sft, dpo): processes that split each packed row's positions "
+    context: int = option(1, "under torchrun (sft, dpo, reward, grpo, distill): processes that split each packed "
+                             "row's positions "
                              "between them (context parallel: attention as a ring passing keys and values) and take "
                              "the same rows; training.context_length a multiple of 2 x context; the processes form "
-                             "copies of such groups (docs/long_context.md)", only=("sft", "dpo"))
+                             "copies of such groups (docs/long_context.md)",
+                          only=("sft", "dpo", "reward", "grpo", "distill"))
     pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = option(
         "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks), interleaved "
                 "(interleaved 1F1B: two chunks a process, stage i of P holding chunks i and i + P of 2P, so the "

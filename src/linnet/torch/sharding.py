@@ -210,17 +210,21 @@ def split_mesh(model):
 
 def copy_first(model, compute):
     """compute() on the first process of `model`'s copy alone (the first of a split, of a
-    pipeline's first stage), its value on every process of the copy, which must all train
+    pipeline's first stage, of a context group), its value on every process of the copy, which must all train
     on the same rows: what one samples, say, when engines on several devices need not draw
     alike. compute() itself for a model neither split nor pipelined."""
     if getattr(model, "copies", None) is None:
         return compute()
     split = split_mesh(model)
     pipe = getattr(model, "pipe", None)
-    first = (split is None or split.get_local_rank() == 0) and (pipe is None or pipe.first)
+    context = getattr(model, "context", None)  # the processes that split each row's positions
+    first = (split is None or split.get_local_rank() == 0) and (pipe is None or pipe.first) and (
+        context is None or dist.get_rank(context) == 0)
     box = [compute() if first else None]
     if split is not None:  # across each stage's split: the first stage's value, None on the others
         dist.broadcast_object_list(box, group=split.get_group(), group_src=0)
+    if context is not None:
+        dist.broadcast_object_list(box, group=context, group_src=0)
     if pipe is not None:  # along each pipeline from its first stage
         dist.broadcast_object_list(box, group=pipe.group, group_src=0)
     return box[0]

@@ -58,10 +58,11 @@ def sample_ahead(sampler: Sampler, policy, stream, run):
 def check_ahead(policy, engine) -> None:
     """Refuse what sampling ahead cannot take: weights that every process must gather
     together, or an engine that shares the policy's NF4 base (it would change under it)."""
-    if is_sharded(policy) or getattr(policy, "pipe", None) is not None:
+    if is_sharded(policy) or getattr(policy, "pipe", None) is not None or getattr(policy, "context", None):
         raise ValueError("grpo: max_staleness > 0 samples on a thread of each process, which cannot gather a "
-                         "split, sharded or pipelined policy's weights; set grpo.max_staleness: 0 or train copies "
-                         "(training.split: 1, no fully_shard or pipeline)")
+                         "split, sharded or pipelined policy's weights, nor give a context group one sample; set "
+                         "grpo.max_staleness: 0 or train whole copies (training.split, training.context: 1, no "
+                         "fully_shard or pipeline)")
     from linnet.torch.engine import Engine
 
     if not isinstance(engine, Engine):
