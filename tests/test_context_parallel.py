@@ -126,10 +126,12 @@ def test_a_context_parallel_decoder_gives_the_rows_results_and_gradients(process
             np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-def test_linnet_sft_with_context_2_in_4_processes_takes_one_process_steps(tmp_path):
+@pytest.mark.parametrize("shard", ["none", "zero"])
+def test_linnet_sft_with_context_2_in_4_processes_takes_one_process_steps(tmp_path, shard):
     """`linnet sft` with training.context=2 in 4 processes (two copies, each row split over
-    two of them) takes the steps of one process with twice the rows: the same losses,
-    held-out losses and final weights, written once."""
+    two of them; the optimizer's states whole or split over all four) takes the steps of
+    one process with twice the rows: the same losses, held-out losses and final weights,
+    written once."""
     import json
 
     from safetensors.torch import load_file
@@ -146,7 +148,7 @@ def test_linnet_sft_with_context_2_in_4_processes_takes_one_process_steps(tmp_pa
     common = [f"model.card={tmp_path / 'model'}", f"data.path={tmp_path / 'train.jsonl'}", "data.chat=false",
               "training.context_length=64", "data.eval_share=0.1", "lora.enabled=false", "optimizer.lr=3e-3",
               "lr_schedule.warmup_steps=1", "evaluation.every=2", "training.steps=3"]
-    four = common + [f"runtime.output_dir={tmp_path / 'four'}", "training.context=2"]
+    four = common + [f"runtime.output_dir={tmp_path / 'four'}", "training.context=2", f"training.shard={shard}"]
     assert in_processes(_sft_process, four, processes=4) == [0] * 4
     run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}", "training.accumulation=2"]))
     same_metrics(tmp_path / "four", tmp_path / "one", ("loss", "grad_norm", "held_out_loss", "learned"), steps=3,

@@ -955,3 +955,30 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
             plan.estimate(card, method, work, Cluster(**bad))
     with pytest.raises(ValueError, match="multiple of 8"):
         plan.estimate(card, method, Workload(tokens=1001), Cluster(gpus=4, context=4))
+
+
+def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys):
+    """`linnet plan --suggest`: every layout of the GPUs that linnet runs (whole copies,
+    zero, fsdp, split, pipeline, context and their mixes), those that fit first, by kind
+    of communication then peak; each layout's settings load as a config."""
+    from linnet.config.groups import TrainingConfig
+    from linnet.plan.layouts import suggest
+
+    card = plan.cards.resolve("llama-3.1-8b-instruct")
+    work = Workload(tokens=32768, chunked_loss=True, mlp_tile=2048)
+    layouts = suggest(card, Method("full"), work, Cluster(gpus=8), estimate)
+    fits = [x.fits for x in layouts]
+    assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
+    assert layouts[0].settings == "training.shard=zero" and not layouts[-1].fits
+    kinds = {(x.shard, x.split, x.pipeline, x.context) for x in layouts}
+    assert ("none", 1, 1, 1) in kinds and ("zero", 1, 1, 2) in kinds and ("fsdp", 1, 4, 1) in kinds
+    assert ("none", 2, 4, 1) in kinds and not any(x[3] > 1 and (x[1] > 1 or x[2] > 1 or x[0] == "fsdp") for x in kinds)
+    assert {x.settings for x in layouts} >= {"whole copies (the defaults)", "training.shard=zero training.context=2"}
+    for x in layouts:  # what it says to set is a config linnet takes
+        TrainingConfig(context_length=32768, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context)
+        assert x.peak == estimate(card, Method("full"), work, Cluster(gpus=8, shard=x.shard, split=x.split,
+                                                                     pipeline=x.pipeline, context=x.context)).total
+    assert plan_command.main(["llama-3.1-8b-instruct", "--method", "full", "--gpus", "2", "--context-length",
+                              "131072", "--suggest"]) == 0
+    out = capsys.readouterr().out
+    assert "training.context=2" in out and "none fits" in out

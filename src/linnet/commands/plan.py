@@ -382,6 +382,9 @@ def parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output").add_argument
     output("--compare", action="store_true", help="full, lora and qlora side by side (and --method if another)")
     output("--json", action="store_true", help="print JSON for scripts (bytes in bytes) instead of the table")
+    output("--suggest", action="store_true",
+           help="every layout of --gpus GPUs linnet runs (copies, zero, fsdp, split, pipeline, context), planned: "
+                "those that fit first, the least communication first (linnet.plan.layouts)")
     output("--textbook", action="store_true",
            help="the course module's arithmetic (seed 004's 'Why LoRA fits on one GPU': 16 B a trained parameter, "
                 "34·s·b·d activations, 4.127-bit QLoRA) for full, LoRA and QLoRA beside linnet's plan, and why they "
@@ -560,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser().parse_args(argv))
     if args.pop("textbook"):
         return _textbook(args)
-    card, as_json, side_by_side = args.pop("card"), args.pop("json"), args.pop("compare")
+    card, as_json, side_by_side, suggesting = args.pop("card"), args.pop("json"), args.pop("compare"), args.pop("suggest")
     config = args.pop("config")
     beside: dict[str, Any] = {}
     names = _Flags(FLAGS)  # how an error names a setting: the flag, or the config's field it came from
@@ -575,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
         if card is None:
             raise ValueError("give a CARD, or --config RUN.yaml")
         inputs = plan_inputs(args)
+        if suggesting:
+            return _suggest(card, inputs, as_json)
         if side_by_side:
             methods = list(dict.fromkeys((*COMPARED, inputs["method"].name)))
             plans = compare(card, **inputs, names=methods)
@@ -597,6 +602,24 @@ def main(argv: list[str] | None = None) -> int:
         print(render(plans))
         for note in notes:
             print(note)
+    return 0
+
+
+def _suggest(card, inputs: dict[str, Any], as_json: bool) -> int:
+    """`linnet plan CARD --suggest --gpus N`: the layouts table (or JSON)."""
+    from linnet.plan.layouts import render as render_layouts
+    from linnet.plan.layouts import suggest
+
+    card = cards.resolve(card)
+    layouts = suggest(card, inputs["method"], inputs["workload"], inputs["cluster"], estimate)
+    if as_json:
+        print(json.dumps([{"settings": x.settings, "shard": x.shard, "split": x.split, "pipeline": x.pipeline,
+                           "context": x.context, "peak_bytes": x.peak, "fits": x.fits} for x in layouts], indent=2))
+        return 0
+    w, c = inputs["workload"], inputs["cluster"]
+    print(render_layouts(layouts, f"{card.name}, {inputs['method'].name}: context length {w.tokens} x micro-batch size "
+                                  f"{w.micro_batch_size} on {c.gpus} x {c.gpu.name} "
+                                  f"({c.usable_bytes / 1e9:.1f} GB usable each)"))
     return 0
 
 
