@@ -163,5 +163,6 @@ def test_context_settings_are_checked_before_anything_runs():
 
     with pytest.raises(ValueError, match="does not cut into 8 equal chunks"):
         load(SFTConfig, None, ["training.context=4", "training.context_length=100"])
-    with pytest.raises(ValueError, match="whole copies"):
-        load(SFTConfig, None, ["training.context=2", "training.split=2"])
+    for other in ("training.split=2", "training.pipeline=2", "training.shard=fsdp"):
+        with pytest.raises(ValueError, match=f"training.context=2 with {other}: .*drop one"):
+            load(SFTConfig, None, ["training.context=2", other])

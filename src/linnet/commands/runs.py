@@ -115,24 +115,21 @@ def split_per_step(name: str, per_step: int, per_copy: int = 1) -> int:
 def load_model(card, config):
     """The model a fine-tuning config trains: the base frozen with adapters, or every
     weight trainable; split across the processes with training.shard=fsdp, training.split
-    processes at a time splitting every block (tensor parallel), or training.pipeline
-    processes at a time holding consecutive blocks (pipeline stages)."""
+    processes at a time splitting every block (tensor parallel), training.pipeline
+    processes at a time holding consecutive blocks (pipeline stages), or training.context
+    processes at a time splitting every row's positions (context parallel), all placed on
+    one mesh (`run_mesh`)."""
     from linnet import nest
 
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
-    split, stages = getattr(t, "split", 1), getattr(t, "pipeline", 1)
+    split, stages, context = getattr(t, "split", 1), getattr(t, "pipeline", 1), getattr(t, "context", 1)
     start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     rank, processes = world()
     device = str(usable_device(rt.device, "runtime.device"))
     if device == "cuda" and processes > 1:  # one GPU a process
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
-    mesh = None
-    if split > 1 or stages > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(torch.device(device).type, (data_share(split * stages)[1], stages, split),
-                                mesh_dim_names=("copies", "stages", "split"))
+    mesh = run_mesh(torch.device(device).type, stages=stages, context=context, split=split)
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=mesh["split"] if split > 1 else None,
@@ -146,12 +143,8 @@ def load_model(card, config):
                       lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
                                 rslora=lora.rslora, dora=lora.dora) if lora.enabled else None)
     model.tile_mlp(t.mlp_tile)
-    context = getattr(t, "context", 1)
     if context > 1:  # after the adapters: their gradients are summed over the context group too
-        from torch.distributed.device_mesh import init_device_mesh
-
-        model.split_context(init_device_mesh(torch.device(device).type, (data_share(context)[1], context),
-                                             mesh_dim_names=("copies", "context"))["context"])
+        model.split_context(mesh["context"])
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "") + (
@@ -160,6 +153,18 @@ def load_model(card, config):
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
     return model
+
+
+def run_mesh(device_type: str, *, stages: int = 1, context: int = 1, split: int = 1):
+    """The run's one DeviceMesh, its dimensions named copies, stages, context and split
+    (training.pipeline, training.context, training.split), the last on consecutive ranks
+    (under torchrun, inside a node); None when every process holds a whole model."""
+    if stages * context * split == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (data_share(stages * context * split)[1], stages, context, split),
+                            mesh_dim_names=("copies", "stages", "context", "split"))
 
 
 def _trackers(config, path: Path, label: str):

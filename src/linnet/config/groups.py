@@ -272,9 +272,11 @@ class TrainingConfig:
             raise ValueError(f"config: training.context_length={self.context_length} does not cut into "
                              f"{2 * self.context} equal chunks (2 x training.context); use a multiple of "
                              f"{2 * self.context}")
-        if self.context > 1 and (self.split > 1 or self.pipeline > 1 or self.shard == "fsdp"):
-            raise ValueError("config: training.context > 1 with training.split, training.pipeline or "
-                             "training.shard=fsdp; context parallel runs on whole copies of the model for now")
+        other = next((f"training.{k}={v}" for k, v in (("split", self.split), ("pipeline", self.pipeline),
+                                                         ("shard", self.shard)) if v not in (1, "none", "zero")), None)
+        if self.context > 1 and other:
+            raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on whole "
+                             "copies of the model (shard none or zero) for now; drop one of the two")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):
