@@ -43,7 +43,7 @@ CPU_LOSS_BLOCK_BYTES = 2**24
 CPU_LOSS_MIN_ROWS = 512
 # linnet.torch.context.SCORE_BYTES (a test keeps them equal): the float32 scores one tile of
 # a process's queries holds against a neighbour's block of keys, in context parallel.
-RING_SCORE_BYTES = 2**26
+RING_SCORE_BYTES = 2**24
 # From this many rows a float32 loss on a CPU reorders a head of this many weights or more
 # for oneDNN: a copy of it (linnet.torch.losses.REORDER_MIN_ROWS, REORDER_MIN_ELEMENTS).
 CPU_REORDER_MIN_ROWS = 256

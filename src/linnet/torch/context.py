@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-SCORE_BYTES = 64 << 20  # float32 scores a query tile holds (linnet.plan.memory.RING_SCORE_BYTES)
+SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.memory.RING_SCORE_BYTES)
 
 
 def shard_positions(length: int, ranks: int, rank: int) -> np.ndarray:
@@ -96,7 +96,10 @@ class _RingAttention(torch.autograd.Function):
             k_b, v_b, k_index, k_doc = block
             v_all = v_b.float().repeat_interleave(groups, dim=0)
             for t in _tiles(q, k_b.shape[1]):
-                s = _scores(q[:, t], k_b, _visible(q_index[t], q_doc[t], k_index, k_doc), scale)
+                visible = _visible(q_index[t], q_doc[t], k_index, k_doc)
+                if not visible.any():  # a later chunk's keys, or another document's: nothing to add
+                    continue
+                s = _scores(q[:, t], k_b, visible, scale)
                 new_top = torch.maximum(top[:, t], s.amax(-1))
                 p = torch.exp(s - _finite(new_top)[..., None])
                 shrink = torch.exp(top[:, t] - _finite(new_top))
@@ -127,7 +130,10 @@ class _RingAttention(torch.autograd.Function):
             k_all = k_b.float().repeat_interleave(groups, dim=0)
             v_all = v_b.float().repeat_interleave(groups, dim=0)
             for t in _tiles(q, k_b.shape[1]):
-                s = _scores(q[:, t], k_b, _visible(q_index[t], q_doc[t], k_index, k_doc), scale)
+                visible = _visible(q_index[t], q_doc[t], k_index, k_doc)
+                if not visible.any():
+                    continue
+                s = _scores(q[:, t], k_b, visible, scale)
                 p = torch.exp(s - _finite(lse[:, t])[..., None])
                 dv_b = dv_b + torch.matmul(p.transpose(-1, -2), g[:, t]).view(K, groups, *v.shape[1:]).sum(1)
                 ds = p * (torch.matmul(g[:, t], v_all.transpose(-1, -2)) - delta[:, t, None]) * scale
