@@ -85,6 +85,11 @@ class RopeScaling:
         return out
 
 
+def rope_cos_sin_scale(card: Card) -> float:
+    """What RoPE's cos and sin are multiplied by: YaRN's attention factor, else 1."""
+    return 1.0 if card.rope_scaling is None else card.rope_scaling.cos_sin_scale
+
+
 def rope_frequencies(card: Card, xp) -> Any:
     """[head_dim / 2] float32 inverse frequencies of the card's RoPE, its scaling applied,
     computed with the array module `xp` (torch or numpy) in float32 as transformers
@@ -314,7 +319,7 @@ def with_rope(card: Card, base: float | None = None, scaling: dict | None = None
             except (ValueError, TypeError) as e:
                 raise ValueError(f"{where}.rope_scaling: {e}") from None
             changes["rope_scaling"] = s
-            changes["max_positions"] = int(s.factor * (s.original_max_positions or card.max_positions))
+            changes["max_positions"] = int(s.factor * s.original_max_positions)
     if max_positions is not None:
         changes["max_positions"] = int(max_positions)
     return card.replace(**changes) if changes else card

@@ -611,7 +611,7 @@ def _suggest(card, inputs: dict[str, Any], as_json: bool) -> int:
     from linnet.plan.layouts import suggest
 
     card = cards.resolve(card)
-    layouts = suggest(card, inputs["method"], inputs["workload"], inputs["cluster"], estimate)
+    layouts = suggest(card, inputs["method"], inputs["workload"], inputs["cluster"])
     if as_json:
         print(json.dumps([{"settings": x.settings, "shard": x.shard, "split": x.split, "pipeline": x.pipeline,
                            "context": x.context, "peak_bytes": x.peak, "fits": x.fits} for x in layouts], indent=2))

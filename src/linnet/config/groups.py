@@ -240,8 +240,8 @@ class TrainingConfig:
                               "training.shard=fsdp each stage's blocks are sharded over its copies",
                            only=("sft", "dpo", "reward", "distill", "grpo"))
     context: int = option(1, "under torchrun (sft, dpo, reward, grpo, distill): processes that split each packed "
-                             "row's positions "
-                             "between them (context parallel: attention as a ring passing keys and values) and take "
+                             "row's positions between them (context parallel: attention as a ring passing keys and "
+                             "values) and take "
                              "the same rows; training.context_length a multiple of 2 x context; the processes form "
                              "copies of such groups (docs/long_context.md)",
                           only=("sft", "dpo", "reward", "grpo", "distill"))

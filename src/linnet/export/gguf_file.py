@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from linnet.cards import rope_frequencies
+
 # kind -> (GGML tensor type of the matrices, llama.cpp file type), written in numpy
 NATIVE = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
           "q5_1": ("Q5_1", "MOSTLY_Q5_1"), "q5_0": ("Q5_0", "MOSTLY_Q5_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
@@ -363,8 +365,7 @@ def _rope_factors(model) -> np.ndarray | None:
     card = model.card
     if card.rope_scaling is None or card.rope_scaling.kind != "llama3":
         return None
-    d = card.head_dim
-    plain = 1.0 / card.rope_base ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d)
+    plain = rope_frequencies(card.replace(rope_scaling=None), np)
     return (plain / model.inv_freq.detach().float().cpu().numpy()).astype(np.float32)
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.cards import Card, rope_frequencies
+from linnet.cards import Card, rope_cos_sin_scale, rope_frequencies
 from linnet.files.adapters import ADAPTER_SUFFIXES, check_adapter_options, write_peft
 from linnet.jax.attention import attend
 from linnet.jax.lora import Params, adapted_weight, linear
@@ -87,7 +87,7 @@ def cos_sin(card: Card, positions, dtype):
     """RoPE tables [..., 1, d] for integer `positions` [...], computed in float32."""
     angles = positions[..., None].astype(jnp.float32) * rope_frequencies(card, np).astype(np.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
-    scale = 1.0 if card.rope_scaling is None else card.rope_scaling.cos_sin_scale
+    scale = rope_cos_sin_scale(card)
     return (jnp.cos(angles) * scale).astype(dtype), (jnp.sin(angles) * scale).astype(dtype)
 
 

@@ -66,9 +66,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def suggest(card, method, workload, cluster, estimate) -> list[Layout]:
-    """Every layout of `cluster.gpus` GPUs that linnet runs, planned with `estimate` (the
-    planner's), sorted: those that fit first, then by COST's order, then by peak."""
+def suggest(card, method, workload, cluster) -> list[Layout]:
+    """Every layout of `cluster.gpus` GPUs that linnet runs, planned, sorted: those that fit
+    first, then by COST's order, then by peak."""
+    from linnet.plan import estimate
+
     found = []
     n = cluster.gpus
     for split in _divisors(n):

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -150,10 +149,8 @@ def rope_tables(positions_P: torch.Tensor, inv_freq: torch.Tensor, card: Card, d
     the compute dtype (as transformers computes them)."""
     angles = positions_P[:, None].float() * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
-    scale = 1.0 if card.rope_scaling is None else card.rope_scaling.cos_sin_scale
-    if scale != 1.0:
-        return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    scale = cards.rope_cos_sin_scale(card)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def rotate(x, cos, sin):
@@ -399,9 +396,7 @@ class Decoder(nn.Module):
         keep = self._learned(batch, len(tokens))
         total, count = self._head_loss(self._trunk(tokens, positions, *layout, keep=keep), targets, weights, keep)
         if self.context is not None:  # the row's sums, on every process of its context group
-            count = count.clone()
-            dist.all_reduce(count, group=self.context)
-            return sum_over(total, self.context), count
+            return sum_over(total, self.context), sum_over(count, self.context)
         return total, count
 
     def _head_loss(self, h, targets, weights, keep) -> tuple[torch.Tensor, torch.Tensor]:
