@@ -191,7 +191,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("schedule-fit", SFT("lr_schedule.warmup_steps=50"), r"lr_schedule \(cosine, warmup_steps 50\) over 2 steps"),
     ("context-short", SFT("training.context_length=8"), r"training.context_length=8; a packed row needs"),
     ("eval-share", SFT("data.eval_share=1.5"), r"data.eval_share=1.5"),
-    ("split-shard", SFT("training.split=2", "training.shard=zero"), r"training.split=2 splits every block itself"),
+    ("split-shard", SFT("training.split=2", "training.shard=zero"), r"training.split=2 with training.shard=zero is not supported"),
     ("shard-name", SFT("training.shard=ddp"), r"training.shard: 'ddp' is not one of"),
     ("config-missing", lambda ws: ["sft", "--config", str(ws / "nope.yaml")], r"nope.yaml: no such config file"),
     ("config-not-yaml", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(

@@ -377,8 +377,6 @@ def test_pipeline_refuses_what_it_cannot_do():
     assert in_processes(_refusals) == [True, True]
     with pytest.raises(RuntimeError, match="needs a process group"):
         pipeline(_model(False, False))
-    with pytest.raises(ValueError, match="fully_shard with tensor_parallel is not supported yet"):
-        pipeline(_model(False, False), tensor_parallel=object(), fully_shard=True)
     with pytest.raises(ValueError, match="'zero-bubble' with fully_shard is not supported yet"):
         pipeline(_model(False, False), schedule="zero-bubble", fully_shard=True)
 

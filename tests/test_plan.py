@@ -4,6 +4,7 @@ values are copied as printed, with their precision."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -850,12 +851,50 @@ def test_interleaved_stages_hold_two_chunks_and_keep_their_warm_up_in_flight():
         for name, (o, i) in card.linear_shapes().items())
 
 
+def test_fsdp_over_a_split_or_stages_and_split_shards_each_part_over_its_copies():
+    """2 x 2 (a split sharded over two copies) and 2 x 2 x 2 (stages too): each GPU holds
+    its part's states divided by the copies, and gathers one block's part at a time."""
+    for cut in (dict(split=2), dict(split=2, pipeline=2)):
+        per_copy = cut.get("split", 1) * cut.get("pipeline", 1)
+        whole, sharded = (plan.estimate(PARTS_CARD, **plan.plan_inputs({**cut, "gpus": per_copy * copies, **extra}))
+                          for copies, extra in ((1, {}), (2, {"shard": "fsdp"})))
+        for mine, alone in zip(sharded.processes, whole.processes, strict=True):  # a stage's part each
+            assert mine.name == alone.name
+            for a, b in zip(dataclasses.astuple(mine.states), dataclasses.astuple(alone.states), strict=True):
+                assert a == pytest.approx(b / 2)
+        assert sharded.total < whole.total
+
+
+def test_sequence_parallel_shares_the_norms_and_block_inputs_among_the_split():
+    """--sequence-parallel with --split 2: each norm's input, 1/rms and normalised input
+    and a checkpointed block's input are half a row's; the norms' outputs whole (gathered
+    for the projections)."""
+    full = Method("full")  # bf16: c = 2
+    w = Workload(tokens=64, activation_checkpointing="none")
+    part, shared = (plan_parts.model_parts(PARTS_CARD, split=2, sequence=s)[0] for s in (False, True))
+    assert shared.sequence == 2 and part.sequence == 1
+    d = PARTS_CARD.hidden
+    norm_share = (4 * d + 4 + 2 * d) * 64 / 2  # of each of a block's two norms, trained
+    assert block_activation_bytes(part.card, full, w) - block_activation_bytes(part.card, full, w, 2) == 2 * norm_share
+    checked = dataclasses.replace(w, activation_checkpointing="full")
+    assert activation_bytes(PARTS_CARD, full, checked, part).kept - activation_bytes(
+        PARTS_CARD, full, checked, shared).kept == PARTS_CARD.layers * 2 * d * 64 / 2
+    plans = [plan.estimate(PARTS_CARD, **plan.plan_inputs(dict(split=2, gpus=2, tokens=64, sequence_parallel=s)))
+             for s in (False, True)]
+    assert plans[1].phases["backward"] < plans[0].phases["backward"]
+    for settings, message in ((dict(sequence_parallel=True), "sequence_parallel shares a split's positions"),
+                              (dict(split=2, gpus=2, sequence_parallel=True, mlp_tile=16), "no mlp_tile")):
+        with pytest.raises(ValueError, match=message):
+            plan.estimate(PARTS_CARD, **plan.plan_inputs(settings))
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(split=3), "heads=4, which 3 processes cannot split evenly"),
     (dict(pipeline=6), "5 layers, fewer than the stages"),
     (dict(split=2, gpus=3), "use a multiple of 2 GPUs"),
-    (dict(split=2, gpus=2, shard="fsdp"), "linnet splits whole copies only"),
-    (dict(pipeline=2, gpus=4, shard="zero"), "shards pipeline stages with fsdp alone"),
+    (dict(split=2, gpus=4, shard="zero"), "shards the parts of a split or pipelined model over their copies with "
+                                          "fsdp alone"),
+    (dict(pipeline=2, gpus=4, shard="zero"), "with fsdp alone"),
     (dict(pipeline=2, pipeline_schedule="zero-bubble"), "zero-bubble with activation_checkpointing: linnet refuses"),
     (dict(pipeline=2, gpus=4, shard="fsdp", pipeline_schedule="zero-bubble", activation_checkpointing="none"),
      "zero-bubble with shard fsdp"),

@@ -84,20 +84,26 @@ def _dpo_process(rank, overrides):
     return dpo_cli([a for o in overrides for a in ("--set", o)])
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline", "pipeline-fsdp", "context"])
+@pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline", "pipeline-fsdp", "split-fsdp", "sequence",
+                                   "context"])
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
     pairs), or with training.split=2 both split one model and take all of them, or with
     training.pipeline=2 each holds half its blocks and the step's rows pass through both
     (with training.shard=fsdp, four processes: two copies of the pipeline, each taking half
     the pairs, each stage sharded over its copies), or with training.context=2 both take
-    every row, each half its positions: the same steps and held-out metrics as one process."""
+    every row, each half its positions, or with training.split=2 and training.shard=fsdp, four
+    processes: two copies of the split, each process's part sharded over the copies, or with
+    training.sequence_parallel too, the split's norms on half of each row's positions: the
+    same steps and held-out metrics as one process."""
     from tests.conftest import in_processes
 
     mode = [f"training.{shard}=2"] if shard in ("split", "pipeline", "context") else [f"training.shard={shard}"]
-    if shard == "pipeline-fsdp":
-        mode = ["training.pipeline=2", "training.shard=fsdp"]
-    processes = 4 if shard == "pipeline-fsdp" else 2
+    if shard in ("pipeline-fsdp", "split-fsdp"):
+        mode = [f"training.{shard.split('-')[0]}=2", "training.shard=fsdp"]
+    if shard == "sequence":
+        mode = ["training.split=2", "training.sequence_parallel=true"]
+    processes = 4 if shard.endswith("-fsdp") else 2
     overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", *mode)
     assert in_processes(_dpo_process, overrides, processes=processes) == [0] * processes
     with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):

@@ -95,7 +95,7 @@ def test_resume_continues_the_same_run(workspace, tmp_path):
         (["lr_schedule.name=linear"], "schedule.name"),
         (["data.path=''"], "data.path is required"),
         (["data.path="], "data.path: expected str"),
-        (["training.split=2", "training.shard=fsdp", "lora.enabled=false"], "training.split=2 splits every block"),
+        (["training.split=2", "training.shard=zero", "lora.enabled=false"], "training.split=2 with training.shard=zero"),
         (["training.split=0", "lora.enabled=false"], "training.split=0; it must be a positive integer"),
         (["training.pipeline=2", "training.shard=zero"], "training.pipeline=2 with training.shard=zero"),
         (["training.pipeline=2", "training.shard=fsdp", "training.pipeline_schedule=zero-bubble"],

@@ -350,30 +350,36 @@ def _split_head_log_probs_equal_whole(model, place: int, tied: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _split_run(rank, copies, out, tied):
+def _split_run(rank, copies, out, tied, shard):
     from torch.distributed.device_mesh import init_device_mesh
 
     split = 4 // copies if copies > 1 else 2
     mesh = init_device_mesh("cpu", (copies, split), mesh_dim_names=("copies", "split"))
     model = nest.load(CARD.replace(tied_embeddings=tied), weights="random", seed=0, trainable=True,
-                      tensor_parallel=mesh["split"])
+                      tensor_parallel=mesh["split"], fully_shard=shard)
     copy = mesh.get_local_rank("copies")
     heads = model.model.layers[0].self_attn.shape[0]
-    _split_head_log_probs_equal_whole(model, mesh.get_local_rank("split"), tied)
+    if shard:  # each part of the split sharded over the two copies: a quarter of a block's weights a process
+        proj = model.model.layers[0].mlp.up_proj.weight
+        assert proj.device_mesh.mesh_dim_names == ("copies", "split") and local(proj).numel() * 4 == proj.numel()
+    else:
+        _split_head_log_probs_equal_whole(model, mesh.get_local_rank("split"), tied)
     steps = _run(model, _rows()[copy::copies], 2 // copies, save_to=out / "final", checkpoint=out / "ckpt",
                  checkpoint_every=2)
     return steps, heads
 
 
-@pytest.mark.parametrize("copies,tied", [(1, False), (2, False), (1, True)])
-def test_split_processes_train_like_one(tmp_path, copies, tied):
+@pytest.mark.parametrize("copies,tied,shard", [(1, False, False), (2, False, False), (1, True, False),
+                                               (2, True, True)])
+def test_split_processes_train_like_one(tmp_path, copies, tied, shard):
     """tensor_parallel: two processes splitting every block (one copy), or two copies of a
-    two-way split (four processes), take the steps and write the weights of one process
-    training the whole model on every copy's batches; the parts' checkpoint resumes into a
-    whole model in one process. A head tied to the embedding trains apart from it once
-    split, as an untied model's head starting from the embedding does."""
+    two-way split (four processes), the copies' parts sharded over them by fully_shard or
+    not (FSDP x TP), take the steps and write the weights of one process training the whole
+    model on every copy's batches; the parts' checkpoint resumes into a whole model in one
+    process. A head tied to the embedding trains apart from it once split, as an untied
+    model's head starting from the embedding does."""
     out = tmp_path / "split"
-    results = in_processes(_split_run, copies, out, tied, processes=2 * copies)
+    results = in_processes(_split_run, copies, out, tied, shard, processes=2 * copies)
     assert all(heads == CARD.heads // 2 for _, heads in results)
     assert all(steps == results[0][0] for steps, _ in results)
     reference = _run(_whole(tied), _rows(), 2, save_to=tmp_path / "one")
@@ -424,6 +430,62 @@ def test_split_processes_train_adapters_like_one(tmp_path, dora, dropout):
     assert two.keys() == one.keys() and len(one) == (3 if dora else 2) * 7 * CARD.layers
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=0, msg=key)
+
+
+def _odd_row():
+    """35 real positions of 40: a split of two computes 36 of them."""
+    return next(pack([Example.plain(list(range(3, 38)))], tokens=40))
+
+
+def _sequence_run(rank, lora, out):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("split",))
+    model = nest.load(CARD, weights="random", seed=0, trainable=not lora, tensor_parallel=mesh,
+                      sequence_parallel=True)
+    if lora:
+        torch.manual_seed(0)
+        model.add_lora("*_proj.weight", rank=4)
+    seen = []  # positions each norm of the blocks computes, and each projection's input
+    for name, module in model.model.layers[0].named_modules():
+        if name in ("input_layernorm", "self_attn.q_proj", "mlp.down_proj"):
+            module.register_forward_hook(lambda m, args, _, name=name: seen.append((name, local(args[0]).shape[0])))
+    with torch.no_grad():
+        odd = model.loss_packed(_odd_row())[0].item()
+    first = dict(seen)
+    with pytest.raises(ValueError, match="does not split into 2 equal shares"):
+        model.loss_packed(next(pack([Example.plain(list(range(3, 12)))], tokens=9)))
+    with pytest.raises(ValueError, match="tile one or the other"):
+        model.tile_mlp(8)
+    return first, odd, _run(model, _rows(), 2, save_to=out / "final")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_sequence_parallel_splits_the_positions_and_trains_like_one(tmp_path, lora):
+    """nest.load(tensor_parallel=, sequence_parallel=True): each process's norms run on half
+    of a row's positions, q and the MLP see them all (gathered), and the output
+    projections' partial sums arrive summed and scattered; the steps and the weights (or
+    adapters) are one process's. A row of odd length is refused, and so are MLP tiles."""
+    results = in_processes(_sequence_run, lora, tmp_path / "split")
+    whole = _whole(False) if not lora else nest.load(CARD, weights="random", seed=0)
+    if lora:
+        torch.manual_seed(0)
+        whole.add_lora("*_proj.weight", rank=4)
+    with torch.no_grad():
+        odd = whole.loss_packed(_odd_row())[0].item()
+    for seen, loss, _ in results:  # the row's padding cut to an even count of positions: 36
+        assert seen == {"input_layernorm": 18, "self_attn.q_proj": 36, "mlp.down_proj": 36}
+        assert loss == pytest.approx(odd, rel=1e-6)
+    assert results[0][2] == results[1][2]
+    reference = _run(whole, _rows(), 2, save_to=tmp_path / "one")
+    for (loss, norm, learned), (ref_loss, ref_norm, ref_learned) in zip(results[0][2], reference, strict=True):
+        assert learned == ref_learned
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    two, one = (load_file(str(d / name)) for d in (tmp_path / "split" / "final", tmp_path / "one"))
+    assert two.keys() == one.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=3e-4 if not lora else 1e-5, rtol=0, msg=key)
 
 
 def _split_refusals(rank):

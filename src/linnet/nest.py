@@ -45,6 +45,7 @@ def load(
     seed: int = 0,
     attention: str = "auto",
     tensor_parallel: Any = None,
+    sequence_parallel: bool = False,
     pipeline: Any = None,
     pipeline_schedule: str = "1f1b",
     fully_shard: bool = False,
@@ -75,6 +76,8 @@ def load(
     tensor_parallel: a one-dimension DeviceMesh (mesh["split"]) whose processes split every
     block's weights (linnet.torch.sharding.tensor_parallel); each process reads or draws
     every weight whole and keeps its slice, never holding the whole model.
+    sequence_parallel=True (with tensor_parallel): the blocks' norms and the residual
+    stream split by positions between the split's processes too (tensor_parallel(sequence=)).
     pipeline: a one-dimension DeviceMesh (mesh["stages"]): build only this process's stage
     of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
     `pipeline_schedule` "1f1b", "gpipe" or "interleaved": two chunks of blocks a process);
@@ -83,7 +86,8 @@ def load(
     its weights are read or drawn, each process keeping only its part (an NF4 base's codes
     too); for full fine-tuning (trainable=True) or adapters (lora=). With pipeline, each
     stage is sharded over its copies (the processes holding the same stage in the other
-    pipelines).
+    pipelines); with tensor_parallel, each process's part of the split is sharded over the
+    "copies" dimension of the mesh tensor_parallel was taken from (FSDP x TP), once read.
     lora: adapters to add, as add_lora's arguments in a dict (`patterns` and any of rank,
     alpha, dropout, rslora, dora), e.g. dict(patterns="*_proj.weight", rank=16): the same
     model as model.add_lora(...) after loading, drawn from the same global RNG. With
@@ -137,6 +141,7 @@ def load(
         unused = [name for name, value, default in (("device", device, None), ("trainable", trainable, False),
                                                    ("compile", compile, False), ("attention", attention, "auto"),
                                                    ("tensor_parallel", tensor_parallel, None),
+                                                   ("sequence_parallel", sequence_parallel, False),
                                                    ("pipeline", pipeline, None), ("fully_shard", fully_shard, False),
                                                    ("activation_checkpointing", activation_checkpointing, False),
                                                    ("activation_memory_budget", activation_memory_budget, None),
@@ -165,6 +170,7 @@ def load(
         seed=seed,
         attention=attention,
         tensor_parallel=tensor_parallel,
+        sequence_parallel=sequence_parallel,
         pipeline=pipeline,
         pipeline_schedule=pipeline_schedule,
         fully_shard=fully_shard,

@@ -185,7 +185,9 @@ def _cut_assumption(cluster: Cluster) -> str:
         parts.append(f"--split {cluster.split}: each block's q, k, v, gate and up split by output rows, o and down "
                      "by input columns (their adapters alike), and with them its attention heads and MLP "
                      "activations; the head split by vocabulary rows (its loss combines the rows' sums, the "
-                     "logits never gathered); the embedding, the norms and the block inputs whole on each GPU")
+                     "logits never gathered); the embedding whole on each GPU, the norms and the block inputs "
+                     + ("a GPU's share of the positions (--sequence-parallel; each norm's output gathered whole)"
+                        if cluster.sequence_parallel else "whole"))
     if cluster.pipeline > 1 and cluster.pipeline_schedule == "zero-bubble":
         parts.append(f"--pipeline {cluster.pipeline} zero-bubble: the interleaved chunks (stage i holding chunks i and "
                      "i + P of 2P); each backward split into the input's gradient and the weights', the weights' of "
@@ -264,7 +266,8 @@ CONFIG_FIELDS = {"tokens": "training.context_length", "accumulate": "training.ac
                  "activation_checkpointing": "training.activation_checkpointing", "shard": "training.shard",
                  "split": "training.split", "pipeline": "training.pipeline",
                  "pipeline_schedule": "training.pipeline_schedule", "rank": "lora.rank", "targets": "lora.targets",
-                 "mlp_tile": "training.mlp_tile", "context": "training.context"}
+                 "mlp_tile": "training.mlp_tile", "context": "training.context",
+                 "sequence_parallel": "training.sequence_parallel"}
 
 
 class _Flags(dict):
@@ -353,6 +356,8 @@ def parser() -> argparse.ArgumentParser:
     hardware("--split", type=int, metavar="N",
              help="GPUs that split every block between them (tensor parallel, linnet's training.split); the head by "
              f"vocabulary rows, the embedding and norms whole (default {cluster.split})")
+    hardware("--sequence-parallel", action=argparse.BooleanOptionalAction,
+             help="with --split: the blocks' norms share each row's positions among the split's GPUs")
     hardware("--pipeline", type=int, metavar="N",
              help="pipeline stages, each GPU holding consecutive blocks (linnet's training.pipeline); the first the "
              f"embedding, the last the norm and head; --accumulation is the micro-batches (default {cluster.pipeline})")
@@ -431,7 +436,8 @@ def settings_from_config(path: str) -> dict[str, Any]:
     settings.update(card=model.card, micro_batch_size=1, shard=t.shard)  # the planner's none, zero and fsdp are linnet's
     if split * stages > 1:  # one copy, unless --gpus says how many
         settings.update(split=split, pipeline=stages, gpus=split * stages,
-                        pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"))
+                        pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
+                        sequence_parallel=getattr(t, "sequence_parallel", False))
     if getattr(t, "context", 1) > 1:
         settings.update(context=t.context, gpus=t.context)
     lora = config.lora

@@ -34,7 +34,7 @@ from linnet.files.atomic import (
     write_text,
 )
 from linnet.report.metrics import keep_metrics
-from linnet.torch.distributed import barrier, from_first, world
+from linnet.torch.distributed import barrier, data_share, from_first, world
 from linnet.torch.loading import usable_device
 
 # Fields that never change what a fine-tuning run learns: where it runs and what it keeps.
@@ -43,6 +43,15 @@ RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads
                         "training.checkpoint_every", "training.keep", "evaluation.every", "data.path",
                         "data.eval_path", "dpo.reference_cache", "training.activation_checkpointing",
                         "model.activation_memory_budget", "grpo.vllm_gpu_memory_utilization"})
+
+
+# How the processes hold the model: a run's checkpoint loads under any of these (its parts
+# are regathered), so a run may resume on another number of processes or another layout.
+# What a step learns from stays fixed: for sft and distill the rows a step takes, over
+# every copy (training.accumulation x the copies: `rows_per_step`).
+LAYOUT_FIELDS = ("training.shard", "training.split", "training.pipeline", "training.pipeline_schedule",
+                 "training.context", "training.sequence_parallel")
+ROWS_PER_STEP = "training.rows_per_step"
 
 
 # Fields added after runs were saved without them, with the value those runs trained with:
@@ -87,7 +96,10 @@ def _local(value: Any) -> Path | None:
 def recipe(config) -> dict[str, Any]:
     """The flat fields that decide what a run learns, with its data files' fingerprints
     and its model files' (`MODEL_FIELDS`)."""
-    fields = {k: v for k, v in flatten(to_dict(config)).items() if k not in RUN_FIELDS}
+    fields = {k: v for k, v in flatten(to_dict(config)).items() if k not in RUN_FIELDS and k not in LAYOUT_FIELDS}
+    if config.command in ("sft", "distill"):
+        t = config.training
+        fields[ROWS_PER_STEP] = fields.pop("training.accumulation") * data_share(t.per_copy)[1]
     fields["data.fingerprint"] = _data_fingerprint(config.data.path)
     if config.data.eval_path:
         fields["data.eval_fingerprint"] = _data_fingerprint(config.data.eval_path)
@@ -107,9 +119,16 @@ def _data_fingerprint(path: str) -> str:
 
 def _as_saved(saved: dict[str, Any], now: dict[str, Any], config) -> dict[str, Any]:
     """`now` as a run saved before linnet fingerprinted model files compares it: such a
-    run recorded each model field's path, and is compared by that path, as it was."""
+    run recorded each model field's path, and is compared by that path, as it was. One
+    saved before runs could change layout recorded the layout and training.accumulation
+    (its processes unknown): compared by those, as it was."""
     now = dict(now)
     flat = flatten(to_dict(config))
+    if any(name in saved for name in LAYOUT_FIELDS):
+        now.update({name: flat[name] for name in LAYOUT_FIELDS if name in saved})
+        if ROWS_PER_STEP in now and ROWS_PER_STEP not in saved:
+            del now[ROWS_PER_STEP]
+            now["training.accumulation"] = flat["training.accumulation"]
     for name in MODEL_FIELDS:
         if f"{name}.files" in now and f"{name}.files" not in saved and name in saved:
             del now[f"{name}.files"]

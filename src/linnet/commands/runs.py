@@ -133,6 +133,7 @@ def load_model(card, config):
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=mesh["split"] if split > 1 else None,
+                      sequence_parallel=getattr(t, "sequence_parallel", False),
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
                       # GPipe for a step with fewer rows than stages
                       pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
@@ -148,6 +149,7 @@ def load_model(card, config):
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "") + (
+            " with its positions" if model.sequence is not None else "") + (
             f", each row over {context}" if context > 1 else "")
         on = f"{processes} processes ({t.shard}{parts})" if processes > 1 else device
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "

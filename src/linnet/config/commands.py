@@ -155,9 +155,10 @@ class FineTuningConfig:
                            "training.shard=zero to split 8-bit states, LoRA, or optimizer.name=adamw"))
             raise ValueError(f"config: optimizer.name={self.optimizer.name} with {where} is not supported yet; "
                              f"use {fix}")
-        if split > 1 and self.training.shard != "none":
-            raise ValueError(f"config: training.split={split} splits every block itself: use it with "
-                             "training.shard=none")
+        if split > 1 and self.training.shard not in ("none", "fsdp"):
+            raise ValueError(f"config: training.split={split} with training.shard={self.training.shard} is not "
+                             "supported yet; use training.shard=fsdp to shard each part of the split over its "
+                             "copies, or none")
         if split > 1 and self.model.quantize:
             raise ValueError(f"config: model.quantize={self.model.quantize} with training.split={split} is not "
                              "supported yet; an NF4 base splits with training.shard=fsdp")

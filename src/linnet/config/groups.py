@@ -226,11 +226,17 @@ class TrainingConfig:
     shard: Literal["none", "zero", "fsdp"] = option(
         "none", "under torchrun: none (a whole copy a process), zero (optimizer state split across the processes), "
                 "fsdp (weights, gradients and optimizer state split: fully_shard; with training.pipeline, each "
-                "stage's blocks over the processes holding that stage)", only=FINE_TUNING + PRETRAINING)
+                "stage's blocks over the processes holding that stage; with training.split, each process's part "
+                "over the processes holding that part in the other copies)", only=FINE_TUNING + PRETRAINING)
     split: int = option(1, "under torchrun (sft, dpo, reward, grpo, distill: full fine-tuning, LoRA or DoRA): "
                            "processes that split every block between them (tensor parallel) and take the same rows; "
                            "the processes form copies of such splits",
                         only=("sft", "dpo", "reward", "grpo", "distill"))
+    sequence_parallel: bool = option(False, "with training.split: the blocks' norms and the residual stream split "
+                                            "by positions too (sequence parallel: all-gather and reduce-scatter "
+                                            "around each split projection in place of one all-reduce); "
+                                            "training.context_length a multiple of training.split",
+                                     only=("sft", "dpo", "reward", "grpo", "distill"))
     pipeline: int = option(1, "under torchrun (sft, dpo, reward, distill, grpo): stages that hold consecutive "
                               "blocks of one model and pass each step's micro-batches (sft, distill: "
                               "training.accumulation rows; dpo, reward: the step's packed pairs or answers; grpo, "
@@ -274,6 +280,16 @@ class TrainingConfig:
                              f"{2 * self.context}")
         other = next((f"training.{k}={v}" for k, v in (("split", self.split), ("pipeline", self.pipeline),
                                                          ("shard", self.shard)) if v not in (1, "none", "zero")), None)
+        if self.sequence_parallel and (self.split == 1 or self.context_length % self.split):
+            raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
+                             f"training.split to 2 or more, and training.context_length={self.context_length} to a "
+                             f"multiple of it")
+        sequence_with = next((f"training.{k}={v}" for k, v in (("pipeline", self.pipeline), ("shard", self.shard),
+                                                                ("mlp_tile", self.mlp_tile)) if v not in (1, "none", None)),
+                             None)
+        if self.sequence_parallel and sequence_with:
+            raise ValueError(f"config: training.sequence_parallel=true with {sequence_with} is not supported yet; "
+                             "drop one of the two")
         if self.context > 1 and other:
             raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on whole "
                              "copies of the model (shard none or zero) for now; drop one of the two")

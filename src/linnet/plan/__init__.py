@@ -162,6 +162,7 @@ class Cluster:
     with `pipeline_schedule` "interleaved"): split x pipeline GPUs hold one copy of the
     model, and `gpus` counts every copy's. `context` GPUs take the same rows, each a whole
     copy computing 1/context of every row's positions (context parallel: `ring_bytes`).
+    `sequence_parallel`: a split's GPUs also share the blocks' norms' positions.
     """
 
     gpu: Accelerator = ACCELERATORS["h100"]
@@ -171,6 +172,7 @@ class Cluster:
     pipeline: int = 1
     pipeline_schedule: str = "1f1b"
     context: int = 1
+    sequence_parallel: bool = False
     usable: float = 0.9
     precision: str = "bf16"
     mfu: float = 0.35
@@ -191,13 +193,16 @@ class Cluster:
                  "parallel runs on whole copies of the model")
         _require(self.gpus % self.context == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} GPUs take each "
                  f"row; use a multiple of {self.context} GPUs")
+        _require(not self.sequence_parallel or (self.split > 1 and self.pipeline == 1 and self.shard != "fsdp"),
+                 "{sequence_parallel} shares a split's positions: linnet runs it with {split} 2 or more, whole "
+                 "(no {pipeline}, no {shard} fsdp)")
         per_copy = self.split * self.pipeline
         _require(self.gpus % per_copy == 0, f"{{gpus}}={self.gpus}: {{split}} {self.split} x {{pipeline}} {self.pipeline} = "
                  f"{per_copy} GPUs hold one copy of the model; use a multiple of {per_copy} GPUs")
-        _require(per_copy == 1 or self.shard == "none" or (self.split == 1 and self.shard == "fsdp"),
+        _require(per_copy == 1 or self.shard in ("none", "fsdp"),
                  f"{{shard}} {self.shard!r} with {{split}} {self.split} and {{pipeline}} {self.pipeline}: linnet "
-                 "splits whole copies only, and shards pipeline stages with fsdp alone ({shard} none, or fsdp with "
-                 "pipeline stages)")
+                 "shards the parts of a split or pipelined model over their copies with fsdp alone ({shard} none "
+                 "or fsdp)")
         _require(0 < self.usable <= 1, f"{{usable}} must be a fraction in (0, 1] of GPU memory, got {self.usable}")
         _require(0 < self.mfu <= 1, f"{{mfu}} must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
         _require(self.price is None or self.price >= 0, f"{{price}} must be >= 0 dollars per GPU-hour, got {self.price}")
@@ -386,7 +391,10 @@ def estimate(
              f"chunks; use a multiple of {2 * cluster.context}")
     mine = dataclasses.replace(workload, tokens=workload.tokens // cluster.context)  # a GPU's positions of a row
     ring = ring_bytes(card, mine, cluster.context)
-    for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule):
+    _require(not cluster.sequence_parallel or (workload.tokens % cluster.split == 0 and not workload.mlp_tile),
+             "{sequence_parallel}: {tokens} a multiple of {split}, and no {mlp_tile} (linnet refuses it)")
+    for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule,
+                            cluster.sequence_parallel):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),
                                        part) for mode in CHECKPOINTING}
         acts = {mode: dataclasses.replace(a, backward=a.backward + ring) for mode, a in acts.items()}

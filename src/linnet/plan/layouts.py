@@ -23,6 +23,7 @@ micro-batch that more than pays for its traffic.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ class Layout:
     pipeline: int
     context: int
     plan: Any  # linnet.plan.Plan
+    sequence_parallel: bool = False
 
     @property
     def peak(self) -> float:
@@ -55,6 +57,7 @@ class Layout:
         out = [f"shard={self.shard}"] if self.shard != "none" else []
         out += [f"{name}={value}" for name, value in (("split", self.split), ("pipeline", self.pipeline),
                                                       ("context", self.context)) if value > 1]
+        out += ["sequence_parallel=true"] if self.sequence_parallel else []
         return " ".join(f"training.{s}" for s in out) or "whole copies (the defaults)"
 
     @property
@@ -76,13 +79,14 @@ def suggest(card, method, workload, cluster) -> list[Layout]:
     for split in _divisors(n):
         for pipeline in _divisors(n // split):
             for context in _divisors(n // (split * pipeline)):
-                for shard in COST:
+                for shard, sequence in itertools.product(COST, (False, True)):
                     if shard != "none" and n == split * pipeline * context:
                         continue  # one copy: nothing to shard over
                     try:
                         layout = dataclasses.replace(cluster, shard=shard, split=split, pipeline=pipeline,
-                                                     context=context)
-                        found.append(Layout(shard, split, pipeline, context, estimate(card, method, workload, layout)))
+                                                     context=context, sequence_parallel=sequence)
+                        found.append(Layout(shard, split, pipeline, context, estimate(card, method, workload, layout),
+                                            sequence))
                     except (SettingError, ValueError):
                         continue
     return sorted(found, key=lambda layout: layout.cost)

@@ -267,14 +267,16 @@ def state_bytes(params: int, trainable: int, method: Method, shard: str = "none"
 # Activations
 
 
-def _norm_bytes(width: int, c: int, trains: bool) -> int:
+def _norm_bytes(width: int, c: int, trains: bool, sequence: int = 1) -> float:
     """Per token, what one of linnet's RMSNorms keeps: its input in f32 (4·width; in f32
     compute the input itself), 1/rms (4), its output (c·width, the next matmuls' input) and,
-    when its weight trains, the normalised input (c·width) for that weight's gradient."""
-    return 4 * width + 4 + c * width * (1 + trains)
+    when its weight trains, the normalised input (c·width) for that weight's gradient. With
+    sequence parallel over `sequence` GPUs all but the output are a GPU's share of the
+    positions; the output is gathered whole for the matmuls."""
+    return (4 * width + 4 + c * width * trains) / sequence + c * width
 
 
-def block_activation_bytes(card: cards.Card, method: Method, workload: Workload) -> float:
+def block_activation_bytes(card: cards.Card, method: Method, workload: Workload, sequence: int = 1) -> float:
     """Bytes one of linnet's decoder blocks keeps for its backward pass, for s·b tokens.
 
     These are autograd's saved tensors in linnet's eager block (linnet.torch.model), per
@@ -286,13 +288,14 @@ def block_activation_bytes(card: cards.Card, method: Method, workload: Workload)
     x·Aᵀ (c·r) and DoRA also the sum it rescales (c·d_out); Qwen3's qk-norm adds a norm
     per head of q and of k. For Llama 3 8B, bf16 on a GPU, full fine-tuning: 49·d bytes a
     token (0.82 GB at 4,096 tokens). Korthikanti et al. (2022) count 34·d for a GPT block
-    (a 4·d MLP, dropout masks, a bf16 LayerNorm input): not this block.
+    (a 4·d MLP, dropout masks, a bf16 LayerNorm input): not this block. `sequence`: the
+    GPUs a sequence-parallel split shares the norms' positions among.
     """
     c = method.compute_bytes
     a = 4 if workload.device == "cpu" else c
     q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
     trains = not method.adapters
-    per_token = 2 * _norm_bytes(card.hidden, c, trains) + a * (2 * q + 2 * kv) + 4 * card.heads \
+    per_token = 2 * _norm_bytes(card.hidden, c, trains, sequence) + a * (2 * q + 2 * kv) + 4 * card.heads \
         + (c * q if a != c else 0) + (0 if workload.mlp_tile else 4 * c * card.intermediate)
     if method.adapters:
         shapes = _targeted(card, method)
@@ -365,9 +368,10 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     card = part.card
     c, d, tokens = method.compute_bytes, card.hidden, workload.positions
     a = 4 if workload.device == "cpu" else c
-    block = block_activation_bytes(card, method, workload)
+    block = block_activation_bytes(card, method, workload, part.sequence)
     selective = (a * card.heads * card.head_dim + 4 * card.heads) * tokens
-    per_block = {"none": block, "full": c * d * tokens, "selective": c * d * tokens + selective}[workload.activation_checkpointing]
+    kept = c * d * tokens / part.sequence  # a checkpointed block's input: a GPU's share of the positions
+    per_block = {"none": block, "full": kept, "selective": kept + selective}[workload.activation_checkpointing]
     frozen_input = (4 * d + 4) * tokens if method.adapters and workload.activation_checkpointing == "none" else 0
     if part.receives:  # the input needs its gradient, and is the receive buffer
         frozen_input = (c * d if workload.activation_checkpointing != "none" else 4 * d if c == 4 else 0) * tokens

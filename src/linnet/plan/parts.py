@@ -72,7 +72,8 @@ class Part:
     whose backward for the weights waits, on the zero-bubble schedule, each keeping its
     whole graph. A later stage `receives` its input, an earlier one `sends` its output on, each through a buffer a micro-batch of the step (`micro_batches`) that the
     pipeline keeps for the whole run: as many of each as its chunks that do (interleaved,
-    two a stage)."""
+    two a stage). `sequence`: the processes of a sequence-parallel split, among which the
+    blocks' norms share each row's positions (1: none)."""
 
     name: str
     card: cards.Card
@@ -86,6 +87,7 @@ class Part:
     receives: int = 0
     sends: int = 0
     micro_batches: int = 1
+    sequence: int = 1
 
     def params(self) -> int:
         """Parameters held; a tied head counted once."""
@@ -102,10 +104,10 @@ def whole(card: cards.Card) -> Part:
 
 
 def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches: int = 1,
-                schedule: str = "1f1b") -> list[Part]:
+                schedule: str = "1f1b", sequence: bool = False) -> list[Part]:
     """The part each process of one copy holds, stage by stage (the processes of a stage's
-    split hold alike): linnet.torch.sharding.tensor_parallel and linnet.torch.pipeline,
-    as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
+    split hold alike): linnet.torch.sharding.tensor_parallel (`sequence`: sequence
+    parallel) and linnet.torch.pipeline, as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
     interleaved the chunks i and i + P of the 2P chunks [c L / 2P, (c + 1) L / 2P); what it
     keeps in flight is `_in_flight`'s."""
     if split == stages == 1:
@@ -134,7 +136,7 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
                           in_flight=_in_flight(i, stages, micro_batches, len(mine), schedule == "zero-bubble"),
                           chunks=len(mine), awaiting=_awaiting(i, stages, micro_batches, schedule == "zero-bubble"),
                           receives=sum(c > 0 for c in mine), sends=sum(c < chunks - 1 for c in mine),
-                          micro_batches=micro_batches))
+                          micro_batches=micro_batches, sequence=split if sequence else 1))
     return parts
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def world() -> tuple[int, int]:
@@ -217,11 +218,20 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             _reduce_flat(bucket, group)
 
 
+def cuts(place) -> bool:
+    """Whether a DTensor placement splits the tensor along a dimension: a Shard, or the
+    strided shard FSDP places on a tensor-parallel part."""
+    return place.is_shard() or isinstance(place, _StridedShard)
+
+
 def sharded_over(t: torch.Tensor, group) -> bool:
     """Whether `t` is a DTensor split over exactly the processes of `group` (a pipeline
     stage's parameter fully_shard split over its copies), not over a tensor-parallel split."""
-    return (isinstance(t, DTensor) and group is not None and t.device_mesh.ndim == 1
-            and dist.get_process_group_ranks(t.device_mesh.get_group()) == dist.get_process_group_ranks(group))
+    if not isinstance(t, DTensor) or group is None:
+        return False
+    ranks = dist.get_process_group_ranks(group)
+    return any(cuts(place) and dist.get_process_group_ranks(t.device_mesh.get_group(axis)) == ranks
+               for axis, place in enumerate(t.placements))
 
 
 def _reduce_flat(grads: list[torch.Tensor], group) -> None:
@@ -243,14 +253,23 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None,
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads and across is None:
         return torch.zeros(())
-    split = [isinstance(g, DTensor) and any(place.is_shard() for place in g.placements) for g in grads]
-    parts = [g.to_local() for g, s in zip(grads, split) if s]
-    whole = [g.to_local() if isinstance(g, DTensor) else g for g, s in zip(grads, split) if not s]  # replicated: once
+    by_cut: dict[tuple, list] = {}  # the mesh dimensions a gradient is cut along -> (their groups, its parts)
+    whole = []  # replicated ones count once
+    for g in grads:
+        axes = [a for a, place in enumerate(g.placements) if cuts(place)] if isinstance(g, DTensor) else []
+        if not axes:
+            whole.append(g.to_local() if isinstance(g, DTensor) else g)
+            continue
+        names = tuple(g.device_mesh.mesh_dim_names[a] if g.device_mesh.mesh_dim_names else str(a) for a in axes)
+        by_cut.setdefault(names, ([g.device_mesh.get_group(a) for a in axes], []))[1].append(g.to_local())
     squares = _squares(whole, grads[0].device if grads else _device())
-    if parts:
+    for names in sorted(by_cut):  # the same order on every process
+        groups, parts = by_cut[names]
         summed = _squares(parts, squares.device)
-        dist.all_reduce(summed, group=next(g for g, s in zip(grads, split) if s).device_mesh.get_group())
+        for group in groups:  # summed along each dimension in turn: over the whole grid of parts
+            dist.all_reduce(summed, group=group)
         squares = squares + summed
+    parts = [p for _, ps in by_cut.values() for p in ps]
     if across is not None:
         dist.all_reduce(squares, group=across)
     norm = squares.sqrt()

@@ -158,7 +158,7 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
 
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
-          pipeline=None, pipeline_schedule: str = "1f1b", fully_shard: bool = False,
+          sequence_parallel: bool = False, pipeline=None, pipeline_schedule: str = "1f1b", fully_shard: bool = False,
           activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
           quantize: str | None = None, numerics: str | None = None, lora: dict | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
@@ -172,9 +172,12 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
-    if fully_shard and (not (trainable is True or lora) or tensor_parallel is not None):
+    if sequence_parallel and (tensor_parallel is None or fully_shard or pipeline is not None):
+        raise ValueError("nest.load(sequence_parallel=True) splits the positions of a model split by "
+                         "tensor_parallel=, whole (not fully_shard or pipeline, yet)")
+    if fully_shard and not (trainable is True or lora):
         raise ValueError("nest.load(fully_shard=True) shards a model that trains (trainable=True, or adapters "
-                         "through lora=), whole or cut into pipeline stages, not split")
+                         "through lora=)")
     device = usable_device(device or "cpu")
     dtype = compute_dtype(dtype, device, card)
     # reject a bad path before any work (flex has no backward on a CPU: refused for a model that trains)
@@ -197,7 +200,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         nf4_layout(model)
     # adapters placed on the whole model before a cut or fully_shard (which wants them first), drawn
     # once the weights are in; a tensor-parallel split adds its own after, split as its weights are
-    placed = lora and (fully_shard or (pipeline is not None and tensor_parallel is None))
+    placed = lora and (fully_shard or pipeline is not None) and tensor_parallel is None
     if placed:
         add_lora(model, **lora)
     copies = None
@@ -208,10 +211,11 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if tensor_parallel is not None:
         from linnet.torch.sharding import tensor_parallel as split
 
-        split(model, tensor_parallel)
-    if fully_shard and pipeline is not None:  # each stage over its copies
+        split(model, tensor_parallel, sequence=sequence_parallel)
+    # a split model's parts are sharded over their copies once filled and adapted (below)
+    if fully_shard and pipeline is not None and tensor_parallel is None:  # each stage over its copies
         stages.shard_stage(model, copies, device.type)
-    elif fully_shard:  # a tied head is the embedding's own parameter: one part
+    elif fully_shard and tensor_parallel is None:  # a tied head is the embedding's own parameter: one part
         from linnet.torch.sharding import fully_shard as shard
 
         also = None
@@ -222,12 +226,19 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         values = read_weights(whole, weights_directory(card) if weights is None else weights, strict=True)
     _fill(model, values, device, also)
     model.inv_freq = rope_frequencies(card).to(device)
-    if pipeline is not None:
-        stages.staged(model, pipeline, pipeline_schedule, copies)
     if placed:
         draw_adapters(model, device)
     elif lora:  # whole, or split by tensor_parallel (A drawn whole, then split)
         add_lora(model, **lora)
+    if fully_shard and tensor_parallel is not None and pipeline is not None:  # 3-D: a stage's part over its copies
+        stages.shard_stage(model, copies, device.type, tensor_parallel)
+    elif fully_shard and tensor_parallel is not None:  # 2-D: each process's part of the split over its copies
+        from linnet.torch.sharding import copies_mesh
+        from linnet.torch.sharding import fully_shard as shard
+
+        shard(model, mesh=copies_mesh(tensor_parallel))
+    if pipeline is not None:
+        stages.staged(model, pipeline, pipeline_schedule, copies)
     model.checkpoint_activations(activation_checkpointing)
     if activation_memory_budget is not None:
         if compile not in (True, "inductor"):

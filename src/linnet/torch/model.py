@@ -42,7 +42,7 @@ from linnet.torch.context import context_row, gather_row, sum_gradients_over, su
 from linnet.torch.distributed import sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
-from linnet.torch.sharding import copies_group, dropout, full
+from linnet.torch.sharding import copies_group, dropout, full, gather_positions, scatter_positions
 
 
 class Linear(nn.Linear):
@@ -267,6 +267,7 @@ class Decoder(nn.Module):
         self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
         self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
         self.context = None  # with split_context: the process group each row's positions are split over
+        self.sequence = None  # with tensor_parallel(sequence=True): the split's mesh, which splits positions between
         self.model = Body(card)
         if not card.tied_embeddings:
             self.lm_head = Linear(card.hidden, card.vocab, bias=False)
@@ -285,7 +286,8 @@ class Decoder(nn.Module):
     def shares_prompts(self) -> bool:
         """Whether this model's attention path takes rows whose completions share their
         prompt (`Packed.prefix`; linnet.packing.pack_prompted)."""
-        return self.context is None and attention_paths.shares_prompts(self.attention, self.device)
+        return (self.context is None and self.sequence is None
+                and attention_paths.shares_prompts(self.attention, self.device))
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -320,16 +322,19 @@ class Decoder(nn.Module):
         recompute = self.checkpointing is not None and torch.is_grad_enabled()
         blocks = self.model.layers if blocks is None else blocks
         last = len(blocks) - 1
-        x = x_PD
+        x = x_PD if self.sequence is None else scatter_positions(x_PD, self.sequence)
+        whole = self.compiled or self.sequence is not None  # every position through the last block
         for i, block in enumerate(blocks):
             # compiled blocks want one row length: they run whole, the positions taken after
-            subset = keep if i == last and not self.compiled else None
+            subset = keep if i == last and not whole else None
             if recompute:  # keep the block's input, compute the rest again in backward
                 x = checkpoint(block, x, cos, sin, bounds, attend, subset, use_reentrant=False,
                                context_fn=_KEEP[self.checkpointing])
             else:
                 x = block(x, cos, sin, bounds, attend, subset)
-        if keep is not None and self.compiled:
+        if self.sequence is not None:
+            x = gather_positions(x, self.sequence)
+        if keep is not None and whole:
             x = x[keep]
         return x
 
@@ -357,6 +362,8 @@ class Decoder(nn.Module):
             tokens, positions, targets, weights = (tensor(np.asarray(x)[mine]) for x in fields)
             return tokens, positions, _Layout(bounds, None, attend), targets, weights
         real = int(getattr(batch, "real", bounds[-1]))
+        if self.sequence is not None:  # the positions split into equal shares: whole rows of such a length, or
+            real = self._sequence_length(bounds, real)  # their padding cut to the next multiple of the split
         if real < bounds[-1] and real in bounds and not self.compiled:
             # the trailing padding is a document of its own that every layer would compute
             # (a P² causal attention included); eager code needs no fixed row length, and
@@ -366,6 +373,19 @@ class Decoder(nn.Module):
             prefix = None if prefix is None else prefix[: len(bounds) - 1]
         tokens, positions, targets, weights = (tensor(x) for x in fields)
         return tokens, positions, _Layout(bounds, prefix), targets, weights
+
+    def _sequence_length(self, bounds: list[int], real: int) -> int:
+        """How many positions of a row a sequence-parallel split computes (its real ones,
+        padded to a multiple of the split); `bounds` gains that length as a document end."""
+        size, length = self.sequence.size(), bounds[-1]
+        if length % size:
+            raise ValueError(f"sequence parallel: a row of {length} positions does not split into {size} equal "
+                             f"shares; pack rows of a multiple of {size} (training.context_length)")
+        if real < length and real in bounds:
+            real = -(-real // size) * size
+            if real not in bounds:
+                bounds.insert(next(i for i, b in enumerate(bounds) if b > real), real)
+        return real
 
     def _padded(self, x, batch):
         """x with its first dimension padded with zeros back to the row's length."""
@@ -509,6 +529,9 @@ class Decoder(nn.Module):
         the order of the weight gradients' sums."""
         if positions is not None and not (isinstance(positions, int) and positions >= 1):
             raise ValueError(f"tile_mlp: positions={positions!r}; use a positive number of positions or None")
+        if positions is not None and self.sequence is not None:
+            raise ValueError("tile_mlp: this model splits its positions (sequence parallel), whose MLP sums its "
+                             "outputs over the split a row at a time; tile one or the other")
         for module in self.modules():
             if isinstance(module, MLP):
                 module.tile = positions

@@ -82,7 +82,8 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None, 
     (mesh["split"] of a ("copies", "stages", "split") mesh) whose processes then split the
     stage's blocks and head as `nest.load(..., tensor_parallel=)` does. fully_shard=True:
     shard each stage over its copies (the processes holding the same stage in the other
-    pipelines; FSDP, `linnet.torch.fully_shard`: a unit a block, and one for the embedding,
+    pipelines, or each process's part of a split stage over the processes holding it in the
+    other copies; FSDP, `linnet.torch.fully_shard`: a unit a block, and one for the embedding,
     final norm and head). Adapters go on before (after, with tensor_parallel). Call before
     building the optimizer; returns the model. `nest.load(card, pipeline=mesh["stages"])`
     builds the stage alone instead, never holding the other stages' weights."""
@@ -94,7 +95,7 @@ def pipeline(model, mesh=None, *, schedule: str = "1f1b", tensor_parallel=None, 
         split(model, tensor_parallel)
     copies = stage_copies(mesh, tensor_parallel)
     if fully_shard:
-        shard_stage(model, copies, model.device.type)
+        shard_stage(model, copies, model.device.type, tensor_parallel)
     return staged(model, mesh, schedule, copies)
 
 
@@ -102,9 +103,6 @@ def check(model, mesh, schedule: str, tensor_parallel, fully_shard: bool = False
     """Refuse what `pipeline` cannot do; the stages' mesh (every process's, by default)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline: schedule={schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if fully_shard and tensor_parallel is not None:
-        raise ValueError("pipeline: fully_shard with tensor_parallel is not supported yet; shard the stages or "
-                         "split them")
     if fully_shard and schedule == "zero-bubble":
         raise ValueError("pipeline: schedule='zero-bubble' with fully_shard is not supported yet (FSDP reshards a "
                          "block after its forward and reduces its gradients when its backward ends, so the weights' "
@@ -166,16 +164,19 @@ def stage_copies(mesh, tensor_parallel):
     return copies_group(mesh, *(() if tensor_parallel is None else (tensor_parallel,)))
 
 
-def shard_stage(model, copies, device_type: str) -> None:
+def shard_stage(model, copies, device_type: str, tensor_parallel=None) -> None:
     """Shard the cut `model` over `copies` (its stage's processes in the other pipelines):
     each block a unit, and the root (its embedding, final norm and head) one that
-    `stage_pass`, the method every pass of the stage runs through, gathers as a forward."""
+    `stage_pass`, the method every pass of the stage runs through, gathers as a forward. A
+    split stage's parts over the copies dimension of the split's own mesh (FSDP wants both
+    from one mesh)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from linnet.torch.sharding import fully_shard
+    from linnet.torch.sharding import copies_mesh, fully_shard
 
-    fully_shard(model, mesh=DeviceMesh.from_group(copies, device_type, mesh_dim_names=("copies",)),
-                entries=("stage_pass",))
+    mesh = (DeviceMesh.from_group(copies, device_type, mesh_dim_names=("copies",)) if tensor_parallel is None
+            else copies_mesh(tensor_parallel))
+    fully_shard(model, mesh=mesh, entries=("stage_pass",))
 
 
 def _stage_pass(model, run, *args):

@@ -46,7 +46,7 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, entries
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("fully_shard needs a process group: run under torchrun and call "
                            "linnet.torch.distributed.join() (or torch.distributed.init_process_group) first")
-    if is_sharded(model):
+    if isinstance(model, FSDPModule):
         raise ValueError("fully_shard: this model is sharded already")
     adapters = {p for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
     options = dict(mesh=mesh, ignored_params=adapters or None,
@@ -68,6 +68,17 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, entries
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
     return model
+
+
+def copies_mesh(split):
+    """The mesh of the processes holding this process's part of a split model in the other
+    copies: the "copies" dimension of the mesh `split` (mesh["split"]) was taken from, as
+    FSDP wants the two from one mesh."""
+    root = split._get_root_mesh()
+    if "copies" not in (root.mesh_dim_names or ()):
+        raise ValueError("fully_shard with tensor_parallel: take the split's mesh from one mesh with a 'copies' "
+                         "dimension, e.g. init_device_mesh(..., mesh_dim_names=('copies', 'split'))['split']")
+    return root["copies"]
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -100,7 +111,7 @@ def dropout(x: torch.Tensor, p: float) -> torch.Tensor:
     return DTensor.from_local(x.to_local() * keep, x.device_mesh, x.placements, run_check=False)
 
 
-def tensor_parallel(model, mesh):
+def tensor_parallel(model, mesh, *, sequence: bool = False):
     """Split every block's projections across the processes of `mesh` (a one-dimension
     DeviceMesh, e.g. mesh["split"] of a ("copies", "split") mesh): q, k, v, gate and up by
     output rows, o and down by input columns (PyTorch's ColwiseParallel / RowwiseParallel),
@@ -112,8 +123,22 @@ def tensor_parallel(model, mesh):
     processes (linnet.torch.losses.split_cross_entropy), never the logits. The embedding
     and norms stay whole. The processes of a split take the same batches; `model.copies`
     is then the group of processes holding the same part in other copies, across which
-    `train` sums gradients and counts."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    `train` sums gradients and counts.
+
+    sequence=True (sequence parallel): between the split projections each process holds
+    its share of the row's positions, whole, and runs the blocks' norms on those; the
+    positions are gathered before q, k, v and the MLP, and the output projections'
+    partial sums are summed and scattered at once (all-gather and reduce-scatter in place
+    of one all-reduce), so the norms' and the residual stream's activations are split too.
+    A row's length must then divide by the split's size."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     size = mesh.size()
     c = model.card
@@ -127,6 +152,13 @@ def tensor_parallel(model, mesh):
     plan = {f"self_attn.{n}_proj": ColwiseParallel() for n in ("q", "k", "v")}
     plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
                  "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    if sequence:  # Attention.forward's other five arguments are not tensors to place
+        gather = {"self_attn": (Shard(0), None, None, None, None, None), "mlp": (Shard(0),)}
+        plan.update({name: PrepareModuleInput(input_layouts=ins, desired_input_layouts=(Replicate(), *ins[1:]),
+                                              use_local_output=True) for name, ins in gather.items()})
+        plan.update({n: SequenceParallel(sequence_dim=0, use_local_output=True)
+                     for n in ("input_layernorm", "post_attention_layernorm")})
+        plan.update({n: RowwiseParallel(output_layouts=Shard(0)) for n in ("self_attn.o_proj", "mlp.down_proj")})
     for block in model.model.layers:
         parallelize_module(block, mesh, plan)
         heads, kv_heads, d = block.self_attn.shape
@@ -140,7 +172,25 @@ def tensor_parallel(model, mesh):
         model.lm_head.weight = torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)]),
                                                   requires_grad=weight.requires_grad)
     model.copies = copies_group(mesh)
+    model.sequence = mesh if sequence else None
     return model
+
+
+def scatter_positions(x: torch.Tensor, mesh) -> torch.Tensor:
+    """This process's equal share of x's positions (its first dimension), whole on every
+    process of a sequence-parallel split; the shares' gradients are gathered in backward."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
+
+
+def gather_positions(x: torch.Tensor, mesh) -> torch.Tensor:
+    """Every process's share of the positions, joined: `scatter_positions` undone. Each
+    process's gradient for the whole must already be the whole's (the split head sums its
+    parts' in `split_input`): backward keeps this process's share of it."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 class _SplitSum(torch.autograd.Function):
