@@ -126,12 +126,12 @@ def test_a_context_parallel_decoder_gives_the_rows_results_and_gradients(process
             np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=1e-5, rtol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("shard", ["none", "zero"])
+@pytest.mark.parametrize("shard", ["none", "zero", "fsdp"])
 def test_linnet_sft_with_context_2_in_4_processes_takes_one_process_steps(tmp_path, shard):
     """`linnet sft` with training.context=2 in 4 processes (two copies, each row split over
-    two of them; the optimizer's states whole or split over all four) takes the steps of
-    one process with twice the rows: the same losses, held-out losses and final weights,
-    written once."""
+    two of them; the optimizer's states whole or split over all four, or every state
+    sharded over all four: CP x FSDP) takes the steps of one process with twice the rows:
+    the same losses, held-out losses and final weights, written once."""
     import json
 
     from safetensors.torch import load_file
@@ -163,6 +163,6 @@ def test_context_settings_are_checked_before_anything_runs():
 
     with pytest.raises(ValueError, match="does not cut into 8 equal chunks"):
         load(SFTConfig, None, ["training.context=4", "training.context_length=100"])
-    for other in ("training.split=2", "training.pipeline=2", "training.shard=fsdp"):
+    for other in ("training.split=2", "training.pipeline=2"):
         with pytest.raises(ValueError, match=f"training.context=2 with {other}: .*drop one"):
             load(SFTConfig, None, ["training.context=2", other])

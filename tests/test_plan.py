@@ -974,7 +974,8 @@ def test_the_textbook_plan_prints_every_figure_of_the_modules_table(capsys):
 def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers():
     """Each of `context` GPUs holds the activations of tokens / context positions, plus
     the ring's tile of scores and its neighbour's keys and values in backward; the
-    states are a whole copy's; the tile is linnet.torch.context's."""
+    states are a whole copy's, or with fsdp a quarter of it (CP x FSDP: sharded over every
+    GPU); the tile is linnet.torch.context's."""
     from linnet.torch import context
 
     assert plan.RING_SCORE_BYTES == context.SCORE_BYTES
@@ -984,12 +985,16 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     ring = plan.estimate(card, method, work, Cluster(gpus=4, context=4))
     quarter = activation_bytes(card, method, Workload(tokens=8192, chunked_loss=True))
     assert ring.states == whole.states and ring.activations.kept == quarter.kept
+    sharded = plan.estimate(card, method, work, Cluster(gpus=4, context=4, shard="fsdp"))
+    for a, b in zip(dataclasses.astuple(sharded.states), dataclasses.astuple(whole.states), strict=True):
+        assert a == pytest.approx(b / 4)
+    assert sharded.activations.kept == quarter.kept
     kv, q = card.kv_heads * card.head_dim, card.heads * card.head_dim
     added = 4 * plan.RING_SCORE_BYTES + 32 * kv * 8192 + 8 * q * 8192
     assert plan.ring_bytes(card, Workload(tokens=8192), 4) == added
     assert ring.activations.backward == quarter.backward + added
     assert plan.ring_bytes(card, work, 1) == 0
-    for bad, message in [(dict(gpus=4, context=4, split=2), "whole copies"), (dict(gpus=3, context=2), "multiple of 2")]:
+    for bad, message in [(dict(gpus=4, context=4, split=2), "whole or sharded"), (dict(gpus=3, context=2), "multiple of 2")]:
         with pytest.raises(ValueError, match=message):
             plan.estimate(card, method, work, Cluster(**bad))
     with pytest.raises(ValueError, match="multiple of 8"):
@@ -1011,7 +1016,8 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     assert layouts[0].settings == "training.shard=zero" and not layouts[-1].fits
     kinds = {(x.shard, x.split, x.pipeline, x.context) for x in layouts}
     assert ("none", 1, 1, 1) in kinds and ("zero", 1, 1, 2) in kinds and ("fsdp", 1, 4, 1) in kinds
-    assert ("none", 2, 4, 1) in kinds and not any(x[3] > 1 and (x[1] > 1 or x[2] > 1 or x[0] == "fsdp") for x in kinds)
+    assert ("none", 2, 4, 1) in kinds and ("fsdp", 2, 2, 1) in kinds and ("fsdp", 1, 1, 4) in kinds
+    assert not any(x[3] > 1 and (x[1] > 1 or x[2] > 1) for x in kinds)
     assert {x.settings for x in layouts} >= {"whole copies (the defaults)", "training.shard=zero training.context=2"}
     for x in layouts:  # what it says to set is a config linnet takes
         TrainingConfig(context_length=32768, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context)

@@ -85,7 +85,7 @@ def _dpo_process(rank, overrides):
 
 
 @pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline", "pipeline-fsdp", "split-fsdp", "sequence",
-                                   "context"])
+                                   "context", "context-fsdp"])
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
     pairs), or with training.split=2 both split one model and take all of them, or with
@@ -94,12 +94,14 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     the pairs, each stage sharded over its copies), or with training.context=2 both take
     every row, each half its positions, or with training.split=2 and training.shard=fsdp, four
     processes: two copies of the split, each process's part sharded over the copies, or with
-    training.sequence_parallel too, the split's norms on half of each row's positions: the
-    same steps and held-out metrics as one process."""
+    training.sequence_parallel too, the split's norms on half of each row's positions, or
+    with training.context=2 and training.shard=fsdp, four processes: two copies of a context
+    pair, every state sharded over all four: the same steps and held-out metrics as one
+    process."""
     from tests.conftest import in_processes
 
     mode = [f"training.{shard}=2"] if shard in ("split", "pipeline", "context") else [f"training.shard={shard}"]
-    if shard in ("pipeline-fsdp", "split-fsdp"):
+    if shard.endswith("-fsdp"):
         mode = [f"training.{shard.split('-')[0]}=2", "training.shard=fsdp"]
     if shard == "sequence":
         mode = ["training.split=2", "training.sequence_parallel=true"]

@@ -278,8 +278,8 @@ class TrainingConfig:
             raise ValueError(f"config: training.context_length={self.context_length} does not cut into "
                              f"{2 * self.context} equal chunks (2 x training.context); use a multiple of "
                              f"{2 * self.context}")
-        other = next((f"training.{k}={v}" for k, v in (("split", self.split), ("pipeline", self.pipeline),
-                                                         ("shard", self.shard)) if v not in (1, "none", "zero")), None)
+        other = next((f"training.{k}={v}" for k, v in (("split", self.split), ("pipeline", self.pipeline)) if v > 1),
+                     None)
         if self.sequence_parallel and (self.split == 1 or self.context_length % self.split):
             raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
                              f"training.split to 2 or more, and training.context_length={self.context_length} to a "
@@ -291,8 +291,8 @@ class TrainingConfig:
             raise ValueError(f"config: training.sequence_parallel=true with {sequence_with} is not supported yet; "
                              "drop one of the two")
         if self.context > 1 and other:
-            raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on whole "
-                             "copies of the model (shard none or zero) for now; drop one of the two")
+            raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on copies "
+                             "of the model, whole or sharded (shard none, zero or fsdp), for now; drop one of the two")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):

@@ -188,9 +188,9 @@ class Cluster:
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         _require(self.context >= 1, f"{{context}} must be a positive number of GPUs, got {self.context}")
-        _require(self.context == 1 or (self.split == self.pipeline == 1 and self.shard != "fsdp"),
-                 f"{{context}} {self.context} with {{split}}, {{pipeline}} or {{shard}} fsdp: linnet's context "
-                 "parallel runs on whole copies of the model")
+        _require(self.context == 1 or self.split == self.pipeline == 1,
+                 f"{{context}} {self.context} with {{split}} or {{pipeline}}: linnet's context parallel runs on "
+                 "copies of the model, whole or sharded")
         _require(self.gpus % self.context == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} GPUs take each "
                  f"row; use a multiple of {self.context} GPUs")
         _require(not self.sequence_parallel or (self.split > 1 and self.pipeline == 1 and self.shard != "fsdp"),

@@ -25,6 +25,7 @@ import math
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.memory.RING_SCORE_BYTES)
 
@@ -213,14 +214,15 @@ def gather_row(x: torch.Tensor, length: int, group) -> torch.Tensor:
 
 def sum_gradients_over(model, group) -> None:
     """Every trained parameter's gradient summed over `group` as backward makes it, before
-    it accumulates: each process's is its own positions' part."""
+    it accumulates: each process's is its own positions' part. Parameters sharded by
+    fully_shard over every process are left to it: it sums over the group with the rest."""
     def summed(grad):
         grad = grad.clone()
         dist.all_reduce(grad, group=group)
         return grad
 
     for p in model.parameters():
-        if p.requires_grad:
+        if p.requires_grad and not isinstance(p, DTensor):
             p.register_hook(summed)
 
 

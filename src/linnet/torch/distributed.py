@@ -185,8 +185,8 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     process has already divided by the global count of learned positions, so the sum is
     the mean over every token of the step. A parameter without a gradient counts as zero.
     Without `group`, over every process, skipping sharded parameters (fully_shard has
-    reduced them already); with it (a split or pipelined model's copies), over the group,
-    skipping those fully_shard split over the group itself (a pipeline's sharded stages),
+    reduced them already); with it (a split, pipelined or context-parallel model's copies),
+    over the group, skipping those fully_shard split over processes that include it,
     each process summing its own part of a split parameter (a whole adapter's partial
     sums joined across its split first); no sum when the group is this process alone."""
     if world()[1] == 1:
@@ -194,7 +194,7 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     alone = group is not None and dist.get_world_size(group) == 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
-        if isinstance(p, DTensor) and (group is None or sharded_over(p, group)):
+        if isinstance(p, DTensor) and (group is None or _reduced_by_shards(p, group)):
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -216,6 +216,15 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             bucket.append(g)
         if bucket:
             _reduce_flat(bucket, group)
+
+
+def _reduced_by_shards(t: DTensor, group) -> bool:
+    """Whether fully_shard has summed `t`'s gradient over `group` already: `t` is cut along
+    a dimension whose processes include all of the group's (the copies of a sharded stage
+    or split part, or every process, context groups included)."""
+    ranks = set(dist.get_process_group_ranks(group))
+    return any(cuts(place) and ranks <= set(dist.get_process_group_ranks(t.device_mesh.get_group(axis)))
+               for axis, place in enumerate(t.placements))
 
 
 def cuts(place) -> bool:

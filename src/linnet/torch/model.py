@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -267,6 +268,7 @@ class Decoder(nn.Module):
         self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
         self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
         self.context = None  # with split_context: the process group each row's positions are split over
+        self.split = None  # with tensor_parallel: the mesh of the processes splitting every block
         self.sequence = None  # with tensor_parallel(sequence=True): the split's mesh, which splits positions between
         self.model = Body(card)
         if not card.tied_embeddings:
@@ -512,11 +514,17 @@ class Decoder(nn.Module):
         rows' results on every process (loss and count summed, log-probabilities and
         hidden states gathered), and each trained parameter's gradient is summed over the
         mesh as backward makes it: add adapters and choose what trains first. `copies`
-        becomes the processes at this place in every copy, as for tensor_parallel."""
-        if self.pipe is not None or self.copies is not None or self.compiled or any(
-                isinstance(p, DTensor) for p in self.parameters()):
-            raise ValueError("split_context: the model is pipelined, split, sharded or compiled; context parallel "
-                             "runs on whole, eager copies for now")
+        becomes the processes at this place in every copy, as for tensor_parallel. A model
+        fully_shard sharded over every process (each context group's included) sums its
+        parts' gradients there."""
+        if self.pipe is not None or self.copies is not None or self.compiled:
+            raise ValueError("split_context: the model is pipelined, split or compiled; context parallel runs on "
+                             "eager copies, whole or sharded over every process, for now")
+        group = set(dist.get_process_group_ranks(mesh.get_group()))
+        if any(isinstance(p, DTensor) and not group <= set(dist.get_process_group_ranks(p.device_mesh.get_group()))
+               for p in self.parameters()):
+            raise ValueError("split_context: the model is sharded over processes that leave out some of the "
+                             "context group; shard it over every process (fully_shard's default mesh)")
         self.context = mesh.get_group()
         self.copies = copies_group(mesh)
         sum_gradients_over(self, self.context)

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from linnet.files.adapters import ADAPTER_SUFFIXES
-from linnet.torch.distributed import sharded_over
 
 # The methods trainers call in place of forward: each gathers the root unit's parameters.
 ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
@@ -172,6 +171,7 @@ def tensor_parallel(model, mesh, *, sequence: bool = False):
         model.lm_head.weight = torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)]),
                                                   requires_grad=weight.requires_grad)
     model.copies = copies_group(mesh)
+    model.split = mesh
     model.sequence = mesh if sequence else None
     return model
 
@@ -251,11 +251,8 @@ def copies_group(*meshes):
 
 def split_mesh(model):
     """The mesh over which tensor_parallel split `model`'s blocks, None when it is not
-    split (a pipeline's stages sharded over their copies are not a split: each copy takes
-    its own rows)."""
-    copies = getattr(model, "copies", None)
-    return next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and not sharded_over(p, copies)),
-                None)
+    split (parts sharded by fully_shard are not a split: each copy takes its own rows)."""
+    return getattr(model, "split", None)
 
 
 def copy_first(model, compute):
