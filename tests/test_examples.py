@@ -50,6 +50,14 @@ def test_grpo_example(tmp_path):
     assert "mean reward" in out and (tmp_path / "grpo" / "adapter_config.json").is_file()
 
 
+def test_context_extension_example(tmp_path):
+    """A raised RoPE base and a few steps on long documents: held-out loss on them falls, and
+    transformers gives the saved model's logits (the script checks them to 1e-4)."""
+    out = _run("14_context_extension.py", "--short-steps", "100", "--long-steps", "20", "--out", str(tmp_path))
+    before, after = map(float, re.search(r"1024 positions ([\d.]+) -> ([\d.]+)", out).groups())
+    assert after < before - 0.5 and "transformers' logits at 1024 positions" in out
+
+
 def test_tool_use_example():
     out = _run("13_tool_use.py", "--sft-steps", "2", "--steps", "1", "--held-out", "4", "--code")
     assert "held-out accuracy with the calculator" in out and "GRPO steps" in out
