@@ -30,12 +30,12 @@ def _inputs():
     return [torch.randn(n, P, D, generator=g) for n in (H, K, K)] + [torch.randn(H, P, D, generator=g)]
 
 
-def _ring_rank(rank, processes):
+def _ring_rank(rank, processes, bounds):
     import torch.distributed as dist
 
     q, k, v, weight = _inputs()
     mine = torch.as_tensor(shard_positions(P, processes, rank))
-    document = torch.as_tensor(documents_of(P, BOUNDS))
+    document = torch.as_tensor(documents_of(P, bounds))
     local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*local, mine, document[mine], dist.group.WORLD)
     (out * weight[:, mine]).sum().backward()
@@ -51,17 +51,24 @@ def test_shards_cover_the_row_once_with_equal_causal_work():
         shard_positions(60, 4, 0)
 
 
-@pytest.mark.parametrize("processes, score_bytes", [(2, None), (4, None), (2, 400)])
-def test_ring_attention_equals_the_whole_rows_attention_and_its_gradients(processes, score_bytes, monkeypatch):
-    """2 and 4 processes, each block of scores whole, or a few queries at a time (400
-    bytes of scores: 1 or 2 queries a tile), against the whole row in float64."""
+@pytest.mark.parametrize("processes, score_bytes, fused, bounds", [
+    (2, None, True, BOUNDS), (4, None, True, BOUNDS), (2, 400, True, BOUNDS), (2, None, False, BOUNDS),
+    (4, 400, False, BOUNDS), (2, None, True, [0, P]), (4, None, True, [0, P])])
+def test_ring_attention_equals_the_whole_rows_attention_and_its_gradients(processes, score_bytes, fused, bounds,
+                                                                          monkeypatch):
+    """2 and 4 processes, each block whole, or a few queries at a time (a mask or scores of
+    400 bytes), through the CPU's fused kernel or float32 scores (what other devices run),
+    four documents in the row or one (whose chunks need no mask: the kernel's causal and
+    unmasked calls), against the whole row in float64."""
     if score_bytes is not None:
         monkeypatch.setattr(context, "SCORE_BYTES", score_bytes)  # the forked processes inherit it
+    if not fused:
+        monkeypatch.setattr(context, "FUSED_DEVICES", ())
     q, k, v, weight = _inputs()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = _whole(*whole, documents_of(P, BOUNDS))
+    out = _whole(*whole, documents_of(P, bounds))
     (out * weight).sum().backward()
-    for mine, ring_out, grads in in_processes(_ring_rank, processes, processes=processes):
+    for mine, ring_out, grads in in_processes(_ring_rank, processes, bounds, processes=processes):
         np.testing.assert_allclose(ring_out, out.detach().numpy()[:, mine], atol=1e-5, rtol=0)
         for got, t in zip(grads, whole, strict=True):
             np.testing.assert_allclose(got, t.grad.numpy()[:, mine], atol=1e-5, rtol=0)

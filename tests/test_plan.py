@@ -992,6 +992,8 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     kv, q = card.kv_heads * card.head_dim, card.heads * card.head_dim
     added = 4 * plan.RING_SCORE_BYTES + 32 * kv * 8192 + 8 * q * 8192
     assert plan.ring_bytes(card, Workload(tokens=8192), 4) == added
+    fused = plan.RING_SCORE_BYTES + 32 * kv * 8192 + 16 * q * 8192  # a CPU's: a tile's mask, no scores
+    assert plan.ring_bytes(card, Workload(tokens=8192, device="cpu"), 4) == fused
     assert ring.activations.backward == quarter.backward + added
     assert plan.ring_bytes(card, work, 1) == 0
     for bad, message in [(dict(gpus=4, context=4, split=2), "whole or sharded"), (dict(gpus=3, context=2), "multiple of 2")]:

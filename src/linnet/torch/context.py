@@ -13,9 +13,13 @@ comes back with the gradients of its keys and values summed over every process's
 and ends where it started. PyTorch's own `context_parallel` has no CPU rule, so this is
 written on torch.distributed's point-to-point calls (any backend: gloo, NCCL).
 
-Each block is computed in float32 with an explicit mask, a tile of queries at a time
-(about SCORE_BYTES of scores), so a process never holds more than one tile's scores
-beside its share of the row.
+On a CPU each block goes through PyTorch's fused flash-attention kernel, which takes the
+documents' mask and returns each query's log-sum-exp (and its backward, given the whole
+output and log-sum-exp, each block's share of the gradients); elsewhere a block's scores
+are computed in float32 with an explicit mask. Either way a tile of queries at a time, its
+mask or scores about SCORE_BYTES, and a tile that sees none of a block is skipped; on a
+CPU a chunk of one document needs no mask against an earlier chunk's keys of that
+document, nor (causal) against itself.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.memory.RING_SCORE_BYTES)
+# where PyTorch's fused attention kernel takes an arbitrary mask and returns the log-sum-exp
+# the ring merges by (its flash kernel for CPUs); elsewhere each block's scores in float32
+FUSED_DEVICES = ("cpu",)
 
 
 def shard_positions(length: int, ranks: int, rank: int) -> np.ndarray:
@@ -64,17 +71,44 @@ def _visible(q_index, q_doc, k_index, k_doc) -> torch.Tensor:
     return (q_doc[:, None] == k_doc[None, :]) & (k_index[None, :] <= q_index[:, None])
 
 
-def _tiles(q, keys: int) -> list[slice]:
-    """Slices of the queries whose [heads, rows, keys] float32 scores hold about SCORE_BYTES."""
-    rows = max(1, SCORE_BYTES // (4 * q.shape[0] * keys))
-    return [slice(i, min(i + rows, q.shape[1])) for i in range(0, q.shape[1], rows)]
+def _runs(index: torch.Tensor) -> list[slice]:
+    """The runs of consecutive row positions in `index` (a process's two chunks)."""
+    breaks = (torch.nonzero(index[1:] != index[:-1] + 1).flatten() + 1).tolist()
+    edges = [0, *breaks, len(index)]
+    return [slice(a, b) for a, b in zip(edges, edges[1:], strict=False)]
 
 
-def _scores(q, k, visible, scale: float) -> torch.Tensor:
-    """[H, Pq, Pk] float32 scores, -inf where a key is not visible (k repeated for GQA)."""
-    groups = q.shape[0] // k.shape[0]
-    s = torch.matmul(q.float(), k.float().repeat_interleave(groups, dim=0).transpose(-1, -2)) * scale
-    return s.masked_fill(~visible, float("-inf"))
+def _tiles(rows: slice, keys: int, heads: int) -> list[slice]:
+    """`rows` of queries cut into tiles whose [tile, keys] float32 mask (the fused kernel's)
+    or [heads, tile, keys] float32 scores (heads > 1) hold about SCORE_BYTES."""
+    size = max(1, SCORE_BYTES // (4 * keys * heads))
+    return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, size)]
+
+
+def _parts(q, q_index, q_doc, k_index, k_doc):
+    """(queries, keys, causal, visible) for each piece of one block of keys some of the
+    queries see: a run of queries against a run of keys (two chunks against two). On a
+    CPU a run of one document wholly after the keys' needs no mask, nor, causal, the run
+    against itself; any other piece goes a tile of queries at a time with its mask of
+    visible keys (`visible` [tile, keys], None for none needed)."""
+    fused = q.device.type in FUSED_DEVICES
+    for qs in _runs(q_index):
+        for ks in _runs(k_index):
+            first, last = int(q_index[qs.start]), int(q_index[qs.stop - 1])
+            if int(k_index[ks.start]) > last:  # every key after every query
+                continue
+            docs = torch.cat([q_doc[qs], k_doc[ks]])
+            if fused and bool((docs == docs[0]).all()):
+                if int(k_index[ks.stop - 1]) < first:  # every key before every query
+                    yield qs, ks, False, None
+                    continue
+                if int(k_index[ks.start]) == first and ks.stop - ks.start == qs.stop - qs.start:
+                    yield qs, ks, True, None  # the run against itself
+                    continue
+            for t in _tiles(qs, ks.stop - ks.start, 1 if fused else q.shape[0]):
+                visible = _visible(q_index[t], q_doc[t], k_index[ks], k_doc[ks])
+                if visible.any():
+                    yield t, ks, False, visible
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -82,36 +116,75 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
 
+def _mask(visible: torch.Tensor | None, dtype) -> torch.Tensor | None:
+    """The fused kernel's additive mask (0 where a key is visible, -inf elsewhere); None
+    when every key is."""
+    if visible is None or bool(visible.all()):
+        return None
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+
+
+def _scores(q, k, visible, scale: float) -> torch.Tensor:
+    """[H, Pq, Pk] float32 scores, -inf where a key is not visible (k repeated per head)."""
+    return (torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+
+
+def _block(q, k, v, causal: bool, visible, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries q [H, T, d] over keys and values repeated to H heads: (output
+    [H, T, d] float32, log-sum-exp [H, T], -inf for a query that sees none of them). On a
+    CPU PyTorch's fused flash kernel (`causal`: the run against itself); elsewhere float32
+    scores (`visible` always given)."""
+    if q.device.type in FUSED_DEVICES:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], 0.0, causal, attn_mask=_mask(visible, q.dtype), scale=scale)
+        lse = lse[0] if visible is None else lse[0].masked_fill(~visible.any(-1), float("-inf"))  # kernel: 0 there
+        return out[0].float(), lse
+    s = _scores(q, k, visible, scale)
+    lse = torch.logsumexp(s, -1)
+    return torch.matmul(torch.exp(s - _finite(lse)[..., None]), v.float()), lse
+
+
+def _block_backward(g, q, k, v, out, lse, causal: bool, visible, scale: float) -> tuple[torch.Tensor, ...]:
+    """One piece's share of dq, dk and dv (k, v and theirs repeated to every head) from the
+    whole output and log-sum-exp of the queries: exactly its share."""
+    if q.device.type in FUSED_DEVICES:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g[None], q[None], k[None], v[None], out[None], lse[None], 0.0, causal,
+            attn_mask=_mask(visible, q.dtype), scale=scale)
+        return tuple(x[0].float() for x in grads)
+    g = g.float()
+    p = torch.exp(_scores(q, k, visible, scale) - _finite(lse)[..., None])
+    ds = p * (torch.matmul(g, v.float().transpose(-1, -2)) - (g * out.float()).sum(-1, keepdim=True)) * scale
+    return torch.matmul(ds, k.float()), torch.matmul(ds.transpose(-1, -2), q.float()), torch.matmul(p.transpose(-1, -2), g)
+
+
 class _RingAttention(torch.autograd.Function):
+    """Each block of keys and values attended to (`_block`) and merged into the running
+    output by log-sum-exp; backward takes each block's share of the gradients from the
+    whole output and log-sum-exp (`_block_backward`)."""
+
     @staticmethod
     def forward(ctx, q, k, v, q_index, q_doc, group, scale):
         size = dist.get_world_size(group)
         groups = q.shape[0] // k.shape[0]
-        top = torch.full(q.shape[:2], float("-inf"), device=q.device)  # running max of the scores
-        total = torch.zeros(q.shape[:2], device=q.device)  # running sum of exp(score - top)
+        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)  # [H, P] over the keys seen so far
         acc = torch.zeros(q.shape, device=q.device)
         block = [k, v, q_index, q_doc]
         for step in range(size):
             if step:
                 block = _pass_on(block, group)
             k_b, v_b, k_index, k_doc = block
-            v_all = v_b.float().repeat_interleave(groups, dim=0)
-            for t in _tiles(q, k_b.shape[1]):
-                visible = _visible(q_index[t], q_doc[t], k_index, k_doc)
-                if not visible.any():  # a later chunk's keys, or another document's: nothing to add
-                    continue
-                s = _scores(q[:, t], k_b, visible, scale)
-                new_top = torch.maximum(top[:, t], s.amax(-1))
-                p = torch.exp(s - _finite(new_top)[..., None])
-                shrink = torch.exp(top[:, t] - _finite(new_top))
-                total[:, t] = total[:, t] * shrink + p.sum(-1)
-                acc[:, t] = acc[:, t] * shrink[..., None] + torch.matmul(p, v_all)
-                top[:, t] = new_top
-        out = acc / total[..., None]
-        lse = torch.where(torch.isinf(top), top, top + torch.log(total))
+            k_all, v_all = (x.repeat_interleave(groups, dim=0) for x in (k_b, v_b))
+            for t, ks, causal, visible in _parts(q, q_index, q_doc, k_index, k_doc):
+                out_b, lse_b = _block(q[:, t], k_all[:, ks], v_all[:, ks], causal, visible, scale)
+                merged = torch.logaddexp(lse[:, t], lse_b)
+                acc[:, t] = (acc[:, t] * torch.exp(lse[:, t] - _finite(merged))[..., None]
+                             + out_b * torch.exp(lse_b - _finite(merged))[..., None])
+                lse[:, t] = merged
+        out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, q_index, q_doc, out, lse)
         ctx.group, ctx.scale = group, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -120,26 +193,20 @@ class _RingAttention(torch.autograd.Function):
         size = dist.get_world_size(group)
         K = k.shape[0]
         groups = q.shape[0] // K
-        g = grad_out.float()
-        delta = (g * out).sum(-1)  # [H, Pq]
+        g = grad_out.to(q.dtype).contiguous()
         dq = torch.zeros(q.shape, device=q.device)
         block = [k, v, q_index, q_doc, torch.zeros(k.shape, device=k.device), torch.zeros(v.shape, device=v.device)]
         for step in range(size):
             if step:
                 block = _pass_on(block, group)
             k_b, v_b, k_index, k_doc, dk_b, dv_b = block
-            k_all = k_b.float().repeat_interleave(groups, dim=0)
-            v_all = v_b.float().repeat_interleave(groups, dim=0)
-            for t in _tiles(q, k_b.shape[1]):
-                visible = _visible(q_index[t], q_doc[t], k_index, k_doc)
-                if not visible.any():
-                    continue
-                s = _scores(q[:, t], k_b, visible, scale)
-                p = torch.exp(s - _finite(lse[:, t])[..., None])
-                dv_b = dv_b + torch.matmul(p.transpose(-1, -2), g[:, t]).view(K, groups, *v.shape[1:]).sum(1)
-                ds = p * (torch.matmul(g[:, t], v_all.transpose(-1, -2)) - delta[:, t, None]) * scale
-                dq[:, t] += torch.matmul(ds, k_all)
-                dk_b = dk_b + torch.matmul(ds.transpose(-1, -2), q[:, t].float()).view(K, groups, *k.shape[1:]).sum(1)
+            k_all, v_all = (x.repeat_interleave(groups, dim=0) for x in (k_b, v_b))
+            for t, ks, causal, visible in _parts(q, q_index, q_doc, k_index, k_doc):
+                dq_t, dk_t, dv_t = _block_backward(g[:, t], q[:, t], k_all[:, ks], v_all[:, ks], out[:, t],
+                                                   lse[:, t], causal, visible, scale)
+                dq[:, t] += dq_t
+                dk_b[:, ks] += dk_t.view(K, groups, -1, k.shape[2]).sum(1)
+                dv_b[:, ks] += dv_t.view(K, groups, -1, v.shape[2]).sum(1)
             block = [k_b, v_b, k_index, k_doc, dk_b, dv_b]
         # each block's gradients back to the process that holds it
         dk, dv = _pass_on(block[4:], group) if size > 1 else block[4:]
