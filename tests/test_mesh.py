@@ -64,16 +64,21 @@ def test_fsdp_over_a_split_takes_one_process_steps(workspace, tmp_path, lora):
     _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
 
 
-def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path):
-    """training.split=2 with training.sequence_parallel=true: both processes take the same
-    rows, each running the norms on half of every row's positions; the steps and weights
-    of one process."""
+@pytest.mark.parametrize("shard", ["none", "fsdp"])
+def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path, shard):
+    """training.split=2 with training.sequence_parallel=true: both processes of a split take
+    the same rows, each running the norms on half of every row's positions (with fsdp, two
+    copies of such a split, each part sharded over them); the steps and weights of one
+    process."""
     common = _common(workspace, "training.steps=3", "lora.enabled=false")
-    two = common + [f"runtime.output_dir={tmp_path / 'two'}", "training.split=2", "training.sequence_parallel=true"]
-    assert in_processes(_sft_process, two, processes=2) == [0] * 2
-    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}"]))
-    same_metrics(tmp_path / "two", tmp_path / "one", KEYS, steps=3, rel=1e-5)
-    _same_weights(tmp_path / "two", tmp_path / "one", "model.safetensors")
+    processes = 4 if shard == "fsdp" else 2
+    many = common + [f"runtime.output_dir={tmp_path / 'many'}", "training.split=2", "training.sequence_parallel=true",
+                     f"training.shard={shard}"]
+    assert in_processes(_sft_process, many, processes=processes) == [0] * processes
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}",
+                                        f"training.accumulation={processes // 2}"]))
+    same_metrics(tmp_path / "many", tmp_path / "one", KEYS, steps=3, rel=1e-5)
+    _same_weights(tmp_path / "many", tmp_path / "one", "model.safetensors")
 
 
 def test_stages_split_and_sharded_take_one_process_steps_and_resume_under_other_layouts(workspace, tmp_path):
@@ -117,8 +122,8 @@ def test_a_run_resumes_under_another_layout_only_with_the_same_rows_a_step(works
 @pytest.mark.parametrize("settings, message", [
     (["training.sequence_parallel=true"], "set training.split to 2 or more"),
     (["training.sequence_parallel=true", "training.split=2", "training.context_length=63"], "a multiple of it"),
-    (["training.sequence_parallel=true", "training.split=2", "training.shard=fsdp"],
-     "sequence_parallel=true with training.shard=fsdp is not supported yet"),
+    (["training.sequence_parallel=true", "training.split=2", "training.pipeline=2"],
+     "sequence_parallel=true with training.pipeline=2 is not supported yet"),
     (["training.sequence_parallel=true", "training.split=2", "training.mlp_tile=16"], "with training.mlp_tile=16"),
     (["training.split=2", "training.shard=zero"], "training.split=2 with training.shard=zero is not supported"),
 ])

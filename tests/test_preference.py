@@ -84,8 +84,18 @@ def _dpo_process(rank, overrides):
     return dpo_cli([a for o in overrides for a in ("--set", o)])
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp", "split", "pipeline", "pipeline-fsdp", "split-fsdp", "sequence",
-                                   "context", "context-fsdp"])
+LAYOUTS = {  # name: (settings, processes)
+    "none": (["training.shard=none"], 2), "fsdp": (["training.shard=fsdp"], 2), "split": (["training.split=2"], 2),
+    "pipeline": (["training.pipeline=2"], 2), "context": (["training.context=2"], 2),
+    "pipeline-fsdp": (["training.pipeline=2", "training.shard=fsdp"], 4),
+    "split-fsdp": (["training.split=2", "training.shard=fsdp"], 4),
+    "sequence": (["training.split=2", "training.sequence_parallel=true"], 2),
+    "context-fsdp": (["training.context=2", "training.shard=fsdp"], 4),
+    "pipeline-split-fsdp": (["training.pipeline=2", "training.split=2", "training.shard=fsdp"], 8),
+}
+
+
+@pytest.mark.parametrize("shard", list(LAYOUTS))
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
     pairs), or with training.split=2 both split one model and take all of them, or with
@@ -96,20 +106,17 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     processes: two copies of the split, each process's part sharded over the copies, or with
     training.sequence_parallel too, the split's norms on half of each row's positions, or
     with training.context=2 and training.shard=fsdp, four processes: two copies of a context
-    pair, every state sharded over all four: the same steps and held-out metrics as one
-    process."""
+    pair, every state sharded over all four, or eight processes: two copies of two stages
+    split two ways, each part sharded over the copies: the same steps and held-out metrics
+    as one process."""
     from tests.conftest import in_processes
 
-    mode = [f"training.{shard}=2"] if shard in ("split", "pipeline", "context") else [f"training.shard={shard}"]
-    if shard.endswith("-fsdp"):
-        mode = [f"training.{shard.split('-')[0]}=2", "training.shard=fsdp"]
-    if shard == "sequence":
-        mode = ["training.split=2", "training.sequence_parallel=true"]
-    processes = 4 if shard.endswith("-fsdp") else 2
+    mode, processes = LAYOUTS[shard]
     overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", *mode)
     assert in_processes(_dpo_process, overrides, processes=processes) == [0] * processes
-    with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):
-        in_processes(_dpo_process, _overrides(workspace, tmp_path / "odd", "dpo.pairs_per_step=5"))
+    if shard == "none":  # once: the count is checked before any layout
+        with pytest.raises(AssertionError, match="does not split evenly over 2 processes"):
+            in_processes(_dpo_process, _overrides(workspace, tmp_path / "odd", "dpo.pairs_per_step=5"))
     run(_config(workspace, tmp_path / "one", "training.steps=4"))
     same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "rewards/accuracies", "rewards/margins",
                                                       "pairs", "held_out_loss", "held_out_accuracy"),

@@ -284,9 +284,8 @@ class TrainingConfig:
             raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
                              f"training.split to 2 or more, and training.context_length={self.context_length} to a "
                              f"multiple of it")
-        sequence_with = next((f"training.{k}={v}" for k, v in (("pipeline", self.pipeline), ("shard", self.shard),
-                                                                ("mlp_tile", self.mlp_tile)) if v not in (1, "none", None)),
-                             None)
+        sequence_with = next((f"training.{k}={v}" for k, v in (("pipeline", self.pipeline), ("mlp_tile", self.mlp_tile))
+                              if v not in (1, None)), None)
         if self.sequence_parallel and sequence_with:
             raise ValueError(f"config: training.sequence_parallel=true with {sequence_with} is not supported yet; "
                              "drop one of the two")

@@ -52,8 +52,16 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     chosen = adapted_layers(list(linears), patterns)
     check_adapter_options(rank=rank, shapes={n: (linears[n].out_features, linears[n].in_features) for n in chosen})
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
-    for name in chosen:
-        layer = linears[name]
+    shapes = model.card.linear_shapes()
+    every = adapted_layers([f"model.layers.{i}.{suffix}" for i in range(model.card.layers) for suffix in shapes],
+                           patterns)
+    cut = any(name not in linears for name in every)  # a pipeline stage's blocks alone
+    device = next(iter(linears.values())).weight.device
+    for name in every if cut else chosen:
+        layer = linears.get(name)
+        if layer is None:  # another pipeline stage's: drawn and dropped, so each stage holds what one process would
+            _draw(shapes[name.split(".", 3)[3]], rank, device)
+            continue
         if layer.lora_a is not None:
             raise ValueError(f"add_lora: {name} already has an adapter; merge_lora() first")
         a, b = _draw((layer.out_features, layer.in_features), rank, layer.weight.device)
