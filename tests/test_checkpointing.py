@@ -20,7 +20,7 @@ from tests.conftest import in_processes
 torch.set_num_threads(1)
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
                                      layers=3, tied_embeddings=False)
-MODES = [True, "selective"]
+MODES = [True, "selective", "offload"]
 
 
 def _rows():

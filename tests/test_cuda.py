@@ -1,6 +1,6 @@
 """The CUDA-only paths (skipped without a GPU; bench/gpu_check.py runs them on one):
 varlen attention against the per-document path, the pinned-memory loader, bf16 training,
-compiled blocks against eager ones, packed decentralized training, fully_shard over NCCL
+compiled blocks against eager ones, offloaded checkpointing, packed decentralized training, fully_shard over NCCL
 in one process (an NF4 base loaded on the CPU too), the compiled engine (CUDA graphs)
 against the eager one."""
 
@@ -34,6 +34,29 @@ def test_varlen_attention_equals_the_per_document_path():
         b = nest.load(CARD, device="cuda", dtype=dtype, weights="random", attention="varlen")
         for row in rows:
             torch.testing.assert_close(b.log_probs_packed(row), a.log_probs_packed(row), atol=tol, rtol=tol)
+
+
+def test_offloaded_checkpointing_keeps_the_blocks_inputs_off_the_gpu():
+    """activation_checkpointing='offload': the loss and gradients of full checkpointing, and
+    a lower peak of GPU memory over one long row (each block's input waits in host memory)."""
+    card = CARD.replace(layers=8, hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64)
+    row = _rows(n=120, tokens=4096)[0]
+    results = {}
+    for mode in ("full", "offload"):
+        model = nest.load(card, device="cuda", weights="random", trainable=True, activation_checkpointing=mode)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        loss, _ = model.loss_packed(row)
+        loss.backward()
+        torch.cuda.synchronize()
+        results[mode] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                         torch.cuda.max_memory_allocated() - before)
+    (full, grads, peak), (offloaded, offloaded_grads, offloaded_peak) = results["full"], results["offload"]
+    assert offloaded == pytest.approx(full, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(offloaded_grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+    assert offloaded_peak < peak
 
 
 def test_the_pinned_loader_hands_the_cpu_loaders_batches_to_the_gpu(tmp_path):

@@ -865,6 +865,18 @@ def test_fsdp_over_a_split_or_stages_and_split_shards_each_part_over_its_copies(
         assert sharded.total < whole.total
 
 
+def test_offloaded_checkpointing_keeps_one_blocks_input_on_the_gpu():
+    """activation_checkpointing 'offload': the blocks' inputs wait in host memory and one at
+    a time comes back for its block's backward; on a CPU, host memory is the device's."""
+    full, offload = (activation_bytes(PARTS_CARD, Method("full"), Workload(tokens=64, activation_checkpointing=m))
+                     for m in ("full", "offload"))
+    kept = 2 * PARTS_CARD.hidden * 64  # one block's bf16 input
+    assert full.kept - offload.kept == PARTS_CARD.layers * kept and offload.recompute == full.recompute + kept
+    on_cpu = [activation_bytes(PARTS_CARD, Method("full"), Workload(tokens=64, activation_checkpointing=m,
+                                                                     device="cpu")) for m in ("full", "offload")]
+    assert on_cpu[0] == on_cpu[1]
+
+
 def test_sequence_parallel_shares_the_norms_and_block_inputs_among_the_split():
     """--sequence-parallel with --split 2: each norm's input, 1/rms and normalised input
     and a checkpointed block's input are half a row's; the norms' outputs whole (gathered

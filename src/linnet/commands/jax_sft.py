@@ -52,9 +52,9 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "
                              "itself, compiles every step, attends with one masked path, has no 4-bit base, and "
                              "shards with --fully-shard")
-    if t.activation_checkpointing == "selective":
-        raise ValueError("config: training.activation_checkpointing='selective' is the PyTorch backend's; `linnet "
-                         "jax` recomputes whole layers (its default): drop the field")
+    if t.activation_checkpointing in ("selective", "offload"):
+        raise ValueError(f"config: training.activation_checkpointing={t.activation_checkpointing!r} is the PyTorch "
+                         "backend's; `linnet jax` recomputes whole layers (its default): drop the field")
     if t.activation_checkpointing and not remat:
         raise ValueError("config: training.activation_checkpointing=true asks `linnet jax` to recompute layers and "
                          "--no-remat asks it not to: drop one")

@@ -59,7 +59,8 @@ def _gpu_count(n: int | None) -> str:
     return f"{n} ({nodes} nodes of {GPUS_PER_NODE})" if nodes > 1 else str(n)
 
 
-CHECKPOINTING_LABELS = {"full": "checkpointing", "selective": "selective checkpointing", "none": "no checkpointing"}
+CHECKPOINTING_LABELS = {"full": "checkpointing", "selective": "selective checkpointing", "none": "no checkpointing",
+                        "offload": "checkpointing, inputs in host memory"}
 
 
 def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
@@ -77,8 +78,8 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
         "activations, checkpointing": lambda p: gb(p.activations_checkpointed),
         "activations, no checkpointing": lambda p: gb(p.activations_uncheckpointed),
     }
-    if first.workload.activation_checkpointing == "selective":
-        memory["activations, selective checkpointing"] = lambda p: gb(p.activations.peak)
+    if first.workload.activation_checkpointing in ("selective", "offload"):
+        memory[f"activations, {chosen}"] = lambda p: gb(p.activations.peak)
     memory.update({f"peak in the {phase}": lambda p, key=key: gb(p.phases[key])
                    for phase, key in (("forward", "forward"), ("backward", "backward"), ("optimizer step", "optimizer"))})
     if len(first.processes) > 1:  # split or pipelined: each stage's own peak, then the fullest's
@@ -245,9 +246,7 @@ def _token_count(text: str) -> float | str:
     try:
         return float(text[:-1] if scale != 1 else text) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a token count; use e.g. 12e6, 12M, 15T or chinchilla"
-        ) from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; use e.g. 12e6, 12M, 15T or chinchilla") from None
 
 
 # linnet plan's former flags, refused with the flag that replaced them
@@ -322,7 +321,8 @@ def parser() -> argparse.ArgumentParser:
         help=f"rows per GPU per micro-step, training.micro_batch_size (default {workload.micro_batch_size})")
     run("--activation-checkpointing", nargs="?", const="full", choices=CHECKPOINTING, metavar="MODE",
         help="training.activation_checkpointing: full (the flag alone) keeps each block's input and recomputes "
-        "the block in backward; selective also keeps attention's outputs; none keeps everything (default full)")
+        "the block in backward; selective also keeps attention's outputs; offload keeps the inputs in host "
+        "memory; none keeps everything (default full)")
     run("--no-activation-checkpointing", dest="activation_checkpointing", action="store_const", const="none",
         help="the same as --activation-checkpointing none")
     run("--mlp-tile", type=int, metavar="N",

@@ -216,10 +216,11 @@ class TrainingConfig:
                                                     "snapshot", only=PRETRAINING)
     checkpoint_every: int = option(100, "checkpoint every this many steps (and at the end)", only=FINE_TUNING)
     keep: int = option(2, "checkpoints kept", only=FINE_TUNING)
-    activation_checkpointing: Literal[False, True, "full", "selective"] = option(
+    activation_checkpointing: Literal[False, True, "full", "selective", "offload"] = option(
         False, "keep each block's input alone and compute the block again in backward (true or full); selective "
-               "also keeps attention's outputs; false keeps every activation. Same gradients, less memory. `linnet "
-               "jax` recomputes whole layers whatever this says, unless --no-remat")
+               "also keeps attention's outputs; offload keeps the inputs in host memory, copied back for each "
+               "block's backward (on a GPU; on a CPU, full); false keeps every activation. Same gradients, less "
+               "memory. `linnet jax` recomputes whole layers whatever this says, unless --no-remat")
     mlp_tile: int | None = option(None, "positions of a row each block's MLP computes at a time, each tile computed "
                                         "again in backward: a long row's largest activations bounded by one tile "
                                         "(docs/long_context.md); null: the whole row", only=FINE_TUNING + PRETRAINING)

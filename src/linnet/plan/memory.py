@@ -29,7 +29,7 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 GRADIENT_BYTES = {"bf16": 2, "fp32": 4}
 DTYPES = {"bf16": 2, "f32": 4}  # compute dtype -> bytes per value
 DEVICES = ("gpu", "cpu")
-CHECKPOINTING = ("full", "selective", "none")
+CHECKPOINTING = ("full", "selective", "offload", "none")
 
 # QLoRA's NF4 with double quantization: 4 bits per weight, plus one 8-bit absmax per block
 # of 64 weights, plus one f32 constant per block of 256 absmaxes (Dettmers et al. 2023):
@@ -121,7 +121,8 @@ class Workload:
     `tokens`: positions per row (a packed row's length, `pack(examples, tokens=)`);
     `micro_batch_size`: rows per micro-step. `activation_checkpointing`: "full" (or True)
     keeps each block's input and computes the block again in backward; "selective" also
-    keeps attention's outputs; "none" (or False) keeps every activation (as
+    keeps attention's outputs; "offload" keeps the inputs in host memory (on a GPU: one
+    block's input copied back at a time); "none" (or False) keeps every activation (as
     `nest.load(activation_checkpointing=)`). `chunked_loss`: linnet's loss, a block of rows
     at a time, instead of the whole f32 logits. `device`: "cpu" for linnet's CPU paths
     (16 MiB loss blocks; bf16 attention computed in f32; AdamW tensor by tensor); GPU counts
@@ -371,7 +372,9 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     block = block_activation_bytes(card, method, workload, part.sequence)
     selective = (a * card.heads * card.head_dim + 4 * card.heads) * tokens
     kept = c * d * tokens / part.sequence  # a checkpointed block's input: a GPU's share of the positions
-    per_block = {"none": block, "full": kept, "selective": kept + selective}[workload.activation_checkpointing]
+    host = workload.activation_checkpointing == "offload" and workload.device != "cpu"  # the inputs off the GPU
+    per_block = {"none": block, "full": kept, "offload": 0 if host else kept,
+                 "selective": kept + selective}[workload.activation_checkpointing]
     frozen_input = (4 * d + 4) * tokens if method.adapters and workload.activation_checkpointing == "none" else 0
     if part.receives:  # the input needs its gradient, and is the receive buffer
         frozen_input = (c * d if workload.activation_checkpointing != "none" else 4 * d if c == 4 else 0) * tokens
@@ -394,6 +397,7 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     recompute += 4 * c * card.intermediate * mlp_rows if workload.mlp_tile else 0
     if workload.activation_checkpointing != "none":
         recompute += block - (selective if workload.activation_checkpointing == "selective" else 0)
+        recompute += kept if host else 0  # the block's input, back from host memory
         recompute += (3 + (c == 2)) * 4 * largest if method.name == "dora" else 0
     each = top + (_norm_bytes(d, c, not method.adapters) * tokens if part.head_rows else c * d * tokens)
     earlier = (part.in_flight - 1) * each  # the other micro-batches in flight

@@ -329,8 +329,9 @@ class Decoder(nn.Module):
         for i, block in enumerate(blocks):
             # compiled blocks want one row length: they run whole, the positions taken after
             subset = keep if i == last and not whole else None
-            if recompute:  # keep the block's input, compute the rest again in backward
-                x = checkpoint(block, x, cos, sin, bounds, attend, subset, use_reentrant=False,
+            if recompute:  # keep the block's input (offload: in host memory), compute the rest again in backward
+                run, kept = (block, x) if self.checkpointing != "offload" else (_from_host(block, x.device), _to_host(x))
+                x = checkpoint(run, kept, cos, sin, bounds, attend, subset, use_reentrant=False,
                                context_fn=_KEEP[self.checkpointing])
             else:
                 x = block(x, cos, sin, bounds, attend, subset)
@@ -499,11 +500,14 @@ class Decoder(nn.Module):
         """Activation checkpointing, a block at a time: in training forward each block keeps
         only its input, and backward computes the block again. True or "full" recomputes
         everything; "selective" keeps the attention's outputs (quadratic in a document's
-        length to recompute, one [P, D] tensor to store) and recomputes the rest; False
-        stores every activation. Gradients are the same either way; peak memory falls
-        roughly to one block's activations plus the blocks' inputs."""
-        if mode not in (True, False, "full", "selective"):
-            raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective' or False")
+        length to recompute, one [P, D] tensor to store) and recomputes the rest; "offload"
+        recomputes everything and keeps the blocks' inputs in host memory, copied back for
+        each block's backward (on an accelerator; on a CPU it is "full"); False stores every
+        activation. Gradients are the same either way; peak memory falls roughly to one
+        block's activations plus the blocks' inputs (offloaded: one of them)."""
+        if mode not in (True, False, "full", "selective", "offload"):
+            raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective', 'offload' or "
+                             "False")
         self.checkpointing = None if mode is False else "full" if mode is True else mode
 
     def split_context(self, mesh) -> None:
@@ -615,5 +619,22 @@ _ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_attention_math") if hasattr(torch.ops.aten, name)}
 
 # checkpoint's context_fn for each mode (None: the default, recompute everything)
-_KEEP = {"full": noop_context_fn, "selective": functools.partial(create_selective_checkpoint_contexts,
-                                                                  _keep_attention)}
+_KEEP = {"full": noop_context_fn, "offload": noop_context_fn,
+         "selective": functools.partial(create_selective_checkpoint_contexts, _keep_attention)}
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """x in host memory (from an accelerator): what an offloaded block keeps of its input;
+    differentiable, its gradient returning to x's device."""
+    if x.device.type == "cpu":
+        return x
+    return x.to("cpu", non_blocking=False)
+
+
+def _from_host(block, device):
+    """block, run on its input brought back to `device` (the checkpoint keeps the host copy;
+    backward's recomputation copies it in again)."""
+    def run(x, *args):
+        return block(x.to(device, non_blocking=True), *args)
+
+    return run
