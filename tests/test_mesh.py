@@ -64,19 +64,20 @@ def test_fsdp_over_a_split_takes_one_process_steps(workspace, tmp_path, lora):
     _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
 
 
-@pytest.mark.parametrize("shard", ["none", "fsdp"])
-def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path, shard):
+@pytest.mark.parametrize("layout", ["split", "fsdp", "pipeline"])
+def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path, layout):
     """training.split=2 with training.sequence_parallel=true: both processes of a split take
     the same rows, each running the norms on half of every row's positions (with fsdp, two
-    copies of such a split, each part sharded over them); the steps and weights of one
-    process."""
+    copies of such a split, each part sharded over them; with two pipeline stages, each
+    split so); the steps and weights of one process."""
     common = _common(workspace, "training.steps=3", "lora.enabled=false")
-    processes = 4 if shard == "fsdp" else 2
+    extra = {"split": [], "fsdp": ["training.shard=fsdp"], "pipeline": ["training.pipeline=2"]}[layout]
+    processes, copies = (2, 1) if layout == "split" else (4, 2 if layout == "fsdp" else 1)
     many = common + [f"runtime.output_dir={tmp_path / 'many'}", "training.split=2", "training.sequence_parallel=true",
-                     f"training.shard={shard}"]
+                     *extra, *(["training.accumulation=2"] if layout == "pipeline" else [])]
     assert in_processes(_sft_process, many, processes=processes) == [0] * processes
-    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}",
-                                        f"training.accumulation={processes // 2}"]))
+    rows = copies * (2 if layout == "pipeline" else 1)
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}", f"training.accumulation={rows}"]))
     same_metrics(tmp_path / "many", tmp_path / "one", KEYS, steps=3, rel=1e-5)
     _same_weights(tmp_path / "many", tmp_path / "one", "model.safetensors")
 
@@ -122,8 +123,6 @@ def test_a_run_resumes_under_another_layout_only_with_the_same_rows_a_step(works
 @pytest.mark.parametrize("settings, message", [
     (["training.sequence_parallel=true"], "set training.split to 2 or more"),
     (["training.sequence_parallel=true", "training.split=2", "training.context_length=63"], "a multiple of it"),
-    (["training.sequence_parallel=true", "training.split=2", "training.pipeline=2"],
-     "sequence_parallel=true with training.pipeline=2 is not supported yet"),
     (["training.sequence_parallel=true", "training.split=2", "training.mlp_tile=16"], "with training.mlp_tile=16"),
     (["training.split=2", "training.shard=zero"], "training.split=2 with training.shard=zero is not supported"),
 ])

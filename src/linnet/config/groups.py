@@ -285,11 +285,9 @@ class TrainingConfig:
             raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
                              f"training.split to 2 or more, and training.context_length={self.context_length} to a "
                              f"multiple of it")
-        sequence_with = next((f"training.{k}={v}" for k, v in (("pipeline", self.pipeline), ("mlp_tile", self.mlp_tile))
-                              if v not in (1, None)), None)
-        if self.sequence_parallel and sequence_with:
-            raise ValueError(f"config: training.sequence_parallel=true with {sequence_with} is not supported yet; "
-                             "drop one of the two")
+        if self.sequence_parallel and self.mlp_tile:
+            raise ValueError(f"config: training.sequence_parallel=true with training.mlp_tile={self.mlp_tile} is not "
+                             "supported yet (the split MLP sums its outputs a row at a time); drop one of the two")
         if self.context > 1 and other:
             raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on copies "
                              "of the model, whole or sharded (shard none, zero or fsdp), for now; drop one of the two")

@@ -193,9 +193,8 @@ class Cluster:
                  "copies of the model, whole or sharded")
         _require(self.gpus % self.context == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} GPUs take each "
                  f"row; use a multiple of {self.context} GPUs")
-        _require(not self.sequence_parallel or (self.split > 1 and self.pipeline == 1),
-                 "{sequence_parallel} shares a split's positions: linnet runs it with {split} 2 or more, without "
-                 "{pipeline}")
+        _require(not self.sequence_parallel or self.split > 1,
+                 "{sequence_parallel} shares a split's positions: linnet runs it with {split} 2 or more")
         per_copy = self.split * self.pipeline
         _require(self.gpus % per_copy == 0, f"{{gpus}}={self.gpus}: {{split}} {self.split} x {{pipeline}} {self.pipeline} = "
                  f"{per_copy} GPUs hold one copy of the model; use a multiple of {per_copy} GPUs")

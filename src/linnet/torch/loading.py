@@ -172,9 +172,9 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
-    if sequence_parallel and (tensor_parallel is None or pipeline is not None):
+    if sequence_parallel and tensor_parallel is None:
         raise ValueError("nest.load(sequence_parallel=True) splits the positions of a model split by "
-                         "tensor_parallel= (not cut into pipeline stages, yet)")
+                         "tensor_parallel=: pass that too")
     if fully_shard and not (trainable is True or lora):
         raise ValueError("nest.load(fully_shard=True) shards a model that trains (trainable=True, or adapters "
                          "through lora=)")
