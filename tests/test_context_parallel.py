@@ -110,6 +110,45 @@ def _rows():
     return list(pack(docs, tokens=48))
 
 
+def _prompted_row():
+    """Two prompts, each once, with three and two completions that see it (`Packed.prefix`)."""
+    from linnet.packing import pack_prompted
+
+    g = np.random.default_rng(1)
+    groups = [(g.integers(3, 96, 7).tolist(), [g.integers(3, 96, n).tolist() for n in (4, 9, 3)]),
+              (g.integers(3, 96, 5).tolist(), [g.integers(3, 96, n).tolist() for n in (6, 2)])]
+    (row,) = pack_prompted(groups, tokens=48)
+    assert row.prefix is not None and (np.asarray(row.prefix) >= 0).sum() == 5
+    return row
+
+
+def _prompted_rank(rank, processes):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _debug_model(False)
+    model.split_context(init_device_mesh("cpu", (processes,), mesh_dim_names=("context",)))
+    assert model.shares_prompts
+    logp = model.log_probs_packed(_prompted_row())
+    (logp * _ramp(_prompted_row())).sum().backward()
+    return logp.detach().numpy(), {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_rows_whose_completions_share_their_prompt_split_over_the_ring(processes):
+    """A row packed with shared prompts (GRPO's and DPO's groups): each completion's queries
+    see its prompt's keys across the ring; the log-probabilities and gradients of one
+    process taking the row whole."""
+    model, row = _debug_model(False), _prompted_row()
+    assert model.shares_prompts
+    logp = model.log_probs_packed(row)
+    (logp * _ramp(row)).sum().backward()
+    learned = np.asarray(row.weights) > 0
+    for got, grads in in_processes(_prompted_rank, processes, processes=processes):
+        np.testing.assert_allclose(got[learned], logp.detach().numpy()[learned], atol=1e-5, rtol=0)
+        for name, p in model.named_parameters():
+            np.testing.assert_allclose(grads[name], p.grad.numpy(), atol=1e-5, rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("processes, checkpointing", [(2, False), (4, "full")])
 def test_a_context_parallel_decoder_gives_the_rows_results_and_gradients(processes, checkpointing):
     """A debug decoder's row split across 2 and 4 processes: every process gets the whole

@@ -66,9 +66,11 @@ def _pass_on(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
     return received
 
 
-def _visible(q_index, q_doc, k_index, k_doc) -> torch.Tensor:
-    """[Pq, Pk] which keys each query sees: its own document's, at or before it."""
-    return (q_doc[:, None] == k_doc[None, :]) & (k_index[None, :] <= q_index[:, None])
+def _visible(q_index, q_doc, k_index, k_doc, q_prompt=None) -> torch.Tensor:
+    """[Pq, Pk] which keys each query sees: its own document's, at or before it, and every
+    key of its document's shared prompt (`q_prompt`: that document's id, -1 for none)."""
+    own = (q_doc[:, None] == k_doc[None, :]) & (k_index[None, :] <= q_index[:, None])
+    return own if q_prompt is None else own | (q_prompt[:, None] == k_doc[None, :])
 
 
 def _runs(index: torch.Tensor) -> list[slice]:
@@ -85,7 +87,7 @@ def _tiles(rows: slice, keys: int, heads: int) -> list[slice]:
     return [slice(i, min(i + size, rows.stop)) for i in range(rows.start, rows.stop, size)]
 
 
-def _parts(q, q_index, q_doc, k_index, k_doc):
+def _parts(q, q_index, q_doc, k_index, k_doc, q_prompt=None):
     """(queries, keys, causal, visible) for each piece of one block of keys some of the
     queries see: a run of queries against a run of keys (two chunks against two). On a
     CPU a run of one document wholly after the keys' needs no mask, nor, causal, the run
@@ -95,7 +97,7 @@ def _parts(q, q_index, q_doc, k_index, k_doc):
     for qs in _runs(q_index):
         for ks in _runs(k_index):
             first, last = int(q_index[qs.start]), int(q_index[qs.stop - 1])
-            if int(k_index[ks.start]) > last:  # every key after every query
+            if int(k_index[ks.start]) > last:  # every key after every query (a shared prompt comes first)
                 continue
             docs = torch.cat([q_doc[qs], k_doc[ks]])
             if fused and bool((docs == docs[0]).all()):
@@ -106,7 +108,8 @@ def _parts(q, q_index, q_doc, k_index, k_doc):
                     yield qs, ks, True, None  # the run against itself
                     continue
             for t in _tiles(qs, ks.stop - ks.start, 1 if fused else q.shape[0]):
-                visible = _visible(q_index[t], q_doc[t], k_index[ks], k_doc[ks])
+                visible = _visible(q_index[t], q_doc[t], k_index[ks], k_doc[ks],
+                                   None if q_prompt is None else q_prompt[t])
                 if visible.any():
                     yield t, ks, False, visible
 
@@ -164,7 +167,7 @@ class _RingAttention(torch.autograd.Function):
     whole output and log-sum-exp (`_block_backward`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_index, q_doc, group, scale):
+    def forward(ctx, q, k, v, q_index, q_doc, q_prompt, group, scale):
         size = dist.get_world_size(group)
         groups = q.shape[0] // k.shape[0]
         lse = torch.full(q.shape[:2], float("-inf"), device=q.device)  # [H, P] over the keys seen so far
@@ -175,7 +178,7 @@ class _RingAttention(torch.autograd.Function):
                 block = _pass_on(block, group)
             k_b, v_b, k_index, k_doc = block
             k_all, v_all = (x.repeat_interleave(groups, dim=0) for x in (k_b, v_b))
-            for t, ks, causal, visible in _parts(q, q_index, q_doc, k_index, k_doc):
+            for t, ks, causal, visible in _parts(q, q_index, q_doc, k_index, k_doc, q_prompt):
                 out_b, lse_b = _block(q[:, t], k_all[:, ks], v_all[:, ks], causal, visible, scale)
                 merged = torch.logaddexp(lse[:, t], lse_b)
                 acc[:, t] = (acc[:, t] * torch.exp(lse[:, t] - _finite(merged))[..., None]
@@ -183,6 +186,7 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, t] = merged
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, q_index, q_doc, out, lse)
+        ctx.q_prompt = q_prompt
         ctx.group, ctx.scale = group, scale
         return out
 
@@ -201,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
                 block = _pass_on(block, group)
             k_b, v_b, k_index, k_doc, dk_b, dv_b = block
             k_all, v_all = (x.repeat_interleave(groups, dim=0) for x in (k_b, v_b))
-            for t, ks, causal, visible in _parts(q, q_index, q_doc, k_index, k_doc):
+            for t, ks, causal, visible in _parts(q, q_index, q_doc, k_index, k_doc, ctx.q_prompt):
                 dq_t, dk_t, dv_t = _block_backward(g[:, t], q[:, t], k_all[:, ks], v_all[:, ks], out[:, t],
                                                    lse[:, t], causal, visible, scale)
                 dq[:, t] += dq_t
@@ -210,17 +214,18 @@ class _RingAttention(torch.autograd.Function):
             block = [k_b, v_b, k_index, k_doc, dk_b, dv_b]
         # each block's gradients back to the process that holds it
         dk, dv = _pass_on(block[4:], group) if size > 1 else block[4:]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
-def ring_attention(q, k, v, index, document, group, scale: float | None = None) -> torch.Tensor:
+def ring_attention(q, k, v, index, document, group, scale: float | None = None, prompt=None) -> torch.Tensor:
     """Causal attention of this process's positions over the whole row, the row's keys
     and values passed around `group`'s ring: q [H, P, d], k and v [K, P, d] (K divides H),
     `index` [P] the positions' places in the row and `document` [P] their documents' ids
-    (a query sees keys of its own document at or before it). Returns [H, P, d].
+    (a query sees keys of its own document at or before it, and with `prompt` [P], the id
+    of its document's shared prompt or -1, every key of that prompt). Returns [H, P, d].
     Differentiable in q, k and v: backward passes the gradients round the ring too."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, index, document, group, scale)
+    return _RingAttention.apply(q, k, v, index, document, prompt, group, scale)
 
 
 def documents_of(length: int, bounds: list[int]) -> np.ndarray:
@@ -293,14 +298,17 @@ def sum_gradients_over(model, group) -> None:
             p.register_hook(summed)
 
 
-def context_row(length: int, bounds: list[int], group, device) -> tuple[np.ndarray, object]:
+def context_row(length: int, bounds: list[int], group, device, prefix: list[int] | None = None) -> tuple:
     """(this process's positions of a row of `length` whose documents start at `bounds`,
-    the attention function over them that the decoder's blocks call)."""
+    the attention function over them that the decoder's blocks call). `prefix`: each
+    document's shared prompt document (-1 for none), as `Packed.prefix`."""
     mine = shard_positions(length, dist.get_world_size(group), dist.get_rank(group))
     index = torch.as_tensor(mine, device=device)
-    document = torch.as_tensor(documents_of(length, bounds)[mine], device=device)
+    documents = documents_of(length, bounds)[mine]
+    document = torch.as_tensor(documents, device=device)
+    prompt = None if prefix is None else torch.as_tensor(np.asarray(prefix)[documents], device=device)
 
     def attend(q_1HPd, k_1KPd, v_1KPd, bounds):
-        return ring_attention(q_1HPd[0], k_1KPd[0], v_1KPd[0], index, document, group)[None]
+        return ring_attention(q_1HPd[0], k_1KPd[0], v_1KPd[0], index, document, group, prompt=prompt)[None]
 
     return mine, attend

@@ -288,8 +288,8 @@ class Decoder(nn.Module):
     def shares_prompts(self) -> bool:
         """Whether this model's attention path takes rows whose completions share their
         prompt (`Packed.prefix`; linnet.packing.pack_prompted)."""
-        return (self.context is None and self.sequence is None
-                and attention_paths.shares_prompts(self.attention, self.device))
+        return self.context is not None or (self.sequence is None
+                                            and attention_paths.shares_prompts(self.attention, self.device))
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -358,10 +358,7 @@ class Decoder(nn.Module):
         prefix = getattr(batch, "prefix", None)
         prefix = None if prefix is None else [int(i) for i in prefix]
         if self.context is not None:  # this process's share of the whole row, padding included
-            if prefix is not None:
-                raise ValueError("context parallel: this row's completions share their prompt (pack_prompted); "
-                                 "pack each completion with its own prompt (share=False)")
-            mine, attend = context_row(len(batch.tokens), bounds, self.context, dev)
+            mine, attend = context_row(len(batch.tokens), bounds, self.context, dev, prefix)
             tokens, positions, targets, weights = (tensor(np.asarray(x)[mine]) for x in fields)
             return tokens, positions, _Layout(bounds, None, attend), targets, weights
         real = int(getattr(batch, "real", bounds[-1]))
