@@ -266,10 +266,10 @@ class Decoder(nn.Module):
         self.copies = None  # with tensor_parallel or pipeline: the group of the same part in other copies
         self.pipe = None  # with pipeline: this process's stage (linnet.torch.pipeline.Pipe)
         self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
-        self.checkpointing: str | None = None  # "full" or "selective": see `checkpoint_activations`
+        self.checkpointing: str | None = None  # "full", "selective" or "offload": see `checkpoint_activations`
         self.context = None  # with split_context: the process group each row's positions are split over
         self.split = None  # with tensor_parallel: the mesh of the processes splitting every block
-        self.sequence = None  # with tensor_parallel(sequence=True): the split's mesh, which splits positions between
+        self.sequence = None  # with tensor_parallel(sequence=True): the split's mesh, sharing each row's positions
         self.model = Body(card)
         if not card.tied_embeddings:
             self.lm_head = Linear(card.hidden, card.vocab, bias=False)
