@@ -342,6 +342,7 @@ def test_stop_checks_every_k_steps_cut_rows_at_their_stop_token(saved):
     _same_completions(engine.sample(prompts, n=3, max_new_tokens=20, stop=[stop], seed=5), every_step, atol=0)
 
 
+@pytest.mark.slow  # inductor on a CPU; the warmup test compiles every pass, tests/test_cuda.py the CUDA graphs
 def test_compiled_engine_equals_eager(saved):
     """torch.compile'd prefill and decode passes: the same greedy tokens and sampled
     tokens as the eager engine, log-probabilities within 1e-5; rows that stop shrink the

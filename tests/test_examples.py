@@ -94,7 +94,8 @@ def _torchrun(script: str, *args: str, done: str) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("qlora", [False, pytest.param(True, marks=pytest.mark.slow)])  # QLoRA under FSDP: test_qlora
+@pytest.mark.slow  # fully_shard under torchrun: tests/test_sharding.py and test_sft.py in the default run
+@pytest.mark.parametrize("qlora", [False, True])  # QLoRA under FSDP: test_qlora
 def test_fully_shard_example_under_torchrun(tmp_path, qlora):
     """A real torchrun launch (two CPU processes, gloo): the sharded run's gathered
     weights load back as a whole model; with --qlora, its adapters in PEFT's files."""
@@ -113,6 +114,7 @@ def test_fully_shard_example_under_torchrun(tmp_path, qlora):
     assert model.card.layers == quickstart.CARD.layers and model.model.embed_tokens.weight.abs().sum() > 0
 
 
+@pytest.mark.slow  # torchrun stages: tests/test_pipeline.py and test_mesh.py in the default run
 def test_pipeline_example_under_torchrun(tmp_path):
     """Two interleaved pipeline stages under torchrun: SFT, then GRPO with adapters added
     after the cut; the first process reports, and the adapters gathered from both stages

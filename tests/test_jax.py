@@ -539,6 +539,7 @@ def _sevens_grpo(steps, split_engine=None, **kw):
     return grpo(policy, engine, prompts, sevens, optimizer=optax.adamw(2e-2), steps=steps, **options)[1]
 
 
+@pytest.mark.slow  # test_grpo_options_run_and_resume trains JAX GRPO in the default run
 def test_grpo_reward_rises_and_the_engine_agrees_with_the_policy(jx):
     """GRPO on the 'sevens' task: the mean reward rises, the first iteration is unclipped,
     and the engine's log-probabilities equal the policy's; split over two devices, the
@@ -618,6 +619,7 @@ def test_both_backends_refuse_a_bad_checkpoint_alike(jx, tmp_path, damage, messa
     assert errors[0] == errors[1]
 
 
+@pytest.mark.slow  # 50 s; adapter dropout parity: test_lora, JAX resume: test_resume_equals_an_uninterrupted_run
 def test_adapter_dropout_drops_each_layer_apart_and_resumes_alike(jx, tmp_path):
     """add_lora(dropout=) drops the adapters' input while train() trains: about `rate` of the
     values drop and the rest are scaled by 1 / (1 - rate), each layer with its own mask; the

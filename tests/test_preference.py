@@ -91,11 +91,13 @@ LAYOUTS = {  # name: (settings, processes)
     "split-fsdp": (["training.split=2", "training.shard=fsdp"], 4),
     "sequence": (["training.split=2", "training.sequence_parallel=true"], 2),
     "context-fsdp": (["training.context=2", "training.shard=fsdp"], 4),
+}
+SLOW_LAYOUTS = {  # eight processes; linnet sft runs the same layout in the default run (tests/test_mesh.py)
     "pipeline-split-fsdp": (["training.pipeline=2", "training.split=2", "training.shard=fsdp"], 8),
 }
 
 
-@pytest.mark.parametrize("shard", list(LAYOUTS))
+@pytest.mark.parametrize("shard", [*LAYOUTS, *(pytest.param(k, marks=pytest.mark.slow) for k in SLOW_LAYOUTS)])
 def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     """Under torchrun each process takes half of every step's pairs (and of the held-out
     pairs), or with training.split=2 both split one model and take all of them, or with
@@ -111,7 +113,7 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     as one process."""
     from tests.conftest import in_processes
 
-    mode, processes = LAYOUTS[shard]
+    mode, processes = {**LAYOUTS, **SLOW_LAYOUTS}[shard]
     overrides = _overrides(workspace, tmp_path / "two", "training.steps=4", *mode)
     assert in_processes(_dpo_process, overrides, processes=processes) == [0] * processes
     if shard == "none":  # once: the count is checked before any layout
