@@ -194,7 +194,7 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     alone = group is not None and dist.get_world_size(group) == 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
-        if isinstance(p, DTensor) and (group is None or _reduced_by_shards(p, group)):
+        if isinstance(p, DTensor) and (group is None or reduced_by_shards(p, group)):
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -218,7 +218,7 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             _reduce_flat(bucket, group)
 
 
-def _reduced_by_shards(t: DTensor, group) -> bool:
+def reduced_by_shards(t: DTensor, group) -> bool:
     """Whether fully_shard has summed `t`'s gradient over `group` already: `t` is cut along
     a dimension whose processes include all of the group's (the copies of a sharded stage
     or split part, or every process, context groups included)."""

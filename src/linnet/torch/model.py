@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -40,7 +39,7 @@ from linnet.cards import Card
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.context import context_row, gather_row, sum_gradients_over, sum_over
-from linnet.torch.distributed import sharded_over
+from linnet.torch.distributed import reduced_by_shards, sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
 from linnet.torch.sharding import copies_group, dropout, full, gather_positions, scatter_positions
@@ -521,9 +520,7 @@ class Decoder(nn.Module):
         if self.pipe is not None or self.copies is not None or self.compiled:
             raise ValueError("split_context: the model is pipelined, split or compiled; context parallel runs on "
                              "eager copies, whole or sharded over every process, for now")
-        group = set(dist.get_process_group_ranks(mesh.get_group()))
-        if any(isinstance(p, DTensor) and not group <= set(dist.get_process_group_ranks(p.device_mesh.get_group()))
-               for p in self.parameters()):
+        if any(isinstance(p, DTensor) and not reduced_by_shards(p, mesh.get_group()) for p in self.parameters()):
             raise ValueError("split_context: the model is sharded over processes that leave out some of the "
                              "context group; shard it over every process (fully_shard's default mesh)")
         self.context = mesh.get_group()
