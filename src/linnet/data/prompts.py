@@ -6,28 +6,52 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from linnet.data.readers import Record, option_name
 from linnet.data.tokenizer import Tokenizer
 from linnet.rl.rollouts import Prompt
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool) -> list[int]:
-    """A prompt's ids: the chat template's user turn with the generation prompt, or BOS + text."""
+@dataclass(frozen=True)
+class Framing:
+    """What goes before every prompt of an evaluation: a system prompt and few-shot
+    (prompt, answer) examples, so "the base model with its best prompt" is measured on
+    the same records as the tuned one. Under a chat template they are a system turn and
+    user/assistant turns; as raw text they are joined by `separator`."""
+
+    system: str | None = None
+    shots: tuple[tuple[str, str], ...] = ()
+    separator: str = "\n\n"
+
+    def messages(self, text: str) -> list[dict[str, str]]:
+        turns = [{"role": "system", "content": self.system}] if self.system else []
+        for prompt, answer in self.shots:
+            turns += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        return turns + [{"role": "user", "content": text}]
+
+    def text(self, text: str) -> str:
+        parts = ([self.system] if self.system else []) + [p + a for p, a in self.shots]
+        return "".join(part + self.separator for part in parts) + text
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool, framing: Framing | None = None) -> list[int]:
+    """A prompt's ids: the chat template's user turn with the generation prompt, or BOS +
+    text; `framing` (a system prompt, few-shot examples) before it."""
+    framing = framing or Framing()
     if chat and tokenizer.chat_template:
-        ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                             add_generation_prompt=True))
+        ids = tokenizer.encode(tokenizer.apply_chat_template(framing.messages(text), add_generation_prompt=True))
     else:
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode(framing.text(text))
     bos = tokenizer.bos_id
     return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
 
 
 def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, prompt: str = "prompt",
-                         answer: str = "answer", chat: bool = True,
+                         answer: str = "answer", chat: bool = True, framing: Framing | None = None,
                          names: Mapping[str, str] | None = None) -> list[Prompt]:
-    """One Prompt a record, every record checked before any is returned; `names`: how
-    errors name these keywords (linnet.data.examples_from_records)."""
+    """One Prompt a record (`framing` before each), every record checked before any is
+    returned; `names`: how errors name these keywords (linnet.data.examples_from_records)."""
     prompts = []
     for record in records:
         for name in (prompt, answer):
@@ -41,7 +65,7 @@ def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, pro
         if given is None or (isinstance(given, str) and not given.strip()):
             raise ValueError(f"{record.where}: field {answer!r} is {json.dumps(given)}, no reference answer for the "
                              "rewards to compare with; give every prompt its answer, or drop this record")
-        prompts.append(Prompt(encode_prompt(tokenizer, text, chat), record.data[answer], text, record.data))
+        prompts.append(Prompt(encode_prompt(tokenizer, text, chat, framing), record.data[answer], text, record.data))
     if prompts:
         tokenizer.check_known((p.ids for p in prompts), record.where.rsplit(" ", 2)[0])
     return prompts

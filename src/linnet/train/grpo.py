@@ -263,8 +263,21 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
     per reward function, full marks when each reward's best is 1 (as for linnet's
     built-in exact, numeric and format rewards). With `conversations` (a Sampler's) each
     completion is a conversation: the rewards grade its last turn, and its environment's
-    rewards add to the sum.
+    rewards add to the sum. `evaluate_each` gives the same a prompt.
     """
+    each, _ = evaluate_each(policy, engine, prompts, reward, max_new_tokens=max_new_tokens, k=k, samples=samples,
+                            passing=passing, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                            seed=seed, batch=batch, label=label, conversations=conversations)
+    return {name: float(values.mean()) for name, values in each.items()}
+
+
+def evaluate_each(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping[str, Reward], *,
+                  max_new_tokens: int = 256, k: int = 0, samples: int | None = None, passing: float | None = None,
+                  temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  stop: Iterable[int] | None = None, seed: int = 0, batch: int = 64,
+                  label: str | None = None, conversations=None) -> tuple[dict[str, np.ndarray], list]:
+    """`evaluate`'s metrics for each prompt ({metric: [prompts]}: what a comparison of
+    models resamples) and the greedy completions, in prompt order."""
     functions = reward_functions(reward)
     passing = float(len(functions)) if passing is None else passing
     samples = samples or k
@@ -280,16 +293,16 @@ def evaluate(policy, engine, prompts: Sequence[Prompt], reward: Reward | Mapping
                          for values, c in zip(found, done)]).reshape(len(prompts), n)
 
     engine.load_weights(policy)
-    each = dict(batch=batch, max_new_tokens=max_new_tokens, stop=stop, conversations=conversations)
-    greedy = scores(sample_in_batches(engine, ids, temperature=0.0, label=label and f"{label} greedy", **each),
-                    1)[:, 0]
-    out = {"reward": float(greedy.mean()), "pass@1": float(np.mean(greedy >= passing))}
+    options = dict(batch=batch, max_new_tokens=max_new_tokens, stop=stop, conversations=conversations)
+    done = sample_in_batches(engine, ids, temperature=0.0, label=label and f"{label} greedy", **options)
+    greedy = scores(done, 1)[:, 0]
+    out = {"reward": greedy, "pass@1": (greedy >= passing).astype(np.float64)}
     if k:
         sampled = scores(sample_in_batches(engine, ids, samples, temperature=temperature, top_k=top_k, top_p=top_p,
-                                           seed=seed, label=label and f"{label} pass@{k}", **each), samples)
+                                           seed=seed, label=label and f"{label} pass@{k}", **options), samples)
         correct = (sampled >= passing).sum(axis=1)
-        out[f"pass@{k}"] = float(np.mean([pass_at_k(samples, int(c), k) for c in correct]))
-    return out
+        out[f"pass@{k}"] = np.array([pass_at_k(samples, int(c), k) for c in correct])
+    return out, done
 
 
 def _print_batch_table(s: GRPOOptions, tokens: int, share: bool) -> None:
