@@ -14,7 +14,9 @@ a thin layer over library functions.
     linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)
     linnet export RUN --out D  a merged Hugging Face directory with a model card, a PEFT adapter, GGUF
-    linnet eval RUN --data F   held-out loss, perplexity, exact match / reward / pass@k, samples
+    linnet eval RUN --data F   held-out loss, perplexity, exact match / reward / pass@k, samples;
+                               several models compared with intervals and a paired test
+    linnet data check TRAIN --against EVAL   held-out records that repeat training ones (exact, near)
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run (--config F: a run's)
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
@@ -24,8 +26,9 @@ when the output is not a terminal. `linnet --version` prints linnet's version.
 
 Exit status: 0 done; 1 training stopped on a non-finite loss or gradient; 2 refused input
 (one line naming the file, the field and the fix; nothing was written) or a write that
-failed (a full disk: one line naming the file; no temporary file is left); 130 interrupted
-(a training command says which checkpoint resumes).
+failed (a full disk: one line naming the file; no temporary file is left); 3 `data check`
+found held-out records that repeat training ones; 130 interrupted (a training command says
+which checkpoint resumes).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ COMMANDS = {
     "generate": "generate",
     "export": "export",
     "eval": "eval",
+    "data": "data",
     "plan": "plan",
     "plot": "plot",
     "info": "info",

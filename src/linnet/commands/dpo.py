@@ -47,10 +47,14 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
     else:
         read = functools.partial(pairs_from_records, prompt=prompt, chosen=d.chosen, rejected=d.rejected, chat=d.chat,
                                  tokens=t.context_length, truncate=d.truncate, names=spellings.RECORDS)
-    pairs = read(read_records(d.path, split=d.split, names=spellings.RECORDS), tokenizer)
+    records = read_records(d.path, split=d.split, names=spellings.RECORDS)
+    pairs = read(records, tokenizer)
     if d.eval_path:
-        held_out = read(read_records(d.eval_path, names=spellings.RECORDS), tokenizer)
+        eval_records = read_records(d.eval_path, names=spellings.RECORDS)
+        held_out = read(eval_records, tokenizer)
+        runs.check_held_out(config, records, eval_records)
     else:
+        runs.check_held_out(config, records, items=len(pairs))
         pairs, held_out = runs.hold_out(pairs, d.eval_share, config.runtime.seed)
     for examples in (pairs, held_out) if unpaired else ():  # pairs are fitted to a row as they are read
         for i, p in enumerate(examples):  # an answer also follows the next example's prompt (the KL estimate)

@@ -68,6 +68,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
         check_tests(records + eval_records, d.answer)
     conversations = conversations_for(getattr(g, "environment", None), getattr(g, "tools", ()), tokenizer,
                                       getattr(g, "max_turns", 1))  # importable, its tools known, before writing
+    runs.check_held_out(config, records, eval_records if d.eval_path else None, items=len(prompts))
     if not d.eval_path:
         prompts, held_out = runs.hold_out(prompts, d.eval_share, rt.seed)
     check_prompts(enumerate(prompts), t.context_length, g.max_new_tokens,

@@ -101,6 +101,42 @@ def hold_out(items: list, share: float, seed: int) -> tuple[list, list]:
     return [items[i] for i in sorted(order[n:])], [items[i] for i in order[:n]]
 
 
+def check_held_out(config, records: list, held_out: list | None = None, *, items: int | None = None) -> None:
+    """Before anything trains: held-out records that repeat training records (exact or
+    near duplicates, linnet.data.overlap) are warned about (data.overlap: warn) or refused
+    (refuse). `held_out`: data.eval_path's records; None: data.eval_share's of `records`,
+    split as `hold_out` splits the `items` read from them (checked where one item a record)."""
+    import warnings
+
+    from linnet.data.overlap import overlap
+
+    d = config.data
+    if d.overlap == "off":
+        return
+    if held_out is None:
+        if items is not None and items != len(records):
+            return
+        records, held_out = hold_out(records, d.eval_share, config.runtime.seed)
+    if not held_out or not records:
+        return
+    found = overlap(records, held_out)
+    if not found.near_checked:
+        warnings.warn("data.overlap: near duplicates between the training and held-out records are not checked "
+                      "(exact ones are): pip install datasketch", stacklevel=2)
+    if not found:
+        return
+    j, i = found.pairs[0][:2]
+    against = d.eval_path or f"{d.path} (data.eval_share's held-out share)"
+    fix = (f"`linnet data check {d.path} --against {d.eval_path}` lists them: drop them from one side" if d.eval_path
+           else "the file repeats records, and the split put copies on both sides: drop the repeats")
+    message = (f"{against}: {len(found.pairs)} held-out record(s) repeat training records of {d.path} ({found.exact} "
+               f"exact, {found.near} near; e.g. {held_out[j].where} and {records[i].where}), so the held-out "
+               f"metrics would flatter the model; {fix}, or set data.overlap: off to train anyway")
+    if d.overlap == "refuse":
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=2)
+
+
 def split_per_step(name: str, per_step: int, per_copy: int = 1) -> int:
     """A step's items for this process: `per_step` split evenly over the copies of the
     model (each process, or each `per_copy` processes splitting one model between them)."""

@@ -44,6 +44,7 @@ def read_inputs(config: SFTConfig) -> Inputs:
     card = configured(vars(config.model))
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     records, held_out = split_records(config)
+    runs.check_held_out(config, records, held_out)
     read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate,
                 names=spellings.RECORDS)
     examples = examples_from_records(records, tokenizer, **read)

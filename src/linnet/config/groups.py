@@ -126,6 +126,8 @@ class RecordsConfig:
                                      "train for a hub dataset")
     eval_path: str | None = option(None, "held-out records; null: take eval_share of path")
     eval_share: float = option(0.05, "share of the records held out when eval_path is null")
+    overlap: str = option("warn", "held-out records that repeat training records (exact or near duplicates, as "
+                                  "`linnet data check` finds them): warn, refuse, or off")
     messages: str | None = option(None, "field holding chat messages; null: 'messages' when present",
                                   only=("sft", "distill"))
     prompt: list[str] | None = option(None, "prompt field; null: 'prompt' (sft: or instruction + input; sft may "
@@ -149,6 +151,8 @@ class RecordsConfig:
         check_finite(self, "data")
         if not 0 <= self.eval_share < 1:
             raise ValueError(f"config: data.eval_share={self.eval_share}; it must be in [0, 1)")
+        if self.overlap not in ("warn", "refuse", "off"):
+            raise ValueError(f"config: data.overlap={self.overlap!r}; one of warn, refuse, off")
 
 
 @dataclass
