@@ -176,3 +176,30 @@ def test_a_reward_model_judges_the_models_and_its_agreement_with_labels(trained)
                      "--json", str(r / "agree.json")]) == 0
     judge = json.loads((r / "agree.json").read_text())["judge"]
     assert judge["pairs"] == 30 and 0 <= judge["interval"][0] <= judge["agreement"] <= judge["interval"][1] <= 1
+
+
+def test_an_lm_eval_task_of_ones_own_runs_offline_and_agrees_with_linnet(trained, monkeypatch):
+    """lm-evaluation-harness, run for real: a task in a local YAML over a local data file,
+    through linnet's model exported for transformers; its exact match on the problems
+    equals linnet's own pass@1 (both greedy, both starting the prompt with BOS)."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'linnet[eval]')")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = trained
+    problems = [json.loads(x) for x in (r / "held.jsonl").read_text().splitlines()[:60]]
+    (r / "add.jsonl").write_text("".join(json.dumps({"question": p["prompt"], "target": p["answer"]}) + "\n"
+                                         for p in problems))
+    (r / "tasks").mkdir()
+    (r / "tasks" / "add.yaml").write_text(
+        "task: linnet_addition\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {r / 'add.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{target}}'\n"
+        "generation_kwargs:\n  until: ['</s>']\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+    (r / "sixty.jsonl").write_text("".join(json.dumps(p) + "\n" for p in problems))
+    assert cli.main(["eval", str(r / "run" / "model"), "--data", str(r / "sixty.jsonl"), "--no-chat",
+                     "--max-new-tokens", "4", "--lm-eval", str(r / "tasks" / "add.yaml"),
+                     "--json", str(r / "lm.json")]) == 0
+    found = json.loads((r / "lm.json").read_text())
+    assert found["lm_eval"]["linnet_addition"]["exact_match,none"] == pytest.approx(found["pass@1"])
+    assert found["pass@1"] > 0  # the trained model gets some right: the agreement is not 0 == 0

@@ -79,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="tokenize prompts as raw text")
     p.add_argument("--context-length", type=int, default=4096,
                    help="positions of a packed row for the loss, as training.context_length (default 4096)")
-    p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-evaluation-harness tasks")
+    p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-evaluation-harness tasks, or task YAML "
+                                                     "files of your own (local data files: runs offline)")
     p.add_argument("--json", metavar="PATH", help="also write the results here (a new file, or one an earlier "
                                                   "`linnet eval --json` wrote; never an input)")
     former_flags(p, FORMER_FLAGS)
@@ -244,17 +245,37 @@ def load_model(source: str):
 
 
 def lm_eval(model, tasks: str) -> dict:
-    """lm-evaluation-harness on the merged model, through its transformers backend."""
+    """lm-evaluation-harness on the merged model, through its transformers backend. A task
+    may be a YAML file of one's own (its folder joins the harness's task paths, its name is
+    its `task:`), whose data files are local, so it runs offline."""
     try:
         import lm_eval as harness
+        from lm_eval.tasks import TaskManager
     except ImportError:
         raise ValueError("--lm-eval needs lm-evaluation-harness: pip install lm-eval") from None
+    import yaml
+
     from linnet.export import export_directory
 
+    names, folders = [], []
+    for task in tasks.split(","):
+        if task.endswith((".yaml", ".yml")):
+            path = Path(task)
+            if not path.is_file():
+                raise ValueError(f"--lm-eval {task}: no such task file")
+            spec = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(spec, dict) or not isinstance(spec.get("task"), str):
+                raise ValueError(f"--lm-eval {task}: a task file names its task (task: NAME)")
+            names.append(spec["task"])
+            folders.append(str(path.parent.resolve()))
+        else:
+            names.append(task)
+    bos = ",add_bos_token=True" if model.card.bos_token_id is not None else ""  # the harness adds none unasked
     with tempfile.TemporaryDirectory(prefix="linnet-eval-") as tmp:
         export_directory(model, tmp, about={"source": tmp, "base": tmp})
-        out = harness.simple_evaluate(model="hf", model_args=f"pretrained={tmp},dtype=float32",
-                                      tasks=tasks.split(","), device="cpu")
+        out = harness.simple_evaluate(model="hf", model_args=f"pretrained={tmp},dtype=float32{bos}", tasks=names,
+                                      device=str(model.device),
+                                      task_manager=TaskManager(include_path=sorted(set(folders)) or None))
     return {task: {k: v for k, v in values.items() if isinstance(v, (int, float))}
             for task, values in out["results"].items()}
 

@@ -181,8 +181,25 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     write_text(path / "config.json", json.dumps(config, indent=2) + "\n")
     if model.card.tokenizer.path is not None:
+        source = Path(model.card.tokenizer.path)
         for name in TOKENIZER_FILES:
-            src = Path(model.card.tokenizer.path) / name
+            src = source / name
             if src.is_file() and src.resolve() != (path / name).resolve():
                 with atomic_path(path / name) as tmp:
                     shutil.copyfile(src, tmp)
+        if (source / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            write_text(path / "tokenizer_config.json", json.dumps(special_tokens(model.card, source), indent=2) + "\n")
+
+
+def special_tokens(card, source: Path) -> dict:
+    """A tokenizer_config.json for a bare tokenizer.json: the card's BOS, EOS and padding
+    tokens by name, so transformers (and lm-evaluation-harness through it) know where a
+    sequence starts and stops."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(source / "tokenizer.json"))
+    named = {"bos_token": card.bos_token_id, "eos_token": (card.eos_token_ids or (None,))[0],
+             "pad_token": card.pad_token_id}
+    out = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": card.max_positions}
+    out.update({key: raw.id_to_token(i) for key, i in named.items() if i is not None and raw.id_to_token(i)})
+    return out
