@@ -12,7 +12,7 @@ import torch
 from linnet import cli, nest
 from linnet.commands import quickstart
 from linnet.commands.sft import run
-from linnet.config import SFTConfig, load
+from linnet.config import RewardConfig, SFTConfig, load
 
 torch.set_num_threads(1)
 
@@ -253,3 +253,25 @@ def test_two_processes_under_torchrun_train_like_one_with_twice_the_rows(workspa
         assert in_processes(_sft_process, two_args, "--resume", processes=2 * copies) == [0] * 2 * copies
         again = [json.loads(x) for x in metrics.read_text().splitlines()]
         assert [m["loss"] for m in again] == pytest.approx([m["loss"] for m in two], rel=1e-6)
+
+
+def test_a_general_set_is_measured_beside_the_held_out_set(workspace, tmp_path):
+    """evaluation.general: its loss at every evaluation, in metrics.jsonl and the summary,
+    equal to the loss of the final model on those records."""
+    from linnet.commands.runs import general_rows
+    from linnet.train.evaluation import held_out_loss
+
+    general = tmp_path / "general.jsonl"
+    rng = np.random.default_rng(7)
+    general.write_text("".join(json.dumps({"text": p + a[::-1]}) + "\n" for p, a in quickstart.problems(rng, 30, 2)))
+    config = _config(workspace, tmp_path / "run", steps=6)
+    config.evaluation.every, config.evaluation.general = 3, str(general)
+    summary = run(config)
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    measured = [m["held_out_general_loss"] for m in metrics if "held_out_general_loss" in m]
+    assert [m["step"] for m in metrics if "held_out_general_loss" in m] == [3, 6] and "held_out_loss" in metrics[2]
+    final = nest.load(tmp_path / "run" / "final", weights=tmp_path / "run" / "final")
+    assert summary["held_out_general_loss"] == measured[-1] == pytest.approx(
+        held_out_loss(final, general_rows(config)), rel=1e-5)
+    with pytest.raises(ValueError, match="evaluation.general"):  # a reward model has no general loss
+        load(RewardConfig, None, [f"evaluation.general={general}"])

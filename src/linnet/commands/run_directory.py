@@ -40,7 +40,8 @@ from linnet.torch.loading import usable_device
 # Fields that never change what a fine-tuning run learns: where it runs and what it keeps.
 # The data files' contents stand for their paths, so data may move between sessions.
 RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads", "runtime.progress", "runtime.report_to",
-                        "training.checkpoint_every", "training.keep", "evaluation.every", "data.path",
+                        "training.checkpoint_every", "training.keep", "evaluation.every", "evaluation.general",
+                        "data.overlap", "data.path",
                         "data.eval_path", "dpo.reference_cache", "training.activation_checkpointing",
                         "model.activation_memory_budget", "grpo.vllm_gpu_memory_utilization"})
 

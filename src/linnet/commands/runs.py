@@ -263,10 +263,11 @@ class Job:
         return job.summarize(history, card=card.name)
     """
 
-    def __init__(self, config, steps: int, directory: RunDirectory, label: str):
+    def __init__(self, config, steps: int, directory: RunDirectory, label: str, general=None):
         self.config, self.steps, self.directory, self.label = config, steps, directory, label
         self.complete = directory.complete
         self.log: MetricsLog | None = None
+        self.general = general  # evaluation.general's packed rows, or None
 
     def load(self, card):
         """The model the config trains (`load_model`)."""
@@ -282,6 +283,11 @@ class Job:
         from linnet.run import Run
 
         c, t = self.config, self.config.training
+        if self.general is not None:
+            if model is None:
+                raise ValueError("evaluation.general: the JAX backend does not evaluate a general set yet; drop it, or "
+                                 "train with linnet sft")
+            evaluate = with_general(evaluate, self.general, t.per_copy)
         schedule = None
         if optimizer is None:
             optimizer, schedule = optimizer_and_schedule(c, model, self.steps)
@@ -312,9 +318,51 @@ def _utilization(model, context: int):
 def start(config, steps: int, *, overwrite: bool = False, resume: bool = False,
           resume_from: str | os.PathLike | None = None, label: str | None = None) -> Job:
     """The Job of a training command's config: its run directory checked (reads only) for
-    the command line's --overwrite, --resume and --resume-from."""
+    the command line's --overwrite, --resume and --resume-from, and evaluation.general's
+    records read."""
+    general = general_rows(config)
     directory = RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    return Job(config, steps, directory, label or config.command)
+    return Job(config, steps, directory, label or config.command, general)
+
+
+def general_rows(config) -> list | None:
+    """evaluation.general's records (general-capability text, chats or prompt/completion
+    records) as packed rows of the run's tokenizer and row length, or None."""
+    path = getattr(config.evaluation, "general", None)
+    if not path:
+        return None
+    from linnet.cards import configured
+    from linnet.commands import spellings
+    from linnet.data import examples_from_records, load_tokenizer, read_records
+    from linnet.data.examples import text_examples
+    from linnet.packing import pack
+
+    d, t = config.data, config.training
+    tokenizer = load_tokenizer(d.tokenizer or configured(vars(config.model)), chat_template=d.chat_template)
+    records = read_records(path)
+    if not records:
+        raise ValueError(f"evaluation.general: {path} holds no records")
+    if set(records[0].data) == {"text"}:  # documents, learned whole
+        examples = text_examples(records, tokenizer, tokens=t.context_length)
+    else:
+        examples = examples_from_records(records, tokenizer, tokens=t.context_length, chat=d.chat, truncate=True,
+                                         names=spellings.RECORDS)
+    return list(pack(examples, t.context_length, pad_id=tokenizer.pad_id))
+
+
+def with_general(evaluate, rows: list, per_copy: int):
+    """`evaluate` (None: nothing else) and the loss on evaluation.general's rows, as
+    held_out_general_loss: what fine-tuning costs the model elsewhere (forgetting)."""
+    from linnet.train.evaluation import held_out_loss
+
+    share, shares = data_share(per_copy)
+
+    def both(model) -> dict:
+        out = dict(evaluate(model)) if evaluate is not None else {}
+        out["held_out_general_loss"] = held_out_loss(model, rows, share=share, shares=shares)
+        return out
+
+    return both
 
 
 def execute(run, args, config, **options) -> int:

@@ -359,6 +359,9 @@ class LRScheduleConfig:
 class EvaluationConfig:
     every: int = option(50, "held-out evaluation every this many steps (and at the end): loss; dpo: accuracy and "
                             "margin; grpo: reward, pass@1, pass@k", only=FINE_TUNING)
+    general: str | None = option(None, "general-capability records (text, chats or prompt/completion) whose loss is "
+                                       "measured beside the held-out set, as held_out_general_loss: forgetting",
+                                 only=("sft", "dpo", "grpo", "ppo", "distill"))
     batch_size: int = option(128, "validation sequences per forward pass", only=PRETRAINING)
     subset_sequences: int = option(1024, "fixed validation subset (kept in memory) evaluated at every epoch end",
                                    only=PRETRAINING)

@@ -81,6 +81,22 @@ def load_examples(
     )
 
 
+def text_examples(records: Sequence[Record], tokenizer: Tokenizer, *, tokens: int, field: str = "text") -> list[Example]:
+    """Documents to learn whole (a `field` of text a record, as pretraining reads them):
+    BOS where the tokenizer has one, the text, EOS; cut to a row of `tokens`."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    eos = list(tokenizer.eos_ids)[:1]
+    out = []
+    for record in records:
+        text = record.data.get(field)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{record.where}: field {field!r} must be non-empty text")
+        ids = tokenizer.encode(text)
+        ids = (ids if bos and ids[:1] == bos else bos + ids) + eos
+        out.append(Example.plain(ids[:tokens]))
+    return out
+
+
 def examples_from_records(
     records: Iterable[Record | dict],
     tokenizer: Tokenizer,

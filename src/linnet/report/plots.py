@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 PANELS = (  # (title, metric keys drawn in it); a panel shows when the run has one of its keys
-    ("loss (nats per learned token)", ("loss", "held_out_loss", "dpo_loss", "grpo_loss")),
+    ("loss (nats per learned token)", ("loss", "held_out_loss", "held_out_general_loss", "dpo_loss", "grpo_loss")),
     ("learning rate", ("lr",)),
     ("gradient norm", ("grad_norm",)),
     ("real tokens / s", ("tokens_per_second",)),
