@@ -101,7 +101,13 @@ def recipe(config) -> dict[str, Any]:
     if config.command in ("sft", "distill"):
         t = config.training
         fields[ROWS_PER_STEP] = fields.pop("training.accumulation") * data_share(t.per_copy)[1]
-    fields["data.fingerprint"] = _data_fingerprint(config.data.path)
+    mixture = fields.pop("data.mixture", None)
+    if mixture:  # the sources' contents and weights, not their paths
+        fields["data.mixture.fingerprints"] = [_data_fingerprint(m["path"]) for m in mixture]
+        fields["data.mixture.weights"] = [m["weight"] for m in mixture]
+        fields["data.mixture.splits"] = [m.get("split") for m in mixture]
+    else:
+        fields["data.fingerprint"] = _data_fingerprint(config.data.path)
     if config.data.eval_path:
         fields["data.eval_fingerprint"] = _data_fingerprint(config.data.eval_path)
     for name in MODEL_FIELDS:
@@ -305,9 +311,10 @@ class RunDirectory:
         directory: an output is never an input."""
         out = self.path.resolve()
         flat = flatten(to_dict(self.config))
-        for name in INPUT_FIELDS:
-            value = flat.get(name)
-            path = _local(value) if name not in ("data.path", "data.eval_path") else (
+        inputs = [(name, flat.get(name)) for name in INPUT_FIELDS]
+        inputs += [(f"data.mixture[{i}].path", m["path"]) for i, m in enumerate(flat.get("data.mixture") or [])]
+        for name, value in inputs:
+            path = _local(value) if not name.startswith("data.") else (
                 Path(value) if isinstance(value, str) and value else None)
             if path is None:
                 continue

@@ -31,6 +31,7 @@ class Inputs:
     eval_examples: list
     rows_per_epoch: int
     steps: int
+    sources: list[int] | None = None  # data.mixture: each source's examples, laid end to end in train_examples
 
 
 def read_inputs(config: SFTConfig) -> Inputs:
@@ -43,33 +44,47 @@ def read_inputs(config: SFTConfig) -> Inputs:
     d, t = config.data, config.training
     card = configured(vars(config.model))
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
-    records, held_out = split_records(config)
-    runs.check_held_out(config, records, held_out)
+    sources, held_out = source_records(config)
+    runs.check_held_out(config, [r for s in sources for r in s], held_out)
     read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate,
                 names=spellings.RECORDS)
-    examples = examples_from_records(records, tokenizer, **read)
+    per_source = [examples_from_records(records, tokenizer, **read) for records in sources]
+    examples = [e for part in per_source for e in part]
     held_out = examples_from_records(held_out, tokenizer, **read) if held_out else []
-    rows = count_rows(examples, t.context_length)
-    steps = t.steps or max(1, math.ceil(t.epochs * rows / (t.accumulation * data_share(t.per_copy)[1])))
-    runs.steps_factor(config, steps)  # a schedule that cannot fit fails now
-    return Inputs(config, card, tokenizer, examples, held_out, rows, steps)
+    inputs = Inputs(config, card, tokenizer, examples, held_out, 0, 0,
+                    [len(part) for part in per_source] if d.mixture else None)
+    inputs.rows_per_epoch = count_rows(epoch_examples(inputs, 0), t.context_length)
+    inputs.steps = t.steps or max(1, math.ceil(t.epochs * inputs.rows_per_epoch
+                                               / (t.accumulation * data_share(t.per_copy)[1])))
+    runs.steps_factor(config, inputs.steps)  # a schedule that cannot fit fails now
+    return inputs
 
 
 def split_records(config: SFTConfig) -> tuple[list, list]:
     """(training records, held-out records): data.eval_path's, else a seeded data.eval_share
-    of data.path's. Split before tokenizing, so another tokenizer (a distillation teacher's)
-    reads the same records."""
+    of data.path's (of each data.mixture source's). Split before tokenizing, so another
+    tokenizer (a distillation teacher's) reads the same records."""
+    sources, held_out = source_records(config)
+    return [r for records in sources for r in records], held_out
+
+
+def source_records(config: SFTConfig) -> tuple[list[list], list]:
+    """(each source's training records: data.path's alone, or data.mixture's in order;
+    the held-out records)."""
     from linnet.data import read_records
 
     d = config.data
-    records = read_records(d.path, split=d.split, names=spellings.RECORDS)
-    if d.eval_path:
-        held_out = read_records(d.eval_path)
-    else:
-        records, held_out = runs.hold_out(records, d.eval_share, config.runtime.seed)
-    if not records:
-        raise ValueError(f"{d.path}: no training records left after holding out {len(held_out)}")
-    return records, held_out
+    held_out: list = read_records(d.eval_path) if d.eval_path else []
+    sources = []
+    for path, split in [(m["path"], m.get("split")) for m in d.mixture] or [(d.path, d.split)]:
+        records = read_records(path, split=split, names=spellings.RECORDS)
+        if not d.eval_path:
+            records, out = runs.hold_out(records, d.eval_share, config.runtime.seed)
+            held_out += out
+        if not records:
+            raise ValueError(f"{path}: no training records left after holding out {len(held_out)}")
+        sources.append(records)
+    return sources, held_out
 
 
 def record_fields(config: SFTConfig) -> dict:
@@ -90,23 +105,38 @@ def epochs_of_rows(inputs: Inputs):
 def _all_rows(inputs: Inputs):
     from linnet.packing import pack
 
-    d, seed = inputs.config.data, inputs.config.runtime.seed
     epoch = 0
     while True:
-        examples = inputs.train_examples
-        if d.shuffle:
-            order = np.random.default_rng([seed, epoch]).permutation(len(examples))
-            examples = [examples[i] for i in order]
-        yield from pack(examples, inputs.config.training.context_length, pad_id=inputs.tokenizer.pad_id)
+        yield from pack(epoch_examples(inputs, epoch), inputs.config.training.context_length,
+                        pad_id=inputs.tokenizer.pad_id)
         epoch += 1
+
+
+def epoch_examples(inputs: Inputs, epoch: int) -> list:
+    """An epoch's examples: all of them, reshuffled by seed and epoch (data.shuffle), or
+    data.mixture's draw from each source in proportion, interleaved (linnet.data.mixture)."""
+    from linnet.data.mixture import mixture_epoch
+
+    d, seed, examples = inputs.config.data, inputs.config.runtime.seed, inputs.train_examples
+    if inputs.sources is not None:
+        if sum(inputs.sources) != len(examples):
+            raise ValueError(f"data.mixture: {len(examples)} training examples, but its sources read "
+                             f"{sum(inputs.sources)}; a mixture needs one example a record")
+        order = mixture_epoch(inputs.sources, [m["weight"] for m in d.mixture], seed=seed, epoch=epoch)
+    elif d.shuffle:
+        order = np.random.default_rng([seed, epoch]).permutation(len(examples))
+    else:
+        return examples
+    return [examples[i] for i in order]
 
 
 def batch_table(inputs: Inputs) -> list[tuple[str, str]]:
     """The derived sizes a user checks before training."""
+    from linnet.data.mixture import shares
     from linnet.packing import fitted
 
     t = inputs.config.training
-    examples = fitted(inputs.train_examples, t.context_length)
+    examples = fitted(epoch_examples(inputs, 0), t.context_length)
     rows = inputs.rows_per_epoch
     real = sum(len(ex) for ex in examples)
     learned = int(sum(ex.learned[1:].sum() for ex in examples))
@@ -123,7 +153,10 @@ def batch_table(inputs: Inputs) -> list[tuple[str, str]]:
         ("learned tokens per step", f"{learned / rows * per_step:,.0f} (mean)"),
         ("steps per epoch", f"{rows / per_step:,.1f}"),
         ("steps", f"{inputs.steps:,} ({inputs.steps * per_step / rows:.2f} epochs)"),
-    ]
+    ] + ([(f"mixture: {m['path']}", f"{n:,} records, {taken:,} an epoch (weight {m['weight']})")
+          for m, n, taken in zip(inputs.config.data.mixture, inputs.sources,
+                                 shares([m["weight"] for m in inputs.config.data.mixture], sum(inputs.sources)))]
+         if inputs.sources else [])
 
 
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,

@@ -136,7 +136,7 @@ class FineTuningConfig:
     runtime: RuntimeConfig = group(RuntimeConfig, "seed, device, output")
 
     def __post_init__(self):
-        if not self.data.path:
+        if not self.data.path and not self.data.mixture:
             raise ValueError(f"config: data.path is required (the records `linnet {self.command}` trains on)")
         if self.training.context_length < 16:
             raise ValueError(f"config: training.context_length={self.training.context_length}; a packed row needs "
@@ -214,6 +214,9 @@ class DistillConfig(FineTuningConfig):
         super().__post_init__()
         if not self.distill.teacher:
             raise ValueError("config: distill.teacher is required (a card name or a model directory)")
+        if self.data.mixture and self.distill.mode == "on_policy":
+            raise ValueError("config: data.mixture with distill.mode=on_policy is not supported yet (its prompts are "
+                             "drawn a step at a time, not an epoch); use one data.path, or mode logit or sequence")
 
 
 @dataclass
@@ -364,7 +367,7 @@ def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
 
 def command_of(data: dict[str, Any]) -> str:
     """Which command a config is for, from the groups it gives: a `dpo`, `grpo`, `ppo`, `reward` or `distill` group,
-    a corpus (`data.cache`, `data.source` or `data.dataset`) or an architecture for
+    a corpus (`data.cache`, `data.source`, `data.dataset` or a `data.mixture` of sources) or an architecture for
     pretraining; sft otherwise."""
     if "dpo" in data:
         return "dpo"
@@ -376,7 +379,10 @@ def command_of(data: dict[str, Any]) -> str:
         return "reward"
     if "distill" in data:
         return "distill"
-    corpus = {"cache", "source", "dataset"} & set(data.get("data") or {})
+    given = data.get("data") or {}
+    corpora = given.get("mixture") if isinstance(given, dict) else None  # a pretraining mixture's entries name sources
+    corpus = ({"cache", "source", "dataset"} & set(given)) or any(
+        isinstance(m, dict) and "source" in m for m in (corpora if isinstance(corpora, list) else []))
     architecture = {"hidden", "layers", "heads", "intermediate"} & set(data.get("model") or {})
     return "pretrain" if corpus or architecture else "sft"
 

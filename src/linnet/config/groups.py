@@ -124,6 +124,10 @@ class RecordsConfig:
                            "Hugging Face Hub by name (tatsu-lab/alpaca; through datasets.load_dataset and its cache)")
     split: str | None = option(None, "the split of path when it is a hub dataset or a saved DatasetDict; null: "
                                      "train for a hub dataset")
+    mixture: list[dict] = option([], "several record files sampled in proportion, instead of path: [{path: a.jsonl, "
+                                     "weight: 3}, {path: b.jsonl, weight: 1}] (each may name a split); an epoch takes "
+                                     "weight / total of its records from each, a small source repeating",
+                                 only=("sft", "distill"))
     eval_path: str | None = option(None, "held-out records; null: take eval_share of path")
     eval_share: float = option(0.05, "share of the records held out when eval_path is null")
     overlap: str = option("warn", "held-out records that repeat training records (exact or near duplicates, as "
@@ -153,12 +157,29 @@ class RecordsConfig:
             raise ValueError(f"config: data.eval_share={self.eval_share}; it must be in [0, 1)")
         if self.overlap not in ("warn", "refuse", "off"):
             raise ValueError(f"config: data.overlap={self.overlap!r}; one of warn, refuse, off")
+        for i, source in enumerate(self.mixture):
+            where = f"config: data.mixture[{i}]"
+            unknown = sorted(set(source) - {"path", "weight", "split"})
+            if unknown:
+                raise ValueError(f"{where} has {', '.join(unknown)}; a source has path, weight and optionally split")
+            if not isinstance(source.get("path"), str) or not source["path"]:
+                raise ValueError(f"{where}: path is required (a file of records, a saved dataset or a hub name)")
+            weight = source.get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+                raise ValueError(f"{where}: weight={weight!r}; give a positive number (weights are relative)")
+        if self.mixture and self.path:
+            raise ValueError("config: data.path and data.mixture both name the records; keep one (a mixture lists "
+                             "every source, path included)")
 
 
 @dataclass
 class CorpusConfig:
     cache: str = option("", "token cache directory (written by `linnet prepare`)")
     source: list[str] = option([], "corpus: .txt, .jsonl, .parquet files (.gz too) or directories of them")
+    mixture: list[dict] = option([], "several corpora sampled in proportion, instead of source: [{source: [web/], "
+                                     "weight: 3}, {source: [code.jsonl], weight: 1}]; the training split holds as many "
+                                     "documents as they do together, weight / total of them from each (a small corpus "
+                                     "repeating, a large one cut)")
     validation_source: list[str] = option([], "validation corpus files; empty: every validation_every-th source document")
     validation_every: int = option(100, "with no validation_source: every N-th source document (in order) is validation; 0: none")
     dataset: str | None = option(None, "a `datasets` dataset name (streamed) instead of source files")
@@ -191,6 +212,21 @@ class CorpusConfig:
             raise ValueError(f"config: data.validation_every={self.validation_every}; it must be >= 0")
         if self.train_tokens is not None and self.train_tokens < 2:
             raise ValueError(f"config: data.train_tokens={self.train_tokens}; use null (what the budget draws) or >= 2")
+        for i, entry in enumerate(self.mixture):
+            where = f"config: data.mixture[{i}]"
+            unknown = sorted(set(entry) - {"source", "weight"})
+            if unknown:
+                raise ValueError(f"{where} has {', '.join(unknown)}; a corpus of a mixture has source and weight")
+            paths = entry.get("source")
+            if not (isinstance(paths, str) and paths) and not (isinstance(paths, list) and paths
+                                                               and all(isinstance(x, str) for x in paths)):
+                raise ValueError(f"{where}: source is required (a corpus file or directory, or a list of them)")
+            weight = entry.get("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+                raise ValueError(f"{where}: weight={weight!r}; give a positive number (weights are relative)")
+        if self.mixture and (self.source or self.dataset is not None):
+            raise ValueError("config: data.mixture lists the corpora; drop data.source / data.dataset (a mixture "
+                             "lists every corpus)")
 
 
 @dataclass

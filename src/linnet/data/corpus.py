@@ -167,13 +167,16 @@ def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Docum
     shuffle buffer (in source order when `for_tokenizer`: the order does not matter)."""
     separate = bool(d.validation_source) or (d.dataset is not None and d.dataset_validation_split is not None)
     every = 0 if separate else d.validation_every
-    if d.dataset is not None:
-        source: Iterator[str] = _dataset_documents(d, d.dataset_split)
-        held: Callable[[], Iterator[str]] = lambda: _dataset_documents(d, d.dataset_validation_split)
+    validation: deque[Document] = deque()
+    if d.mixture:
+        source: Iterator[str] = iter(())
+        held: Callable[[], Iterator[str]] = lambda: read_documents(source_files(d.validation_source), d)
+    elif d.dataset is not None:
+        source = _dataset_documents(d, d.dataset_split)
+        held = lambda: _dataset_documents(d, d.dataset_validation_split)
     else:
         source = read_documents(source_files(d.source), d)
         held = lambda: read_documents(source_files(d.validation_source), d)
-    validation: deque[Document] = deque()
 
     def numbered() -> Iterator[tuple[str, int]]:
         count = 0
@@ -186,7 +189,8 @@ def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Docum
             else:
                 yield text, count
 
-    stream = numbered() if for_tokenizer else _shuffled(numbered(), d.shuffle_buffer, d.shuffle_seed)
+    train = _mixed(d, every, validation) if d.mixture else numbered()
+    stream = train if for_tokenizer else _shuffled(train, d.shuffle_buffer, d.shuffle_seed)
     for text, position in stream:
         while validation:  # interleaved validation goes out as soon as it is read
             yield validation.popleft()
@@ -196,3 +200,53 @@ def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Docum
         for i, text in enumerate(held()):
             if text.strip():
                 yield Document("validation", text, i)
+
+
+def mixture_files(entry: dict) -> list[Path]:
+    """The corpus files of one data.mixture entry (its source: a path or a list of them)."""
+    paths = entry["source"]
+    return source_files([paths] if isinstance(paths, str) else list(paths))
+
+
+def _mixed(d: CorpusConfig, every: int, validation: deque[Document]) -> Iterator[tuple[str, int]]:
+    """data.mixture's training documents (linnet.data.mixture's rule, by documents): as
+    many as its sources hold together, each source giving its weight's share of them in
+    its own order, repeated from the start when its share is larger than it is, stopped
+    when smaller; the sources interleaved in a seeded order. Every `every`-th document of
+    each source (by its own count) goes to `validation`, never to training."""
+    from linnet.data.mixture import shares
+
+    parts = [mixture_files(m) for m in d.mixture]
+
+    def kept(files: list[Path], into: deque[Document] | None) -> Iterator[str]:
+        count = 0
+        for text in read_documents(files, d):
+            count += 1
+            if not text.strip():
+                continue
+            if every and count % every == 0:
+                if into is not None:
+                    into.append(Document("validation", text, count - 1))
+                continue
+            yield text
+
+    sizes = [sum(1 for _ in kept(files, None)) for files in parts]  # a first pass, counting
+    for i, size in enumerate(sizes):
+        if not size:
+            raise ValueError(f"data.mixture[{i}]: {', '.join(map(str, parts[i]))} hold no training documents")
+
+    first = [kept(files, validation) for files in parts]  # the pass that holds validation documents out
+
+    def endless(k: int) -> Iterator[str]:
+        yield from first[k]
+        while True:
+            yield from kept(parts[k], None)
+
+    order = np.repeat(np.arange(len(parts)), shares([m["weight"] for m in d.mixture], sum(sizes)))
+    np.random.default_rng([d.shuffle_seed, len(parts)]).shuffle(order)
+    streams = [endless(k) for k in range(len(parts))]
+    for position, k in enumerate(order, 1):
+        yield next(streams[k]), position
+    for rest in first:  # a corpus cut short still gives all of its validation documents
+        for _ in rest:
+            pass

@@ -37,7 +37,7 @@ from typing import Any
 
 from linnet.config import PretrainConfig
 from linnet.config.groups import CorpusConfig
-from linnet.data.corpus import documents, source_files
+from linnet.data.corpus import documents, mixture_files, source_files
 from linnet.files.atomic import check_writable, remove_stale, write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
@@ -138,6 +138,9 @@ def cache_settings(d: CorpusConfig, tokenizer_setting: dict[str, Any] | None = N
         "shuffle_seed": d.shuffle_seed,
         "shard_tokens": d.shard_tokens,
     }
+    if d.mixture:  # which corpora and their weights decide the bytes; caches without one compare as before
+        settings["mixture"] = [{"source": [{"path": str(p.resolve()), "bytes": p.stat().st_size}
+                                           for p in mixture_files(m)], "weight": m["weight"]} for m in d.mixture]
     if tokenizer_setting is not None:
         settings["tokenizer"] = tokenizer_setting
     return settings
@@ -245,8 +248,9 @@ def prepare(config: PretrainConfig | CorpusConfig) -> Prepared:
 def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
     if not d.cache:
         raise ValueError("config: data.cache is required (the directory the token cache is written to)")
-    if not d.source and d.dataset is None:
-        raise ValueError("config: give data.source (corpus files) or data.dataset (a datasets name)")
+    if not d.source and d.dataset is None and not d.mixture:
+        raise ValueError("config: give data.source (corpus files), data.mixture (several, weighted) or data.dataset "
+                         "(a datasets name)")
     target = Path(d.cache)
     check_writable(target, "data.cache")
     if target.exists():
@@ -282,7 +286,7 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
             bar.close()
         splits = writers.close()
         if splits["train"]["tokens"] < 2:
-            raise ValueError(f"{', '.join(d.source) or d.dataset}: the training split holds "
+            raise ValueError(f"{', '.join(d.source) or d.dataset or 'data.mixture'}: the training split holds "
                              f"{splits['train']['tokens']} tokens; the corpus is empty")
         manifest = {
             "format": cache_format.FORMAT,

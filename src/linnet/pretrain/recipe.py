@@ -86,7 +86,7 @@ RUN_FIELDS = frozenset({
 # Fields that only decide the cache's contents: the cache fingerprint stands for them,
 # so a cache may move and be named by another path.
 CACHE_FIELDS = frozenset({
-    "data.cache", "data.source", "data.validation_source", "data.validation_every", "data.dataset",
+    "data.cache", "data.source", "data.mixture", "data.validation_source", "data.validation_every", "data.dataset",
     "data.dataset_config", "data.dataset_split", "data.dataset_validation_split", "data.text_field",
     "data.document_split", "data.train_tokens", "data.tokenizer", "data.vocab_size", "data.eos_token",
     "data.shuffle_buffer", "data.shuffle_seed", "data.shard_tokens",

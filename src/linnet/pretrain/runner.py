@@ -201,14 +201,14 @@ def _check_cache_settings(config: PretrainConfig, cache: TokenCache) -> None:
     from linnet.pretrain.prepare import requested_settings, settings_differences
 
     d = config.data
-    if not d.source and d.dataset is None:
+    if not d.source and d.dataset is None and not d.mixture:
         return
     saved = dict(cache.settings)
     try:
         wanted = requested_settings(d)
     except FileNotFoundError:  # the corpus moved away: the cache stands on its own
-        wanted = requested_settings(dataclasses.replace(d, source=[], validation_source=[]))
-        for key in ("source", "validation_source"):
+        wanted = requested_settings(dataclasses.replace(d, source=[], validation_source=[], mixture=[]))
+        for key in ("source", "validation_source", "mixture"):
             saved.pop(key, None)
             wanted.pop(key, None)
     changed = settings_differences(saved, wanted)
