@@ -193,6 +193,13 @@ class CorpusConfig:
     tokenizer: str | None = option(None, "tokenizer.json, a directory holding one, or a card name; null: train a byte-level BPE on the corpus")
     vocab_size: int = option(8192, "vocabulary of the BPE trained when tokenizer is null")
     eos_token: str | None = option(None, "token placed after every document; null: the tokenizer's own (<|endoftext|> for a trained one)")
+    dedup: Literal["off", "exact", "near"] = option(
+        "off", "drop documents that repeat an earlier one before tokenizing: exact (the same normalized text) or near "
+               "(MinHash over word 5-grams, at dedup_threshold; needs datasketch)")
+    dedup_threshold: float = option(0.8, "near duplicates: the Jaccard similarity from which a document repeats another")
+    min_characters: int = option(0, "drop documents shorter than this many characters (0: keep all)")
+    max_repetition: float = option(1.0, "drop documents whose share of repeated word 3-grams is above this (1: keep all)")
+    min_letters: float = option(0.0, "drop documents whose share of letters among non-space characters is below this")
     shuffle_buffer: int = option(100000, "documents in the preparation shuffle buffer (1: source order)")
     shuffle_seed: int = option(0, "seed of the preparation shuffle buffer")
     shard_tokens: int = option(33554432, "tokens per cache shard (64 MiB of uint16)")
@@ -210,6 +217,11 @@ class CorpusConfig:
                      "data.vocab_size": self.vocab_size})
         if self.validation_every < 0:
             raise ValueError(f"config: data.validation_every={self.validation_every}; it must be >= 0")
+        for name in ("dedup_threshold", "max_repetition", "min_letters"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"config: data.{name}={getattr(self, name)}; it is a share, in [0, 1]")
+        if self.min_characters < 0:
+            raise ValueError(f"config: data.min_characters={self.min_characters}; it must be >= 0")
         if self.train_tokens is not None and self.train_tokens < 2:
             raise ValueError(f"config: data.train_tokens={self.train_tokens}; use null (what the budget draws) or >= 2")
         for i, entry in enumerate(self.mixture):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from linnet.data.curation import Curation
 from linnet.data.readers import JSONL_SUFFIXES, MissingColumn, iter_records
 
 if TYPE_CHECKING:
@@ -162,9 +163,13 @@ def _shuffled(docs: Iterator[tuple[str, int]], size: int, seed: int) -> Iterator
         yield buffer[j], position
 
 
-def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Document]:
+def documents(d: CorpusConfig, *, for_tokenizer: bool = False, curation: Curation | None = None) -> Iterator[Document]:
     """The corpus as split documents: validation in source order, training through the
-    shuffle buffer (in source order when `for_tokenizer`: the order does not matter)."""
+    shuffle buffer (in source order when `for_tokenizer`: the order does not matter).
+    `curation` (default the config's, linnet.data.curation) drops duplicates and the
+    documents the quality filters reject, before the split; they count for
+    validation_every as empty documents do."""
+    curation = curation or Curation.of(d)
     separate = bool(d.validation_source) or (d.dataset is not None and d.dataset_validation_split is not None)
     every = 0 if separate else d.validation_every
     validation: deque[Document] = deque()
@@ -182,14 +187,14 @@ def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Docum
         count = 0
         for text in source:
             count += 1
-            if not text.strip():
+            if not text.strip() or not curation.keep(text):
                 continue
             if every and count % every == 0:
                 validation.append(Document("validation", text, count - 1))
             else:
                 yield text, count
 
-    train = _mixed(d, every, validation) if d.mixture else numbered()
+    train = _mixed(d, every, validation, curation) if d.mixture else numbered()
     stream = train if for_tokenizer else _shuffled(train, d.shuffle_buffer, d.shuffle_seed)
     for text, position in stream:
         while validation:  # interleaved validation goes out as soon as it is read
@@ -198,7 +203,7 @@ def documents(d: CorpusConfig, *, for_tokenizer: bool = False) -> Iterator[Docum
     yield from validation
     if separate and not for_tokenizer:
         for i, text in enumerate(held()):
-            if text.strip():
+            if text.strip() and curation.keep(text):
                 yield Document("validation", text, i)
 
 
@@ -208,21 +213,21 @@ def mixture_files(entry: dict) -> list[Path]:
     return source_files([paths] if isinstance(paths, str) else list(paths))
 
 
-def _mixed(d: CorpusConfig, every: int, validation: deque[Document]) -> Iterator[tuple[str, int]]:
+def _mixed(d: CorpusConfig, every: int, validation: deque[Document], curation: Curation) -> Iterator[tuple[str, int]]:
     """data.mixture's training documents (linnet.data.mixture's rule, by documents): as
     many as its sources hold together, each source giving its weight's share of them in
     its own order, repeated from the start when its share is larger than it is, stopped
     when smaller; the sources interleaved in a seeded order. Every `every`-th document of
-    each source (by its own count) goes to `validation`, never to training."""
+    each source (by its own count) goes to `validation`, never to training. `curation`
+    decides once, in a first pass that counts, which documents stay."""
     from linnet.data.mixture import shares
 
     parts = [mixture_files(m) for m in d.mixture]
+    stays = [[bool(text.strip()) and curation.keep(text) for text in read_documents(files, d)] for files in parts]
 
-    def kept(files: list[Path], into: deque[Document] | None) -> Iterator[str]:
-        count = 0
-        for text in read_documents(files, d):
-            count += 1
-            if not text.strip():
+    def kept(k: int, into: deque[Document] | None) -> Iterator[str]:
+        for count, (text, stay) in enumerate(zip(read_documents(parts[k], d), stays[k], strict=True), 1):
+            if not stay:
                 continue
             if every and count % every == 0:
                 if into is not None:
@@ -230,17 +235,17 @@ def _mixed(d: CorpusConfig, every: int, validation: deque[Document]) -> Iterator
                 continue
             yield text
 
-    sizes = [sum(1 for _ in kept(files, None)) for files in parts]  # a first pass, counting
+    sizes = [sum(1 for i, stay in enumerate(flags, 1) if stay and not (every and i % every == 0)) for flags in stays]
     for i, size in enumerate(sizes):
         if not size:
             raise ValueError(f"data.mixture[{i}]: {', '.join(map(str, parts[i]))} hold no training documents")
 
-    first = [kept(files, validation) for files in parts]  # the pass that holds validation documents out
+    first = [kept(k, validation) for k in range(len(parts))]  # the pass that holds validation documents out
 
     def endless(k: int) -> Iterator[str]:
         yield from first[k]
         while True:
-            yield from kept(parts[k], None)
+            yield from kept(k, None)
 
     order = np.repeat(np.arange(len(parts)), shares([m["weight"] for m in d.mixture], sum(sizes)))
     np.random.default_rng([d.shuffle_seed, len(parts)]).shuffle(order)

@@ -31,13 +31,14 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from linnet.config import PretrainConfig
 from linnet.config.groups import CorpusConfig
 from linnet.data.corpus import documents, mixture_files, source_files
+from linnet.data.curation import Curation
 from linnet.files.atomic import check_writable, remove_stale, write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
@@ -84,6 +85,7 @@ class Prepared:
     reused: bool = False
     fingerprint: str = ""
     need: Need | None = None
+    dropped: dict[str, int] = field(default_factory=dict)  # documents the curation dropped, by reason
 
     @property
     def passes(self) -> float | None:
@@ -106,6 +108,8 @@ class Prepared:
             rows.append(("status", "already prepared with these settings; every checksum verified"))
         for s in SPLITS:
             rows.append((f"{s}", f"{self.documents[s]:,} documents, {self.tokens[s]:,} tokens, {self.shards[s]} shards"))
+        if self.dropped:
+            rows.append(("dropped", ", ".join(f"{n:,} {reason}" for reason, n in sorted(self.dropped.items()))))
         if self.need is not None:
             n = self.need
             rows += [("budget needs", f"{n.sequences:,} sequences of {n.context} tokens: {n.tokens:,} training tokens "
@@ -138,6 +142,9 @@ def cache_settings(d: CorpusConfig, tokenizer_setting: dict[str, Any] | None = N
         "shuffle_seed": d.shuffle_seed,
         "shard_tokens": d.shard_tokens,
     }
+    curation = Curation.of(d)
+    if curation.active:  # what it drops decides the bytes; caches prepared without compare as before
+        settings["curation"] = curation.settings()
     if d.mixture:  # which corpora and their weights decide the bytes; caches without one compare as before
         settings["mixture"] = [{"source": [{"path": str(p.resolve()), "bytes": p.stat().st_size}
                                            for p in mixture_files(m)], "weight": m["weight"]} for m in d.mixture]
@@ -209,12 +216,12 @@ def _check_existing(path: Path, d: CorpusConfig, config: PretrainConfig | None) 
     )
 
 
-def _batches(d: CorpusConfig, capped: Callable[[], bool]) -> Batches:
+def _batches(d: CorpusConfig, capped: Callable[[], bool], curation: Curation) -> Batches:
     """(split, texts, positions) batches; each split's batch flushes when full. Once the
     training split is `capped`, reading stops: the validation documents already read
     (all those before the cut) go out, and nothing more is read."""
     pending: dict[str, tuple[list[str], list[int]]] = {s: ([], []) for s in SPLITS}
-    for doc in documents(d):
+    for doc in documents(d, curation=curation):
         texts, positions = pending[doc.split]
         texts.append(doc.text)
         positions.append(doc.position)
@@ -270,7 +277,8 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
             d = replace(d, train_tokens=need.tokens)  # the cap actually used is what the manifest records
         dtype = token_dtype(vocab)
         writers = Writers(tmp, d, dtype)
-        batches = _batches(d, lambda: writers.full)
+        curation = Curation.of(d)
+        batches = _batches(d, lambda: writers.full, curation)
         bar = Progress(d.train_tokens or 0, "prepare", unit="tok") if d.train_tokens else None
 
         def write(*batch) -> None:
@@ -315,5 +323,5 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
     return Prepared(
         target, {s: splits[s]["documents"] for s in SPLITS}, {s: splits[s]["tokens"] for s in SPLITS},
         {s: len(splits[s]["shards"]) for s in SPLITS}, vocab, seconds, d.prepare_workers,
-        fingerprint=manifest["fingerprint"], need=need,
+        fingerprint=manifest["fingerprint"], need=need, dropped=dict(curation.dropped),
     )
