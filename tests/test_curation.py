@@ -55,3 +55,37 @@ def test_prepare_drops_planted_duplicates_and_junk_and_reports_them(tmp_path, ca
         from linnet.pretrain.prepare import prepare
 
         prepare(load_config.data)
+
+
+def test_validation_documents_that_repeat_training_ones_are_warned_about_or_refused(tmp_path):
+    """Every fifth document is validation, and every validation document also appears
+    among the training ones: prepare warns and records it, pretrain warns again or
+    refuses (data.overlap), and data.dedup=exact removes the repeats before the split."""
+    from linnet.pretrain.prepare import prepare
+    from linnet.pretrain.runner import run
+
+    g = np.random.default_rng(1)
+    docs = [" ".join(g.choice(WORDS, size=12)) for _ in range(40)]
+    planted = [d for i, d in enumerate(docs) for d in ([d, d] if i % 8 == 0 else [d])]  # 5 documents twice
+    (tmp_path / "c.txt").write_text("\n".join(planted) + "\n")
+    word_tokenizer(tmp_path / "tok.json")
+
+    def config(cache: str, *more: str):
+        return load(PretrainConfig, None, [
+            f"data.cache={tmp_path / cache}", f"data.source=[{tmp_path / 'c.txt'}]", f"data.tokenizer={tmp_path / 'tok.json'}",
+            "data.document_split=line", "data.prepare_workers=1", "data.validation_every=2", "data.shuffle_buffer=1",
+            "model.vocab=64", "model.hidden=16", "model.intermediate=32", "model.layers=1", "model.heads=1",
+            "training.context_length=8", "training.micro_batch_size=2", "training.accumulation=1",
+            "training.total_targets=32", "data.repeat=true", f"runtime.output_dir={tmp_path / 'run'}", *more])
+
+    with pytest.warns(UserWarning, match="document.s. of the validation split repeat training documents"):
+        prepare(config("cache").data)
+    assert open_cache(tmp_path / "cache").manifest["validation_repeats"] > 0
+    with pytest.raises(ValueError, match="cache's validation split repeat training documents"):
+        run(config("cache", "data.overlap=refuse"))
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="repeat training documents"):
+        prepare(config("refused", "data.overlap=refuse").data)
+    assert not (tmp_path / "refused").exists()  # nothing published
+    prepare(config("deduped", "data.dedup=exact").data)
+    assert open_cache(tmp_path / "deduped").manifest["validation_repeats"] == 0

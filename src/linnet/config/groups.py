@@ -196,6 +196,8 @@ class CorpusConfig:
     dedup: Literal["off", "exact", "near"] = option(
         "off", "drop documents that repeat an earlier one before tokenizing: exact (the same normalized text) or near "
                "(MinHash over word 5-grams, at dedup_threshold; needs datasketch)")
+    overlap: Literal["warn", "refuse", "off"] = option(
+        "warn", "validation documents that repeat training documents (the same normalized text): warn, refuse, or off")
     dedup_threshold: float = option(0.8, "near duplicates: the Jaccard similarity from which a document repeats another")
     min_characters: int = option(0, "drop documents shorter than this many characters (0: keep all)")
     max_repetition: float = option(1.0, "drop documents whose share of repeated word 3-grams is above this (1: keep all)")

@@ -25,6 +25,7 @@ settings, or too few tokens, it is refused, naming the reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -35,10 +36,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from linnet.config import PretrainConfig
 from linnet.config.groups import CorpusConfig
 from linnet.data.corpus import documents, mixture_files, source_files
 from linnet.data.curation import Curation
+from linnet.data.overlap import normalize
 from linnet.files.atomic import check_writable, remove_stale, write_text
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.cache import MANIFEST, SPLITS, TOKENIZER, token_dtype
@@ -216,12 +220,30 @@ def _check_existing(path: Path, d: CorpusConfig, config: PretrainConfig | None) 
     )
 
 
-def _batches(d: CorpusConfig, capped: Callable[[], bool], curation: Curation) -> Batches:
+class Repeats:
+    """Validation documents whose normalized text a training document has too (data.overlap):
+    8-byte hashes of every document read, compared once reading ends."""
+
+    def __init__(self):
+        self.hashes: dict[str, list[int]] = {s: [] for s in SPLITS}
+
+    def add(self, split: str, text: str) -> None:
+        digest = hashlib.blake2b(normalize(text).encode(), digest_size=8).digest()
+        self.hashes[split].append(int.from_bytes(digest, "little"))
+
+    def count(self) -> int:
+        train = np.array(self.hashes["train"], dtype=np.uint64)
+        return int(np.isin(np.array(self.hashes["validation"], dtype=np.uint64), train).sum())
+
+
+def _batches(d: CorpusConfig, capped: Callable[[], bool], curation: Curation, repeats: Repeats | None) -> Batches:
     """(split, texts, positions) batches; each split's batch flushes when full. Once the
     training split is `capped`, reading stops: the validation documents already read
     (all those before the cut) go out, and nothing more is read."""
     pending: dict[str, tuple[list[str], list[int]]] = {s: ([], []) for s in SPLITS}
     for doc in documents(d, curation=curation):
+        if repeats is not None:
+            repeats.add(doc.split, doc.text)
         texts, positions = pending[doc.split]
         texts.append(doc.text)
         positions.append(doc.position)
@@ -233,6 +255,17 @@ def _batches(d: CorpusConfig, capped: Callable[[], bool], curation: Curation) ->
     for split in SPLITS:
         if pending[split][0] and not (split == "train" and capped()):
             yield (split, *pending[split])
+
+
+def check_repeats(d: CorpusConfig, repeated: int, where: str) -> None:
+    """Warn about (data.overlap: warn) or refuse (refuse) a validation split holding
+    documents the training split holds too: its loss would flatter the model."""
+    message = (f"{d.cache}: {repeated:,} document(s) of the {where} repeat training documents (the same normalized "
+               "text), so the validation loss would flatter the model; set data.dedup=exact (or near) to drop them "
+               "before the split, or data.overlap=off to keep them")
+    if d.overlap == "refuse":
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=3)
 
 
 def prepare(config: PretrainConfig | CorpusConfig) -> Prepared:
@@ -278,7 +311,8 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
         dtype = token_dtype(vocab)
         writers = Writers(tmp, d, dtype)
         curation = Curation.of(d)
-        batches = _batches(d, lambda: writers.full, curation)
+        repeats = Repeats() if d.overlap != "off" else None
+        batches = _batches(d, lambda: writers.full, curation, repeats)
         bar = Progress(d.train_tokens or 0, "prepare", unit="tok") if d.train_tokens else None
 
         def write(*batch) -> None:
@@ -293,6 +327,9 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
         if bar is not None:
             bar.close()
         splits = writers.close()
+        repeated = repeats.count() if repeats is not None else 0
+        if repeated:
+            check_repeats(d, repeated, "validation split")
         if splits["train"]["tokens"] < 2:
             raise ValueError(f"{', '.join(d.source) or d.dataset or 'data.mixture'}: the training split holds "
                              f"{splits['train']['tokens']} tokens; the corpus is empty")
@@ -306,6 +343,7 @@ def _prepare(d: CorpusConfig, config: PretrainConfig | None) -> Prepared:
             "tokenizer": {"file": TOKENIZER, "sha256": cache_format.sha256_file(tmp / TOKENIZER)},
             "splits": splits,
             "budget": None if need is None else need.as_dict(),
+            "validation_repeats": repeated,  # not part of the fingerprint: a finding, not a setting
         }
         manifest["fingerprint"] = cache_format.fingerprint(manifest)
         write_text(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")

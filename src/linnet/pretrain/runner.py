@@ -348,6 +348,10 @@ def run(config: PretrainConfig, *, resume: str | os.PathLike | None = None, over
         raise ValueError("config: data.cache is required (prepare it with `linnet prepare --config …`)")
     cache = open_cache(d.cache)
     _check_cache_settings(config, cache)
+    if cache.manifest.get("validation_repeats") and d.overlap != "off":
+        from linnet.pretrain.prepare import check_repeats
+
+        check_repeats(d, cache.manifest["validation_repeats"], "cache's validation split")
     fields = recipe_fields(config, cache.fingerprint)
     identity = recipe_identity(fields)
     card = cache_card(config, cache)
