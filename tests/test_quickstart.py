@@ -25,6 +25,14 @@ def test_quickstart_stages_write_their_results(tmp_path):
     assert [m["step"] for m in grpo] == [31 + summary["dpo_steps_run"], 32 + summary["dpo_steps_run"]]
     assert (tmp_path / "model" / "tokenizer.json").is_file() and (tmp_path / "model" / "config.json").is_file()
     assert (tmp_path / "curves.png").stat().st_size > 1000
+    from linnet import nest  # the starting weights, for `linnet eval base model`: the untrained model
+
+    base = nest.load(tmp_path / "base", weights=tmp_path / "base")
+    start = nest.load(quickstart.CARD, weights="random", seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(base.state_dict().values(), start.state_dict().values()))
+    shots = [json.loads(x) for x in (tmp_path / "shots.jsonl").read_text().splitlines()]
+    held = {json.loads(x)["prompt"] for x in (tmp_path / "held_out.jsonl").read_text().splitlines()}
+    assert len(shots) == 3 and not {s["prompt"] for s in shots} & held
 
 
 def test_linnet_eval_reproduces_the_quickstarts_held_out_accuracy(tmp_path, capsys):

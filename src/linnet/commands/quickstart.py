@@ -20,7 +20,9 @@ The demonstrations are few and the prompts many, as in practice: demonstrations 
 writer, prompts and a checker do not. DPO and GRPO warm up and decay their learning rates
 as SFT does: at a constant rate DPO lowered a 79% model to 77%. bench/quickstart.md has
 the measurements. The run directory gets metrics.jsonl, the weights with config.json and
-tokenizer.json (a model directory transformers can load), summary.json and curves.png.
+tokenizer.json (a model directory transformers can load), the starting weights (base/),
+the held-out problems and three worked examples (for `linnet eval`, docs/eval.md),
+summary.json and curves.png.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from linnet.train.evaluation import held_out_loss
 PAD, BOS, EOS = 0, 1, 2
 # What a quickstart writes in --out (run.json marks it: {"command": "quickstart"}): --overwrite
 # replaces these, only in a quickstart's directory, and leaves anything else there alone.
-ENTRIES = ("run.json", "model", "metrics.jsonl", "held_out.jsonl", "summary.json", "curves.png")
+ENTRIES = ("run.json", "model", "base", "metrics.jsonl", "held_out.jsonl", "shots.jsonl", "summary.json", "curves.png")
 HELD_OUT = 500
 CHARS = "0123456789+="
 VOCAB = {"<pad>": PAD, "<s>": BOS, "</s>": EOS, **{c: i + 3 for i, c in enumerate(CHARS)}}
@@ -233,6 +235,8 @@ def _stages(out: Path, final: Path, *, steps: int, dpo_steps: int, grpo_steps: i
     tests, shown, practice_set = drawn[:HELD_OUT], drawn[HELD_OUT:HELD_OUT + demos], drawn[HELD_OUT + demos:]
     eval_rows = list(pack([Example.prompted([BOS] + encode(p), encode(a) + [EOS]) for p, a in tests], tokens))
     model = nest.load(CARD, weights="random", seed=seed, trainable=True)
+    model.save_weights(out / "base")  # the starting point, for `linnet eval OUT/base OUT/model ...`
+    save_tokenizer(out / "base" / "tokenizer.json")
     engine = Engine(nest.load(CARD, weights="random", seed=seed))
     print(f"model: {CARD.params():,} parameters; task: {digits}-digit addition, {len(shown):,} demonstrations, "
           f"{len(practice_set):,} practice prompts, {len(tests)} held-out problems")
@@ -301,6 +305,8 @@ def _stages(out: Path, final: Path, *, steps: int, dpo_steps: int, grpo_steps: i
     write_text(out / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
     # the held-out problems, so `linnet eval OUT/model --data OUT/held_out.jsonl --no-chat` measures the same
     write_text(out / "held_out.jsonl", "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in tests))
+    # three solved demonstrations: the worked examples of `linnet eval --few-shot` (the prompted base)
+    write_text(out / "shots.jsonl", "".join(json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in shown[:3]))
     title = f"{digits}-digit addition, held-out exact match: " + ", ".join(
         f"{k} {v:.0%}" for k, v in accuracies.items())
     try:
@@ -314,7 +320,7 @@ def _stages(out: Path, final: Path, *, steps: int, dpo_steps: int, grpo_steps: i
     write_text(out / "run.json", json.dumps({"command": "quickstart"}) + "\n")
     publish(out, final)
     print(title + f" ({seconds:.0f} s)")
-    print(f"wrote {final}/model, metrics.jsonl, held_out.jsonl, summary.json" + (", curves.png" if drew else
+    print(f"wrote {final}/model, base, metrics.jsonl, held_out.jsonl, shots.jsonl, summary.json" + (", curves.png" if drew else
           " (pip install matplotlib for curves.png)"))
     return summary
 
