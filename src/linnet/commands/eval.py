@@ -44,8 +44,8 @@ RECORD_FLAGS = {"tokens": "--context-length", "prompt": "--prompt-field", "answe
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="linnet eval", description=__doc__.split("\n\n")[0])
     p.add_argument("sources", nargs="+", metavar="source",
-                   help="a run directory, a model directory or a PEFT adapter directory; several are compared, "
-                        "each against the first")
+                   help="a run directory, a model directory, a PEFT adapter directory or a registered card's name; "
+                        "several are compared, each against the first")
     p.add_argument("--data", help="records: .jsonl, .json, .parquet")
     p.add_argument("--system", help="a system prompt before each prompt: one more column, the first model with it")
     p.add_argument("--few-shot", metavar="FILE", help="records (the --prompt-field and --answer-field) shown as worked "
@@ -233,13 +233,21 @@ def reward_directory(source: str) -> Path | None:
 
 
 def load_model(source: str):
-    """(model, tokenizer) for a column: a reward model with its head, else `load_trained`."""
+    """(model, tokenizer) for a column: a reward model with its head, a registered card by
+    name (its own weights, from the hub cache), else `load_trained`."""
+    from linnet import nest
+    from linnet.cards import REGISTRY
     from linnet.data import load_tokenizer
     from linnet.export import load_trained
     from linnet.train.reward import load_reward_model
 
     directory = reward_directory(source)
-    model = load_reward_model(directory, dtype="float32") if directory else load_trained(source)[0]
+    if directory:
+        model = load_reward_model(directory, dtype="float32")
+    elif source in REGISTRY and not Path(source).exists():
+        model = nest.load(source, dtype="float32")
+    else:
+        model = load_trained(source)[0]
     model.eval()
     return model, load_tokenizer(model.card)
 
