@@ -15,7 +15,7 @@ import torch
 from linnet import cli
 from linnet.commands import quickstart
 from linnet.report.stats import compare, interval, paired
-from linnet.rl.judge import Judge, agreement
+from linnet.train.judge import Judge, agreement
 from tests.conftest import quickstart_model
 
 torch.set_num_threads(1)

@@ -71,7 +71,8 @@ def test_one_formula_gives_both_backends_the_same_frequencies(kind):
         card = card if kind is None else card.replace(rope_scaling=scaling)
         theirs = rope_frequencies(card, np)
         assert theirs.dtype == np.float32
-        np.testing.assert_allclose(theirs, rope_frequencies(card, torch).numpy(), rtol=2e-7, atol=0, err_msg=name)
+        # a few float32 roundings apart at most (numpy and torch order the llama3 blend's products apart)
+        np.testing.assert_allclose(theirs, rope_frequencies(card, torch).numpy(), rtol=5e-7, atol=0, err_msg=name)
 
 
 def test_config_overrides_set_base_scaling_and_context(tmp_path):

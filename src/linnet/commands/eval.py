@@ -180,7 +180,7 @@ def judge_agreement(judge, records, args) -> dict:
     counting half, with its interval."""
     from linnet.data.pairs import implicit_prompt
     from linnet.report.stats import interval
-    from linnet.rl.judge import agreement
+    from linnet.train.judge import agreement
 
     texts = []
     for r in records:
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output(args, path, flag)  # before anything is loaded
     judge = None
     if args.judge:
-        from linnet.rl.judge import Judge
+        from linnet.train.judge import Judge
 
         if args.data is None:
             raise ValueError("--judge compares answers to the prompts of --data: give --data FILE")

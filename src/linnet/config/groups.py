@@ -196,12 +196,12 @@ class CorpusConfig:
     dedup: Literal["off", "exact", "near"] = option(
         "off", "drop documents that repeat an earlier one before tokenizing: exact (the same normalized text) or near "
                "(MinHash over word 5-grams, at dedup_threshold; needs datasketch)")
-    overlap: Literal["warn", "refuse", "off"] = option(
-        "warn", "validation documents that repeat training documents (the same normalized text): warn, refuse, or off")
     dedup_threshold: float = option(0.8, "near duplicates: the Jaccard similarity from which a document repeats another")
     min_characters: int = option(0, "drop documents shorter than this many characters (0: keep all)")
     max_repetition: float = option(1.0, "drop documents whose share of repeated word 3-grams is above this (1: keep all)")
     min_letters: float = option(0.0, "drop documents whose share of letters among non-space characters is below this")
+    overlap: Literal["warn", "refuse", "off"] = option(
+        "warn", "validation documents that repeat training documents (the same normalized text): warn, refuse, or off")
     shuffle_buffer: int = option(100000, "documents in the preparation shuffle buffer (1: source order)")
     shuffle_seed: int = option(0, "seed of the preparation shuffle buffer")
     shard_tokens: int = option(33554432, "tokens per cache shard (64 MiB of uint16)")
