@@ -17,6 +17,7 @@ a thin layer over library functions.
     linnet eval RUN --data F   held-out loss, perplexity, exact match / reward / pass@k, samples;
                                several models compared with intervals and a paired test
     linnet data check TRAIN --against EVAL   held-out records that repeat training ones (exact, near)
+    linnet serve MODEL         an OpenAI-compatible HTTP server (--adapter NAME=DIR for each tenant)
     linnet plan CARD ...       memory, FLOPs, GPU-hours and cost before a run (--config F: a run's)
     linnet plot RUN_DIR        curves.png from a run's metrics.jsonl
     linnet info CARD           the card, parameter counts, memory of a bf16 copy
@@ -56,6 +57,7 @@ COMMANDS = {
     "export": "export",
     "eval": "eval",
     "data": "data",
+    "serve": "serve",
     "plan": "plan",
     "plot": "plot",
     "info": "info",

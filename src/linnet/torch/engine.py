@@ -28,18 +28,17 @@ decode step and the prefill are each one `torch.compile`d function (on CUDA the 
 step is captured as a CUDA graph, mode "reduce-overhead"), with dynamic sizes. A pass
 compiles the first time a call needs it, and again for the sizes a compiler keeps apart
 (one prompt, one row, one row a prompt); `warmup(prompt_lengths)` compiles all of them
-before the first real call. The compiled
-prefill attends through one block-diagonal mask (one kernel, no per-prompt Python loop).
-If compiling fails (no C++ compiler, an unsupported op) the engine warns once and runs
-eagerly from then on. Stop tokens are checked on the host every `stop_every` steps (1 on
-CPU, 8 on CUDA: no host sync per token there); rows that stopped in between run on,
-and their extra tokens are dropped.
+before the first real call. The compiled prefill attends through one block-diagonal mask
+(one kernel, no per-prompt Python loop). If compiling fails (no C++ compiler, an
+unsupported op) the engine warns once and runs eagerly from then on. Stop tokens are
+checked on the host every `stop_every` steps (1 on CPU, 8 on CUDA: no host sync per token
+there); rows that stopped in between run on, and their extra tokens are dropped.
 
 Log-probabilities: each sampled token's log-probability under the model's unmodified
 distribution (softmax of the logits at temperature 1, before top-k/top-p), in float32:
-what `Decoder.log_probs_packed` gives for the same sequence. With temperature 1 and no
-top-k/top-p that is the distribution actually sampled from; with other settings it is
-still the model's (which GRPO's importance correction needs), not the sampling one.
+what `Decoder.log_probs_packed` gives for the same sequence; with other settings than
+temperature 1 and no top-k/top-p it is still the model's (which GRPO's importance
+correction needs), not the distribution sampled from.
 
 Shapes: B rows (completions) in the batch, V vocabulary.
 """
@@ -281,9 +280,18 @@ class Engine:
     def stream(self, prompt: Sequence[int], **options) -> Iterator[int]:
         """Yield one prompt's completion a token at a time, as it is sampled (the
         options of `sample`, n=1). A stop token is yielded too, as the last."""
-        run = self._generate([prompt], 1, **_defaults(options), stop_every=1)
-        for tokens in run:
-            yield int(tokens[0])
+        for step in self.steps([prompt], **options):
+            yield step[0]
+
+    def steps(self, prompts: Sequence[Sequence[int]], **options) -> Iterator[dict[int, int]]:
+        """Sample one completion of each prompt in one batch, yielding each step's tokens
+        as {prompt index: token} for the rows still running (a server streams them to
+        their requests); the options of `sample`."""
+        allowed = dict(max_new_tokens=256, temperature=1.0, top_k=None, top_p=None, stop=None, seed=None, generator=None)
+        if set(options) - set(allowed):
+            raise TypeError(f"Engine.steps: unexpected options {', '.join(sorted(set(options) - set(allowed)))}")
+        for rows, tokens in self._generate(prompts, 1, **{**allowed, **options}, stop_every=1):
+            yield dict(zip(rows.tolist(), tokens.tolist()))
 
     def warmup(self, prompt_lengths: Sequence[int], *, n: int = 1, max_new_tokens: int = 2) -> None:
         """Allocate the cache for prompts of these lengths (n completions each) and, in a
@@ -324,7 +332,8 @@ class Engine:
     @torch.inference_mode()
     def _generate(self, prompts, n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator,
                   stop_every=None, turns=None):
-        """Yields the sampled tokens [rows in the batch] each step; returns the completions."""
+        """Yields (each row's completion index, its sampled token) each step; returns the
+        completions."""
         prompts = token_prompts(prompts, self.card.vocab)
         sampling = self._check_sampling(n, max_new_tokens, temperature, top_k, top_p, stop, seed, generator)
         every = stop_every or self.stop_every
@@ -352,7 +361,7 @@ class Engine:
             out_tok[rows, step] = tok
             out_lp[rows, step] = lp
             self.stats.sampled_tokens += len(group)
-            yield tok
+            yield rows, tok
             if len(sampling.stop):
                 hit = torch.isin(tok, sampling.stop) & ~finished
                 if turns is not None:  # a turn ended: its conversation goes on while its environment answers
@@ -511,15 +520,6 @@ class Engine:
             generator = torch.Generator(dev).manual_seed(int(seed))
         stop = self.card.eos_token_ids if stop is None else tuple(int(t) for t in stop)
         return _Sampling(float(temperature), top_k, top_p, generator, torch.tensor(stop, dtype=torch.long, device=dev))
-
-
-def _defaults(options: dict) -> dict:
-    """`sample`'s keyword options, defaults filled in, for `_generate`."""
-    allowed = dict(max_new_tokens=256, temperature=1.0, top_k=None, top_p=None, stop=None, seed=None, generator=None)
-    unknown = set(options) - set(allowed)
-    if unknown:
-        raise TypeError(f"Engine.stream: unexpected options {', '.join(sorted(unknown))}")
-    return {**allowed, **options}
 
 
 def token_prompts(prompts, vocab: int, who: str = "Engine.sample") -> list[list[int]]:

@@ -1,0 +1,70 @@
+"""`linnet serve`: a model and its adapters behind an OpenAI-compatible HTTP API
+(linnet.serve.server; needs `pip install 'linnet[serve]'`).
+
+    linnet serve runs/sft                                  # the run's model, as "sft"
+    linnet serve base/ --adapter tenant-a=runs/a --adapter tenant-b=runs/b --port 8000
+    curl localhost:8000/v1/completions -d '{"model": "base", "prompt": "12+34=", "max_tokens": 4}'
+
+Each adapter is served by an engine of its own holding the base with the adapter merged
+(memory grows with the adapters).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="linnet serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("source", help="a model directory, a run directory or a registered card's name")
+    p.add_argument("--name", help="the model's name in requests (default: the source's folder or card name)")
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="also serve a PEFT adapter or a LoRA run as NAME (repeatable)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=16, help="requests sampled together at most (default 16)")
+    p.add_argument("--queue", type=int, default=64, help="requests that may wait; more get a 503 (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="the longest completion of a request that names no max_tokens (default 256)")
+    return p
+
+
+def load_served(source: str):
+    """A Served model: the engine over `source` (adapters merged), its tokenizer and BOS."""
+    from linnet.commands.eval import load_model
+    from linnet.serve import Engine
+    from linnet.serve.server import Served
+
+    model, tokenizer = load_model(source)
+    bos = model.card.bos_token_id if tokenizer.bos_id is None else None
+    return Served(Engine(model), tokenizer, bos)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from linnet.serve.server import make_app
+    except ImportError:
+        raise ValueError("linnet serve needs FastAPI and uvicorn: pip install 'linnet[serve]'") from None
+    names = {}
+    for spec in args.adapter:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--adapter {spec}: give NAME=DIR")
+        if not Path(path).exists():
+            raise ValueError(f"--adapter {spec}: {path} does not exist")
+        names[name] = path
+    base = args.name or (Path(args.source).name if Path(args.source).exists() else args.source)
+    if base in names:
+        raise ValueError(f"--adapter {base}=...: the base model is served as {base!r}; name the adapter otherwise")
+    if args.max_batch < 1 or args.queue < 1 or args.max_new_tokens < 1:
+        raise ValueError("--max-batch, --queue and --max-new-tokens must be positive")
+    served = {base: load_served(args.source)}
+    served.update({name: load_served(path) for name, path in names.items()})
+    app, _ = make_app(served, max_batch=args.max_batch, queue=args.queue, max_new_tokens=args.max_new_tokens)
+    print(f"linnet serve: {', '.join(served)} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -1,0 +1,335 @@
+"""`linnet serve`: an OpenAI-compatible HTTP server over linnet's Engine.
+
+    app, batcher = make_app({"base": served_base, "tenant-a": served_adapter})
+    uvicorn.run(app, port=8000)
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the `model`
+field names the base or an adapter; `stream: true` sends server-sent events), GET /health.
+
+One thread, the `Batcher`, owns the engines. Requests wait in a bounded queue (full: 503);
+the batcher takes the oldest, and with it every waiting request for the same model with
+the same sampling settings (up to `max_batch`), and samples them as one batch, handing
+each request its tokens as they come. A request that reaches its max_tokens or one of its
+stop strings is answered at once; its row runs on to the end of its batch. Bad requests
+get a 4xx and a message naming the field; the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request  # the serve extra: this module is imported only to serve
+from fastapi.responses import JSONResponse, StreamingResponse
+
+ERRORS = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}
+
+
+class Refused(Exception):
+    """A request answered with an HTTP error status and a message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Served:
+    """A model the server answers for: its engine, tokenizer and BOS (added where the
+    tokenizer adds none), and whether prompts go through its chat template."""
+
+    engine: object
+    tokenizer: object
+    bos: int | None = None
+
+    @property
+    def context(self) -> int:
+        return self.engine.card.max_positions
+
+
+@dataclass
+class Job:
+    """One request: its prompt ids and sampling settings, and where its tokens go."""
+
+    model: str
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float | None
+    stop: list[str]
+    seed: int | None
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def key(self) -> tuple:
+        """Requests that may share a batch: the same model and sampling settings."""
+        return self.model, self.temperature, self.top_p, self.seed
+
+    def send(self, event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Batcher:
+    """The thread that samples: see the module docstring. `batches` records the size of
+    every batch it ran (how many requests shared one engine call)."""
+
+    def __init__(self, served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 64, wait: float = 0.01):
+        self.served, self.max_batch, self.queue_size, self.wait = dict(served), max_batch, queue, wait
+        self.pending: list[Job] = []
+        self.batches: list[int] = []
+        self._ready = threading.Condition()
+        self._stopping = self._held = False
+        self._thread = threading.Thread(target=self._run, name="linnet-serve-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._ready:
+            if self._stopping:
+                raise Refused(503, "the server is shutting down")
+            if len(self.pending) >= self.queue_size:
+                raise Refused(503, f"the server is busy: {len(self.pending)} requests are waiting; retry shortly")
+            self.pending.append(job)
+            self._ready.notify()
+
+    @contextlib.contextmanager
+    def held(self):
+        """Queue requests without sampling them until the block ends (then they go out
+        together, as far as their settings allow)."""
+        with self._ready:
+            self._held = True
+        try:
+            yield self
+        finally:
+            with self._ready:
+                self._held = False
+                self._ready.notify()
+
+    def close(self) -> None:
+        """Finish the batch in flight, refuse the waiting requests, stop the thread."""
+        with self._ready:
+            self._stopping = True
+            self._ready.notify()
+        self._thread.join()
+        for job in self.pending:
+            job.send(Refused(503, "the server shut down before this request ran"))
+
+    def _take(self) -> list[Job] | None:
+        with self._ready:
+            while (not self.pending or self._held) and not self._stopping:
+                self._ready.wait()
+            if self._stopping:
+                return None
+        time.sleep(self.wait)  # let requests sent together arrive together
+        with self._ready:
+            key = self.pending[0].key
+            batch = [j for j in self.pending if j.key == key][: self.max_batch]
+            self.pending = [j for j in self.pending if j not in batch]
+        return batch
+
+    def _run(self) -> None:
+        while (batch := self._take()) is not None:
+            self.batches.append(len(batch))
+            try:
+                self._sample(batch)
+            except Exception as e:  # a failure answers its batch; the server goes on
+                for job in batch:
+                    job.send(e)
+
+    def _sample(self, batch: list[Job]) -> None:
+        served = self.served[batch[0].model]
+        first = batch[0]
+        tokens: list[list[int]] = [[] for _ in batch]
+        texts = [""] * len(batch)
+        open_ = set(range(len(batch)))
+        steps = served.engine.steps([j.prompt for j in batch], max_new_tokens=max(j.max_new_tokens for j in batch),
+                                    temperature=first.temperature, top_p=first.top_p, seed=first.seed)
+        stops = set(served.engine.card.eos_token_ids)
+        for step in steps:
+            for i, token in step.items():
+                if i not in open_:
+                    continue
+                job = batch[i]
+                if token in stops:
+                    job.send(("done", "stop", len(tokens[i])))
+                    open_.discard(i)
+                    continue
+                tokens[i].append(token)
+                text = served.tokenizer.decode(tokens[i])
+                cut = _stopped_at(text, job.stop)
+                if cut is not None or len(tokens[i]) >= job.max_new_tokens:
+                    final = text if cut is None else text[:cut]
+                    if len(final) > len(texts[i]):
+                        job.send(("text", final[len(texts[i]):]))
+                    job.send(("done", "stop" if cut is not None else "length", len(tokens[i])))
+                    open_.discard(i)
+                elif not text.endswith("\ufffd") and len(text) > len(texts[i]):  # whole characters only
+                    job.send(("text", text[len(texts[i]):]))
+                    texts[i] = text
+            if not open_:
+                break
+        for i in open_:
+            batch[i].send(("done", "length", len(tokens[i])))
+
+
+def _stopped_at(text: str, stops: list[str]) -> int | None:
+    found = [text.find(s) for s in stops if s and s in text]
+    return min(found) if found else None
+
+
+def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 64, max_new_tokens: int = 256,
+             wait: float = 0.01):
+    """(the FastAPI app, its Batcher) serving `served` by name; `wait`: how long the
+    batcher lets requests gather before a batch."""
+    batcher = Batcher(served, max_batch=max_batch, queue=queue, wait=wait)
+    app = FastAPI(title="linnet serve")
+    app.router.on_shutdown.append(batcher.close)
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": ERRORS.get(status, "error"), "code": status}},
+                            status_code=status)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "models": list(served), "waiting": len(batcher.pending)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "linnet"}
+                                           for n in served]}
+
+    async def answer(request: Request, chat: bool):
+        try:
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise Refused(400, "the body is not JSON; send a JSON object") from None
+            job = _job(body, served, chat, max_new_tokens, asyncio.get_running_loop())
+            batcher.submit(job)
+        except Refused as e:
+            return error(e.status, str(e))
+        reply = _Reply(job, chat)
+        if body.get("stream"):
+            return StreamingResponse(reply.events(), media_type="text/event-stream")
+        try:
+            return await reply.whole()
+        except Refused as e:
+            return error(e.status, str(e))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, chat=True)
+
+    return app, batcher
+
+
+def _job(body, served: Mapping[str, Served], chat: bool, max_new_tokens: int, loop) -> Job:
+    """A request's Job, every field checked (a Refused names the one at fault)."""
+    if not isinstance(body, dict):
+        raise Refused(400, "the body must be a JSON object")
+    name = body.get("model")
+    if name not in served:
+        raise Refused(404, f"model {name!r} is not served; these are: {', '.join(served)} (GET /v1/models)")
+    model = served[name]
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise Refused(400, "messages must be a non-empty list of {role, content} objects with text content")
+        if not model.tokenizer.chat_template:
+            raise Refused(400, f"model {name!r} has no chat template; use /v1/completions")
+        ids = model.tokenizer.encode(model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise Refused(400, "prompt must be a non-empty string (one prompt a request)")
+        ids = model.tokenizer.encode(prompt)
+    if model.bos is not None and ids[:1] != [model.bos]:
+        ids = [model.bos, *ids]
+    n = body.get("n", 1)
+    if n != 1:
+        raise Refused(400, f"n={n}: one completion a request (send several requests: they are batched together)")
+    limit = body.get("max_completion_tokens", body.get("max_tokens", max_new_tokens))
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise Refused(400, f"max_tokens={limit!r}: a positive integer")
+    if len(ids) + limit > model.context:
+        raise Refused(400, f"the prompt is {len(ids)} tokens and max_tokens {limit}: more than model {name!r}'s "
+                           f"context of {model.context}; shorten the prompt or lower max_tokens")
+    temperature = body.get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
+        raise Refused(400, f"temperature={temperature!r}: a number from 0 to 2")
+    top_p = body.get("top_p")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise Refused(400, f"top_p={top_p!r}: a number in (0, 1]")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise Refused(400, "stop must be a string or a list of up to 4 strings")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise Refused(400, f"seed={seed!r}: an integer")
+    return Job(name, ids, limit, float(temperature), None if top_p in (None, 1) else float(top_p), stop, seed, loop)
+
+
+class _Reply:
+    """A Job's answer in OpenAI's shapes: whole, or as server-sent events."""
+
+    def __init__(self, job: Job, chat: bool):
+        self.job, self.chat = job, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.kind = "chat.completion" if chat else "text_completion"
+
+    def _usage(self, completion: int) -> dict:
+        return {"prompt_tokens": len(self.job.prompt), "completion_tokens": completion,
+                "total_tokens": len(self.job.prompt) + completion}
+
+    async def _events(self):
+        while True:
+            event = await self.job.events.get()
+            if isinstance(event, Exception):
+                raise event if isinstance(event, Refused) else Refused(500, f"sampling failed: {event}")
+            yield event
+            if event[0] == "done":
+                return
+
+    async def whole(self) -> dict:
+        text, finish, count = "", "length", 0
+        async for event in self._events():
+            if event[0] == "text":
+                text += event[1]
+            else:
+                _, finish, count = event
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                  if self.chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.job.model,
+                "choices": [choice], "usage": self._usage(count)}
+
+    def _chunk(self, text: str | None, finish: str | None) -> str:
+        if self.chat:
+            delta = {} if text is None else {"role": "assistant", "content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        body = {"id": self.id, "object": self.kind + (".chunk" if self.chat else ""), "created": self.created,
+                "model": self.job.model, "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events(self):
+        try:
+            async for event in self._events():
+                yield self._chunk(event[1], None) if event[0] == "text" else self._chunk(None, event[1])
+        except Refused as e:
+            yield f"data: {json.dumps({'error': {'message': str(e), 'code': e.status}})}\n\n"
+        yield "data: [DONE]\n\n"
