@@ -42,8 +42,9 @@ def server(tmp_path_factory):
     run(load(SFTConfig, None, [f"model.card={root / 'base'}", f"data.path={root / 'train.jsonl'}", "data.chat=false",
                                "training.context_length=64", "training.steps=20", "optimizer.lr=1e-2",
                                "lr_schedule.warmup_steps=1", "lora.rank=8", f"runtime.output_dir={root / 'tenant'}"]))
-    served = {"base": load_served(str(root / "base")), "tenant": load_served(str(root / "tenant"))}
+    served = load_served(str(root / "base"), "base", {"tenant": str(root / "tenant")})
     served["base"].tokenizer = load_tokenizer(root / "base", chat_template=TEMPLATE)
+    served["tenant"].tokenizer = load_tokenizer(root / "base")  # the same vocabulary, no chat template
     app, batcher = make_app(served, max_batch=8, queue=4, max_new_tokens=8)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
     http = uvicorn.Server(config)
@@ -59,9 +60,10 @@ def server(tmp_path_factory):
 
 
 def greedy(served, prompt: str, tokens: int) -> str:
-    """What the engine alone samples greedily for `prompt` (BOS first, as the server does)."""
+    """What the engine alone samples greedily for `prompt` (BOS first, as the server does),
+    through the served adapter."""
     ids = [quickstart.BOS, *served.tokenizer.encode(prompt)]
-    done = served.engine.sample([ids], max_new_tokens=tokens, temperature=0.0)[0]
+    done = served.engine.sample([ids], max_new_tokens=tokens, temperature=0.0, adapters=[served.adapter])[0]
     kept = [t for t in done.tokens if t not in served.engine.card.eos_token_ids]
     return served.tokenizer.decode(kept)
 
@@ -93,12 +95,15 @@ def test_streaming_sends_the_same_text_in_pieces(server):
 
 
 def test_concurrent_requests_are_sampled_as_one_batch(server):
+    """Four requests, two for the base and two for its adapter, queued together: one
+    engine call samples them all, each row through its own adapter."""
     client, batcher, served, _, _ = server
     prompts = ["11+11=", "22+22=", "33+33=", "44+44="]
+    models = ["tenant", "base", "tenant", "base"]
     answers = [None] * 4
 
     def ask(i):
-        answers[i] = client.completions.create(model="tenant", prompt=prompts[i], max_tokens=4,
+        answers[i] = client.completions.create(model=models[i], prompt=prompts[i], max_tokens=4,
                                                temperature=0).choices[0].text
 
     before = len(batcher.batches)
@@ -111,7 +116,7 @@ def test_concurrent_requests_are_sampled_as_one_batch(server):
     for t in threads:
         t.join()
     assert batcher.batches[before:] == [4]
-    assert answers == [greedy(served["tenant"], p, 4) for p in prompts]
+    assert answers == [greedy(served[m], p, 4) for m, p in zip(models, prompts)]
 
 
 def test_bad_requests_get_a_4xx_and_the_server_goes_on(server):
@@ -145,7 +150,7 @@ def test_bad_requests_get_a_4xx_and_the_server_goes_on(server):
 
 
 def test_the_base_tokenizer_and_engine_are_what_nest_loads(server):
-    """The served base is the model directory's own weights (no adapter merged in)."""
+    """The served base is the model directory's own weights (the adapter is not merged in)."""
     _, _, served, root, _ = server
     plain = nest.load(root / "base", weights=root / "base")
     engine = served["base"].engine.model

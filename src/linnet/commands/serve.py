@@ -5,8 +5,9 @@
     linnet serve base/ --adapter tenant-a=runs/a --adapter tenant-b=runs/b --port 8000
     curl localhost:8000/v1/completions -d '{"model": "base", "prompt": "12+34=", "max_tokens": 4}'
 
-Each adapter is served by an engine of its own holding the base with the adapter merged
-(memory grows with the adapters).
+The base and its adapters share one engine (linnet.torch.adapter_bank.AdapterEngine): the
+adapters stay unmerged, a few megabytes each, and requests for any of them are sampled in
+the same batches, each row through its own adapter.
 """
 
 from __future__ import annotations
@@ -30,15 +31,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_served(source: str):
-    """A Served model: the engine over `source` (adapters merged), its tokenizer and BOS."""
+def load_served(source: str, name: str, adapters: dict[str, str] | None = None) -> dict:
+    """{name: Served} for the model `source` (a run's own adapters merged into it) and each
+    of `adapters` over it, all on one engine: an AdapterEngine when there are adapters."""
     from linnet.commands.eval import load_model
     from linnet.serve import Engine
     from linnet.serve.server import Served
+    from linnet.torch.adapter_bank import AdapterEngine
 
     model, tokenizer = load_model(source)
+    if getattr(model, "lora", None):
+        model.merge_lora()  # a LoRA run as the base: its adapters folded in, the bank's go on top
+    engine = AdapterEngine(model, adapters) if adapters else Engine(model)
     bos = model.card.bos_token_id if tokenizer.bos_id is None else None
-    return Served(Engine(model), tokenizer, bos)
+    return {name: Served(engine, tokenizer, bos),
+            **{adapter: Served(engine, tokenizer, bos, adapter) for adapter in adapters or {}}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--adapter {base}=...: the base model is served as {base!r}; name the adapter otherwise")
     if args.max_batch < 1 or args.queue < 1 or args.max_new_tokens < 1:
         raise ValueError("--max-batch, --queue and --max-new-tokens must be positive")
-    served = {base: load_served(args.source)}
-    served.update({name: load_served(path) for name, path in names.items()})
+    served = load_served(args.source, base, names)
     app, _ = make_app(served, max_batch=args.max_batch, queue=args.queue, max_new_tokens=args.max_new_tokens)
     print(f"linnet serve: {', '.join(served)} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

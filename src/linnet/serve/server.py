@@ -7,8 +7,9 @@ Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the 
 field names the base or an adapter; `stream: true` sends server-sent events), GET /health.
 
 One thread, the `Batcher`, owns the engines. Requests wait in a bounded queue (full: 503);
-the batcher takes the oldest, and with it every waiting request for the same model with
-the same sampling settings (up to `max_batch`), and samples them as one batch, handing
+the batcher takes the oldest, and with it every waiting request for the same engine (a
+base and its adapters share one) with the same sampling settings (up to `max_batch`), and
+samples them as one batch, each row through its own adapter, handing
 each request its tokens as they come. A request that reaches its max_tokens or one of its
 stop strings is answered at once; its row runs on to the end of its batch. Bad requests
 get a 4xx and a message naming the field; the server goes on serving.
@@ -42,11 +43,14 @@ class Refused(Exception):
 @dataclass
 class Served:
     """A model the server answers for: its engine, tokenizer and BOS (added where the
-    tokenizer adds none), and whether prompts go through its chat template."""
+    tokenizer adds none); with `adapter`, that adapter of the engine's bank
+    (linnet.torch.adapter_bank.AdapterEngine), so requests for the base and for any of its
+    adapters share the engine's batches."""
 
     engine: object
     tokenizer: object
     bos: int | None = None
+    adapter: str | None = None
 
     @property
     def context(self) -> int:
@@ -65,12 +69,13 @@ class Job:
     stop: list[str]
     seed: int | None
     loop: asyncio.AbstractEventLoop
+    engine: int = 0  # which engine samples it (an adapter bank's serves the base and its adapters)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
     def key(self) -> tuple:
-        """Requests that may share a batch: the same model and sampling settings."""
-        return self.model, self.temperature, self.top_p, self.seed
+        """Requests that may share a batch: the same engine and sampling settings."""
+        return self.engine, self.temperature, self.top_p, self.seed
 
     def send(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -148,8 +153,9 @@ class Batcher:
         tokens: list[list[int]] = [[] for _ in batch]
         texts = [""] * len(batch)
         open_ = set(range(len(batch)))
+        routes = {"adapters": [self.served[j.model].adapter for j in batch]} if hasattr(served.engine, "bank") else {}
         steps = served.engine.steps([j.prompt for j in batch], max_new_tokens=max(j.max_new_tokens for j in batch),
-                                    temperature=first.temperature, top_p=first.top_p, seed=first.seed)
+                                    temperature=first.temperature, top_p=first.top_p, seed=first.seed, **routes)
         stops = set(served.engine.card.eos_token_ids)
         for step in steps:
             for i, token in step.items():
@@ -279,7 +285,8 @@ def _job(body, served: Mapping[str, Served], chat: bool, max_new_tokens: int, lo
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise Refused(400, f"seed={seed!r}: an integer")
-    return Job(name, ids, limit, float(temperature), None if top_p in (None, 1) else float(top_p), stop, seed, loop)
+    return Job(name, ids, limit, float(temperature), None if top_p in (None, 1) else float(top_p), stop, seed, loop,
+               id(model.engine))
 
 
 class _Reply:

@@ -1,0 +1,171 @@
+"""Many LoRA adapters over one frozen base, applied unmerged, each row of a batch with its
+own (S-LoRA's and Punica's idea): the base's products run once for every row, and each
+adapter's low-rank product runs only on the positions routed to it.
+
+    bank = AdapterBank(model, {"tenant-a": "runs/a/final", "tenant-b": "peft_dir"})
+    with bank.routed(torch.tensor([0, 0, 1, -1, ...])):   # an adapter a position; -1: the base
+        logits = model(...)
+
+Each adapted layer carries every adapter's A [r, in] and B [out, r] and scale; a forward
+hook adds, for each adapter present in the routing, x[rows] @ A.T @ B.T * scale to those
+rows of the base layer's output (a gather, two small products and a scatter-add an
+adapter: the segmented product). The adapters may have different ranks and targets; a
+layer an adapter does not adapt is the base for it. DoRA adapters are refused (their
+magnitudes rescale the whole product, not a low-rank addition).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from linnet.torch.engine import Engine
+from linnet.torch.model import Linear
+from linnet.torch.passes import reorder_weights
+
+
+class AdapterBank:
+    """Adapters by name (their order is their index in a routing) over `model`, a frozen
+    base without adapters of its own."""
+
+    def __init__(self, model, adapters: Mapping[str, str | os.PathLike]):
+        if getattr(model, "lora", None):
+            raise ValueError("AdapterBank: the model has adapters of its own; give it the plain base")
+        self.model, self.names = model, list(adapters)
+        self.layers: dict[str, list] = {}  # layer path -> [(A, B, scale) or None an adapter]
+        self._route: torch.Tensor | None = None
+        for k, (name, directory) in enumerate(adapters.items()):
+            for path, a, b, scale in _read(model, name, directory):
+                self.layers.setdefault(path, [None] * len(adapters))[k] = (a, b, scale)
+        modules = dict(model.named_modules())
+        self._hooks = [modules[path].register_forward_hook(self._hook(path)) for path in self.layers]
+
+    def index(self, name: str) -> int:
+        if name not in self.names:
+            raise ValueError(f"AdapterBank: no adapter {name!r}; these are loaded: {', '.join(self.names)}")
+        return self.names.index(name)
+
+    @contextlib.contextmanager
+    def routed(self, route: torch.Tensor):
+        """Within the block, position i of what the model computes goes through adapter
+        route[i] (-1: none, the base alone)."""
+        self._route = route
+        try:
+            yield self
+        finally:
+            self._route = None
+
+    def _hook(self, path: str):
+        adapters = self.layers[path]
+
+        def add(module, inputs, output):
+            route = self._route
+            if route is None:
+                return output
+            x = inputs[0].reshape(-1, inputs[0].shape[-1])
+            y = output.reshape(-1, output.shape[-1])
+            for k in torch.unique(route).tolist():
+                if k < 0 or adapters[k] is None:
+                    continue
+                a, b, scale = adapters[k]
+                rows = (route == k).nonzero().squeeze(1)
+                low = (x.index_select(0, rows) @ a.to(x.dtype).T) @ b.to(x.dtype).T
+                y = y.index_add(0, rows, low, alpha=scale)
+            return y.view(output.shape)
+
+        return add
+
+    def close(self) -> None:
+        """Remove the hooks: the model is the plain base again."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _read(model, name: str, directory: str | os.PathLike):
+    """(layer path, A, B, scale) of each layer a PEFT adapter (or a LoRA run) adapts, read
+    by attaching it to the base for a moment (the base's weights untouched)."""
+    from linnet.export import attach_adapter
+
+    path = Path(directory)
+    if not (path / "adapter_config.json").is_file() and (path / "final" / "adapter_config.json").is_file():
+        path = path / "final"
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        raise ValueError(f"adapter {name!r}: {directory} holds no adapter_config.json (a PEFT adapter or a LoRA run)")
+    if json.loads(config.read_text()).get("use_dora"):
+        raise ValueError(f"adapter {name!r}: {directory} is a DoRA adapter; merge it (linnet export --merge) to serve")
+    attach_adapter(model, path)
+    found = []
+    try:
+        for layer_path, layer in model.named_modules():
+            if isinstance(layer, Linear) and layer.lora_a is not None:
+                found.append((layer_path, layer.lora_a.detach().clone(), layer.lora_b.detach().clone(),
+                              float(layer.lora_scale)))
+    finally:
+        for layer in model.modules():
+            if isinstance(layer, Linear):
+                layer.lora_a = layer.lora_b = None
+                layer.lora_scale = 0.0
+        model.lora = None
+        model.requires_grad_(False)
+    return found
+
+
+class AdapterEngine(Engine):
+    """An Engine over a plain base holding many adapters unmerged (an AdapterBank): each
+    prompt of a call names its adapter, and one batch mixes them.
+
+        engine = AdapterEngine(nest.load(base), {"a": "runs/a", "b": "runs/b"})
+        engine.sample([ids_1, ids_2, ids_3], adapters=["a", "b", None], temperature=0)
+
+    It samples eagerly, and its projections run through the layers (where the bank's
+    hooks are) rather than through oneDNN's reordered copies (the head still does)."""
+
+    def __init__(self, model, adapters: Mapping[str, str | os.PathLike], **options):
+        if options.get("compile") or getattr(model, "compiled", None):
+            raise ValueError("AdapterEngine: samples eagerly; load the base without compile=")
+        super().__init__(model, **options)
+        self.bank = AdapterBank(self.model, adapters)
+        self._reordered = None if self._reordered is None else reorder_weights(self.model, False)
+        self._prompt_ids: list[int] = []
+        self._row_ids: list[int] = []
+
+    def sample(self, prompts, n: int = 1, *, adapters=None, **options):
+        """`Engine.sample`, prompt i through adapter adapters[i] (None: the base)."""
+        self._route(prompts, n, adapters)
+        return super().sample(prompts, n, **options)
+
+    def steps(self, prompts, *, adapters=None, **options):
+        """`Engine.steps`, prompt i through adapter adapters[i] (None: the base)."""
+        self._route(prompts, 1, adapters)
+        yield from super().steps(prompts, **options)
+
+    def _route(self, prompts, n: int, adapters) -> None:
+        adapters = [None] * len(prompts) if adapters is None else list(adapters)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"AdapterEngine: {len(adapters)} adapters for {len(prompts)} prompts; name one a prompt")
+        self._prompt_ids = [-1 if a is None else self.bank.index(a) for a in adapters]
+        self._row_ids = [self._prompt_ids[r // n] for r in range(len(prompts) * n)]
+
+    def _prefill(self, prompts, cos_Sd, sin_Sd):
+        lengths = torch.tensor([len(p) for p in prompts])
+        route = torch.repeat_interleave(torch.tensor(self._prompt_ids[:len(prompts)]), lengths)
+        with self.bank.routed(route.to(self.model.device)):
+            return super()._prefill(prompts, cos_Sd, sin_Sd)
+
+    def _decode(self, tokens_B, batch, step, cos_Sd, sin_Sd):
+        route = torch.tensor(self._row_ids[:len(tokens_B)], device=self.model.device)
+        with self.bank.routed(route):
+            return super()._decode(tokens_B, batch, step, cos_Sd, sin_Sd)
+
+    def _compact(self, cache, done, used):
+        order = super()._compact(cache, done, used)
+        if order is not None and self._keys and cache[0] is self._keys[0]:  # the rows moved: their adapters too
+            self._row_ids = [self._row_ids[i] for i in order]
+        return order

@@ -1,0 +1,88 @@
+"""Many adapters over one base, unmerged: a batch mixing them samples what each adapter
+merged alone samples (greedy tokens, log-probabilities to 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linnet import nest
+from linnet.commands import quickstart
+from linnet.export import attach_adapter
+from linnet.serve import Engine
+from linnet.torch.adapter_bank import AdapterBank, AdapterEngine
+from linnet.torch.lora import save_peft
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """A base and three adapters of different ranks and targets, their B drawn (not zero),
+    so each changes what the base samples."""
+    root = tmp_path_factory.mktemp("bank")
+    base = root / "base"
+    nest.load(quickstart.CARD, weights="random", seed=0).save_weights(base)
+    quickstart.save_tokenizer(base / "tokenizer.json")
+    specs = {"a": (4, "all-linear"), "b": (8, ["q_proj", "v_proj"]), "c": (2, ["down_proj", "o_proj"])}
+    for k, (name, (rank, targets)) in enumerate(specs.items()):
+        model = nest.load(base, weights=base)
+        torch.manual_seed(k)  # A is drawn at add_lora
+        model.add_lora(targets, rank=rank, alpha=2 * rank)
+        g = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("lora_b"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        save_peft(model, root / name, base_model=str(base))
+    return root, list(specs)
+
+
+def merged_engine(root, name):
+    model = nest.load(root / "base", weights=root / "base")
+    if name is not None:
+        attach_adapter(model, root / name)
+    return Engine(model)
+
+
+def test_a_mixed_batch_samples_what_each_adapter_merged_alone_samples(adapters):
+    root, names = adapters
+    engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {n: root / n for n in names})
+    prompts = [[quickstart.BOS, *quickstart.encode(p)] for p in ("12+34=", "56+07=", "90+11=", "33+33=", "01+02=")]
+    routes = ["a", "b", None, "c", "a"]
+    mixed = engine.sample(prompts, adapters=routes, max_new_tokens=6, temperature=0.0, stop=())
+    for prompt, route, got in zip(prompts, routes, mixed):
+        alone = merged_engine(root, route).sample([prompt], max_new_tokens=6, temperature=0.0, stop=())[0]
+        assert got.tokens == alone.tokens, route
+        torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    base_only = merged_engine(root, None).sample(prompts[:1], max_new_tokens=6, temperature=0.0, stop=())[0]
+    assert mixed[0].tokens != base_only.tokens  # the adapters matter: "a" changes the base's answer
+
+
+def test_rows_that_stop_early_keep_their_adapters(adapters):
+    """With stop tokens rows leave the batch at different steps and the cache is
+    compacted: the rows that remain still go through their own adapters."""
+    root, names = adapters
+    engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {n: root / n for n in names})
+    prompts = [[quickstart.BOS, *quickstart.encode(p)] for p in ("12+34=", "5+5=", "12+34=", "1+2=")]
+    routes = ["a", "b", "c", "a"]
+    stops = [11, 9]  # the first two rows' first tokens here: rows 2 and 3 move into their places
+    mixed = engine.sample(prompts, adapters=routes, max_new_tokens=8, temperature=0.0, stop=stops)
+    assert [len(c.tokens) for c in mixed] == [1, 1, 8, 6]
+    for prompt, route, got in zip(prompts, routes, mixed):
+        alone = merged_engine(root, route).sample([prompt], max_new_tokens=8, temperature=0.0, stop=stops)[0]
+        assert got.tokens == alone.tokens, route
+
+
+def test_bad_adapters_are_refused(adapters, tmp_path):
+    root, _ = adapters
+    model = nest.load(root / "base", weights=root / "base")
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        AdapterBank(model, {"x": tmp_path})
+    bank = AdapterBank(model, {"a": root / "a"})
+    with pytest.raises(ValueError, match="no adapter 'z'; these are loaded: a"):
+        bank.index("z")
+    bank.close()
+    engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {"a": root / "a"})
+    with pytest.raises(ValueError, match="2 adapters for 1 prompts"):
+        engine.sample([[1, 4]], adapters=["a", "a"])
