@@ -45,10 +45,14 @@ def merged_engine(root, name):
     return Engine(model)
 
 
-def test_a_mixed_batch_samples_what_each_adapter_merged_alone_samples(adapters):
+@pytest.mark.parametrize("repeat", [1, 3])
+def test_a_mixed_batch_samples_what_each_adapter_merged_alone_samples(adapters, repeat):
+    """Short prompts: every product gathers each row's adapter (35 positions in prefill);
+    prompts three times as long: the prefill's 95 positions take one product an adapter."""
     root, names = adapters
     engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {n: root / n for n in names})
-    prompts = [[quickstart.BOS, *quickstart.encode(p)] for p in ("12+34=", "56+07=", "90+11=", "33+33=", "01+02=")]
+    prompts = [[quickstart.BOS, *quickstart.encode(p * repeat)]
+               for p in ("12+34=", "56+07=", "90+11=", "33+33=", "01+02=")]
     routes = ["a", "b", None, "c", "a"]
     mixed = engine.sample(prompts, adapters=routes, max_new_tokens=6, temperature=0.0, stop=())
     for prompt, route, got in zip(prompts, routes, mixed):

@@ -28,6 +28,8 @@ from linnet.torch.engine import Engine
 from linnet.torch.model import Linear
 from linnet.torch.passes import reorder_weights
 
+GATHERED_ROWS = 64  # up to this many rows (a decode step's) each row's adapter is gathered; past it, one product an adapter
+
 
 class AdapterBank:
     """Adapters by name (their order is their index in a routing) over `model`, a frozen
@@ -62,6 +64,7 @@ class AdapterBank:
 
     def _hook(self, path: str):
         adapters = self.layers[path]
+        stacked = _stacked(adapters)
 
         def add(module, inputs, output):
             route = self._route
@@ -69,7 +72,14 @@ class AdapterBank:
                 return output
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             y = output.reshape(-1, output.shape[-1])
-            for k in torch.unique(route).tolist():
+            if len(x) <= GATHERED_ROWS:  # a decode step: every adapter's A at once, each row keeps its own
+                a, b = stacked
+                rank = a.shape[0] // (len(adapters) + 1)
+                pick = torch.where(route < 0, len(adapters), route)  # the last slot: zeros, the base alone
+                keep = (torch.arange(len(adapters) + 1, device=x.device) == pick[:, None]).to(x.dtype)
+                low = (x @ a.to(x.dtype).T).view(len(x), -1, rank) * keep[:, :, None]
+                return y.addmm(low.view(len(x), -1), b.to(x.dtype).T).view(output.shape)
+            for k in torch.unique(route).tolist():  # a prefill: each adapter's product on its rows
                 if k < 0 or adapters[k] is None:
                     continue
                 a, b, scale = adapters[k]
@@ -85,6 +95,21 @@ class AdapterBank:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _stacked(adapters: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every adapter's A [r, in] and scale x B [out, r] of one layer, zero-padded to the
+    largest rank r, side by side with a zero adapter last (the base's rows, and adapters
+    that leave the layer alone): A [(K + 1) r, in] and B [out, (K + 1) r]."""
+    first = next(x for x in adapters if x is not None)
+    rank = max(x[0].shape[0] for x in adapters if x is not None)
+    a = first[0].new_zeros(len(adapters) + 1, rank, first[0].shape[1])
+    b = first[1].new_zeros(first[1].shape[0], len(adapters) + 1, rank)
+    for k, x in enumerate(adapters):
+        if x is not None:
+            a[k, :x[0].shape[0]] = x[0]
+            b[:, k, :x[1].shape[1]] = x[1] * x[2]
+    return a.flatten(0, 1), b.flatten(1, 2)
 
 
 def _read(model, name: str, directory: str | os.PathLike):
