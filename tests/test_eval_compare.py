@@ -157,7 +157,7 @@ def test_a_judge_asks_both_orders_and_a_judge_biased_to_the_first_answer_ties():
     assert agreement(fair, [1, 1, 1, 1]) == pytest.approx((1 + 0 + 0.5 + 0) / 4)
 
 
-def test_a_reward_model_judges_the_models_and_its_agreement_with_labels(trained):
+def test_a_reward_model_judges_the_models_and_its_agreement_with_labels(trained, capsys):
     from linnet import nest
     from linnet.train.reward import add_score_head, save_reward_model
 
@@ -169,6 +169,8 @@ def test_a_reward_model_judges_the_models_and_its_agreement_with_labels(trained)
                      "--max-new-tokens", "4", "--judge", str(r / "judge"), "--json", str(r / "j.json")]) == 0
     table = json.loads((r / "j.json").read_text())["comparison"]
     assert table[model]["judge"]["mean"] == 0.5 and table[str(r / "copy")]["judge"]["mean"] == 0.5  # a copy ties
+    assert cli.main(["eval", model, "--data", str(r / "held.jsonl"), "--no-chat", "--judge", str(r / "judge")]) == 2
+    assert "give two models or more" in capsys.readouterr().err  # refused before any model is evaluated
     problems = quickstart.problems(np.random.default_rng(6), 30, 2)
     (r / "labelled.jsonl").write_text("".join(json.dumps({"prompt": p, "chosen": a, "rejected": a[::-1] + "1"}) + "\n"
                                               for p, a in problems))

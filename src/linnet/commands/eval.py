@@ -417,12 +417,20 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--json and --per-example name one file; give each its own")
     for path, flag in outputs:
         check_output(args, path, flag)  # before anything is loaded
-    judge = None
+    if args.per_example and args.data is None:
+        raise ValueError("--per-example writes the records of --data: give --data FILE")
+    judge = judged_pairs = None
     if args.judge:
+        from linnet.data import read_records
         from linnet.train.judge import Judge
 
         if args.data is None:
             raise ValueError("--judge compares answers to the prompts of --data: give --data FILE")
+        first = read_records(args.data)[:1]
+        judged_pairs = bool(first) and "chosen" in first[0].data and "rejected" in first[0].data
+        if not judged_pairs and len(columns(args, framing)) < 2:
+            raise ValueError("--judge compares the models' completions with the first model's: give two models or "
+                             "more (or --system / --few-shot), or chosen/rejected records for its agreement")
         judge = Judge(*load_model(args.judge), chat=args.chat, tokens=args.context_length)
     results: dict[str, dict] = {}
     each: dict[str, dict] = {}
@@ -438,19 +446,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.lm_eval and frame is None:
             results[name]["lm_eval"] = lm_eval(model, args.lm_eval)
     extra: dict = {}
-    if judge is not None:
-        from linnet.data import read_records
-
-        records = list(read_records(args.data))
-        if "chosen" in records[0].data and "rejected" in records[0].data:
-            extra["judge"] = {"source": args.judge, **judge_agreement(judge, records, args)}
-            print(f"judge {args.judge}: agrees with {extra['judge']['agreement']:.1%} of the chosen answers "
-                  f"(95% interval {extra['judge']['interval'][0]:.1%} to {extra['judge']['interval'][1]:.1%})")
-        elif len(per) > 1:
-            judged(judge, args, per, each)
-        else:
-            raise ValueError("--judge compares the models' completions with the first model's: give two models or "
-                             "more (or --system / --few-shot), or chosen/rejected records for its agreement")
+    if judged_pairs:
+        extra["judge"] = {"source": args.judge, **judge_agreement(judge, list(read_records(args.data)), args)}
+        print(f"judge {args.judge}: agrees with {extra['judge']['agreement']:.1%} of the chosen answers "
+              f"(95% interval {extra['judge']['interval'][0]:.1%} to {extra['judge']['interval'][1]:.1%})")
+    elif judge is not None:
+        judged(judge, args, per, each)
     if len(results) == 1:
         (name, found), = results.items()
         found["interval"] = {metric: list(interval(values)) for metric, values in each.get(name, {}).items()}
