@@ -25,6 +25,7 @@ from typing import Any
 
 from linnet.export.gguf_file import KINDS as GGUF_KINDS
 from linnet.export.gguf_file import Plan, plan_gguf, write_gguf
+from linnet.torch.weights import attach_adapter  # exported here too: loading a trained model's adapters
 
 __all__ = ["GGUF_KINDS", "Plan", "attach_adapter", "export_directory", "load_trained", "model_card", "plan_gguf",
            "write_gguf"]
@@ -71,17 +72,6 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
                          "(adapter_config.json)")
     about["base"] = str(path)
     return nest.load(path, weights=path, dtype=dtype), about
-
-
-def attach_adapter(model, directory: str | os.PathLike) -> None:
-    """Add the adapters a PEFT directory describes and load their weights."""
-    from linnet.torch.weights import bind_weights
-
-    info = json.loads((Path(directory) / "adapter_config.json").read_text())
-    model.add_lora([f"{t}.weight" if not t.endswith(".weight") else t for t in info["target_modules"]],
-                   rank=info["r"], alpha=info["lora_alpha"], rslora=info.get("use_rslora", False),
-                   dora=info.get("use_dora", False))
-    bind_weights(model, directory)
 
 
 def _run_of(path: Path) -> Path | None:

@@ -115,7 +115,7 @@ def _stacked(adapters: list) -> tuple[torch.Tensor, torch.Tensor]:
 def _read(model, name: str, directory: str | os.PathLike):
     """(layer path, A, B, scale) of each layer a PEFT adapter (or a LoRA run) adapts, read
     by attaching it to the base for a moment (the base's weights untouched)."""
-    from linnet.export import attach_adapter
+    from linnet.torch.weights import attach_adapter
 
     path = Path(directory)
     if not (path / "adapter_config.json").is_file() and (path / "final" / "adapter_config.json").is_file():

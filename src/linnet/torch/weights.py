@@ -203,3 +203,12 @@ def special_tokens(card, source: Path) -> dict:
     out = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": card.max_positions}
     out.update({key: raw.id_to_token(i) for key, i in named.items() if i is not None and raw.id_to_token(i)})
     return out
+
+
+def attach_adapter(model, directory: str | os.PathLike) -> None:
+    """Add the adapters a PEFT directory describes and load their weights."""
+    info = json.loads((Path(directory) / "adapter_config.json").read_text())
+    model.add_lora([f"{t}.weight" if not t.endswith(".weight") else t for t in info["target_modules"]],
+                   rank=info["r"], alpha=info["lora_alpha"], rslora=info.get("use_rslora", False),
+                   dora=info.get("use_dora", False))
+    bind_weights(model, directory)
