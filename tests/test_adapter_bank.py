@@ -90,3 +90,23 @@ def test_bad_adapters_are_refused(adapters, tmp_path):
     engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {"a": root / "a"})
     with pytest.raises(ValueError, match="2 adapters for 1 prompts"):
         engine.sample([[1, 4]], adapters=["a", "a"])
+
+
+def test_adapters_come_and_go_between_calls(adapters):
+    """An adapter added later samples as if it had been there from the start; one removed
+    is refused by name, and the others are unchanged."""
+    root, names = adapters
+    engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {"a": root / "a"})
+    prompts = [[quickstart.BOS, *quickstart.encode(p)] for p in ("12+34=", "56+07=")]
+    engine.bank.add("c", root / "c")
+    mixed = engine.sample(prompts, adapters=["c", "a"], max_new_tokens=5, temperature=0.0, stop=())
+    for prompt, route, got in zip(prompts, ["c", "a"], mixed):
+        assert got.tokens == merged_engine(root, route).sample([prompt], max_new_tokens=5, temperature=0.0,
+                                                              stop=())[0].tokens
+    engine.bank.remove("a")
+    with pytest.raises(ValueError, match="no adapter 'a'; these are loaded: c"):
+        engine.sample(prompts[:1], adapters=["a"])
+    again = engine.sample(prompts[:1], adapters=["c"], max_new_tokens=5, temperature=0.0, stop=())[0]
+    assert again.tokens == mixed[0].tokens
+    with pytest.raises(ValueError, match="'c' is loaded already"):
+        engine.bank.add("c", root / "c")

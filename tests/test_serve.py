@@ -27,8 +27,6 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the quicks
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A server for a quickstart model ("base") and a LoRA run over it ("tenant")."""
-    import uvicorn
-
     from linnet.commands.serve import load_served
     from linnet.commands.sft import run
     from linnet.config import SFTConfig, load
@@ -46,17 +44,21 @@ def server(tmp_path_factory):
     served["base"].tokenizer = load_tokenizer(root / "base", chat_template=TEMPLATE)
     served["tenant"].tokenizer = load_tokenizer(root / "base")  # the same vocabulary, no chat template
     app, batcher = make_app(served, max_batch=8, queue=4, max_new_tokens=8)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-    http = uvicorn.Server(config)
-    thread = threading.Thread(target=http.run, daemon=True)
-    thread.start()
-    while not http.started:
-        time.sleep(0.05)
-    port = http.servers[0].sockets[0].getsockname()[1]
+    http, port = start(app)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
     yield client, batcher, served, root, port
     http.should_exit = True
-    thread.join()
+
+
+def start(app):
+    """A uvicorn server for `app` on a free localhost port, in a thread: (server, port)."""
+    import uvicorn
+
+    http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    threading.Thread(target=http.run, daemon=True).start()
+    while not http.started:
+        time.sleep(0.05)
+    return http, http.servers[0].sockets[0].getsockname()[1]
 
 
 def greedy(served, prompt: str, tokens: int) -> str:
@@ -155,3 +157,39 @@ def test_the_base_tokenizer_and_engine_are_what_nest_loads(server):
     plain = nest.load(root / "base", weights=root / "base")
     engine = served["base"].engine.model
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), engine.state_dict().values()))
+
+
+def test_adapters_load_and_unload_while_serving(server):
+    """--load-adapters: POST /v1/load_lora_adapter adds a LoRA run under a name, which then
+    answers as the engine does through it; unloading it makes the name unknown again. A
+    server started without the flag refuses both."""
+    import httpx
+
+    from linnet.commands.serve import load_served
+    from linnet.serve.server import make_app
+
+    client, _, served, root, port = server
+    fixed = httpx.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
+                       json={"lora_name": "x", "lora_path": str(root / "tenant")}, timeout=30)
+    assert fixed.status_code == 400 and "--load-adapters" in fixed.json()["error"]["message"]
+    app, _ = make_app(load_served(str(root / "base"), "base", bank=True), load_adapters=True)
+    http, port = start(app)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        dynamic = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in dynamic.models.list().data] == ["base"]
+        loaded = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "late", "lora_path": str(root / "tenant")},
+                            timeout=60)
+        assert loaded.status_code == 200 and loaded.json()["models"] == ["base", "late"]
+        late = dynamic.completions.create(model="late", prompt="12+34=", max_tokens=4, temperature=0).choices[0].text
+        assert late == client.completions.create(model="tenant", prompt="12+34=", max_tokens=4,
+                                                 temperature=0).choices[0].text
+        bad = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "y", "lora_path": str(root / "nowhere")},
+                         timeout=30)
+        assert bad.status_code == 400 and "adapter 'y'" in bad.json()["error"]["message"]
+        assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "base"}, timeout=30).status_code == 400
+        assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=30).status_code == 200
+        with pytest.raises(openai.NotFoundError, match="'late' is not served"):
+            dynamic.completions.create(model="late", prompt="1+1=", max_tokens=2)
+    finally:
+        http.should_exit = True

@@ -22,6 +22,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="the model's name in requests (default: the source's folder or card name)")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
                    help="also serve a PEFT adapter or a LoRA run as NAME (repeatable)")
+    p.add_argument("--load-adapters", action="store_true",
+                   help="let POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and drop adapters while "
+                        "serving (paths on this machine: enable it only where you trust who can reach the server)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=16, help="requests sampled together at most (default 16)")
@@ -31,9 +34,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_served(source: str, name: str, adapters: dict[str, str] | None = None) -> dict:
+def load_served(source: str, name: str, adapters: dict[str, str] | None = None, *, bank: bool = False) -> dict:
     """{name: Served} for the model `source` (a run's own adapters merged into it) and each
-    of `adapters` over it, all on one engine: an AdapterEngine when there are adapters."""
+    of `adapters` over it, all on one engine: an AdapterEngine when there are adapters (or
+    `bank`, to load some later)."""
     from linnet.commands.eval import load_model
     from linnet.serve import Engine
     from linnet.serve.server import Served
@@ -42,7 +46,7 @@ def load_served(source: str, name: str, adapters: dict[str, str] | None = None) 
     model, tokenizer = load_model(source)
     if getattr(model, "lora", None):
         model.merge_lora()  # a LoRA run as the base: its adapters folded in, the bank's go on top
-    engine = AdapterEngine(model, adapters) if adapters else Engine(model)
+    engine = AdapterEngine(model, adapters or {}) if adapters or bank else Engine(model)
     bos = model.card.bos_token_id if tokenizer.bos_id is None else None
     return {name: Served(engine, tokenizer, bos),
             **{adapter: Served(engine, tokenizer, bos, adapter) for adapter in adapters or {}}}
@@ -69,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--adapter {base}=...: the base model is served as {base!r}; name the adapter otherwise")
     if args.max_batch < 1 or args.queue < 1 or args.max_new_tokens < 1:
         raise ValueError("--max-batch, --queue and --max-new-tokens must be positive")
-    served = load_served(args.source, base, names)
-    app, _ = make_app(served, max_batch=args.max_batch, queue=args.queue, max_new_tokens=args.max_new_tokens)
+    served = load_served(args.source, base, names, bank=args.load_adapters)
+    app, _ = make_app(served, max_batch=args.max_batch, queue=args.queue, max_new_tokens=args.max_new_tokens,
+                      load_adapters=args.load_adapters)
     print(f"linnet serve: {', '.join(served)} on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

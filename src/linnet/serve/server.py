@@ -85,8 +85,9 @@ class Batcher:
     """The thread that samples: see the module docstring. `batches` records the size of
     every batch it ran (how many requests shared one engine call)."""
 
-    def __init__(self, served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 64, wait: float = 0.01):
-        self.served, self.max_batch, self.queue_size, self.wait = dict(served), max_batch, queue, wait
+    def __init__(self, served: dict[str, Served], *, max_batch: int = 16, queue: int = 64, wait: float = 0.01):
+        self.served, self.max_batch, self.queue_size, self.wait = served, max_batch, queue, wait
+        self.engines = threading.Lock()  # held while a batch samples; adapters load and unload between batches
         self.pending: list[Job] = []
         self.batches: list[int] = []
         self._ready = threading.Condition()
@@ -142,7 +143,8 @@ class Batcher:
         while (batch := self._take()) is not None:
             self.batches.append(len(batch))
             try:
-                self._sample(batch)
+                with self.engines:
+                    self._sample(batch)
             except Exception as e:  # a failure answers its batch; the server goes on
                 for job in batch:
                     job.send(e)
@@ -190,9 +192,12 @@ def _stopped_at(text: str, stops: list[str]) -> int | None:
 
 
 def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 64, max_new_tokens: int = 256,
-             wait: float = 0.01):
+             wait: float = 0.01, load_adapters: bool = False):
     """(the FastAPI app, its Batcher) serving `served` by name; `wait`: how long the
-    batcher lets requests gather before a batch."""
+    batcher lets requests gather before a batch; `load_adapters`: allow POST
+    /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's names) to change the adapters
+    of the served adapter engine (paths on this machine, named by whoever can reach it)."""
+    served = dict(served)
     batcher = Batcher(served, max_batch=max_batch, queue=queue, wait=wait)
     app = FastAPI(title="linnet serve")
     app.router.on_shutdown.append(batcher.close)
@@ -228,6 +233,33 @@ def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 
         except Refused as e:
             return error(e.status, str(e))
 
+    async def change(request: Request, load: bool):
+        try:
+            if not load_adapters:
+                raise Refused(400, "adapters are fixed on this server; start linnet serve with --load-adapters")
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise Refused(400, "the body is not JSON; send a JSON object") from None
+            name = body.get("lora_name") if isinstance(body, dict) else None
+            if not isinstance(name, str) or not name:
+                raise Refused(400, "lora_name must be a non-empty string")
+            path = body.get("lora_path") if load else None
+            if load and (not isinstance(path, str) or not path):
+                raise Refused(400, "lora_path must name a PEFT adapter directory or a LoRA run on the server")
+            await asyncio.get_running_loop().run_in_executor(None, _change_adapters, served, batcher, name, path)
+        except Refused as e:
+            return error(e.status, str(e))
+        return {"status": "ok", "models": list(served)}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        return await change(request, load=True)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        return await change(request, load=False)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await answer(request, chat=False)
@@ -237,6 +269,30 @@ def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 
         return await answer(request, chat=True)
 
     return app, batcher
+
+
+def _change_adapters(served: dict[str, Served], batcher: Batcher, name: str, path: str | None) -> None:
+    """Load adapter `name` from `path` into the served adapter engine, or (path None)
+    unload it, between batches; a Refused names what is wrong."""
+    bank = next((s for s in served.values() if hasattr(s.engine, "bank")), None)
+    if bank is None:
+        raise Refused(400, "this server holds no adapter engine")
+    with batcher.engines:
+        if path is None:
+            if name not in served:
+                raise Refused(404, f"no adapter {name!r} is served; these are: {', '.join(served)}")
+            if served[name].adapter is None:
+                raise Refused(400, f"{name!r} is a base model, not an adapter; it cannot be unloaded")
+            bank.engine.bank.remove(name)
+            del served[name]
+            return
+        if name in served:
+            raise Refused(400, f"{name!r} is served already; unload it first, or choose another name")
+        try:
+            bank.engine.bank.add(name, path)
+        except (ValueError, OSError) as e:
+            raise Refused(400, f"adapter {name!r}: {e}") from None
+        served[name] = Served(bank.engine, bank.tokenizer, bank.bos, name)
 
 
 def _job(body, served: Mapping[str, Served], chat: bool, max_new_tokens: int, loop) -> Job:

@@ -33,23 +33,51 @@ GATHERED_ROWS = 64  # up to this many rows (a decode step's) each row's adapter 
 
 class AdapterBank:
     """Adapters by name (their order is their index in a routing) over `model`, a frozen
-    base without adapters of its own."""
+    base without adapters of its own; `add` and `remove` change them between passes."""
 
     def __init__(self, model, adapters: Mapping[str, str | os.PathLike]):
         if getattr(model, "lora", None):
             raise ValueError("AdapterBank: the model has adapters of its own; give it the plain base")
-        self.model, self.names = model, list(adapters)
+        self.model, self.names = model, []
         self.layers: dict[str, list] = {}  # layer path -> [(A, B, scale) or None an adapter]
+        self._stacks: dict[str, tuple] = {}
+        self._hooks: dict[str, object] = {}
         self._route: torch.Tensor | None = None
-        for k, (name, directory) in enumerate(adapters.items()):
-            for path, a, b, scale in _read(model, name, directory):
-                self.layers.setdefault(path, [None] * len(adapters))[k] = (a, b, scale)
-        modules = dict(model.named_modules())
-        self._hooks = [modules[path].register_forward_hook(self._hook(path)) for path in self.layers]
+        for name, directory in adapters.items():
+            self.add(name, directory)
+
+    def add(self, name: str, directory: str | os.PathLike) -> None:
+        """Read one more adapter (a PEFT directory or a LoRA run) into the bank."""
+        if name in self.names:
+            raise ValueError(f"AdapterBank: {name!r} is loaded already; remove it first")
+        found = _read(self.model, name, directory)
+        for entries in self.layers.values():
+            entries.append(None)
+        for path, a, b, scale in found:
+            self.layers.setdefault(path, [None] * (len(self.names) + 1))[-1] = (a, b, scale)
+        self.names.append(name)
+        self._restack()
+
+    def remove(self, name: str) -> None:
+        """Drop an adapter; the layers no adapter adapts any longer lose their hook."""
+        k = self.index(name)
+        self.names.pop(k)
+        for entries in self.layers.values():
+            entries.pop(k)
+        self.layers = {path: entries for path, entries in self.layers.items() if any(e is not None for e in entries)}
+        self._restack()
+
+    def _restack(self) -> None:
+        modules = dict(self.model.named_modules())
+        for path in set(self._hooks) - set(self.layers):
+            self._hooks.pop(path).remove()
+        for path in set(self.layers) - set(self._hooks):
+            self._hooks[path] = modules[path].register_forward_hook(self._hook(path))
+        self._stacks = {path: _stacked(entries) for path, entries in self.layers.items()}
 
     def index(self, name: str) -> int:
         if name not in self.names:
-            raise ValueError(f"AdapterBank: no adapter {name!r}; these are loaded: {', '.join(self.names)}")
+            raise ValueError(f"AdapterBank: no adapter {name!r}; these are loaded: {', '.join(self.names) or 'none'}")
         return self.names.index(name)
 
     @contextlib.contextmanager
@@ -63,17 +91,15 @@ class AdapterBank:
             self._route = None
 
     def _hook(self, path: str):
-        adapters = self.layers[path]
-        stacked = _stacked(adapters)
-
         def add(module, inputs, output):
             route = self._route
             if route is None:
                 return output
+            adapters = self.layers[path]
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
             y = output.reshape(-1, output.shape[-1])
             if len(x) <= GATHERED_ROWS:  # a decode step: every adapter's A at once, each row keeps its own
-                a, b = stacked
+                a, b = self._stacks[path]
                 rank = a.shape[0] // (len(adapters) + 1)
                 pick = torch.where(route < 0, len(adapters), route)  # the last slot: zeros, the base alone
                 keep = (torch.arange(len(adapters) + 1, device=x.device) == pick[:, None]).to(x.dtype)
@@ -92,9 +118,9 @@ class AdapterBank:
 
     def close(self) -> None:
         """Remove the hooks: the model is the plain base again."""
-        for hook in self._hooks:
+        for hook in self._hooks.values():
             hook.remove()
-        self._hooks = []
+        self._hooks = {}
 
 
 def _stacked(adapters: list) -> tuple[torch.Tensor, torch.Tensor]:
