@@ -172,7 +172,7 @@ def test_adapters_load_and_unload_while_serving(server):
     fixed = httpx.post(f"http://127.0.0.1:{port}/v1/load_lora_adapter",
                        json={"lora_name": "x", "lora_path": str(root / "tenant")}, timeout=30)
     assert fixed.status_code == 400 and "--load-adapters" in fixed.json()["error"]["message"]
-    app, _ = make_app(load_served(str(root / "base"), "base", bank=True), load_adapters=True)
+    app, batcher = make_app(load_served(str(root / "base"), "base", bank=True), load_adapters=True)
     http, port = start(app)
     url = f"http://127.0.0.1:{port}/v1"
     try:
@@ -188,7 +188,22 @@ def test_adapters_load_and_unload_while_serving(server):
                          timeout=30)
         assert bad.status_code == 400 and "adapter 'y'" in bad.json()["error"]["message"]
         assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "base"}, timeout=30).status_code == 400
-        assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=30).status_code == 200
+        answers = []
+
+        def ask():
+            try:
+                dynamic.completions.create(model="late", prompt="1+1=", max_tokens=2)
+            except openai.NotFoundError as e:
+                answers.append(str(e))
+
+        with batcher.held():  # a request for it waits while it is unloaded
+            waiting = threading.Thread(target=ask)
+            waiting.start()
+            while not batcher.pending:
+                time.sleep(0.01)
+            assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=30).status_code == 200
+        waiting.join()
+        assert len(answers) == 1 and "was unloaded before this request ran" in answers[0]
         with pytest.raises(openai.NotFoundError, match="'late' is not served"):
             dynamic.completions.create(model="late", prompt="1+1=", max_tokens=2)
     finally:

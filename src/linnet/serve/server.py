@@ -144,7 +144,11 @@ class Batcher:
             self.batches.append(len(batch))
             try:
                 with self.engines:
-                    self._sample(batch)
+                    for job in [j for j in batch if j.model not in self.served]:  # its adapter went while it waited
+                        job.send(Refused(404, f"model {job.model!r} was unloaded before this request ran"))
+                        batch.remove(job)
+                    if batch:
+                        self._sample(batch)
             except Exception as e:  # a failure answers its batch; the server goes on
                 for job in batch:
                     job.send(e)
