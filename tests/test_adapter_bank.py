@@ -12,6 +12,7 @@ from linnet.export import attach_adapter
 from linnet.serve import Engine
 from linnet.torch.adapter_bank import AdapterBank, AdapterEngine
 from linnet.torch.lora import save_peft
+from linnet.torch.passes import reorder_weights
 
 torch.set_num_threads(1)
 
@@ -45,12 +46,18 @@ def merged_engine(root, name):
     return Engine(model)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("repeat", [1, 3])
-def test_a_mixed_batch_samples_what_each_adapter_merged_alone_samples(adapters, repeat):
+def test_a_mixed_batch_samples_what_each_adapter_merged_alone_samples(adapters, repeat, fused):
     """Short prompts: every product gathers each row's adapter (35 positions in prefill);
-    prompts three times as long: the prefill's 95 positions take one product an adapter."""
+    prompts three times as long: the prefill's 95 positions take one product an adapter.
+    `fused`: the projections through oneDNN's fused copies, the additions in the passes
+    (as on CPUs where that is faster), else through the layers and their hooks."""
     root, names = adapters
     engine = AdapterEngine(nest.load(root / "base", weights=root / "base"), {n: root / n for n in names})
+    engine._reordered = reorder_weights(engine.model, fused)
+    if fused and (engine._reordered is None or engine._reordered.layers is None):
+        pytest.skip("this torch has no oneDNN reorder")
     prompts = [[quickstart.BOS, *quickstart.encode(p * repeat)]
                for p in ("12+34=", "56+07=", "90+11=", "33+33=", "01+02=")]
     routes = ["a", "b", None, "c", "a"]

@@ -17,6 +17,7 @@ magnitudes rescale the whole product, not a low-rank addition).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -26,7 +27,6 @@ import torch
 
 from linnet.torch.engine import Engine
 from linnet.torch.model import Linear
-from linnet.torch.passes import reorder_weights
 
 GATHERED_ROWS = 64  # up to this many rows (a decode step's) each row's adapter is gathered; past it, one product an adapter
 
@@ -43,6 +43,7 @@ class AdapterBank:
         self._stacks: dict[str, tuple] = {}
         self._hooks: dict[str, object] = {}
         self._route: torch.Tensor | None = None
+        self._keep: torch.Tensor | None = None
         for name, directory in adapters.items():
             self.add(name, directory)
 
@@ -68,11 +69,16 @@ class AdapterBank:
         self._restack()
 
     def _restack(self) -> None:
+        """Hooks on the adapted layers (where they are called), and each one's `low_rank`
+        (where the engine's passes run a fused copy of its weights instead,
+        linnet.torch.passes)."""
         modules = dict(self.model.named_modules())
         for path in set(self._hooks) - set(self.layers):
             self._hooks.pop(path).remove()
+            del modules[path].low_rank
         for path in set(self.layers) - set(self._hooks):
             self._hooks[path] = modules[path].register_forward_hook(self._hook(path))
+            modules[path].low_rank = functools.partial(self.adapted, path)
         self._stacks = {path: _stacked(entries) for path, entries in self.layers.items()}
 
     def index(self, name: str) -> int:
@@ -84,42 +90,49 @@ class AdapterBank:
     def routed(self, route: torch.Tensor):
         """Within the block, position i of what the model computes goes through adapter
         route[i] (-1: none, the base alone)."""
-        self._route = route
+        self._route, self._keep = route, None
         try:
             yield self
         finally:
-            self._route = None
+            self._route = self._keep = None
+
+    def adapted(self, path: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The base layer's output `y` [N, out] of its input `x` [N, in] with each row's
+        adapter added (as routed; `y` itself when nothing is routed)."""
+        route = self._route
+        if route is None:
+            return y
+        adapters = self.layers[path]
+        if len(x) <= GATHERED_ROWS:  # a decode step: every adapter's A at once, each row keeps its own
+            a, b = self._stacks[path]
+            rank = a.shape[0] // (len(adapters) + 1)
+            if self._keep is None:  # [rows, adapters + 1, 1], one-hot: alike in every layer of the pass
+                pick = torch.where(route < 0, len(adapters), route)  # the last slot: zeros, the base alone
+                self._keep = (torch.arange(len(adapters) + 1, device=x.device) == pick[:, None])[:, :, None]
+            low = (x @ a.to(x.dtype).T).view(len(x), -1, rank) * self._keep.to(x.dtype)
+            return y.addmm(low.view(len(x), -1), b.to(x.dtype).T)
+        for k in torch.unique(route).tolist():  # a prefill: each adapter's product on its rows
+            if k < 0 or adapters[k] is None:
+                continue
+            a, b, scale = adapters[k]
+            rows = (route == k).nonzero().squeeze(1)
+            low = (x.index_select(0, rows) @ a.to(x.dtype).T) @ b.to(x.dtype).T
+            y = y.index_add(0, rows, low, alpha=scale)
+        return y
 
     def _hook(self, path: str):
         def add(module, inputs, output):
-            route = self._route
-            if route is None:
-                return output
-            adapters = self.layers[path]
             x = inputs[0].reshape(-1, inputs[0].shape[-1])
-            y = output.reshape(-1, output.shape[-1])
-            if len(x) <= GATHERED_ROWS:  # a decode step: every adapter's A at once, each row keeps its own
-                a, b = self._stacks[path]
-                rank = a.shape[0] // (len(adapters) + 1)
-                pick = torch.where(route < 0, len(adapters), route)  # the last slot: zeros, the base alone
-                keep = (torch.arange(len(adapters) + 1, device=x.device) == pick[:, None]).to(x.dtype)
-                low = (x @ a.to(x.dtype).T).view(len(x), -1, rank) * keep[:, :, None]
-                return y.addmm(low.view(len(x), -1), b.to(x.dtype).T).view(output.shape)
-            for k in torch.unique(route).tolist():  # a prefill: each adapter's product on its rows
-                if k < 0 or adapters[k] is None:
-                    continue
-                a, b, scale = adapters[k]
-                rows = (route == k).nonzero().squeeze(1)
-                low = (x.index_select(0, rows) @ a.to(x.dtype).T) @ b.to(x.dtype).T
-                y = y.index_add(0, rows, low, alpha=scale)
-            return y.view(output.shape)
+            return self.adapted(path, x, output.reshape(-1, output.shape[-1])).view(output.shape)
 
         return add
 
     def close(self) -> None:
         """Remove the hooks: the model is the plain base again."""
-        for hook in self._hooks.values():
+        modules = dict(self.model.named_modules())
+        for path, hook in self._hooks.items():
             hook.remove()
+            del modules[path].low_rank
         self._hooks = {}
 
 
@@ -175,15 +188,14 @@ class AdapterEngine(Engine):
         engine = AdapterEngine(nest.load(base), {"a": "runs/a", "b": "runs/b"})
         engine.sample([ids_1, ids_2, ids_3], adapters=["a", "b", None], temperature=0)
 
-    It samples eagerly, and its projections run through the layers (where the bank's
-    hooks are) rather than through oneDNN's reordered copies (the head still does)."""
+    It samples eagerly; where the engine runs fused, reordered copies of the projections
+    (oneDNN on a CPU) the passes add each layer's `low_rank` to their outputs."""
 
     def __init__(self, model, adapters: Mapping[str, str | os.PathLike], **options):
         if options.get("compile") or getattr(model, "compiled", None):
             raise ValueError("AdapterEngine: samples eagerly; load the base without compile=")
         super().__init__(model, **options)
         self.bank = AdapterBank(self.model, adapters)
-        self._reordered = None if self._reordered is None else reorder_weights(self.model, False)
         self._prompt_ids: list[int] = []
         self._row_ids: list[int] = []
 

@@ -179,6 +179,7 @@ def _project(attn, h_ND, cos_N1d, sin_N1d, reordered=None):
         H, K, d = attn.shape
         N = h_ND.shape[0]
         q, k, v = onednn_linear(h_ND, *reordered[0]).split([H * d, K * d, K * d], dim=-1)
+        q, k, v = (_adapted(layer, h_ND, t) for layer, t in ((attn.q_proj, q), (attn.k_proj, k), (attn.v_proj, v)))
         q, k, v = q.view(N, H, d), k.view(N, K, d), v.view(N, K, d)
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
@@ -190,6 +191,15 @@ def _finish(block, x_ND, attended_NE, reordered=None):
     if reordered is None:
         x_ND = x_ND + block.self_attn.o_proj(attended_NE)
         return x_ND + block.mlp(block.post_attention_layernorm(x_ND))
-    x_ND = x_ND + onednn_linear(attended_NE, *reordered[1])
-    gate, up = onednn_linear(block.post_attention_layernorm(x_ND), *reordered[2]).chunk(2, dim=-1)
-    return x_ND + onednn_linear(F.silu(gate) * up, *reordered[3])
+    x_ND = x_ND + _adapted(block.self_attn.o_proj, attended_NE, onednn_linear(attended_NE, *reordered[1]))
+    h_ND = block.post_attention_layernorm(x_ND)
+    gate, up = onednn_linear(h_ND, *reordered[2]).chunk(2, dim=-1)
+    mid = F.silu(_adapted(block.mlp.gate_proj, h_ND, gate)) * _adapted(block.mlp.up_proj, h_ND, up)
+    return x_ND + _adapted(block.mlp.down_proj, mid, onednn_linear(mid, *reordered[3]))
+
+
+def _adapted(layer, x_NI, y_NO):
+    """A fused product's share `y` of `layer` with the layer's low-rank additions, where an
+    adapter bank gave it some (linnet.torch.adapter_bank: each row's own adapter)."""
+    add = getattr(layer, "low_rank", None)
+    return y_NO if add is None else add(x_NI, y_NO)
