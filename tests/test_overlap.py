@@ -101,3 +101,24 @@ def test_sft_warns_before_training_and_refuses_when_told(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: " in err and "3 held-out record(s) repeat" in err
     assert err.index("repeat training records") < err.index("parameters train")  # before the model loads
+
+
+def test_a_large_training_set_checks_exact_repeats_only(monkeypatch):
+    """Past NEAR_RECORDS training records a run checks exact repeats alone, and says so."""
+    import types
+
+    from linnet.commands import runs
+    from linnet.data.readers import Record
+
+    train, held = planted()
+    config = types.SimpleNamespace(data=types.SimpleNamespace(overlap="warn", path="t.jsonl", eval_path="e.jsonl",
+                                                              eval_share=0.0),
+                                   runtime=types.SimpleNamespace(seed=0))
+    records = [Record(f"t.jsonl line {i + 1}", {"prompt": t}) for i, t in enumerate(train)]
+    held_records = [Record(f"e.jsonl line {i + 1}", {"prompt": h}) for i, h in enumerate(held)]
+    monkeypatch.setattr(runs, "NEAR_RECORDS", 100)
+    with pytest.warns(UserWarning) as caught:
+        runs.check_held_out(config, records, held_records)
+    messages = [str(w.message) for w in caught]
+    assert any("only exact repeats" in m for m in messages)
+    assert any("5 held-out record(s) repeat" in m and "5 exact, 0 near" in m for m in messages)

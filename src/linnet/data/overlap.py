@@ -110,15 +110,14 @@ def overlap(train: Sequence[Record | dict | str], held_out: Sequence[Record | di
     # the index's threshold below the caller's: LSH finds a pair at its threshold half the time, and
     # the true similarity of each candidate decides anyway
     index = MinHashLSH(threshold=threshold * RECALL, num_perm=PERMUTATIONS)
-    for i, words in enumerate(train_sets):
-        if len(train_texts[i].split()) >= MIN_WORDS:
-            index.insert(i, _minhash(MinHash, words))
-    for j, text in enumerate(held_texts):
-        if j in exact or len(text.split()) < MIN_WORDS:
-            continue
-        words = shingles(text, ngram)
-        scored = [(len(words & train_sets[i]) / len(words | train_sets[i]), i)
-                  for i in index.query(_minhash(MinHash, words))]
+    indexed = [i for i, t in enumerate(train_texts) if len(t.split()) >= MIN_WORDS]
+    with index.insertion_session() as session:
+        for i, m in zip(indexed, _minhashes(MinHash, [train_sets[i] for i in indexed])):
+            session.insert(i, m)
+    asked = [j for j, t in enumerate(held_texts) if j not in exact and len(t.split()) >= MIN_WORDS]
+    held_sets = [shingles(held_texts[j], ngram) for j in asked]
+    for j, words, m in zip(asked, held_sets, _minhashes(MinHash, held_sets)):
+        scored = [(len(words & train_sets[i]) / len(words | train_sets[i]), i) for i in index.query(m)]
         best = max(scored, default=(0.0, -1))
         if best[0] >= threshold:  # the estimate found a candidate: the true similarity decides
             found.pairs.append(Match(j, best[1], round(best[0], 4), False))
@@ -138,7 +137,7 @@ def _digest(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
-def _minhash(cls, words: set[str]):
-    m = cls(num_perm=PERMUTATIONS, seed=1)
-    m.update_batch([w.encode() for w in words])
-    return m
+def _minhashes(cls, sets: list[set[str]]) -> list:
+    """One MinHash a set of shingles, made together (datasketch's bulk: a third of the time
+    of one at a time)."""
+    return cls.bulk([[w.encode() for w in words] for words in sets], num_perm=PERMUTATIONS, seed=1) if sets else []
