@@ -87,6 +87,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def added_bos(model, tokenizer) -> int | None:
+    """The card's BOS, where the tokenizer adds none of its own (a bare tokenizer.json):
+    what eval and serve put before each prompt, as training saw it."""
+    return model.card.bos_token_id if tokenizer.bos_id is None else None
+
+
 def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, list[dict]]:
     """(the metrics, {metric: a value for each record} for the comparison, each record's
     completion and scores): loss/perplexity of the records that have completions (not
@@ -109,7 +115,7 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
         raise ValueError(f"{args.data}: a reward model scores pairs; give records with 'chosen' and 'rejected'")
     each: dict = {}
     per: list[dict] = [{} for _ in records]
-    bos = model.card.bos_token_id if tokenizer.bos_id is None else None  # the card's, where the tokenizer adds none
+    bos = added_bos(model, tokenizer)
     if args.answer_field not in records[0].data:  # completions: their loss, then the completions as answers
         if framing is None:
             examples = load_examples(args.data, tokenizer=tokenizer, tokens=args.context_length, chat=args.chat,
@@ -206,7 +212,7 @@ def preference_accuracy(model, tokenizer, records, args, results: dict) -> tuple
     from linnet.train.reward import score_answers
 
     pairs = pairs_from_records(records, tokenizer, chat=args.chat, tokens=args.context_length, names=RECORD_FLAGS)
-    bos = model.card.bos_token_id if tokenizer.bos_id is None else None  # as evaluate_file
+    bos = added_bos(model, tokenizer)
     if bos is not None:
         pairs = [dataclasses.replace(p, prompt=[bos, *p.prompt]) if list(p.prompt[:1]) != [bos] else p for p in pairs]
     if getattr(model, "score", None) is not None:

@@ -38,7 +38,7 @@ def load_served(source: str, name: str, adapters: dict[str, str] | None = None, 
     """{name: Served} for the model `source` (a run's own adapters merged into it) and each
     of `adapters` over it, all on one engine: an AdapterEngine when there are adapters (or
     `bank`, to load some later)."""
-    from linnet.commands.eval import load_model
+    from linnet.commands.eval import added_bos, load_model
     from linnet.serve import Engine
     from linnet.serve.server import Served
     from linnet.torch.adapter_bank import AdapterEngine
@@ -47,7 +47,7 @@ def load_served(source: str, name: str, adapters: dict[str, str] | None = None, 
     if getattr(model, "lora", None):
         model.merge_lora()  # a LoRA run as the base: its adapters folded in, the bank's go on top
     engine = AdapterEngine(model, adapters or {}) if adapters or bank else Engine(model)
-    bos = model.card.bos_token_id if tokenizer.bos_id is None else None
+    bos = added_bos(model, tokenizer)
     return {name: Served(engine, tokenizer, bos),
             **{adapter: Served(engine, tokenizer, bos, adapter) for adapter in adapters or {}}}
 

@@ -221,10 +221,7 @@ def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 
 
     async def answer(request: Request, chat: bool):
         try:
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise Refused(400, "the body is not JSON; send a JSON object") from None
+            body = await _body(request)
             job = _job(body, served, chat, max_new_tokens, asyncio.get_running_loop())
             batcher.submit(job)
         except Refused as e:
@@ -241,10 +238,7 @@ def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 
         try:
             if not load_adapters:
                 raise Refused(400, "adapters are fixed on this server; start linnet serve with --load-adapters")
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise Refused(400, "the body is not JSON; send a JSON object") from None
+            body = await _body(request)
             name = body.get("lora_name") if isinstance(body, dict) else None
             if not isinstance(name, str) or not name:
                 raise Refused(400, "lora_name must be a non-empty string")
@@ -256,23 +250,26 @@ def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 
             return error(e.status, str(e))
         return {"status": "ok", "models": list(served)}
 
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request):
-        return await change(request, load=True)
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request):
-        return await change(request, load=False)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await answer(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await answer(request, chat=True)
-
+    for path, handler, flag in (("/v1/completions", answer, False), ("/v1/chat/completions", answer, True),
+                                ("/v1/load_lora_adapter", change, True), ("/v1/unload_lora_adapter", change, False)):
+        app.add_api_route(path, _posted(handler, flag), methods=["POST"])
     return app, batcher
+
+
+def _posted(handler, flag: bool):
+    """A POST endpoint calling `handler(request, flag)` (chat, or load)."""
+    async def endpoint(request: Request):
+        return await handler(request, flag)
+
+    return endpoint
+
+
+async def _body(request: Request):
+    """The request's JSON body; a Refused (400) when it is not JSON."""
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Refused(400, "the body is not JSON; send a JSON object") from None
 
 
 def _change_adapters(served: dict[str, Served], batcher: Batcher, name: str, path: str | None) -> None:
