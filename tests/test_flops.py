@@ -52,3 +52,15 @@ def test_training_commands_report_mfu_and_hfu_each_step_and_overall(tmp_path):
     assert all(0 < r["mfu"] <= r["hfu"] < 1 for r in rows)  # LoRA over a frozen base, no checkpointing
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert min(r["mfu"] for r in rows) <= summary["mfu"] <= max(r["mfu"] for r in rows)
+
+
+def test_measuring_the_peak_draws_nothing_from_the_global_rng():
+    """A run measures the device once a process, at its first step: were the operands drawn
+    from the global RNG, a resumed run's dropout masks would differ from an uninterrupted one's."""
+    import torch
+
+    from linnet.torch.flops import _measured
+
+    before = torch.get_rng_state()
+    _measured(torch.device("cpu"), torch.float32, size=64)
+    assert torch.equal(torch.get_rng_state(), before)

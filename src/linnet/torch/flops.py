@@ -47,9 +47,12 @@ def device_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 
 
 def _measured(device: torch.device, dtype: torch.dtype, size: int = 1024) -> float:
-    """The best rate of a few [size, size] matmuls (a CPU's, or a GPU the table lacks)."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    """The best rate of a few [size, size] matmuls (a CPU's, or a GPU the table lacks). The
+    operands come from a generator of their own: a run's global RNG (its dropout masks)
+    must not depend on whether this process measured before (a resumed run measures again)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=g).to(dtype)
+    b = torch.randn(size, size, device=device, generator=g).to(dtype)
     best = float("inf")
     for _ in range(4):
         if device.type == "cuda":
