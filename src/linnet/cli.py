@@ -8,6 +8,7 @@ a thin layer over library functions.
     linnet ppo --config F      PPO: a critic, GAE and a KL-penalised reward, with GRPO's rewards
     linnet reward --config F   a reward model (scalar head, Bradley-Terry) from preference pairs
     linnet distill --config F  a student from a frozen teacher: logit, sequence-level or on-policy
+    linnet adapters --config F several LoRA adapters (sft and dpo configs) trained over one base
     linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --no-remat)
     linnet inspect --config F  formatted examples with learned tokens marked; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
@@ -49,6 +50,7 @@ COMMANDS = {
     "ppo": "ppo",
     "reward": "reward",
     "distill": "distill",
+    "adapters": "adapters",
     "jax": "jax_sft",
     "inspect": "inspect",
     "prepare": "prepare",

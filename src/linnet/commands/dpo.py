@@ -91,7 +91,9 @@ def held_out_preferences(model, pairs, reference: np.ndarray | None, settings, t
 
 
 def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
-        resume_from: str | None = None) -> dict:
+        resume_from: str | None = None, tenant=None) -> dict:
+    """Preference-train as `config` says; returns the summary. `tenant`: one of several
+    adapters trained over a shared base (linnet.commands.adapters)."""
     from linnet.train.dpo import dpo, reference_log_probs
     from linnet.train.kto import held_out_kto, kto
     from linnet.train.kto import reference_log_probs as kto_reference
@@ -104,7 +106,7 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
     per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same pairs
     pairs, held_out = pairs[share::shares], held_out[share::shares]
-    job = runs.start(config, steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    job = runs.start(config, steps, overwrite=overwrite, resume=resume, resume_from=resume_from, tenant=tenant)
     if job.complete is not None:
         return job.complete
     model = job.load(card)

@@ -270,15 +270,17 @@ class Job:
         return job.summarize(history, card=card.name)
     """
 
-    def __init__(self, config, steps: int, directory: RunDirectory, label: str, general=None):
+    def __init__(self, config, steps: int, directory: RunDirectory, label: str, general=None, tenant=None):
         self.config, self.steps, self.directory, self.label = config, steps, directory, label
         self.complete = directory.complete
         self.log: MetricsLog | None = None
         self.general = general  # evaluation.general's packed rows, or None
+        self.tenant = tenant  # one of several adapters' runs over a shared base (linnet.commands.adapters)
 
     def load(self, card):
-        """The model the config trains (`load_model`)."""
-        return load_model(card, self.config)
+        """The model the config trains (`load_model`), or a tenant's: the shared base
+        carrying its adapters."""
+        return load_model(card, self.config) if self.tenant is None else self.tenant.load(card, self.config)
 
     @contextmanager
     def open(self, model=None, evaluate=None, *, optimizer=None):
@@ -302,7 +304,8 @@ class Job:
         with self.directory.open() as out, MetricsLog(self.directory, self.label, self.steps, c, rates) as self.log:
             yield Run(optimizer=optimizer, steps=self.steps, clip=c.optimizer.grad_clip, schedule=schedule,
                       save_to=out / "final", checkpoint=out / "checkpoints", checkpoint_every=t.checkpoint_every,
-                      keep=t.keep, on_step=self.log, evaluate=evaluate, evaluate_every=c.evaluation.every)
+                      keep=t.keep, on_step=self.log if self.tenant is None else self.tenant.stepped(self.log),
+                      evaluate=evaluate, evaluate_every=c.evaluation.every)
 
     def summarize(self, history, card: str, **extra: Any) -> dict:
         """summary.json (see `summarize`), with the card and the planned steps."""
@@ -323,13 +326,15 @@ def _utilization(model, context: int):
 
 
 def start(config, steps: int, *, overwrite: bool = False, resume: bool = False,
-          resume_from: str | os.PathLike | None = None, label: str | None = None) -> Job:
+          resume_from: str | os.PathLike | None = None, label: str | None = None, tenant=None) -> Job:
     """The Job of a training command's config: its run directory checked (reads only) for
     the command line's --overwrite, --resume and --resume-from, and evaluation.general's
-    records read."""
+    records read. `tenant`: the run is one of `linnet adapters`' (its progress bar
+    labelled with the adapter's name)."""
     general = general_rows(config)
     directory = RunDirectory(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    return Job(config, steps, directory, label or config.command, general)
+    label = label or (config.command if tenant is None else f"{config.command} {tenant.name}")
+    return Job(config, steps, directory, label, general, tenant)
 
 
 def general_rows(config) -> list | None:

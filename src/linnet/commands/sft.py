@@ -160,14 +160,16 @@ def batch_table(inputs: Inputs) -> list[tuple[str, str]]:
 
 
 def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
-        resume_from: str | None = None) -> dict:
-    """Fine-tune as `config` says; returns the summary written to summary.json."""
+        resume_from: str | None = None, tenant=None) -> dict:
+    """Fine-tune as `config` says; returns the summary written to summary.json. `tenant`:
+    one of several adapters trained over a shared base (linnet.commands.adapters)."""
     from linnet.packing import pack
     from linnet.train import train
     from linnet.train.evaluation import held_out_loss
 
     data = read_inputs(config)  # data errors before anything is written
-    job = runs.start(config, data.steps, overwrite=overwrite, resume=resume, resume_from=resume_from)
+    job = runs.start(config, data.steps, overwrite=overwrite, resume=resume, resume_from=resume_from,
+                     tenant=tenant)
     if job.complete is not None:
         return job.complete
     t = config.training

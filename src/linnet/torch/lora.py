@@ -201,3 +201,30 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     sharded or split tensors gathered (every process iterates together)."""
     for name, p, layer in policy_weights(model):
         yield name, merged(p, layer)
+
+
+def take_adapters(model) -> dict:
+    """Take `model`'s adapters off (each adapted layer's A, B, DoRA magnitude, scale and
+    dropout, and `model.lora`), leaving the frozen base; `put_adapters` puts them back.
+    Several adapters' runs share one base this way (linnet.commands.adapters): the same
+    Parameter objects go back, so each run's optimizer keeps training its own."""
+    layers = {}
+    for name, layer in _linears(model).items():
+        if layer.lora_a is not None:
+            layers[name] = (layer.lora_a, layer.lora_b, layer.lora_magnitude, layer.lora_scale, layer.lora_dropout)
+            layer.lora_a = layer.lora_b = layer.lora_magnitude = None
+    taken = {"lora": model.lora, "layers": layers}
+    model.lora = None
+    return taken
+
+
+def put_adapters(model, taken: dict) -> None:
+    """Put back adapters `take_adapters` took off a model that holds none now."""
+    if getattr(model, "lora", None):
+        raise ValueError("put_adapters: the model holds adapters already; take them off first")
+    linears = _linears(model)
+    for name, (a, b, magnitude, scale, dropout) in taken["layers"].items():
+        layer = linears[name]
+        layer.lora_a, layer.lora_b, layer.lora_magnitude = a, b, magnitude
+        layer.lora_scale, layer.lora_dropout = scale, dropout
+    model.lora = taken["lora"]

@@ -38,7 +38,8 @@ def _trained(model) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """Every generator a run draws from (torch's, CUDA's, NumPy's and Python's global ones)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss = random.getstate()
     state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss],
@@ -83,7 +84,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model, optimizer, step: int
 
 def write_state(tmp: Path, step: int, *, schedule=None, extra: dict[str, Any] | None = None) -> None:
     """state.pt: the step, the schedule's state, the RNG states and the caller's extras."""
-    torch.save({"step": step, "schedule": schedule, "rng": _rng_state(), "extra": extra or {}}, tmp / "state.pt")
+    torch.save({"step": step, "schedule": schedule, "rng": rng_state(), "extra": extra or {}}, tmp / "state.pt")
 
 
 def publish(directory: str | os.PathLike, step: int, write, *, keep: int = 2, every_process: bool = False) -> Path:
