@@ -275,3 +275,10 @@ def test_a_general_set_is_measured_beside_the_held_out_set(workspace, tmp_path):
         held_out_loss(final, general_rows(config)), rel=1e-5)
     with pytest.raises(ValueError, match="evaluation.general"):  # a reward model has no general loss
         load(RewardConfig, None, [f"evaluation.general={general}"])
+
+
+def test_a_run_that_holds_nothing_out_trains_without_held_out_metrics(workspace, tmp_path):
+    config = _config(workspace, tmp_path / "all", steps=2)
+    config.data.eval_share = 0.0
+    summary = run(config)
+    assert summary["steps_this_run"] == 2 and not any(k.startswith("held_out") for k in summary)

@@ -74,7 +74,8 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     if lora.enabled:
         model.add_lora(lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
                        dora=lora.dora, seed=rt.seed)
-    eval_rows = list(pack(inputs.eval_examples, t.context_length, pad_id=inputs.tokenizer.pad_id))
+    eval_rows = list(pack(inputs.eval_examples, t.context_length, pad_id=inputs.tokenizer.pad_id)) \
+        if inputs.eval_examples else []  # data.eval_share: 0 holds nothing out
 
     def held_out(params) -> dict:
         sums = np.array([[float(x) for x in model.loss_packed(row, params)] for row in eval_rows])

@@ -175,7 +175,8 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     t = config.training
     model = job.load(data.card)
     share, shares = data_share(t.per_copy)
-    eval_rows = list(pack(data.eval_examples, t.context_length, pad_id=data.tokenizer.pad_id))
+    eval_rows = list(pack(data.eval_examples, t.context_length, pad_id=data.tokenizer.pad_id)) \
+        if data.eval_examples else []  # data.eval_share: 0 holds nothing out
 
     def evaluate(model):
         return {"held_out_loss": held_out_loss(model, eval_rows, share=share, shares=shares)}
