@@ -158,6 +158,27 @@ def run_child(args: list, env: dict | None = None) -> dict:
             "log": f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"}
 
 
+def random_llama(directory, quick: bool = False, eos: tuple[int, ...] = ()) -> None:
+    """A random Llama saved with a word-level tokenizer ("t0" .. "t8191", one token a word):
+    4 layers, hidden 256, vocabulary 8,192, ~7M parameters (quick: 2 layers, hidden 128);
+    `eos`: its stop tokens (none: a completion runs to its length)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from linnet import nest
+
+    directory = Path(directory)
+    card = nest.Card("bench-llama", "llama", vocab=8192, hidden=128 if quick else 256,
+                     intermediate=352 if quick else 704, layers=2 if quick else 4, heads=4, kv_heads=2,
+                     head_dim=32 if quick else 64, max_positions=512, tied_embeddings=False, bos_token_id=None,
+                     eos_token_ids=eos, pad_token_id=0, dtype="float32", source="bench")
+    nest.load(card, weights="random", seed=0).save_weights(directory)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8192)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(directory / "tokenizer.json"))
+
+
 # -- the report ---------------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from _common import KEEP, command, machine, table, write_report
+from _common import KEEP, command, machine, random_llama, table, write_report
 
 ADAPTERS = 8
 
@@ -43,16 +43,7 @@ def build(root: Path, quick: bool) -> None:
     from linnet import nest
     from linnet.torch.lora import save_peft
 
-    card = nest.Card("bench-serve", "llama", vocab=8192, hidden=128 if quick else 256,
-                     intermediate=352 if quick else 704, layers=2 if quick else 4, heads=4, kv_heads=2, head_dim=32 if quick else 64,
-                     max_positions=512, tied_embeddings=False, bos_token_id=None, eos_token_ids=(), pad_token_id=0,
-                     dtype="float32", source="bench")
-    nest.load(card, weights="random", seed=0).save_weights(root / "base")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8192)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    words.save(str(root / "base" / "tokenizer.json"))
+    random_llama(root / "base", quick)
     for k in range(ADAPTERS):
         model = nest.load(root / "base", weights=root / "base")
         torch.manual_seed(k)

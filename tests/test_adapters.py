@@ -170,3 +170,25 @@ def test_the_list_file_names_a_bad_entry(tmp_path):
     bad.write_text("tenants: [a.yaml]\n")
     with pytest.raises(ValueError, match="adapters: give a list"):
         adapters.read_list(str(bad))
+
+
+def test_ctrl_c_in_one_run_stops_every_run(workspace, tmp_path, monkeypatch, capsys):
+    configs = _write_configs(workspace, tmp_path / "runs", ("arith", "short"))
+    stepped = adapters.Tenant.stepped
+
+    def interrupted_at_step_2(self, on_step):
+        after = stepped(self, on_step)
+
+        def step(record):
+            if self.name == "short" and record.step == 2:
+                raise KeyboardInterrupt
+            after(record)
+
+        return step
+
+    monkeypatch.setattr(adapters.Tenant, "stepped", interrupted_at_step_2)
+    assert cli.main(["adapters", "--config", _list_file(tmp_path / "tenants.yaml", configs)]) == 130
+    assert "--resume" in capsys.readouterr().err
+    # arith had taken step 2 before short's, and stopped waiting for its next turn
+    assert len(_metrics(tmp_path / "runs" / "arith")) == 2 and len(_metrics(tmp_path / "runs" / "short")) == 1
+    assert not any((tmp_path / "runs" / name / "final").exists() for name in ("arith", "short"))

@@ -12,8 +12,8 @@ rate, schedule, steps and run directory), each the run it would have been alone.
         name: support                         # default: its run directory's name
 
 The base loads once. Each adapter's run is the ordinary command (`linnet.commands.sft.run`,
-`linnet.commands.dpo.run`) on a thread of its own; `Turns` lets one of them compute at a
-time, a step each in turn, and the base carries only that run's adapters while it does
+`linnet.commands.dpo.run`) in a greenlet of its own, all on the process's one thread; they
+take turns (`Turns`), a step each, and the base carries only that run's adapters while it does
 (`linnet.torch.lora.take_adapters` / `put_adapters`) and draws from that run's generators.
 So every row runs the base once, with its own adapter's product alone, and each run keeps
 its own optimizer state, checkpoints, metrics.jsonl, summary and PEFT export in final/,
@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,20 +43,22 @@ ALONE = {"training.split": 1, "training.pipeline": 1, "training.context": 1}  # 
 
 
 class Stopped(Exception):
-    """Another adapter's run failed before any run wrote anything, or the command was
-    interrupted: this run stops where it waits."""
+    """Thrown into the runs still waiting for a turn when one is interrupted (Ctrl-C)."""
 
 
 @dataclass
 class Tenant:
     """One adapter's run over the shared base: what the command's run takes as `tenant=`
-    (linnet.commands.runs.Job loads its model and reports its steps through it)."""
+    (linnet.commands.runs.Job loads its model and reports its steps through it). Its run
+    computes in a greenlet of its own, on the process's one thread (a thread of its own
+    would compute at two thirds of the speed: each thread has its own OpenMP team)."""
 
     name: str
     config: Any
     turns: Turns
     slot: dict | None = None  # its adapters while another run computes (take_adapters)
     rng: dict | None = None  # its generators' state while another run computes
+    grad: bool = True  # its autograd mode (a thread's, so every greenlet's)
     summary: dict | None = None
     error: BaseException | None = None
     started: bool = False  # past its checks: its run directory may hold its files
@@ -92,10 +93,11 @@ class Tenant:
         return after
 
     def leave(self) -> None:
+        """Its adapters off the base and its generators' state kept, for the next run's turn."""
         from linnet.torch.lora import take_adapters
         from linnet.train.checkpoint import rng_state
 
-        self.rng = rng_state()
+        self.rng, self.grad = rng_state(), torch.is_grad_enabled()
         if self.turns.base is not None and self.turns.base.lora:
             self.slot = take_adapters(self.turns.base)
 
@@ -105,6 +107,7 @@ class Tenant:
 
         if self.rng is not None:
             set_rng_state(self.rng)
+        torch.set_grad_enabled(self.grad)
         if self.slot is not None:
             put_adapters(self.turns.base, self.slot)
             self.slot = None
@@ -112,50 +115,18 @@ class Tenant:
 
 @dataclass
 class Turns:
-    """One run computes at a time: each waits for its turn, takes one step (the first turn:
-    reads and checks its inputs; the second: loads and opens its run), and passes the turn
-    to the next unfinished run. The base, its model, goes with the turn."""
+    """The runs take turns, in order: a run computes until it passes the turn on (its first
+    turn reads and checks its inputs; its second loads and opens its run; each later one
+    is one step), then the next unfinished run does. The base, the model, goes with the turn."""
 
-    tenants: list[Tenant] = field(default_factory=list)
     base: Any = None
-    current: int = 0
-    stopped: bool = False
-    finished: set = field(default_factory=set)
-    ready: threading.Condition = field(default_factory=threading.Condition)
+    scheduler: Any = None  # the greenlet the runs pass their turns back to
 
-    def wait(self, tenant: Tenant) -> None:
-        """Until `tenant`'s turn; then the base carries its adapters. Raises Stopped once
-        the runs are stopped."""
-        with self.ready:
-            self.ready.wait_for(lambda: self.stopped or self.tenants[self.current] is tenant)
-            if self.stopped:
-                raise Stopped("stopped before its turn")
+    def pass_on(self, tenant: Tenant) -> None:
+        """Hand the turn on and wait for it back."""
+        tenant.leave()
+        self.scheduler.switch()
         tenant.enter()
-
-    def pass_on(self, tenant: Tenant, *, finished: bool = False) -> None:
-        """Hand the turn to the next unfinished run (its adapters off the base, its generators'
-        state kept) and, unless `finished`, wait for it back. A run stopped while waiting
-        holds no turn and passes none."""
-        with self.ready:
-            mine = self.tenants[self.current] is tenant and not self.stopped
-            if mine:
-                tenant.leave()
-            if finished:
-                self.finished.add(tenant.name)
-            if mine:
-                n = len(self.tenants)
-                following = [self.tenants[(self.current + k) % n] for k in range(1, n + 1)]
-                self.current = next((self.tenants.index(t) for t in following if t.name not in self.finished),
-                                    self.current)
-                self.ready.notify_all()
-        if not finished:
-            self.wait(tenant)
-
-    def stop(self) -> None:
-        """Every run stops where it next waits for its turn (the one computing ends its step first)."""
-        with self.ready:
-            self.stopped = True
-            self.ready.notify_all()
 
 
 def read_list(path: str) -> list[tuple[str | None, Any]]:
@@ -238,44 +209,38 @@ def run(adapters: list[tuple[str | None, Any]], *, overwrite: bool = False, resu
     raised; a later one ends its own run alone."""
     from linnet.commands import dpo, sft
 
-    turns = Turns()
-    turns.tenants = [Tenant(name, config, turns) for name, config in check(adapters)]
+    try:
+        from greenlet import getcurrent, greenlet
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("linnet adapters needs greenlet: pip install 'linnet[adapters]'") from e
+
+    turns = Turns(scheduler=getcurrent())
+    tenants = [Tenant(name, config, turns) for name, config in check(adapters)]
     commands = {"sft": sft.run, "dpo": dpo.run}
-    threads = torch.get_num_threads()  # a new thread starts with OpenMP's default, not this thread's setting
 
     def work(tenant: Tenant) -> None:
-        torch.set_num_threads(threads)
         try:
-            turns.wait(tenant)
             tenant.summary = commands[tenant.config.command](tenant.config, overwrite=overwrite, resume=resume,
                                                              tenant=tenant)
         except BaseException as error:  # noqa: BLE001 - reported by the caller, with the run's name
             tenant.error = error
-            if not tenant.started:
-                turns.stop()
-        finally:  # its adapters off the base (a run that failed mid-step too), the turn to the next
-            turns.pass_on(tenant, finished=True)
+        tenant.leave()  # a run that failed mid-step leaves the base clean for the next
 
-    workers = [threading.Thread(target=work, args=(t,), name=f"adapter {t.name}", daemon=True)
-               for t in turns.tenants]
-    for worker in workers:
-        worker.start()
-    try:
-        for worker in workers:
-            while worker.is_alive():
-                worker.join(0.5)
-    except KeyboardInterrupt:
-        turns.stop()  # the run computing ends its step; none starts another
-        for worker in workers:
-            worker.join()
-        raise
-    early = [t for t in turns.tenants if t.error is not None and not isinstance(t.error, Stopped) and not t.started]
-    if early:  # nothing was written: said as the one error, with the adapter it belongs to
-        error = early[0].error
-        if isinstance(error, (ValueError, OSError)):
-            raise ValueError(f"adapter {early[0].name!r}: {error}") from error
-        raise error
-    return turns.tenants
+    runners = {t.name: greenlet(work) for t in tenants}
+    while not all(r.dead for r in runners.values()):
+        for tenant in tenants:
+            if runners[tenant.name].dead:
+                continue
+            runners[tenant.name].switch(tenant)  # its turn: until it passes the turn on, or ends
+            early = tenant.error is not None and not tenant.started
+            if early or isinstance(tenant.error, KeyboardInterrupt):
+                for runner in runners.values():  # the others end where they wait: nothing written when early
+                    if runner:
+                        runner.throw(Stopped())
+                if early and isinstance(tenant.error, (ValueError, OSError)):  # named with its adapter
+                    raise ValueError(f"adapter {tenant.name!r}: {tenant.error}") from tenant.error
+                raise tenant.error
+    return tenants
 
 
 def main(argv: list[str] | None = None) -> int:
