@@ -15,10 +15,11 @@ temporary directory. Cases, each `--repeats` times in turn (the order reversed e
   bank, mixed  the same engine, row i through adapter i mod 8
 
 Then the server: `linnet serve`'s app over the bank, on localhost; 4 client threads each
-send 8 requests one after another (prompt 32 tokens' worth of text, max_tokens 32,
-temperature 0, the base or one of the 8 adapters in turn). Latency is from sending a
-request to its whole answer; tokens/s is the completion tokens of all requests over the
-wall time of the load.
+send 8 requests one after another (prompt 32 tokens' worth of text, max_tokens from 8 to 64
+in turn, temperature 0, the base or one of the 8 adapters in turn), with requests joining a
+running batch (the default) and without (a batch runs to its end before the next starts),
+alternating, `--repeats` rounds, medians. Latency is from sending a request to its whole
+answer; tokens/s is the completion tokens of all requests over the wall time of the load.
 """
 
 from __future__ import annotations
@@ -93,14 +94,14 @@ def engine_cases(root: Path, args) -> list[list]:
             for c in cases]
 
 
-def load_test(root: Path, args) -> dict:
+def load_test(root: Path, args, join: bool) -> dict:
     import uvicorn
 
     from linnet.commands.serve import load_served
     from linnet.serve.server import make_app
 
     served = load_served(str(root / "base"), "base", {f"a{k}": str(root / f"a{k}") for k in range(ADAPTERS)})
-    app, batcher = make_app(served, max_batch=16, queue=64)
+    app, batcher = make_app(served, max_batch=16, queue=64, join=join)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -116,8 +117,8 @@ def load_test(root: Path, args) -> dict:
         for i in range(args.requests):
             start = 100 + 32 * (c * args.requests + i)
             prompt = " ".join(f"t{t}" for t in range(start, start + 32))
-            body = json.dumps({"model": models[(c + i) % len(models)], "prompt": prompt, "max_tokens": 32,
-                               "temperature": 0}).encode()
+            body = json.dumps({"model": models[(c + i) % len(models)], "prompt": prompt,
+                               "max_tokens": 8 * (1 + (3 * c + i) % 8), "temperature": 0}).encode()
             t0 = time.perf_counter()
             with urllib.request.urlopen(urllib.request.Request(url, body, {"content-type": "application/json"})) as r:
                 answer = json.loads(r.read())
@@ -137,7 +138,8 @@ def load_test(root: Path, args) -> dict:
     ordered = sorted(latencies)
     return {"requests": len(ordered), "p50": statistics.median(ordered),
             "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], "tokens_per_s": completion_tokens[0] / wall,
-            "wall": wall, "batches": statistics.mean(batcher.batches) if batcher.batches else 0.0}
+            "wall": wall, "batches": statistics.mean(batcher.batches) if batcher.batches else 0.0,
+            "joined": batcher.joined}
 
 
 def main() -> None:
@@ -155,7 +157,10 @@ def main() -> None:
         root = Path(tmp)
         build(root, args.quick)
         rows = engine_cases(root, args)
-        load = load_test(root, args)
+        loads = {True: [], False: []}
+        for r in range(args.repeats):
+            for join in (True, False) if r % 2 == 0 else (False, True):
+                loads[join].append(load_test(root, args, join))
     lines = [
         "# Many adapters on one base",
         "",
@@ -168,12 +173,16 @@ def main() -> None:
         "",
         *table(["case", "tokens/s", "vs bank, one", "vs merged"], rows, "lrrr"),
         "",
-        f"## linnet serve: {args.clients} clients x {args.requests} requests, 32 new tokens each, "
-        "base and adapters in turn",
+        f"## linnet serve: {args.clients} clients x {args.requests} requests, 8 to 64 new tokens each, "
+        f"base and adapters in turn (median of {args.repeats}, alternating)",
         "",
-        *table(["requests", "latency p50", "latency p99", "completion tokens/s", "mean batch"],
-               [[load["requests"], f"{load['p50']:.2f} s", f"{load['p99']:.2f} s", f"{load['tokens_per_s']:,.0f}",
-                 f"{load['batches']:.1f}"]], "rrrrr"),
+        *table(["requests join a running batch", "requests", "latency p50", "latency p99", "completion tokens/s",
+                "requests a batch", "joined"],
+               [["yes" if join else "no", runs[0]["requests"], *(f"{statistics.median(r[k] for r in runs):.2f} s"
+                                                                  for k in ("p50", "p99")),
+                 f"{statistics.median(r['tokens_per_s'] for r in runs):,.0f}",
+                 f"{statistics.median(r['batches'] for r in runs):.1f}",
+                 f"{statistics.median(r['joined'] for r in runs):.0f}"] for join, runs in loads.items()], "lrrrrrr"),
     ]
     write_report("\n".join(lines) + "\n", args.out, keep=KEEP)
 

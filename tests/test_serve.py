@@ -121,6 +121,42 @@ def test_concurrent_requests_are_sampled_as_one_batch(server):
     assert answers == [greedy(served[m], p, 4) for m, p in zip(models, prompts)]
 
 
+def test_a_request_joins_a_running_batch(server, monkeypatch):
+    """A request that arrives while a batch runs joins it at the next step (the first
+    batch's steps wait until it is queued, so the test does not race the clock); both
+    answer what they answer alone."""
+    from linnet.torch.continuous import Continuous
+
+    client, batcher, served, _, _ = server
+    running, queued, step = threading.Event(), threading.Event(), Continuous.step
+
+    def waiting_step(self):
+        running.set()
+        queued.wait(60)
+        return step(self)
+
+    monkeypatch.setattr(Continuous, "step", waiting_step)
+    answers = {}
+
+    def ask(name, model, prompt, tokens):
+        answers[name] = client.completions.create(model=model, prompt=prompt, max_tokens=tokens,
+                                                  temperature=0).choices[0].text
+
+    joined, before = batcher.joined, len(batcher.batches)
+    first = threading.Thread(target=ask, args=("long", "base", "12+34=", 30))
+    first.start()
+    assert running.wait(60)  # the long request taken: its batch waits at its first step
+    second = threading.Thread(target=ask, args=("short", "tenant", "40+2=", 3))
+    second.start()
+    while not batcher.pending:
+        time.sleep(0.01)
+    queued.set()
+    first.join()
+    second.join()
+    assert batcher.joined == joined + 1 and batcher.batches[before:] == [2]
+    assert answers == {"long": greedy(served["base"], "12+34=", 30), "short": greedy(served["tenant"], "40+2=", 3)}
+
+
 def test_bad_requests_get_a_4xx_and_the_server_goes_on(server):
     import httpx
 

@@ -9,10 +9,12 @@ field names the base or an adapter; `stream: true` sends server-sent events), GE
 One thread, the `Batcher`, owns the engines. Requests wait in a bounded queue (full: 503);
 the batcher takes the oldest, and with it every waiting request for the same engine (a
 base and its adapters share one) with the same sampling settings (up to `max_batch`), and
-samples them as one batch, each row through its own adapter, handing
-each request its tokens as they come. A request that reaches its max_tokens or one of its
-stop strings is answered at once; its row runs on to the end of its batch. Bad requests
-get a 4xx and a message naming the field; the server goes on serving.
+samples them as one batch, each row through its own adapter, handing each request its
+tokens as they come. Requests with the same settings that arrive meanwhile join the
+running batch between two decode steps (linnet.torch.continuous), as rows free up. A
+request that reaches its max_tokens, its stop token or one of its stop strings is answered
+at once and leaves the batch. Bad requests get a 4xx and a message naming the field; the
+server goes on serving.
 """
 
 from __future__ import annotations
@@ -82,11 +84,15 @@ class Job:
 
 
 class Batcher:
-    """The thread that samples: see the module docstring. `batches` records the size of
-    every batch it ran (how many requests shared one engine call)."""
+    """The thread that samples: see the module docstring. `batches` records how many
+    requests each batch served (those that joined it included); `join`: let waiting
+    requests join a running batch (False: batches form between engine calls)."""
 
-    def __init__(self, served: dict[str, Served], *, max_batch: int = 16, queue: int = 64, wait: float = 0.01):
-        self.served, self.max_batch, self.queue_size, self.wait = served, max_batch, queue, wait
+    def __init__(self, served: dict[str, Served], *, max_batch: int = 16, queue: int = 64, wait: float = 0.01,
+                 join: bool = True):
+        self.served, self.max_batch, self.queue_size, self.wait, self.join = served, max_batch, queue, wait, join
+        self.joined = 0  # requests that joined a running batch
+        self.longest = (0, 0)  # the longest prompt and max_tokens so far: what a new batch's caches hold at least
         self.engines = threading.Lock()  # held while a batch samples; adapters load and unload between batches
         self.pending: list[Job] = []
         self.batches: list[int] = []
@@ -141,53 +147,102 @@ class Batcher:
 
     def _run(self) -> None:
         while (batch := self._take()) is not None:
-            self.batches.append(len(batch))
             try:
                 with self.engines:
-                    for job in [j for j in batch if j.model not in self.served]:  # its adapter went while it waited
-                        job.send(Refused(404, f"model {job.model!r} was unloaded before this request ran"))
-                        batch.remove(job)
-                    if batch:
-                        self._sample(batch)
+                    self._sample(batch)
             except Exception as e:  # a failure answers its batch; the server goes on
                 for job in batch:
                     job.send(e)
 
     def _sample(self, batch: list[Job]) -> None:
-        served = self.served[batch[0].model]
+        """Sample `batch` as one session of the engine (linnet.torch.continuous), letting
+        waiting requests with the same key join between its steps (with `join`)."""
+        from linnet.torch.continuous import Continuous
+
+        batch = [j for j in batch if not self._gone(j)]
+        if not batch:
+            return
         first = batch[0]
-        tokens: list[list[int]] = [[] for _ in batch]
-        texts = [""] * len(batch)
-        open_ = set(range(len(batch)))
-        routes = {"adapters": [self.served[j.model].adapter for j in batch]} if hasattr(served.engine, "bank") else {}
-        steps = served.engine.steps([j.prompt for j in batch], max_new_tokens=max(j.max_new_tokens for j in batch),
-                                    temperature=first.temperature, top_p=first.top_p, seed=first.seed, **routes)
-        stops = set(served.engine.card.eos_token_ids)
-        for step in steps:
-            for i, token in step.items():
-                if i not in open_:
-                    continue
-                job = batch[i]
-                if token in stops:
-                    job.send(("done", "stop", len(tokens[i])))
-                    open_.discard(i)
-                    continue
-                tokens[i].append(token)
-                text = served.tokenizer.decode(tokens[i])
-                cut = _stopped_at(text, job.stop)
-                if cut is not None or len(tokens[i]) >= job.max_new_tokens:
-                    final = text if cut is None else text[:cut]
-                    if len(final) > len(texts[i]):
-                        job.send(("text", final[len(texts[i]):]))
-                    job.send(("done", "stop" if cut is not None else "length", len(tokens[i])))
-                    open_.discard(i)
-                elif not text.endswith("\ufffd") and len(text) > len(texts[i]):  # whole characters only
-                    job.send(("text", text[len(texts[i]):]))
-                    texts[i] = text
-            if not open_:
-                break
-        for i in open_:
-            batch[i].send(("done", "length", len(tokens[i])))
+        self.longest = (max(self.longest[0], *(len(j.prompt) for j in batch)),
+                        max(self.longest[1], *(j.max_new_tokens for j in batch)))
+        session = Continuous(self.served[first.model].engine, temperature=first.temperature, top_p=first.top_p,
+                             seed=first.seed, rows=self.max_batch, prompt_slots=self.longest[0],
+                             new_slots=2 * self.longest[1])  # room for requests to join a batch half done
+        answers: dict[int, _Answer] = {}
+        waiting = [j for j in batch if not self._admit(session, j, answers)]  # longer than the caches: next time
+        with self._ready:
+            self.pending = waiting + self.pending
+        served = len(answers)
+        try:
+            while session.active:
+                for key, (token, _) in session.step().items():
+                    if answers[key].take(token, self.served[answers[key].job.model].tokenizer):
+                        del answers[key]
+                        session.cancel(key)
+                if self.join:
+                    served += self._join(session, first.key, answers)
+        except Exception as e:  # the requests that joined hear of it here, the batch's in _run
+            for answer in answers.values():
+                answer.job.send(e)
+            raise
+        finally:
+            self.batches.append(served)
+
+    def _gone(self, job: Job) -> bool:
+        """Whether the job's adapter went while it waited (then it is answered 404)."""
+        if job.model in self.served:
+            return False
+        job.send(Refused(404, f"model {job.model!r} was unloaded before this request ran"))
+        return True
+
+    def _admit(self, session, job: Job, answers: dict) -> bool:
+        """Add a job to the running batch (True; or answer it 404), or leave it (False: it does not fit)."""
+        if self._gone(job):
+            return True
+        served = self.served[job.model]
+        if not session.add(id(job), job.prompt, job.max_new_tokens, adapter=served.adapter):
+            return False
+        answers[id(job)] = _Answer(job, set(served.engine.card.eos_token_ids))
+        return True
+
+    def _join(self, session, key: tuple, answers: dict) -> int:
+        """Admit the waiting requests with the same key that fit the running batch; how many."""
+        with self._ready:
+            if self._held or self._stopping:
+                return 0
+            joining = [j for j in self.pending if j.key == key and session.fits(j.prompt, j.max_new_tokens)]
+            joined = [j for j in joining if self._admit(session, j, answers)]
+            self.pending = [j for j in self.pending if j not in joined]
+        self.joined += len(joined)
+        return len(joined)
+
+
+class _Answer:
+    """One request's tokens as they come: its text sent in whole characters, ended at the
+    model's stop token, a stop string or its max_tokens."""
+
+    def __init__(self, job: Job, stops: set[int]):
+        self.job, self.stops, self.tokens, self.text = job, stops, [], ""
+
+    def take(self, token: int, tokenizer) -> bool:
+        """Add a token; True once the answer is complete (and sent)."""
+        job = self.job
+        if token in self.stops:
+            job.send(("done", "stop", len(self.tokens)))
+            return True
+        self.tokens.append(token)
+        text = tokenizer.decode(self.tokens)
+        cut = _stopped_at(text, job.stop)
+        if cut is not None or len(self.tokens) >= job.max_new_tokens:
+            final = text if cut is None else text[:cut]
+            if len(final) > len(self.text):
+                job.send(("text", final[len(self.text):]))
+            job.send(("done", "stop" if cut is not None else "length", len(self.tokens)))
+            return True
+        if not text.endswith("\ufffd") and len(text) > len(self.text):  # whole characters only
+            job.send(("text", text[len(self.text):]))
+            self.text = text
+        return False
 
 
 def _stopped_at(text: str, stops: list[str]) -> int | None:
@@ -196,13 +251,14 @@ def _stopped_at(text: str, stops: list[str]) -> int | None:
 
 
 def make_app(served: Mapping[str, Served], *, max_batch: int = 16, queue: int = 64, max_new_tokens: int = 256,
-             wait: float = 0.01, load_adapters: bool = False):
+             wait: float = 0.01, load_adapters: bool = False, join: bool = True):
     """(the FastAPI app, its Batcher) serving `served` by name; `wait`: how long the
-    batcher lets requests gather before a batch; `load_adapters`: allow POST
+    batcher lets requests gather before a batch; `join`: requests join a running batch
+    between its steps (False: they wait for it to end); `load_adapters`: allow POST
     /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's names) to change the adapters
     of the served adapter engine (paths on this machine, named by whoever can reach it)."""
     served = dict(served)
-    batcher = Batcher(served, max_batch=max_batch, queue=queue, wait=wait)
+    batcher = Batcher(served, max_batch=max_batch, queue=queue, wait=wait, join=join)
     app = FastAPI(title="linnet serve")
     app.router.on_shutdown.append(batcher.close)
 

@@ -216,11 +216,11 @@ class AdapterEngine(Engine):
         self._prompt_ids = [-1 if a is None else self.bank.index(a) for a in adapters]
         self._row_ids = [self._prompt_ids[r // n] for r in range(len(prompts) * n)]
 
-    def _prefill(self, prompts, cos_Sd, sin_Sd):
+    def _prefill(self, prompts, cos_Sd, sin_Sd, first_row: int = 0):
         lengths = torch.tensor([len(p) for p in prompts])
         route = torch.repeat_interleave(torch.tensor(self._prompt_ids[:len(prompts)]), lengths)
         with self.bank.routed(route.to(self.model.device)):
-            return super()._prefill(prompts, cos_Sd, sin_Sd)
+            return super()._prefill(prompts, cos_Sd, sin_Sd, first_row)
 
     def _decode(self, tokens_B, batch, step, cos_Sd, sin_Sd):
         route = torch.tensor(self._row_ids[:len(tokens_B)], device=self.model.device)

@@ -424,15 +424,16 @@ class Engine:
             order[h] = m
         return order
 
-    def _prefill(self, prompts: list[list[int]], cos_Sd, sin_Sd) -> torch.Tensor:
-        """Run the prompts as one packed row, writing prompt i's keys/values into row i of
-        the prompt cache; the logits [len(prompts), V] (f32) of each prompt's last position."""
+    def _prefill(self, prompts: list[list[int]], cos_Sd, sin_Sd, first_row: int = 0) -> torch.Tensor:
+        """Run the prompts as one packed row, writing prompt i's keys/values into row first_row + i
+        of the prompt cache; the logits [len(prompts), V] (f32) of each prompt's last position."""
         m, dev = self.model, self.model.device
         lengths = [len(p) for p in prompts]
         bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
         tokens_P = torch.tensor([t for p in prompts for t in p], device=dev)
         positions_P = torch.cat([torch.arange(t, device=dev) for t in lengths])
-        prompt_P = torch.repeat_interleave(torch.arange(len(prompts), device=dev), torch.tensor(lengths, device=dev))
+        prompt_P = torch.repeat_interleave(torch.arange(first_row, first_row + len(prompts), device=dev),
+                                           torch.tensor(lengths, device=dev))
         last = torch.tensor(bounds[1:], device=dev) - 1
         if self.compiled:  # one mask: no per-prompt loop (and no bounds) in the graph
             attend = attention_paths.block_causal_mask(bounds, dev)
@@ -451,7 +452,7 @@ class Engine:
         step_1 = torch.full((1,), step, device=tokens_B.device)
         logits = self._call("_decode_pass", self.model, tokens_B, step_1, batch.prompt_len, batch.grid, batch.place,
                             batch.unseen, self._keys, self._values, self._prompt_keys, self._prompt_values,
-                            cos_Sd, sin_Sd, batch.groups, batch.n, new, self._reordered)
+                            cos_Sd, sin_Sd, batch.groups, batch.n, new, self._reordered, batch.first)
         self.stats.decode_positions += len(tokens_B)
         self.stats.decode_steps += 1
         return logits

@@ -36,8 +36,10 @@ class Batch:
     place: torch.Tensor | None
     prompt_len: torch.Tensor  # [B]
     unseen: torch.Tensor  # [B, 1, 1, S]: prompt slots past the row's prompt
+    first: torch.Tensor | None  # [B]: the generated slot each row's completion began at (None: 0 for every row)
 
-    def __init__(self, group: list[int], lengths: list[int], slots: int, device, *, grid: bool = False):
+    def __init__(self, group: list[int], lengths: list[int], slots: int, device, *, grid: bool = False,
+                 first: list[int] | None = None):
         members: list[list[int]] = [[] for _ in lengths]
         for row, g in enumerate(group):
             members[g].append(row)
@@ -52,6 +54,7 @@ class Batch:
             self.place = torch.tensor(place, device=device)
         self.prompt_len = torch.tensor([lengths[g] for g in group], device=device)
         self.unseen = (torch.arange(slots, device=device)[None] >= self.prompt_len[:, None])[:, None, None]
+        self.first = None if first is None else torch.tensor(first, device=device)
 
 
 class Reordered(NamedTuple):
@@ -111,18 +114,23 @@ def prefill_pass(model, tokens_P, positions_P, prompt_P, last, keys, values, cos
 
 
 def decode_pass(model, tokens_B, step_1, prompt_len_B, grid_Gn, place_B, unseen_B11S, keys, values,
-                 prompt_keys, prompt_values, cos_Sd, sin_Sd, G: int, n: int, new: int, reordered=None):
+                 prompt_keys, prompt_values, cos_Sd, sin_Sd, G: int, n: int, new: int, reordered=None, first_B=None):
     """One decode step: row b's token at slot `step_1` of its row in the generated tokens'
     cache, attending to its prompt (the prompt cache, a group's rows together) and to its
     first `new` generated slots (those past `step_1` masked). Returns [B, V] f32; `reordered`
-    as in `prefill_pass`.
+    as in `prefill_pass`. `first_B`: the slot each row's completion began at, for rows that
+    joined a running batch (linnet.torch.continuous): its earlier slots are masked and its
+    positions count from there; None: every row began at slot 0.
 
     The one-query attention is batched matmuls and one softmax over the prompt's slots and
     the generated ones together (SDPA's CPU kernel is built for long queries)."""
     B = len(tokens_B)
-    pos_B = prompt_len_B + step_1
+    pos_B = prompt_len_B + step_1 if first_B is None else prompt_len_B + step_1 - first_B
     cos, sin = cos_Sd[pos_B][:, None], sin_Sd[pos_B][:, None]  # [B, 1, d]
-    later = (torch.arange(new, device=tokens_B.device) > step_1).expand(B, 1, 1, new)
+    slot = torch.arange(new, device=tokens_B.device)
+    later = (slot > step_1).expand(B, 1, 1, new)
+    if first_B is not None:
+        later = later | (slot < first_B[:, None])[:, None, None]
     unseen = torch.cat([unseen_B11S, later], dim=-1)  # [B, 1, 1, S + new]
     S = unseen_B11S.shape[-1]
     x = F.embedding(tokens_B, model.model.embed_tokens.weight).to(model.dtype)
