@@ -117,3 +117,27 @@ def test_adapters_come_and_go_between_calls(adapters):
     assert again.tokens == mixed[0].tokens
     with pytest.raises(ValueError, match="'c' is loaded already"):
         engine.bank.add("c", root / "c")
+
+
+def test_a_4_bit_base_serves_its_adapters_unmerged(adapters):
+    """An NF4 base (as `linnet serve --quantize nf4` loads it): a mixed batch samples what
+    each adapter attached alone over the same NF4 base samples (the QLoRA policy's way)."""
+    pytest.importorskip("bitsandbytes", reason="an NF4 base needs bitsandbytes (the qlora extra)")
+    from linnet.commands.serve import load_served
+
+    root, names = adapters
+    served = load_served(str(root / "base"), "base", {n: str(root / n) for n in names}, quantize="nf4")
+    engine = served["base"].engine
+    assert engine.model.quantized
+    prompts = [[quickstart.BOS, *quickstart.encode(p)] for p in ("12+34=", "56+07=", "90+11=", "33+33=")]
+    routes = ["a", "b", None, "c"]
+    mixed = engine.sample(prompts, adapters=routes, max_new_tokens=6, temperature=0.0, stop=())
+    for prompt, route, got in zip(prompts, routes, mixed):
+        model = nest.load(root / "base", weights=root / "base", quantize="nf4")
+        if route is not None:
+            attach_adapter(model, root / route)
+        alone = Engine(model).sample([prompt], max_new_tokens=6, temperature=0.0, stop=())[0]
+        assert got.tokens == alone.tokens, route
+        torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="--quantize nf4: .* not a model directory"):
+        load_served(str(root / "a"), "a", quantize="nf4")

@@ -31,25 +31,47 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=64, help="requests that may wait; more get a 503 (default 64)")
     p.add_argument("--max-new-tokens", type=int, default=256,
                    help="the longest completion of a request that names no max_tokens (default 256)")
+    p.add_argument("--quantize", choices=["nf4"], help="hold the base in 4-bit NormalFloat (bitsandbytes: the "
+                                                       "qlora extra); the adapters stay in float32 beside it")
     return p
 
 
-def load_served(source: str, name: str, adapters: dict[str, str] | None = None, *, bank: bool = False) -> dict:
+def load_served(source: str, name: str, adapters: dict[str, str] | None = None, *, bank: bool = False,
+                quantize: str | None = None) -> dict:
     """{name: Served} for the model `source` (a run's own adapters merged into it) and each
     of `adapters` over it, all on one engine: an AdapterEngine when there are adapters (or
-    `bank`, to load some later)."""
+    `bank`, to load some later). `quantize="nf4"`: the base (a model directory or a
+    registered card) held in 4-bit."""
     from linnet.commands.eval import added_bos, load_model
     from linnet.serve import Engine
     from linnet.serve.server import Served
     from linnet.torch.adapter_bank import AdapterEngine
 
-    model, tokenizer = load_model(source)
+    model, tokenizer = load_model(source) if quantize is None else _quantized(source, quantize)
     if getattr(model, "lora", None):
         model.merge_lora()  # a LoRA run as the base: its adapters folded in, the bank's go on top
     engine = AdapterEngine(model, adapters or {}) if adapters or bank else Engine(model)
     bos = added_bos(model, tokenizer)
     return {name: Served(engine, tokenizer, bos),
             **{adapter: Served(engine, tokenizer, bos, adapter) for adapter in adapters or {}}}
+
+
+def _quantized(source: str, quantize: str):
+    """(model, tokenizer): a model directory or registered card with its weights in 4-bit."""
+    from linnet import nest
+    from linnet.cards import REGISTRY
+    from linnet.data import load_tokenizer
+
+    path = Path(source)
+    if (path / "config.json").is_file():
+        model = nest.load(path, weights=path, quantize=quantize)
+    elif source in REGISTRY and not path.exists():
+        model = nest.load(source, quantize=quantize)
+    else:
+        raise ValueError(f"--quantize {quantize}: {source} is not a model directory or a registered card; export a "
+                         "run with `linnet export RUN --merge --out DIR` and serve DIR")
+    model.eval()
+    return model, load_tokenizer(model.card)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--adapter {base}=...: the base model is served as {base!r}; name the adapter otherwise")
     if args.max_batch < 1 or args.queue < 1 or args.max_new_tokens < 1:
         raise ValueError("--max-batch, --queue and --max-new-tokens must be positive")
-    served = load_served(args.source, base, names, bank=args.load_adapters)
+    served = load_served(args.source, base, names, bank=args.load_adapters, quantize=args.quantize)
     app, _ = make_app(served, max_batch=args.max_batch, queue=args.queue, max_new_tokens=args.max_new_tokens,
                       load_adapters=args.load_adapters)
     print(f"linnet serve: {', '.join(served)} on http://{args.host}:{args.port}/v1", flush=True)
