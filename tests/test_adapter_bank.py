@@ -141,3 +141,38 @@ def test_a_4_bit_base_serves_its_adapters_unmerged(adapters):
         torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="--quantize nf4: .* not a model directory"):
         load_served(str(root / "a"), "a", quantize="nf4")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("repeat", [1, 4])
+def test_dora_adapters_rescale_their_own_rows(tmp_path, bias, repeat):
+    """A DoRA adapter beside a LoRA one and the base: each row samples what its adapter
+    merged alone samples (DoRA's per-row rescaling of the whole product, the layers' biases
+    kept out of it), gathered a row at a time and (long prompts) an adapter at a time."""
+    base = tmp_path / "base"
+    model = nest.load(quickstart.CARD.replace(qkv_bias=bias, o_bias=bias), weights="random", seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.save_weights(base)
+    quickstart.save_tokenizer(base / "tokenizer.json")
+    for k, (name, dora) in enumerate((("d", True), ("l", False))):
+        tuned = nest.load(base, weights=base)
+        torch.manual_seed(k)
+        tuned.add_lora(["q_proj", "o_proj", "down_proj"], rank=4, alpha=8, dora=dora)
+        with torch.no_grad():
+            for n, p in tuned.named_parameters():
+                if n.endswith("lora_b"):
+                    p.normal_(0, 0.3)
+                if n.endswith("lora_magnitude"):
+                    p.mul_(1 + 0.3 * torch.randn(p.shape))
+        save_peft(tuned, tmp_path / name, base_model=str(base))
+    engine = AdapterEngine(nest.load(base, weights=base), {"d": tmp_path / "d", "l": tmp_path / "l"})
+    prompts = [[quickstart.BOS, *quickstart.encode(p * repeat)] for p in ("12+34=", "56+07=", "90+11=", "33+33=")]
+    routes = ["d", "l", None, "d"]
+    mixed = engine.sample(prompts, adapters=routes, max_new_tokens=6, temperature=0.0, stop=())
+    for prompt, route, got in zip(prompts, routes, mixed):
+        alone = merged_engine(tmp_path, route).sample([prompt], max_new_tokens=6, temperature=0.0, stop=())[0]
+        assert got.tokens == alone.tokens, route
+        torch.testing.assert_close(got.logprobs, alone.logprobs, atol=1e-5, rtol=0)

@@ -10,15 +10,15 @@ Each adapted layer carries every adapter's A [r, in] and B [out, r] and scale; a
 hook adds, for each adapter present in the routing, x[rows] @ A.T @ B.T * scale to those
 rows of the base layer's output (a gather, two small products and a scatter-add an
 adapter: the segmented product). The adapters may have different ranks and targets; a
-layer an adapter does not adapt is the base for it. DoRA adapters are refused (their
-magnitudes rescale the whole product, not a low-rank addition).
+layer an adapter does not adapt is the base for it. A DoRA adapter also rescales its rows'
+outputs: y = r * (x @ W.T + x @ A.T @ B.T * scale) + b, with r = m / ||W + scale * B @ A||
+per output row, computed once when the adapter is read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +39,7 @@ class AdapterBank:
         if getattr(model, "lora", None):
             raise ValueError("AdapterBank: the model has adapters of its own; give it the plain base")
         self.model, self.names = model, []
-        self.layers: dict[str, list] = {}  # layer path -> [(A, B, scale) or None an adapter]
+        self.layers: dict[str, list] = {}  # layer path -> [(A, B, scale, DoRA's r or None) or None an adapter]
         self._stacks: dict[str, tuple] = {}
         self._hooks: dict[str, object] = {}
         self._route: torch.Tensor | None = None
@@ -54,8 +54,8 @@ class AdapterBank:
         found = _read(self.model, name, directory)
         for entries in self.layers.values():
             entries.append(None)
-        for path, a, b, scale in found:
-            self.layers.setdefault(path, [None] * (len(self.names) + 1))[-1] = (a, b, scale)
+        for path, a, b, scale, rescale in found:
+            self.layers.setdefault(path, [None] * (len(self.names) + 1))[-1] = (a, b, scale, rescale)
         self.names.append(name)
         self._restack()
 
@@ -80,6 +80,7 @@ class AdapterBank:
             self._hooks[path] = modules[path].register_forward_hook(self._hook(path))
             modules[path].low_rank = functools.partial(self.adapted, path)
         self._stacks = {path: _stacked(entries) for path, entries in self.layers.items()}
+        self._bias = {path: None if modules[path].bias is None else modules[path].bias.detach() for path in self.layers}
 
     def index(self, name: str) -> int:
         if name not in self.names:
@@ -90,11 +91,11 @@ class AdapterBank:
     def routed(self, route: torch.Tensor):
         """Within the block, position i of what the model computes goes through adapter
         route[i] (-1: none, the base alone)."""
-        self._route, self._keep = route, None
+        self._route, self._keep, self._pick = route, None, None
         try:
             yield self
         finally:
-            self._route = self._keep = None
+            self._route = self._keep = self._pick = None
 
     def adapted(self, path: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base layer's output `y` [N, out] of its input `x` [N, in] with each row's
@@ -102,22 +103,26 @@ class AdapterBank:
         route = self._route
         if route is None:
             return y
-        adapters = self.layers[path]
+        adapters, bias = self.layers[path], self._bias[path]
         if len(x) <= GATHERED_ROWS:  # a decode step: every adapter's A at once, each row keeps its own
-            a, b = self._stacks[path]
+            a, b, rescale = self._stacks[path]
             rank = a.shape[0] // (len(adapters) + 1)
             if self._keep is None:  # [rows, adapters + 1, 1], one-hot: alike in every layer of the pass
-                pick = torch.where(route < 0, len(adapters), route)  # the last slot: zeros, the base alone
-                self._keep = (torch.arange(len(adapters) + 1, device=x.device) == pick[:, None])[:, :, None]
+                self._pick = torch.where(route < 0, len(adapters), route)  # the last slot: zeros, the base alone
+                self._keep = (torch.arange(len(adapters) + 1, device=x.device) == self._pick[:, None])[:, :, None]
             low = (x @ a.to(x.dtype).T).view(len(x), -1, rank) * self._keep.to(x.dtype)
-            return y.addmm(low.view(len(x), -1), b.to(x.dtype).T)
+            y = y.addmm(low.view(len(x), -1), b.to(x.dtype).T)
+            return y if rescale is None else _rescaled(y, rescale.to(x.dtype)[self._pick], bias)
         for k in torch.unique(route).tolist():  # a prefill: each adapter's product on its rows
             if k < 0 or adapters[k] is None:
                 continue
-            a, b, scale = adapters[k]
+            a, b, scale, rescale = adapters[k]
             rows = (route == k).nonzero().squeeze(1)
             low = (x.index_select(0, rows) @ a.to(x.dtype).T) @ b.to(x.dtype).T
-            y = y.index_add(0, rows, low, alpha=scale)
+            if rescale is None:
+                y = y.index_add(0, rows, low, alpha=scale)
+            else:
+                y = y.index_copy(0, rows, _rescaled(y.index_select(0, rows) + low * scale, rescale.to(x.dtype), bias))
         return y
 
     def _hook(self, path: str):
@@ -136,19 +141,30 @@ class AdapterBank:
         self._hooks = {}
 
 
-def _stacked(adapters: list) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked(adapters: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Every adapter's A [r, in] and scale x B [out, r] of one layer, zero-padded to the
     largest rank r, side by side with a zero adapter last (the base's rows, and adapters
-    that leave the layer alone): A [(K + 1) r, in] and B [out, (K + 1) r]."""
+    that leave the layer alone): A [(K + 1) r, in] and B [out, (K + 1) r]; and, when a DoRA
+    adapter adapts the layer, each adapter's r [K + 1, out] (ones for the others), else None."""
     first = next(x for x in adapters if x is not None)
     rank = max(x[0].shape[0] for x in adapters if x is not None)
     a = first[0].new_zeros(len(adapters) + 1, rank, first[0].shape[1])
     b = first[1].new_zeros(first[1].shape[0], len(adapters) + 1, rank)
+    rescale = None
+    if any(x is not None and x[3] is not None for x in adapters):
+        rescale = first[1].new_ones(len(adapters) + 1, first[1].shape[0])
     for k, x in enumerate(adapters):
         if x is not None:
             a[k, :x[0].shape[0]] = x[0]
             b[:, k, :x[1].shape[1]] = x[1] * x[2]
-    return a.flatten(0, 1), b.flatten(1, 2)
+            if x[3] is not None:
+                rescale[k] = x[3]
+    return a.flatten(0, 1), b.flatten(1, 2), rescale
+
+
+def _rescaled(y: torch.Tensor, rescale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """DoRA's output from the adapted product y = x @ W.T + low + b: r * (y - b) + b."""
+    return y * rescale if bias is None else (y - bias) * rescale + bias
 
 
 def _read(model, name: str, directory: str | os.PathLike):
@@ -162,19 +178,21 @@ def _read(model, name: str, directory: str | os.PathLike):
     config = path / "adapter_config.json"
     if not config.is_file():
         raise ValueError(f"adapter {name!r}: {directory} holds no adapter_config.json (a PEFT adapter or a LoRA run)")
-    if json.loads(config.read_text()).get("use_dora"):
-        raise ValueError(f"adapter {name!r}: {directory} is a DoRA adapter; merge it (linnet export --merge) to serve")
     attach_adapter(model, path)
     found = []
     try:
         for layer_path, layer in model.named_modules():
             if isinstance(layer, Linear) and layer.lora_a is not None:
+                rescale = None
+                if layer.lora_magnitude is not None:  # DoRA: r = m / ||W + scale * B @ A|| per output row
+                    with torch.no_grad():
+                        rescale = layer.lora_magnitude.float() / torch.linalg.vector_norm(layer.adapted_weight(), dim=1)
                 found.append((layer_path, layer.lora_a.detach().clone(), layer.lora_b.detach().clone(),
-                              float(layer.lora_scale)))
+                              float(layer.lora_scale), rescale))
     finally:
         for layer in model.modules():
             if isinstance(layer, Linear):
-                layer.lora_a = layer.lora_b = None
+                layer.lora_a = layer.lora_b = layer.lora_magnitude = None
                 layer.lora_scale = 0.0
         model.lora = None
         model.requires_grad_(False)
