@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+from linnet.experts import PARTS, Experts, experts_config, experts_from_config
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 
 
 ROPE_KINDS = ("linear", "llama3", "yarn")
@@ -163,6 +165,7 @@ class Card:
     # PEFT adapter directories folded into the weights as they are read, in order: the runs
     # this model was trained through (a run directory named as a card; `trained_card`)
     adapters: tuple[str, ...] = ()
+    experts: Experts | None = None  # a mixture-of-experts family's (linnet.experts); None: dense MLPs
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -178,27 +181,34 @@ class Card:
         for name in ("vocab", "hidden", "intermediate", "layers", "heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"card {self.name!r}: {name} must be positive")
+        if (self.experts is not None) != (self.family in PARTS):
+            raise ValueError(f"card {self.name!r}: family {self.family!r} " + (
+                "is a mixture of experts: give its experts" if self.experts is None else "has no experts"))
 
     def replace(self, **changes: Any) -> Card:
         return dataclasses.replace(self, **changes)
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out, in) of each linear projection in one block, by its checkpoint name."""
+        """(out, in) of each linear projection in one block, by its checkpoint name (the
+        experts' stacked tensors and their router are no linear layers)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return {
+        attention = {
             "self_attn.q_proj": (q, self.hidden),
             "self_attn.k_proj": (kv, self.hidden),
             "self_attn.v_proj": (kv, self.hidden),
             "self_attn.o_proj": (self.hidden, q),
-            "mlp.gate_proj": (self.intermediate, self.hidden),
-            "mlp.up_proj": (self.intermediate, self.hidden),
-            "mlp.down_proj": (self.hidden, self.intermediate),
         }
+        if self.experts is not None:
+            return attention
+        return {**attention, "mlp.gate_proj": (self.intermediate, self.hidden),
+                "mlp.up_proj": (self.intermediate, self.hidden), "mlp.down_proj": (self.hidden, self.intermediate)}
 
     def block_params(self) -> int:
-        """Parameters of one decoder block, biases and norms included."""
+        """Parameters of one decoder block, biases and norms included (every expert's)."""
         shapes = self.linear_shapes()
         n = sum(o * i for o, i in shapes.values())
+        if self.experts is not None:  # the router and three matrices an expert
+            n += self.experts.count * (self.hidden + 3 * self.experts.intermediate * self.hidden)
         if self.qkv_bias:
             n += sum(shapes[f"self_attn.{p}_proj"][0] for p in "qkv")
         if self.o_bias:
@@ -215,6 +225,13 @@ class Card:
         head = 0 if self.tied_embeddings else embed
         return embed + head + self.layers * self.block_params() + self.hidden
 
+    def active_params(self) -> int:
+        """The parameters a token computes with: every one, but of each block's experts only
+        the `per_token` it goes through (what its FLOPs count)."""
+        e = self.experts
+        idle = 0 if e is None else self.layers * (e.count - e.per_token) * 3 * e.intermediate * self.hidden
+        return self.params() - idle
+
     def hf_config(self) -> dict[str, Any]:
         """The config.json transformers reads back for this architecture."""
         model_type = self.family
@@ -223,6 +240,8 @@ class Card:
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "mixtral": "MixtralForCausalLM",
         }[self.family]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_base}
         if self.rope_scaling is not None:
@@ -252,11 +271,13 @@ class Card:
         if self.family == "llama":
             config["attention_bias"] = self.qkv_bias
             config["mlp_bias"] = self.mlp_bias
-        elif self.family == "qwen3":
+        elif self.family in ("qwen3", "qwen3_moe"):
             config["attention_bias"] = self.qkv_bias
-        elif self.family in ("qwen2", "mistral"):
+        elif self.family in ("qwen2", "mistral", "mixtral"):
             config["sliding_window"] = None
             config["use_sliding_window"] = False
+        if self.experts is not None:
+            config.update(experts_config(self.family, self.experts))
         return config
 
 
@@ -335,7 +356,7 @@ def _refuse_unsupported(config: dict, family: str, where: str) -> None:
         if float(config.get(key) or 0.0) != 0.0:
             raise ValueError(f"{where}: {key}={config[key]} is not supported; set it to 0.0")
     window = config.get("sliding_window")
-    uses_window = config.get("use_sliding_window", family == "mistral")
+    uses_window = config.get("use_sliding_window", family in ("mistral", "mixtral"))
     positions = config.get("max_position_embeddings", 2048)
     if uses_window and window is not None and window < positions:
         raise ValueError(
@@ -345,7 +366,7 @@ def _refuse_unsupported(config: dict, family: str, where: str) -> None:
     if any(t != "full_attention" for t in config.get("layer_types") or []) and uses_window:
         raise ValueError(f"{where}: per-layer sliding-window attention is not supported")
     for key in ("num_experts", "num_local_experts", "no_rope_layers"):
-        if config.get(key):
+        if config.get(key) and family not in PARTS:
             raise ValueError(f"{where}: {key} is not supported by the dense decoder")
 
 
@@ -393,12 +414,13 @@ def card_from_config(config: dict, *, name: str, where: str = "config.json") -> 
         qkv_bias=attention_bias or family == "qwen2",
         o_bias=attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         max_positions=number("max_position_embeddings", 2048),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         pad_token_id=config.get("pad_token_id"),
         dtype=str(config.get("dtype") or config.get("torch_dtype") or "bfloat16"),
+        experts=experts_from_config(config, family, where),
     )
 
 

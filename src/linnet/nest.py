@@ -134,6 +134,9 @@ def load(
                          "weights are read: " + ("that is the PyTorch backend's for now; export the run "
                                                  "(`linnet export --merge`) and load that directory"
                                                  if backend != "torch" else "weights='random' would leave them out"))
+    if card.experts is not None and backend != "torch":
+        raise ValueError(f"card {card.name!r}: a mixture-of-experts model ({card.family}) is the PyTorch backend's "
+                         "for now; load it with backend='torch'")
     if backend == "torch" and mesh is not None:
         raise ValueError("mesh= places a JAX model (backend='jax'); the PyTorch backend splits a model with "
                          "tensor_parallel=, pipeline= or fully_shard=True")

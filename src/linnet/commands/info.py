@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         ("biases (qkv / o / mlp)", f"{card.qkv_bias} / {card.o_bias} / {card.mlp_bias}"),
         ("qk norm", card.qk_norm),
         ("max positions", card.max_positions),
+        *([("experts (a position / a block)", f"{card.experts.per_token} / {card.experts.count}, each "
+                                                 f"{card.experts.intermediate} wide" + (", renormalized"
+                                                                                       if card.experts.normalize else ""))]
+          if card.experts else []),
         ("weights", card.weights.path or card.weights.repo or "none (random init)"),
         ("tokenizer", card.tokenizer.path or card.tokenizer.repo or "none"),
         ("chat template", "yes" if card.chat_template else "no"),
@@ -44,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         ("  embedding", f"{embed:,}" + (" (shared with the head)" if card.tied_embeddings else "")),
         ("  per block", f"{card.block_params():,}"),
         ("  without embeddings", f"{card.params() - embed * (1 if card.tied_embeddings else 2):,}"),
+        *([("  active a token", f"{card.active_params():,} ({count(card.active_params())}: its chosen experts)")]
+          if card.experts else []),
         ("bf16 weights", gib(2 * card.params())),
         ("f32 weights", gib(4 * card.params())),
     ])

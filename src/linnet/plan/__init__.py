@@ -363,6 +363,9 @@ def estimate(
     is the count of tokens trained on (prediction targets), "chinchilla" for 20 per
     parameter, or None for memory only."""
     card = cards.resolve(card)
+    if card.experts is not None:
+        raise ValueError(f"linnet plan: {card.name} is a mixture of experts ({card.family}); the planner counts dense "
+                         "models for now (its memory: linnet plan would under-count the experts' activations)")
     params = card.params()
     trainable = trainable_params(card, method)
     if total_targets == "chinchilla":

@@ -4,7 +4,8 @@ training steps use.
     peak, where = device_peak(torch.device("cpu"), torch.float32)   # measured here
     mfu = flops_per_token(card, 4096, frozen_base=True) * tokens_per_second / peak
 
-Model FLOPs (MFU) count the work the method needs: 6N a token for full training (2N
+Model FLOPs (MFU) count the work the method needs (N: the parameters a token computes
+with, a mixture of experts' chosen experts alone): 6N a token for full training (2N
 forward, 4N backward), 4N when the base is frozen (adapters: no weight gradients for the
 base), plus attention's 12·L·d·s (PaLM's convention; s the packed row's length, an upper
 bound where documents are shorter). Hardware FLOPs (HFU) add what activation
@@ -28,7 +29,7 @@ from linnet.plan import ACCELERATORS
 def flops_per_token(card, context: int, *, frozen_base: bool = False, recompute: bool = False) -> float:
     """Training FLOPs a token: model FLOPs, or with `recompute` hardware FLOPs (see the
     module docstring)."""
-    n, attention = card.params(), 12 * card.layers * card.heads * card.head_dim * context
+    n, attention = card.active_params(), 12 * card.layers * card.heads * card.head_dim * context
     flops = (4 if frozen_base else 6) * n + attention
     return flops + (2 * n + attention / 3 if recompute else 0)
 

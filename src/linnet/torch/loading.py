@@ -172,6 +172,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
+    if card.experts is not None and (quantize or tensor_parallel is not None or pipeline is not None):
+        used = "quantize" if quantize else "tensor_parallel" if tensor_parallel is not None else "pipeline"
+        raise ValueError(f"nest.load({used}=...): not yet for a mixture-of-experts model ({card.family}); train it "
+                         "whole, or sharded with fully_shard=True")
     if sequence_parallel and tensor_parallel is None:
         raise ValueError("nest.load(sequence_parallel=True) splits the positions of a model split by "
                          "tensor_parallel=: pass that too")

@@ -36,11 +36,13 @@ from torch.utils.checkpoint import (
 
 from linnet import cards
 from linnet.cards import Card
+from linnet.experts import PARTS
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.context import context_row, gather_row, sum_gradients_over, sum_over
 from linnet.torch.distributed import reduced_by_shards, sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
+from linnet.torch.moe import MoE
 from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
 from linnet.torch.sharding import copies_group, dropout, full, gather_positions, scatter_positions
 
@@ -220,14 +222,19 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(card.hidden, card.norm_eps)
         self.self_attn = Attention(card)
         self.post_attention_layernorm = RMSNorm(card.hidden, card.norm_eps)
-        self.mlp = MLP(card)
+        self.ffn = "mlp" if card.experts is None else PARTS[card.family][0]  # its attribute, by checkpoint name
+        setattr(self, self.ffn, MLP(card) if card.experts is None else MoE(card))
+
+    def feed_forward(self, x):
+        """The MLP, or the experts' mixture of a mixture-of-experts block."""
+        return getattr(self, self.ffn)(x)
 
     def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend, keep=None):
         """keep: the positions whose outputs are wanted (the last block's); every position
         still gives its keys and values, the rest of the block runs on `keep` alone."""
         out = self.self_attn(self.input_layernorm(x_PD), cos_Pd, sin_Pd, bounds, attend, keep)
         x_PD = (x_PD if keep is None else x_PD[keep]) + out
-        return x_PD + self.mlp(self.post_attention_layernorm(x_PD))
+        return x_PD + self.feed_forward(self.post_attention_layernorm(x_PD))
 
 
 class Body(nn.Module):
@@ -535,6 +542,8 @@ class Decoder(nn.Module):
         the order of the weight gradients' sums."""
         if positions is not None and not (isinstance(positions, int) and positions >= 1):
             raise ValueError(f"tile_mlp: positions={positions!r}; use a positive number of positions or None")
+        if positions is not None and self.card.experts is not None:
+            raise ValueError("tile_mlp: a mixture-of-experts model's MLPs are its experts, which run on their own rows")
         if positions is not None and self.sequence is not None:
             raise ValueError("tile_mlp: this model splits its positions (sequence parallel), whose MLP sums its "
                              "outputs over the split a row at a time; tile one or the other")

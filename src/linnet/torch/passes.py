@@ -87,7 +87,8 @@ def reorder_weights(model, layers: bool) -> Reordered | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 32), bias  # 32: rows a decode step, typically
 
     blocks = [(reorder(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), reorder(b.self_attn.o_proj),
-               reorder(b.mlp.gate_proj, b.mlp.up_proj), reorder(b.mlp.down_proj)) for b in model.model.layers] if layers else None
+               reorder(b.mlp.gate_proj, b.mlp.up_proj), reorder(b.mlp.down_proj)) for b in model.model.layers] \
+        if layers and model.card.experts is None else None  # experts run through their own module
     return Reordered(blocks, onednn_reorder(model.head_weight, 32))
 
 
@@ -198,7 +199,7 @@ def _finish(block, x_ND, attended_NE, reordered=None):
     """The rest of `Block.forward` once attention is done: output projection, residual, MLP."""
     if reordered is None:
         x_ND = x_ND + block.self_attn.o_proj(attended_NE)
-        return x_ND + block.mlp(block.post_attention_layernorm(x_ND))
+        return x_ND + block.feed_forward(block.post_attention_layernorm(x_ND))
     x_ND = x_ND + _adapted(block.self_attn.o_proj, attended_NE, onednn_linear(attended_NE, *reordered[1]))
     h_ND = block.post_attention_layernorm(x_ND)
     gate, up = onednn_linear(h_ND, *reordered[2]).chunk(2, dim=-1)

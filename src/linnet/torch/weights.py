@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from linnet.experts import expert_checkpoint_names
 from linnet.files.adapters import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
 from linnet.files.atomic import atomic_path, safetensors_file, write_text
 from linnet.files.weights import ignorable, locate_weights
@@ -66,6 +67,9 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
     quantized = quant_states(model)
     # an NF4 weight is checked against its layer's dense shape, then refused by name
     shapes = {name: _dense_shape(model, name) if name in quantized else tuple(p.shape) for name, p in params.items()}
+    experts = expert_tensors(model)  # stacked experts: one checkpoint tensor an expert
+    for name, stored in experts.items():
+        shapes.update(dict.fromkeys(stored, shapes.pop(name)[1:]))
     found = locate_weights(source, shapes, model.card.name, strict=strict,
                            rename=lambda key: from_peft_name(key) if key.startswith(PEFT_PREFIX) else key,
                            skip=lambda name: ignorable(name, model.card.tied_embeddings)
@@ -77,13 +81,29 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
     folds = adapter_folds(model.card.adapters, shapes)  # the earlier runs' adapters, when the card is a run
     with ExitStack() as files:
         opened = {}
+
+        def read(name: str) -> torch.Tensor:
+            file, key = found[name]
+            if file not in opened:
+                opened[file] = files.enter_context(safetensors_file(file, "pt", device="cpu"))
+            return opened[file].get_tensor(key)
+
         for name in params:
-            if name in found:
-                file, key = found[name]
-                if file not in opened:
-                    opened[file] = files.enter_context(safetensors_file(file, "pt", device="cpu"))
-                tensor = opened[file].get_tensor(key)
+            if name in experts:
+                if all(n in found for n in experts[name]):
+                    yield name, torch.stack([read(n) for n in experts[name]])
+            elif name in found:
+                tensor = read(name)
                 yield name, fold(tensor, folds[name]) if name in folds else tensor
+
+
+def expert_tensors(model) -> dict[str, list[str]]:
+    """Each stacked experts tensor's path -> its experts' checkpoint names (linnet.experts)."""
+    card = model.card
+    if card.experts is None:
+        return {}
+    return {name: stored for name, _ in model.named_parameters()
+            if (stored := expert_checkpoint_names(name, card.family, card.experts.count))}
 
 
 def adapter_folds(adapters: Sequence[str], shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple]]:
@@ -166,7 +186,13 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     else:
         states = quant_states(model)
         plain = ((n, dense(full(p.detach()), states.get(n))) for n, p in model.named_parameters())
-    tensors = {stored(n): t.to("cpu", dtype).contiguous() for n, t in plain if n in chosen}
+    experts = expert_tensors(model) if names == "hf" else {}
+    tensors = {}
+    for n, t in plain:
+        if n in chosen:  # stacked experts as one tensor an expert, as checkpoints hold them
+            t = t.to("cpu", dtype)
+            tensors.update({k: t[e].contiguous() for e, k in enumerate(experts[n])} if n in experts
+                           else {stored(n): t.contiguous()})
     if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks
         tensors = merged_at_first(tensors)
     if world()[0] != 0:

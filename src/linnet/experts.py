@@ -1,0 +1,86 @@
+"""Mixture-of-experts settings of a card (Qwen3-MoE, Mixtral): plain data, read from and
+written to a Hugging Face config.json, and the checkpoint names of the experts' weights.
+
+In a mixture-of-experts block the MLP is replaced by `count` expert MLPs and a router: a
+linear map from the hidden state to one logit an expert, softmax, the `per_token` largest
+probabilities kept (renormalized to sum to 1 where the family says so) as the weights of
+the experts each position goes through. linnet holds each block's experts as three stacked
+tensors, `<block>.<part>.experts.gate_proj` [count, intermediate, hidden], `up_proj` (the
+same) and `down_proj` [count, hidden, intermediate], where checkpoints store one tensor an
+expert (`expert_checkpoint_names`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# family -> (the block's attribute holding the experts, the checkpoint names of an expert's gate, up and down)
+PARTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+         "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+STACKED = ("gate_proj", "up_proj", "down_proj")  # linnet's names of the stacked tensors
+
+
+@dataclass(frozen=True)
+class Experts:
+    """count experts a block, per_token of them a position, each an MLP of `intermediate`
+    units; `normalize`: the chosen experts' probabilities rescaled to sum to 1; `aux_loss`:
+    the coefficient of the router's load-balancing loss where the config applies it
+    (output_router_logits), else 0."""
+
+    count: int
+    per_token: int
+    intermediate: int
+    normalize: bool
+    aux_loss: float = 0.0
+
+    def __post_init__(self):
+        if not 0 < self.per_token <= self.count or self.intermediate <= 0:
+            raise ValueError(f"experts: {self.per_token} of {self.count} experts a position, each of "
+                             f"{self.intermediate} units; need 0 < experts_per_token <= experts and a positive width")
+
+
+def experts_from_config(config: dict, family: str, where: str) -> Experts | None:
+    """The Experts of a config.json of a mixture-of-experts family (None for the others);
+    what the blocks cannot compute is refused, naming the field."""
+    if family not in PARTS:
+        return None
+    if family == "qwen3_moe":
+        if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(f"{where}: mlp_only_layers and decoder_sparse_step other than 1 (dense blocks among the "
+                             "experts' blocks) are not supported")
+        count = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 writes the latter
+        width, normalize = config.get("moe_intermediate_size"), bool(config.get("norm_topk_prob", False))
+    else:
+        if float(config.get("router_jitter_noise") or 0.0):
+            raise ValueError(f"{where}: router_jitter_noise={config['router_jitter_noise']} is not supported; set it "
+                             "to 0.0")
+        count, width, normalize = config.get("num_local_experts"), config.get("intermediate_size"), True
+    per_token = config.get("num_experts_per_tok")
+    if not all(isinstance(v, int) for v in (count, width, per_token)):
+        raise ValueError(f"{where}: a {family} config needs integer expert counts and widths "
+                         f"(experts {count!r}, per token {per_token!r}, width {width!r})")
+    aux = float(config.get("router_aux_loss_coef") or 0.0) if config.get("output_router_logits") else 0.0
+    return Experts(count, per_token, width, normalize, aux)
+
+
+def experts_config(family: str, experts: Experts) -> dict[str, Any]:
+    """The config.json fields transformers reads for these experts."""
+    common = {"num_experts_per_tok": experts.per_token, "router_aux_loss_coef": experts.aux_loss,
+              "output_router_logits": experts.aux_loss > 0}
+    if family == "qwen3_moe":
+        return {**common, "num_experts": experts.count, "moe_intermediate_size": experts.intermediate,
+                "norm_topk_prob": experts.normalize, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return {**common, "num_local_experts": experts.count, "intermediate_size": experts.intermediate,
+            "router_jitter_noise": 0.0}
+
+
+def expert_checkpoint_names(path: str, family: str, count: int) -> list[str] | None:
+    """The checkpoint names, one an expert, of a stacked experts tensor's path
+    (`model.layers.3.mlp.experts.gate_proj` -> `model.layers.3.mlp.experts.0.gate_proj.weight`,
+    ...; Mixtral's `...block_sparse_moe.experts.0.w1.weight`); None for any other path."""
+    block, _, name = path.rpartition(".experts.")
+    if family not in PARTS or name not in STACKED or not block.endswith("." + PARTS[family][0]):
+        return None
+    stored = PARTS[family][1][STACKED.index(name)]
+    return [f"{block}.experts.{e}.{stored}.weight" for e in range(count)]

@@ -1,0 +1,154 @@
+"""Mixture-of-experts cards (Qwen3-MoE, Mixtral) against transformers on tiny random
+models: logits, packed losses, gradients, weights in and out, greedy sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from linnet import nest
+from linnet.packing import Example, pack
+from linnet.serve import Engine
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2)
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=6,
+                                         norm_topk_prob=True)),
+    "qwen3_moe-raw-weights": ("Qwen3MoeConfig", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                                     norm_topk_prob=False)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=4, sliding_window=None)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe(request, tmp_path_factory):
+    """(transformers model, its directory): random weights, the norms moved off one and the
+    router scaled up, so that routing differs from position to position."""
+    name, extra = FAMILIES[request.param]
+    config = getattr(transformers, name)(**TINY, **extra)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+            if n.endswith("gate.weight"):
+                p.normal_(0, 1.0)
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory)
+    return hf.eval(), directory
+
+
+def _expert_grads(hf, layer: int) -> dict[str, torch.Tensor]:
+    """transformers' gradients of one block's experts and router, in linnet's stacked layout."""
+    block = hf.model.layers[layer].mlp
+    gate_up, down = block.experts.gate_up_proj.grad, block.experts.down_proj.grad
+    half = gate_up.shape[1] // 2
+    return {"gate_proj": gate_up[:, :half], "up_proj": gate_up[:, half:], "down_proj": down,
+            "router": block.gate.weight.grad}
+
+
+def test_logits_and_weights_round_trip_equal_transformers(moe, tmp_path):
+    hf, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32")
+    assert model.card.experts is not None and model.card.experts.count == hf.config.num_local_experts
+    tokens = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        torch.testing.assert_close(model(tokens), expected, atol=1e-4, rtol=0)
+    model.save_weights(tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, expected, atol=1e-5, rtol=0)
+    again = nest.load(tmp_path / "out", weights=tmp_path / "out").card
+    assert (again.family, again.experts, again.qk_norm) == (model.card.family, model.card.experts, model.card.qk_norm)
+
+
+def test_a_packed_row_s_loss_and_gradients_equal_transformers(moe):
+    """Two documents in one packed row: the summed loss, and after one backward the
+    gradients of attention, router and every expert, equal transformers' on the documents
+    apart (its own backward)."""
+    hf, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32", trainable=True)
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(1, 97, n).tolist() for n in (13, 9)]
+    (row,) = pack([Example(d) for d in docs], tokens=24)
+    total, count = model.loss_packed(row)
+    total.backward()
+    hf.zero_grad()
+    hf.train()
+    loss = 0
+    for d in docs:
+        ids = torch.tensor([d])
+        logits = hf(ids).logits[0, :-1]
+        loss = loss + torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    loss.backward()
+    hf.eval()
+    assert int(count) == sum(len(d) - 1 for d in docs)
+    torch.testing.assert_close(total.detach(), loss.detach(), rtol=1e-5, atol=1e-4)
+    ours = dict(model.named_parameters())
+    block = f"model.layers.1.{model.model.layers[1].ffn}"
+    for name, grad in _expert_grads(hf, 1).items():
+        mine = ours[f"{block}.gate.weight" if name == "router" else f"{block}.experts.{name}"].grad
+        torch.testing.assert_close(mine, grad, rtol=1e-4, atol=1e-5, msg=name)
+    torch.testing.assert_close(ours["model.layers.0.self_attn.q_proj.weight"].grad,
+                               hf.model.layers[0].self_attn.q_proj.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_the_engine_samples_what_transformers_generates(moe):
+    hf, directory = moe
+    engine = Engine(nest.load(directory, weights=directory, dtype="float32"))
+    prompts = [[5, 17, 33, 2], [8, 8, 40, 61, 12, 90]]
+    done = engine.sample(prompts, max_new_tokens=8, temperature=0.0, stop=())
+    for prompt, got in zip(prompts, done):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert got.tokens == out[0, len(prompt):].tolist()
+
+
+def test_adapters_go_on_attention_and_what_is_not_yet_is_refused(moe):
+    hf, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32")
+    adapted = model.add_lora("all-linear", rank=4)
+    assert adapted and all(".self_attn." in name for name in adapted)  # the router and experts are no linear layers
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        model.tile_mlp(8)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        nest.load(directory, weights=directory, quantize="nf4")
+    with pytest.raises(ValueError, match="PyTorch backend"):
+        nest.load(directory, backend="jax")
+
+
+def test_counts_and_the_planner(moe):
+    """Every parameter counted, a token's share (its chosen experts alone) by transformers'
+    tensors; the planner refuses what it cannot count yet."""
+    from linnet.cards import resolve
+    from linnet.plan import estimate
+
+    hf, directory = moe
+    card = resolve(str(directory))
+    assert card.params() == sum(p.numel() for p in hf.parameters())
+    experts = hf.model.layers[0].mlp.experts
+    one = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // card.experts.count
+    idle = card.layers * (card.experts.count - card.experts.per_token) * one
+    assert card.active_params() == card.params() - idle
+    with pytest.raises(ValueError, match="mixture of experts"):
+        estimate(card)
+
+
+def test_full_fine_tuning_learns_a_row(moe):
+    from linnet.train import train
+    from linnet.train.optimizer import adamw
+
+    _, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32", trainable=True)
+    (row,) = pack([Example(list(range(3, 40)))], tokens=40)
+    optimizer = adamw(model, lr=1e-2)
+    history = train(model, [row] * 12, optimizer=optimizer, steps=12)
+    assert history.losses[-1] < 0.5 * history.losses[0]
