@@ -152,3 +152,39 @@ def test_full_fine_tuning_learns_a_row(moe):
     optimizer = adamw(model, lr=1e-2)
     history = train(model, [row] * 12, optimizer=optimizer, steps=12)
     assert history.losses[-1] < 0.5 * history.losses[0]
+    assert all(s.metrics["expert_load_max"] >= 1 for s in history.steps)  # each step reports the balance
+
+
+def test_the_load_balancing_loss_joins_training_as_transformers_adds_it(moe, tmp_path):
+    """With output_router_logits the router's loss (times its coefficient) joins the loss in
+    training, pooled over the blocks as transformers pools it: the same loss and router
+    gradients; a step reports the experts' balance."""
+    import json
+    import shutil
+
+    from linnet.torch.moe import router_metrics
+
+    _, directory = moe
+    shutil.copytree(directory, tmp_path / "aux")
+    config = json.loads((tmp_path / "aux" / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=0.05)
+    (tmp_path / "aux" / "config.json").write_text(json.dumps(config))
+    model = nest.load(tmp_path / "aux", weights=tmp_path / "aux", dtype="float32", trainable=True)
+    assert model.card.experts.aux_loss == 0.05
+    doc = np.random.default_rng(3).integers(1, 97, 20).tolist()
+    (row,) = pack([Example(doc)], tokens=20)
+    total, count = model.loss_packed(row)
+    (total / count).backward()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "aux", dtype=torch.float32)
+    ids = torch.tensor([doc])
+    out = hf(ids, labels=ids)
+    assert float(out.aux_loss.detach()) > 0
+    out.loss.backward()
+    torch.testing.assert_close((total / count).detach(), out.loss.detach(), rtol=1e-5, atol=1e-6)
+    block = f"model.layers.0.{model.model.layers[0].ffn}.gate.weight"
+    torch.testing.assert_close(dict(model.named_parameters())[block].grad, _expert_grads(hf, 0)["router"],
+                               rtol=1e-4, atol=1e-6)
+    with torch.no_grad():  # evaluation: the loss alone
+        assert float(model.loss_packed(row)[0]) < float(total)
+    balance = router_metrics(model)
+    assert balance["expert_load_max"] >= 1 >= balance["expert_load_min"] and router_metrics(model) == {}

@@ -6,9 +6,17 @@ For each expert the positions that chose it are gathered, go through its SwiGLU 
 (x @ gate.T, x @ up.T, silu(gate) * up @ down.T), are weighed by their routing weight and
 added back: a loop over the experts that some position chose, each a few dense products on
 its own rows (what transformers computes, with the experts' weights side by side).
+
+The router's load-balancing loss (Switch Transformer, Fedus et al. 2021, as transformers
+computes it for these families): count x sum over experts of (the share of positions routed
+to it) x (its mean router probability), both pooled over the blocks of one forward pass;
+`balanced` adds it to a row's loss with the card's coefficient. In training each block also
+counts the positions routed to each expert, which `router_metrics` reports a step.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +53,8 @@ class MoE(nn.Module):
         self.per_token, self.normalize = e.per_token, e.normalize
         self.gate = Router(card.hidden, e.count)
         self.experts = ExpertWeights(card.hidden, e.count, e.intermediate)
+        self.record: list | None = None  # within `balanced`: (positions an expert, probability sums, positions)
+        self.load: torch.Tensor | None = None  # positions routed to each expert since router_metrics (on the host)
 
     def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [N, count], each position's chosen experts [N, per_token] and
@@ -59,12 +69,17 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
-        _, chosen_NK, weights_NK = self.route(x_ND)
+        logits, chosen_NK, weights_NK = self.route(x_ND)
         w = self.experts
         out = torch.zeros_like(x_ND)
         flat = chosen_NK.flatten()
         order = torch.argsort(flat, stable=True)  # (position, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=w.gate_proj.shape[0]).tolist()
+        routed = torch.bincount(flat, minlength=w.gate_proj.shape[0])
+        if self.record is not None:
+            self.record.append((routed, torch.softmax(logits.float(), dim=-1).sum(0), len(x_ND)))
+        if torch.is_grad_enabled():
+            self.load = routed.cpu() if self.load is None else self.load + routed.cpu()
+        counts = routed.tolist()
         start = 0
         for expert, n in enumerate(counts):
             if n == 0:
@@ -78,3 +93,43 @@ class MoE(nn.Module):
             y = F.linear(mid, w.down_proj[expert].to(dtype)) * weights_NK.flatten()[pairs, None]
             out = out.index_add(0, rows, y)
         return out.view(shape)
+
+
+@contextlib.contextmanager
+def balanced(model, loss_sum: list):
+    """Within it, the mixture-of-experts blocks of `model` record their routing; at its
+    end the load-balancing loss times the card's coefficient and times `loss_sum[1]` (the
+    row's count of learned positions: the loss is a sum, which the caller divides) is added
+    to `loss_sum[0]`. Nothing is recorded without a coefficient, or outside training."""
+    e = model.card.experts
+    blocks = [m for m in model.modules() if isinstance(m, MoE)] if e is not None and e.aux_loss else []
+    seen: list = []
+    if torch.is_grad_enabled():
+        for block in blocks:
+            block.record = seen
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.record = None
+    if seen:
+        routed = sum(r for r, _, _ in seen).float()
+        probs = sum(p for _, p, _ in seen)
+        positions = sum(n for _, _, n in seen)
+        loss = e.count * (routed / positions * probs / positions).sum()
+        loss_sum[0] = loss_sum[0] + e.aux_loss * loss * loss_sum[1]
+
+
+def router_metrics(model) -> dict[str, float]:
+    """The routing in training since the last call: in the block where it is largest, the
+    busiest expert's count of routed positions over the block's mean count
+    (expert_load_max; 1 is a perfect balance), and the idlest's where smallest
+    (expert_load_min); {} for a model without experts or before any training."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.load is not None]
+    if not blocks:
+        return {}
+    load = torch.stack([m.load for m in blocks]).float()  # [blocks, experts]
+    for m in blocks:
+        m.load = None
+    share = load / load.mean(dim=1, keepdim=True).clamp(min=1e-9)
+    return {"expert_load_max": float(share.max()), "expert_load_min": float(share.min())}

@@ -42,6 +42,7 @@ from linnet.torch.distributed import (
     reduce_gradients,
     sum_across,
 )
+from linnet.torch.moe import router_metrics
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -216,6 +217,7 @@ def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run
         started = time.perf_counter()
         model.train()
         record = take_step(params, _matched(model, work(step, chunk)), run, step, started)
+        record.metrics.update(router_metrics(model))  # a mixture of experts' balance ({} for other models)
         if run.evaluate is not None and due(step, run.evaluate_every, run.steps):
             record.metrics.update(run.evaluate(model))
         history.steps.append(record)
