@@ -4,10 +4,12 @@ written to a Hugging Face config.json, and the checkpoint names of the experts' 
 In a mixture-of-experts block the MLP is replaced by `count` expert MLPs and a router: a
 linear map from the hidden state to one logit an expert, softmax, the `per_token` largest
 probabilities kept (renormalized to sum to 1 where the family says so) as the weights of
-the experts each position goes through. linnet holds each block's experts as three stacked
-tensors, `<block>.<part>.experts.gate_proj` [count, intermediate, hidden], `up_proj` (the
-same) and `down_proj` [count, hidden, intermediate], where checkpoints store one tensor an
-expert (`expert_checkpoint_names`).
+the experts each position goes through. linnet holds a block's experts as transformers 5
+does in memory, two stacked tensors, `<block>.mlp.experts.gate_up_proj` [count,
+2 x intermediate, hidden] (each expert's gate rows, then its up rows) and `down_proj`
+[count, hidden, intermediate], beside the router's `<block>.mlp.gate.weight`, so that
+adapters name them as PEFT does; checkpoints store one tensor an expert and part, and
+Mixtral's under `block_sparse_moe` (`expert_checkpoint_names`, `checkpoint_name`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# family -> (the block's attribute holding the experts, the checkpoint names of an expert's gate, up and down)
+# family -> (the checkpoint's name of a block's experts' module, of an expert's gate, up and down)
 PARTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
          "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
-STACKED = ("gate_proj", "up_proj", "down_proj")  # linnet's names of the stacked tensors
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,23 @@ def experts_config(family: str, experts: Experts) -> dict[str, Any]:
             "router_jitter_noise": 0.0}
 
 
-def expert_checkpoint_names(path: str, family: str, count: int) -> list[str] | None:
-    """The checkpoint names, one an expert, of a stacked experts tensor's path
-    (`model.layers.3.mlp.experts.gate_proj` -> `model.layers.3.mlp.experts.0.gate_proj.weight`,
-    ...; Mixtral's `...block_sparse_moe.experts.0.w1.weight`); None for any other path."""
-    block, _, name = path.rpartition(".experts.")
-    if family not in PARTS or name not in STACKED or not block.endswith("." + PARTS[family][0]):
+def expert_checkpoint_names(path: str, family: str, count: int) -> list[list[str]] | None:
+    """Each expert's checkpoint tensors of a stacked experts tensor's path, in the order they
+    join along its rows (`...mlp.experts.gate_up_proj` -> [[`...mlp.experts.0.gate_proj.weight`,
+    `...mlp.experts.0.up_proj.weight`], ...]; Mixtral's `...block_sparse_moe.experts.0.w1.weight`
+    and `w3`); None for any other path."""
+    block, _, name = path.rpartition(".mlp.experts.")
+    if family not in PARTS or name not in ("gate_up_proj", "down_proj"):
         return None
-    stored = PARTS[family][1][STACKED.index(name)]
-    return [f"{block}.experts.{e}.{stored}.weight" for e in range(count)]
+    part, (gate, up, down) = PARTS[family]
+    stored = (gate, up) if name == "gate_up_proj" else (down,)
+    return [[f"{block}.{part}.experts.{e}.{n}.weight" for n in stored] for e in range(count)]
+
+
+def checkpoint_name(path: str, family: str, *, back: bool = False) -> str:
+    """The checkpoint's name of a parameter path other than the stacked experts' (Mixtral's
+    router is `block_sparse_moe.gate`); with `back`, the path of a checkpoint's name."""
+    if family != "mixtral":
+        return path
+    ours, theirs = ".mlp.gate.weight", ".block_sparse_moe.gate.weight"
+    return path.replace(theirs, ours) if back else path.replace(ours, theirs)

@@ -36,7 +36,6 @@ from torch.utils.checkpoint import (
 
 from linnet import cards
 from linnet.cards import Card
-from linnet.experts import PARTS
 from linnet.paths import select
 from linnet.torch import attention as attention_paths
 from linnet.torch.context import context_row, gather_row, sum_gradients_over, sum_over
@@ -222,19 +221,14 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(card.hidden, card.norm_eps)
         self.self_attn = Attention(card)
         self.post_attention_layernorm = RMSNorm(card.hidden, card.norm_eps)
-        self.ffn = "mlp" if card.experts is None else PARTS[card.family][0]  # its attribute, by checkpoint name
-        setattr(self, self.ffn, MLP(card) if card.experts is None else MoE(card))
-
-    def feed_forward(self, x):
-        """The MLP, or the experts' mixture of a mixture-of-experts block."""
-        return getattr(self, self.ffn)(x)
+        self.mlp = MLP(card) if card.experts is None else MoE(card)
 
     def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend, keep=None):
         """keep: the positions whose outputs are wanted (the last block's); every position
         still gives its keys and values, the rest of the block runs on `keep` alone."""
         out = self.self_attn(self.input_layernorm(x_PD), cos_Pd, sin_Pd, bounds, attend, keep)
         x_PD = (x_PD if keep is None else x_PD[keep]) + out
-        return x_PD + self.feed_forward(self.post_attention_layernorm(x_PD))
+        return x_PD + self.mlp(self.post_attention_layernorm(x_PD))
 
 
 class Body(nn.Module):

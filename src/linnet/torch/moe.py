@@ -3,7 +3,7 @@ as stacked tensors, each position through its `per_token` chosen experts, drople
 position goes through every expert it chose; no capacity).
 
 For each expert the positions that chose it are gathered, go through its SwiGLU MLP
-(x @ gate.T, x @ up.T, silu(gate) * up @ down.T), are weighed by their routing weight and
+(x @ [gate; up].T in one product, silu(gate) * up @ down.T), are weighed by their routing weight and
 added back: a loop over the experts that some position chose, each a few dense products on
 its own rows (what transformers computes, with the experts' weights side by side).
 
@@ -34,13 +34,12 @@ class Router(nn.Module):
 
 
 class ExpertWeights(nn.Module):
-    """Every expert's SwiGLU weights, stacked: gate_proj and up_proj [count, intermediate,
-    hidden], down_proj [count, hidden, intermediate]."""
+    """Every expert's SwiGLU weights, stacked: gate_up_proj [count, 2 x intermediate, hidden]
+    (its gate rows, then its up rows), down_proj [count, hidden, intermediate]."""
 
     def __init__(self, hidden: int, count: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(count, intermediate, hidden))
-        self.up_proj = nn.Parameter(torch.empty(count, intermediate, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(count, hidden, intermediate))
 
 
@@ -74,7 +73,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x_ND)
         flat = chosen_NK.flatten()
         order = torch.argsort(flat, stable=True)  # (position, slot) pairs grouped by expert
-        routed = torch.bincount(flat, minlength=w.gate_proj.shape[0])
+        routed = torch.bincount(flat, minlength=w.down_proj.shape[0])
         if self.record is not None:
             self.record.append((routed, torch.softmax(logits.float(), dim=-1).sum(0), len(x_ND)))
         if torch.is_grad_enabled():
@@ -89,7 +88,8 @@ class MoE(nn.Module):
             rows = pairs // self.per_token
             h = x_ND.index_select(0, rows)
             dtype = h.dtype
-            mid = F.silu(F.linear(h, w.gate_proj[expert].to(dtype))) * F.linear(h, w.up_proj[expert].to(dtype))
+            gate, up = F.linear(h, w.gate_up_proj[expert].to(dtype)).chunk(2, dim=-1)
+            mid = F.silu(gate) * up
             y = F.linear(mid, w.down_proj[expert].to(dtype)) * weights_NK.flatten()[pairs, None]
             out = out.index_add(0, rows, y)
         return out.view(shape)

@@ -199,7 +199,7 @@ def _finish(block, x_ND, attended_NE, reordered=None):
     """The rest of `Block.forward` once attention is done: output projection, residual, MLP."""
     if reordered is None:
         x_ND = x_ND + block.self_attn.o_proj(attended_NE)
-        return x_ND + block.feed_forward(block.post_attention_layernorm(x_ND))
+        return x_ND + block.mlp(block.post_attention_layernorm(x_ND))
     x_ND = x_ND + _adapted(block.self_attn.o_proj, attended_NE, onednn_linear(attended_NE, *reordered[1]))
     h_ND = block.post_attention_layernorm(x_ND)
     gate, up = onednn_linear(h_ND, *reordered[2]).chunk(2, dim=-1)

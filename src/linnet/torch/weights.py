@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from linnet.experts import expert_checkpoint_names
+from linnet.experts import checkpoint_name, expert_checkpoint_names
 from linnet.files.adapters import ADAPTER_SUFFIXES, PEFT_PREFIX, from_peft_name, to_peft_name
 from linnet.files.atomic import atomic_path, safetensors_file, write_text
 from linnet.files.weights import ignorable, locate_weights
@@ -67,11 +67,15 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
     quantized = quant_states(model)
     # an NF4 weight is checked against its layer's dense shape, then refused by name
     shapes = {name: _dense_shape(model, name) if name in quantized else tuple(p.shape) for name, p in params.items()}
-    experts = expert_tensors(model)  # stacked experts: one checkpoint tensor an expert
-    for name, stored in experts.items():
-        shapes.update(dict.fromkeys(stored, shapes.pop(name)[1:]))
+    experts = expert_tensors(model)  # stacked experts: one checkpoint tensor an expert and part
+    for name, parts in experts.items():
+        stacked = shapes.pop(name)
+        shapes.update(dict.fromkeys((n for each in parts for n in each),
+                                    (stacked[1] // len(parts[0]), *stacked[2:])))
+    family = model.card.family
     found = locate_weights(source, shapes, model.card.name, strict=strict,
-                           rename=lambda key: from_peft_name(key) if key.startswith(PEFT_PREFIX) else key,
+                           rename=lambda key: from_peft_name(key) if key.startswith(PEFT_PREFIX)
+                           else checkpoint_name(key, family, back=True),
                            skip=lambda name: ignorable(name, model.card.tied_embeddings)
                            or (name == "score.weight" and not hasattr(model, "score")))  # a reward model's head
     stored = [name for name in found if name in quantized]
@@ -90,15 +94,15 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
 
         for name in params:
             if name in experts:
-                if all(n in found for n in experts[name]):
-                    yield name, torch.stack([read(n) for n in experts[name]])
+                if all(n in found for each in experts[name] for n in each):
+                    yield name, torch.stack([torch.cat([read(n) for n in each]) for each in experts[name]])
             elif name in found:
                 tensor = read(name)
                 yield name, fold(tensor, folds[name]) if name in folds else tensor
 
 
-def expert_tensors(model) -> dict[str, list[str]]:
-    """Each stacked experts tensor's path -> its experts' checkpoint names (linnet.experts)."""
+def expert_tensors(model) -> dict[str, list[list[str]]]:
+    """Each stacked experts tensor's path -> each expert's checkpoint names (linnet.experts)."""
     card = model.card
     if card.experts is None:
         return {}
@@ -177,7 +181,9 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     chosen = select(paths, True if include is None else include, what="include")
     chosen -= select(paths, exclude, what="exclude")
     def stored(name: str) -> str:
-        return to_peft_name(name) if names == "hf" and name.endswith(ADAPTER_SUFFIXES) else name
+        if names != "hf":
+            return name
+        return to_peft_name(name) if name.endswith(ADAPTER_SUFFIXES) else checkpoint_name(name, model.card.family)
 
     if merged:
         from linnet.torch.lora import merged_weights
@@ -191,7 +197,8 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
     for n, t in plain:
         if n in chosen:  # stacked experts as one tensor an expert, as checkpoints hold them
             t = t.to("cpu", dtype)
-            tensors.update({k: t[e].contiguous() for e, k in enumerate(experts[n])} if n in experts
+            tensors.update({k: part.contiguous() for e, each in enumerate(experts[n])
+                            for k, part in zip(each, t[e].chunk(len(each)))} if n in experts
                            else {stored(n): t.contiguous()})
     if getattr(model, "pipe", None) is not None:  # each stage holds its own blocks
         tensors = merged_at_first(tensors)
