@@ -100,11 +100,12 @@ def test_the_engine_samples_what_transformers_generates(moe):
         assert got.tokens == out[0, len(prompt):].tolist()
 
 
-def test_adapters_go_on_attention_and_what_is_not_yet_is_refused(moe):
+def test_all_linear_adapts_attention_and_experts_and_what_is_not_yet_is_refused(moe):
     hf, directory = moe
     model = nest.load(directory, weights=directory, dtype="float32")
-    adapted = model.add_lora("all-linear", rank=4)
-    assert adapted and all(".self_attn." in name for name in adapted)  # the router and experts are no linear layers
+    adapted = model.add_lora("all-linear", rank=4)  # the attention's layers, and the experts' stacked tensors
+    assert adapted and all(".self_attn." in name for name in adapted)
+    assert len(model.lora["experts"]) == 2 * model.card.layers and "gate.weight" not in str(model.lora)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         model.tile_mlp(8)
     with pytest.raises(ValueError, match="mixture-of-experts"):
@@ -175,3 +176,52 @@ def test_the_load_balancing_loss_joins_training_as_transformers_adds_it(moe, tmp
         assert float(model.loss_packed(row)[0]) < float(total)
     balance = router_metrics(model)
     assert balance["expert_load_max"] >= 1 >= balance["expert_load_min"] and router_metrics(model) == {}
+
+
+@pytest.mark.parametrize("experts", [["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["gate_up_proj"]])
+def test_adapters_on_the_experts_are_peft_s(moe, tmp_path, experts):
+    """Adapters on the attention and on the stacked experts (one pair an expert): written
+    as PEFT's, they load in PEFT over the transformers model with the same logits, load back
+    into linnet, and merge into the weights without changing them."""
+    peft = pytest.importorskip("peft")
+    from linnet.export import attach_adapter
+    from linnet.torch.lora import save_peft
+
+    hf, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32")
+    torch.manual_seed(4)
+    model.add_lora(["q_proj", "v_proj", *experts], rank=2, alpha=4)
+    assert len(model.lora["experts"]) == model.card.layers * len(experts)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.normal_(0, 0.5)
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = model(tokens)
+        assert not torch.allclose(ours, hf(tokens).logits, atol=1e-3)  # the experts' adapters change the output
+    save_peft(model, tmp_path / "adapter")
+    tuned = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(tokens).logits, ours, atol=1e-4, rtol=0)
+    again = nest.load(directory, weights=directory, dtype="float32")
+    attach_adapter(again, tmp_path / "adapter")
+    model.merge_lora()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens), ours, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_the_experts_adapters_train(moe):
+    from linnet.train import train
+    from linnet.train.optimizer import adamw
+
+    _, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32")
+    model.add_lora(["gate_up_proj", "down_proj"], rank=4, alpha=8)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".mlp.experts." in n and n.endswith(("lora_a", "lora_b")) for n in trained)
+    (row,) = pack([Example(list(range(3, 40)))], tokens=40)
+    history = train(model, [row] * 12, optimizer=adamw(model, lr=5e-2), steps=12)
+    assert history.losses[-1] < 0.95 * history.losses[0]  # only the experts adapt: slowly, but they do

@@ -99,7 +99,8 @@ class LoraConfig:
     targets: list[str] = option(ALL_LINEAR, "the linear layers that get adapters: glob patterns over their paths "
                                             "(model.layers.*.self_attn.*_proj), PEFT's target_modules names (q_proj, "
                                             "v_proj: a layer whose path ends in one), or all-linear (every "
-                                            "projection of the blocks, not the head)")
+                                            "projection of the blocks, not the head; a mixture of experts' stacked "
+                                            "expert tensors too)")
 
     def __post_init__(self):
         check_finite(self, "lora")

@@ -67,7 +67,7 @@ def from_peft_name(name: str) -> str:
 def write_peft(directory: str | os.PathLike, adapters: dict[str, np.ndarray], info: dict, base_model) -> None:
     """The PEFT files (adapter_model.safetensors, adapter_config.json) for `adapters`
     (linnet path -> float32 array) and the add_lora settings `info` (rank, alpha, dropout,
-    rslora, layers, dora)."""
+    rslora, layers, dora, and the adapted experts' stacked tensors)."""
     from safetensors.numpy import save_file
 
     from linnet.files.atomic import atomic_path, write_text
@@ -86,6 +86,7 @@ def write_peft(directory: str | os.PathLike, adapters: dict[str, np.ndarray], in
         "use_rslora": info["rslora"],
         "use_dora": info.get("dora", False),
         "target_modules": info["layers"],  # full paths: PEFT matches them by suffix
+        **({"target_parameters": info["experts"]} if info.get("experts") else {}),  # stacked experts' tensors
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,

@@ -42,19 +42,27 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
     of `patterns` (globs, PEFT's target_modules names such as "q_proj", or "all-linear":
     linnet.paths.target_matches); freeze everything else. A rank larger than an adapted
     layer's smaller side is refused. dora=True adds DoRA's trainable magnitude per
-    output row (Liu et al. 2024, arXiv:2402.09353), starting at each row's norm. Returns
-    the adapted layer paths."""
+    output row (Liu et al. 2024, arXiv:2402.09353), starting at each row's norm. In a
+    mixture of experts the patterns also pick the experts' stacked tensors
+    (`model.layers.*.mlp.experts.gate_up_proj`, `down_proj`, as PEFT's target_parameters
+    name them; all-linear takes them too): one low-rank pair an expert
+    (linnet.torch.moe.ExpertWeights). Returns the adapted linear layers' paths."""
     check_adapter_options(rank=rank, dropout=dropout)
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("add_lora: this model is sharded (fully_shard), which wants its adapters first; add them "
                          "before sharding, or load with nest.load(..., lora=dict(patterns=...), fully_shard=True)")
     linears = {n: m for n, m in _linears(model).items() if n != "lm_head"}
-    chosen = adapted_layers(list(linears), patterns)
+    stacks = _expert_stacks(model)
+    picked = adapted_layers(list(linears) + list(stacks), patterns)
+    chosen = [n for n in picked if n in linears]
+    stacked = [n for n in picked if n in stacks]
+    if stacked:
+        _add_expert_adapters(stacks, stacked, rank, alpha / math.sqrt(rank) if rslora else alpha / rank, dropout, dora)
     check_adapter_options(rank=rank, shapes={n: (linears[n].out_features, linears[n].in_features) for n in chosen})
     scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     shapes = model.card.linear_shapes()
-    every = adapted_layers([f"model.layers.{i}.{suffix}" for i in range(model.card.layers) for suffix in shapes],
-                           patterns)
+    every = [n for n in adapted_layers([f"model.layers.{i}.{suffix}" for i in range(model.card.layers)
+                                        for suffix in shapes] + list(stacks), patterns) if n not in stacks]
     cut = any(name not in linears for name in every)  # a pipeline stage's blocks alone
     device = next(iter(linears.values())).weight.device
     for name in every if cut else chosen:
@@ -79,9 +87,35 @@ def add_lora(model, patterns: str | Sequence[str], *, rank: int = 16, alpha: flo
                 if split:  # one per output row, placed as B's rows are (a column-split weight's sums joined)
                     norms = norms.redistribute(placements=layer.lora_b.placements)
             layer.lora_magnitude = torch.nn.Parameter(norms)
-    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora)
+    model.lora = dict(rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, layers=chosen, dora=dora,
+                      **({"experts": stacked} if stacked else {}))
     model.set_trainable(ADAPTERS + ([MAGNITUDES] if dora else []))
     return chosen
+
+
+def _expert_stacks(model) -> dict[str, tuple[nn.Module, str]]:
+    """A mixture of experts' stacked tensors by path -> (their module, the tensor's name)."""
+    from linnet.torch.moe import STACKED, ExpertWeights
+
+    return {f"{prefix}.{name}": (m, name) for prefix, m in model.named_modules() if isinstance(m, ExpertWeights)
+            for name in STACKED}
+
+
+def _add_expert_adapters(stacks: dict, paths: list[str], rank: int, scale: float, dropout: float,
+                         dora: bool) -> None:
+    """Adapters on the stacked experts' tensors at `paths` (of `_expert_stacks`)."""
+    if dropout or dora:
+        raise ValueError("add_lora: the experts' adapters take no dropout and no DoRA (as PEFT's adapters of stacked "
+                         "parameters); set lora.dropout=0 and lora.dora=false, or adapt the attention alone "
+                         "(lora.targets: [model.layers.*.self_attn.*_proj])")
+    if any(module.down_proj.is_meta for module, _ in stacks.values()):
+        raise ValueError("add_lora: the experts' adapters on a model built on meta (fully_shard, pipeline) are not "
+                         "supported yet; train them on one process, or adapt the attention alone")
+    check_adapter_options(rank=rank, shapes={p: tuple(getattr(*stacks[p]).shape[1:]) for p in paths})
+    for module in {id(m): m for m, _ in stacks.values()}.values():
+        targets = [name for m, name in (stacks[p] for p in paths) if m is module]
+        if targets:
+            module.adapt(targets, rank, scale)
 
 
 def _draw(shape: tuple[int, int], rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +173,11 @@ def merge_lora(model) -> None:
     if is_sharded(model):
         raise ValueError("merge_lora: this model is sharded (fully_shard); save the adapters (save_to=) and "
                          "merge them on one process, into a model loaded whole")
+    for experts in _adapted_experts(model).values():
+        with torch.no_grad():
+            for name in experts.targets:
+                getattr(experts, name).copy_(experts.merged(name))
+        experts.drop_adapters()
     for layer in _linears(model).values():
         with torch.no_grad():
             merged = layer.dense_weight() if layer.lora_a is None else layer.merged_weight()
@@ -171,12 +210,20 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
                    base_model or (card.source if card.adapters else card.weights.repo or card.weights.path))
 
 
-def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, nn.Linear | None]]:
-    """(name, parameter, its layer if adapted or NF4, else None) for each of a policy's
-    weights, by Hugging Face name, the adapters' own tensors and a PPO critic
-    left out: what an engine copies in and an export writes."""
+def _adapted_experts(model) -> dict[str, nn.Module]:
+    """The mixture-of-experts blocks' stacked tensors that carry adapters, by module path."""
+    from linnet.torch.moe import ExpertWeights
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, ExpertWeights) and m.targets}
+
+
+def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, nn.Module | None]]:
+    """(name, parameter, its layer if adapted or NF4 (or its adapted experts), else None)
+    for each of a policy's weights, by Hugging Face name, the adapters' own tensors and a
+    PPO critic left out: what an engine copies in and an export writes."""
     adapted = {f"{name}.weight": m for name, m in policy.named_modules()
                if isinstance(m, nn.Linear) and (m.lora_a is not None or is_quantized(m))}
+    adapted.update({f"{name}.{t}": m for name, m in _adapted_experts(policy).items() for t in m.targets})
     for name, p in policy.named_parameters():
         if not name.endswith(ADAPTER_SUFFIXES) and not name.startswith(CRITIC):
             yield name, p, adapted.get(name)
@@ -188,6 +235,8 @@ def merged(weight: torch.nn.Parameter, layer: nn.Linear | None) -> torch.Tensor:
     process must call this together)."""
     if layer is None:
         return _whole(weight)
+    if not isinstance(layer, nn.Linear):  # adapted experts: the stacked tensor this weight is
+        return layer.merged(next(t for t in layer.targets if getattr(layer, t) is weight))
     return layer.dense_weight(_whole) if layer.lora_a is None else layer.merged_weight(_whole)
 
 

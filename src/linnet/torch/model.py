@@ -584,8 +584,9 @@ class Decoder(nn.Module):
 
     def add_lora(self, patterns: str | Sequence[str], rank: int = 16, alpha: float = 32,
                  dropout: float = 0.0, *, rslora: bool = False, dora: bool = False) -> list[str]:
-        """Give each linear weight whose path matches an adapter (DoRA's with dora=True);
-        only adapters train. See linnet.torch.lora.add_lora."""
+        """Give each linear weight whose path matches an adapter (DoRA's with dora=True; a
+        mixture of experts' stacked tensors too); only adapters train. See
+        linnet.torch.lora.add_lora."""
         from linnet.torch.lora import add_lora
 
         return add_lora(self, patterns, rank=rank, alpha=alpha, dropout=dropout, rslora=rslora, dora=dora)

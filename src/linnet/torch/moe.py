@@ -17,6 +17,7 @@ counts the positions routed to each expert, which `router_metrics` reports a ste
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +34,70 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(count, hidden))
 
 
+STACKED = ("gate_up_proj", "down_proj")  # in the order PEFT wraps them (the first innermost)
+
+
 class ExpertWeights(nn.Module):
     """Every expert's SwiGLU weights, stacked: gate_up_proj [count, 2 x intermediate, hidden]
-    (its gate rows, then its up rows), down_proj [count, hidden, intermediate]."""
+    (its gate rows, then its up rows), down_proj [count, hidden, intermediate].
+
+    Adapters on them (`adapt`) are laid out as PEFT's adapters of a stacked parameter: A
+    [count x r, in] (expert e's rows e r .. e r + r - 1) and B [out, r x count] (expert e's
+    columns e, e + count, ...), one pair a stacked tensor. PEFT wraps the second tensor's
+    adapter around the first's, so with both adapted the first's pair sits in `base_layer`
+    (`experts.base_layer.lora_a`) and the second's in the module (`experts.lora_a`); with one,
+    in the module."""
 
     def __init__(self, hidden: int, count: int, intermediate: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(count, hidden, intermediate))
+        self.targets: tuple[str, ...] = ()  # the adapted stacked tensors, in STACKED's order
+        self.lora_a: nn.Parameter | None = None
+        self.lora_b: nn.Parameter | None = None
+        self.lora_scale = 0.0
+
+    def adapt(self, targets: list[str], rank: int, scale: float) -> None:
+        """Fresh adapters on `targets` (PEFT's init: A as a Linear's weight of count x r rows,
+        from the global RNG; B zeros)."""
+        count = self.down_proj.shape[0]
+        self.targets = tuple(t for t in STACKED if t in targets)
+        holders = [self] if len(self.targets) == 1 else [self.base_layer_module(), self]
+        for holder, name in zip(holders, self.targets):
+            out, inputs = getattr(self, name).shape[1:]
+            a = torch.empty(count * rank, inputs, device=self.down_proj.device)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+            holder.lora_a = nn.Parameter(a)
+            holder.lora_b = nn.Parameter(torch.zeros(out, rank * count, device=a.device))
+        self.lora_scale = scale
+
+    def base_layer_module(self) -> nn.Module:
+        if not hasattr(self, "base_layer"):
+            self.base_layer = nn.Module()
+        return self.base_layer
+
+    def adapter(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A [count, r, in], B [out, r, count]) of stacked tensor `name`, or None."""
+        if name not in self.targets:
+            return None
+        holder = self.base_layer if len(self.targets) == 2 and name == self.targets[0] else self
+        count = self.down_proj.shape[0]
+        return holder.lora_a.view(count, -1, holder.lora_a.shape[1]), holder.lora_b.view(holder.lora_b.shape[0], -1,
+                                                                                           count)
+
+    def merged(self, name: str) -> torch.Tensor:
+        """Stacked tensor `name` with its adapter folded in (float32)."""
+        weight = getattr(self, name).detach().float()
+        pair = self.adapter(name)
+        if pair is None:
+            return weight
+        a, b = pair
+        return weight + torch.einsum("ore,eri->eoi", b.detach().float(), a.detach().float()) * self.lora_scale
+
+    def drop_adapters(self) -> None:
+        self.targets, self.lora_a, self.lora_b, self.lora_scale = (), None, None, 0.0
+        if hasattr(self, "base_layer"):
+            del self.base_layer
 
 
 class MoE(nn.Module):
@@ -87,12 +144,20 @@ class MoE(nn.Module):
             start += n
             rows = pairs // self.per_token
             h = x_ND.index_select(0, rows)
-            dtype = h.dtype
-            gate, up = F.linear(h, w.gate_up_proj[expert].to(dtype)).chunk(2, dim=-1)
-            mid = F.silu(gate) * up
-            y = F.linear(mid, w.down_proj[expert].to(dtype)) * weights_NK.flatten()[pairs, None]
+            gate, up = _product(w, "gate_up_proj", expert, h).chunk(2, dim=-1)
+            y = _product(w, "down_proj", expert, F.silu(gate) * up) * weights_NK.flatten()[pairs, None]
             out = out.index_add(0, rows, y)
         return out.view(shape)
+
+
+def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """x through one expert's stacked tensor `name`, and its adapter where it has one."""
+    y = F.linear(x, getattr(w, name)[expert].to(x.dtype))
+    pair = w.adapter(name)
+    if pair is None:
+        return y
+    a, b = pair
+    return y + F.linear(F.linear(x, a[expert].to(x.dtype)), b[:, :, expert].to(x.dtype)) * w.lora_scale
 
 
 @contextlib.contextmanager

@@ -116,6 +116,10 @@ def adapter_folds(adapters: Sequence[str], shapes: dict[str, tuple[int, ...]]) -
     those), each checked against the weight's shape before any weight is read."""
     folds: dict[str, list[tuple]] = {}
     for directory in adapters:
+        config = Path(directory) / "adapter_config.json"
+        if config.is_file() and json.loads(config.read_text()).get("target_parameters"):
+            raise ValueError(f"{directory}: adapters on a mixture of experts' stacked tensors are not folded in as the "
+                             "weights are read yet; merge the run (linnet export RUN --merge --out DIR) and load DIR")
         scale, file = _adapter_scale(Path(directory))
         with safetensors_file(file, "pt", device="cpu") as f:
             tensors = {from_peft_name(key): f.get_tensor(key).float() for key in f.keys()}
@@ -241,7 +245,8 @@ def special_tokens(card, source: Path) -> dict:
 def attach_adapter(model, directory: str | os.PathLike) -> None:
     """Add the adapters a PEFT directory describes and load their weights."""
     info = json.loads((Path(directory) / "adapter_config.json").read_text())
-    model.add_lora([f"{t}.weight" if not t.endswith(".weight") else t for t in info["target_modules"]],
+    targets = [f"{t}.weight" if not t.endswith(".weight") else t for t in info["target_modules"] or []]
+    model.add_lora(targets + list(info.get("target_parameters") or []),  # a mixture of experts' stacked tensors
                    rank=info["r"], alpha=info["lora_alpha"], rslora=info.get("use_rslora", False),
                    dora=info.get("use_dora", False))
     bind_weights(model, directory)
