@@ -225,3 +225,40 @@ def test_the_experts_adapters_train(moe):
     (row,) = pack([Example(list(range(3, 40)))], tokens=40)
     history = train(model, [row] * 12, optimizer=adamw(model, lr=5e-2), steps=12)
     assert history.losses[-1] < 0.95 * history.losses[0]  # only the experts adapt: slowly, but they do
+
+
+def test_preference_and_rl_objectives_train_a_mixture_of_experts(moe):
+    """DPO from a pair's log-probabilities and GRPO through the engine, on the MoE with
+    adapters on its attention and experts: DPO starts at log 2 and learns; GRPO's steps
+    train the experts' adapters."""
+    import math
+
+    from linnet.packing import Pair
+    from linnet.train.dpo import dpo
+    from linnet.train.grpo import Prompt, grpo
+
+    _, directory = moe
+    g = np.random.default_rng(0)
+    prompts = [g.integers(3, 40, size=int(g.integers(2, 6))).tolist() for _ in range(32)]
+    model = nest.load(directory, weights=directory, dtype="float32")
+    torch.manual_seed(0)
+    model.add_lora("all-linear", rank=4, alpha=8)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    pairs = [Pair([1, *p], [*p, 2], [*p[::-1], 2]) for p in prompts]
+    history = dpo(model, pairs, optimizer=optimizer, steps=8, pairs_per_step=16, beta=0.5, tokens=64)
+    assert history.steps[0].loss == pytest.approx(math.log(2), abs=1e-6)
+    assert history.steps[-1].loss < math.log(2) - 0.05
+
+    policy = nest.load(directory, weights=directory, dtype="float32")
+    policy.add_lora("all-linear", rank=4, alpha=8)
+    engine = Engine(nest.load(directory, weights=directory, dtype="float32"))
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=2e-2)
+
+    def sevens(prompt, completion):  # reward the token 7
+        return sum(t == 7 for t in completion) / max(len(completion), 1)
+
+    history = grpo(policy, engine, [Prompt(p) for p in prompts], sevens, optimizer=optimizer, steps=3,
+                   prompts_per_step=4, group=8, max_new_tokens=8, stop=(), seed=0, verbose=False)
+    assert len(history.steps) == 3 and all(math.isfinite(s.loss) for s in history.steps)
+    assert any(s.grad_norm > 0 for s in history.steps)  # (a group whose rewards are all alike has no gradient)
+    assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if n.endswith("experts.lora_b"))

@@ -1,0 +1,138 @@
+"""A small mixture of experts trained with LoRA: against the dense model with the same
+active parameters, and against transformers + PEFT on the same mixture of experts.
+
+    python bench/moe.py                  # bench/moe.md, ~6 min on 2 CPU cores
+    python bench/moe.py --quick --out -  # a smoke run: a minute, prints only
+
+Models (random weights, float32, written with transformers' save_pretrained): a Qwen3-MoE
+of 4 layers, hidden 256, vocabulary 8,192, 8 experts of width 352 a block, 2 a token; and
+the dense Qwen3 whose MLP (width 704) makes the same active parameters a token. Work: LoRA
+rank 16 on every projection (attention, and both stacked expert tensors of each block, as
+PEFT's target_parameters names them; the dense model's gate/up/down), one row of 1,024
+positions a step (one document, so attention costs the same everywhere), AdamW, --steps
+steps after 2 unmeasured. Cases, each in a fresh process (its peak memory its own),
+alternating, --repeats rounds:
+
+  linnet, MoE          nest.load + add_lora("all-linear") + loss_packed
+  linnet, dense        the same on the dense model
+  transformers + PEFT  AutoModelForCausalLM + get_peft_model(target_modules=attention,
+                       target_parameters=the experts' gate_up_proj and down_proj), loss on
+                       the same row (labels), its backward
+
+Tokens/s is the row's positions over the median step; peak is the process's resident set
+above what it held before the model loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import KEEP, GiB, alternate, command, machine, peak_rss, reset_peak, rss, send_result, table, write_report
+
+HERE = Path(__file__).resolve().parent
+ROW = 1024
+
+
+def build(root: Path, quick: bool) -> None:
+    import torch
+    import transformers
+
+    common = dict(vocab_size=8192, hidden_size=128 if quick else 256, num_hidden_layers=2 if quick else 4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32 if quick else 64,
+                  max_position_embeddings=2048, tie_word_embeddings=False)
+    width = 176 if quick else 352
+    configs = {"moe": transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2,
+                                                  moe_intermediate_size=width, intermediate_size=2 * width,
+                                                  norm_topk_prob=True),
+               "dense": transformers.Qwen3Config(**common, intermediate_size=2 * width)}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / name)
+
+
+def child(spec: dict) -> None:
+    """One case in this process: train --steps steps, send the step times and peak memory."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(0)
+    tokens = torch.randint(3, 8192, (ROW,), generator=torch.Generator().manual_seed(1))
+    baseline = rss()
+    reset_peak()
+    if spec["case"].startswith("linnet"):
+        from linnet import nest
+        from linnet.packing import Example, pack
+
+        model = nest.load(spec["model"], weights=spec["model"], dtype="float32")
+        model.add_lora("all-linear", rank=16, alpha=32)
+        (row,) = pack([Example(tokens.tolist())], tokens=ROW)
+
+        def loss():
+            total, count = model.loss_packed(row)
+            return total / count
+    else:
+        import peft
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+        model = peft.get_peft_model(hf, peft.LoraConfig(
+            r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        model.train()
+        ids = tokens[None]
+
+        def loss():
+            return model(input_ids=ids, labels=ids).loss
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    seconds = []
+    for _ in range(spec["steps"] + 2):
+        start = time.perf_counter()
+        loss().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds.append(time.perf_counter() - start)
+    send_result(dict(seconds=seconds, peak_bytes=peak_rss() - baseline))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a 2-layer model, 4 steps, one round")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(HERE / "moe.md"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(json.loads(args.child))
+    steps, repeats = (4, 1) if args.quick else (args.steps, args.repeats)
+    with tempfile.TemporaryDirectory(prefix="linnet-moe-") as tmp:
+        root = Path(tmp)
+        build(root, args.quick)
+        specs = {"linnet, MoE": "moe", "linnet, dense": "dense", "transformers + PEFT, MoE": "moe"}
+        got = alternate(__file__, {case: dict(case=case, model=str(root / model), steps=steps, threads=args.threads)
+                                   for case, model in specs.items()}, repeats)
+    step = {case: statistics.median(s for r in runs for s in r["seconds"][2:]) for case, runs in got.items()}
+    rows = [[case, f"{step[case]:.3f} s", f"{ROW / step[case]:,.0f}", f"{step['linnet, MoE'] / step[case]:.2f}x",
+             f"{max(r['peak_bytes'] for r in runs) / GiB:.2f} GiB"] for case, runs in got.items()]
+    lines = [
+        "# A small mixture of experts, LoRA",
+        "",
+        f"`{command(__file__)}` on {machine()}, {time.strftime('%Y-%m-%d')}, {args.threads} threads; "
+        f"{'a 2-layer' if args.quick else 'a 4-layer'} Qwen3-MoE (8 experts, 2 a token) and the dense Qwen3 of the "
+        f"same active parameters, float32, LoRA rank 16 on every projection, one {ROW}-position row a step, "
+        f"medians of {steps} steps x {repeats} round(s), alternating.",
+        "",
+        *table(["case", "step", "tokens/s", "tokens/s against linnet, MoE", "peak above start"], rows, "lrrrr"),
+    ]
+    write_report("\n".join(lines) + "\n", args.out, keep=KEEP)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
