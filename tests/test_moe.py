@@ -262,3 +262,62 @@ def test_preference_and_rl_objectives_train_a_mixture_of_experts(moe):
     assert len(history.steps) == 3 and all(math.isfinite(s.loss) for s in history.steps)
     assert any(s.grad_norm > 0 for s in history.steps)  # (a group whose rewards are all alike has no gradient)
     assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if n.endswith("experts.lora_b"))
+
+
+def _expert_parallel_steps(rank, directory, lengths):
+    """Two SGD steps of full fine-tuning, this process's row through the experts split over
+    the processes, beside the same steps of the whole model on every row in this process:
+    the largest differences of the losses, the dense gradients and this process's experts'."""
+    import torch.distributed as dist
+
+    from linnet.torch.distributed import clip_gradients, reduce_gradients
+    from linnet.torch.moe import expert_parallel
+
+    torch.set_num_threads(1)
+    g = np.random.default_rng(7)
+    rows = [next(iter(pack([Example(g.integers(1, 97, n).tolist())], tokens=n))) for n in lengths]
+    reference = nest.load(directory, weights=directory, dtype="float32", trainable=True)
+    model = nest.load(directory, weights=directory, dtype="float32", trainable=True)
+    expert_parallel(model)
+    size = dist.get_world_size()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
+    worst = {"loss": 0.0, "dense": 0.0, "experts": 0.0, "norm": 0.0}
+    for _ in range(2):
+        count = sum(float(r.weights.sum()) for r in rows)
+        whole = sum(reference.loss_packed(r)[0] for r in rows)
+        (whole / count).backward()
+        mine = model.loss_packed(rows[rank])[0]
+        (mine / count).backward()
+        reduce_gradients(list(model.parameters()))
+        total = mine.detach().clone()
+        dist.all_reduce(total)
+        worst["loss"] = max(worst["loss"], abs(float(total - whole.detach())))
+        norms = [clip_gradients(list(m.parameters()), None) for m in (reference, model)]
+        worst["norm"] = max(worst["norm"], abs(float(norms[0] - norms[1])))
+        theirs = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            expected = theirs[name].grad
+            if getattr(p, "owned", False):
+                per = expected.shape[0] // size
+                expected = expected[rank * per:(rank + 1) * per]
+            key = "experts" if getattr(p, "owned", False) else "dense"
+            worst[key] = max(worst[key], float((p.grad - expected).abs().max()))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return worst
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_expert_parallel_equals_one_process(moe, processes):
+    """Experts split over 2 and 4 gloo processes, each with a row of its own (the first of
+    two positions: some experts get nothing from it): losses, gradients and the gradient
+    norm over two steps equal one process's to 1e-5."""
+    from tests.conftest import in_processes
+
+    hf, directory = moe
+    if hf.config.num_local_experts % processes:
+        pytest.skip(f"{hf.config.num_local_experts} experts do not split over {processes} processes")
+    lengths = [2, 17, 11, 23][:processes]
+    for worst in in_processes(_expert_parallel_steps, str(directory), lengths, processes=processes):
+        assert worst["loss"] < 1e-4 and worst["dense"] < 1e-5 and worst["experts"] < 1e-5 and worst["norm"] < 1e-5, worst

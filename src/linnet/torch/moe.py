@@ -20,6 +20,7 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -111,6 +112,7 @@ class MoE(nn.Module):
         self.experts = ExpertWeights(card.hidden, e.count, e.intermediate)
         self.record: list | None = None  # within `balanced`: (positions an expert, probability sums, positions)
         self.load: torch.Tensor | None = None  # positions routed to each expert since router_metrics (on the host)
+        self.parallel: tuple | None = None  # expert_parallel's (group, processes, this one's rank, experts a process)
 
     def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [N, count], each position's chosen experts [N, per_token] and
@@ -126,28 +128,48 @@ class MoE(nn.Module):
         shape = x.shape
         x_ND = x.reshape(-1, shape[-1])
         logits, chosen_NK, weights_NK = self.route(x_ND)
-        w = self.experts
-        out = torch.zeros_like(x_ND)
         flat = chosen_NK.flatten()
         order = torch.argsort(flat, stable=True)  # (position, slot) pairs grouped by expert
-        routed = torch.bincount(flat, minlength=w.down_proj.shape[0])
+        routed = torch.bincount(flat, minlength=self.gate.weight.shape[0])
         if self.record is not None:
             self.record.append((routed, torch.softmax(logits.float(), dim=-1).sum(0), len(x_ND)))
         if torch.is_grad_enabled():
             self.load = routed.cpu() if self.load is None else self.load + routed.cpu()
-        counts = routed.tolist()
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            pairs = order[start:start + n]
-            start += n
-            rows = pairs // self.per_token
-            h = x_ND.index_select(0, rows)
-            gate, up = _product(w, "gate_up_proj", expert, h).chunk(2, dim=-1)
-            y = _product(w, "down_proj", expert, F.silu(gate) * up) * weights_NK.flatten()[pairs, None]
-            out = out.index_add(0, rows, y)
-        return out.view(shape)
+        rows = order // self.per_token
+        h = x_ND.index_select(0, rows)  # a pair's position, in the experts' order
+        y = self._experts(h, routed) if self.parallel is None else self._dispatched(h, flat[order], routed)
+        return torch.zeros_like(x_ND).index_add(0, rows, y * weights_NK.flatten()[order, None]).view(shape)
+
+    def _experts(self, h: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Rows `h` grouped by expert, counts[e] of them for this process's expert e (its
+        global index first + e), each through its expert's MLP, in their order."""
+        w, out = self.experts, []
+        for expert, part in enumerate(h.split(counts.tolist())):
+            if len(part):
+                gate, up = _product(w, "gate_up_proj", expert, part).chunk(2, dim=-1)
+                out.append(_product(w, "down_proj", expert, F.silu(gate) * up))
+        return torch.cat(out) if out else h[:0]
+
+    def _dispatched(self, h: torch.Tensor, experts: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """Expert parallel (`expert_parallel`): rows to the processes holding their experts
+        and back, all-to-all with uneven splits (the experts of a process are consecutive,
+        so rows grouped by expert are grouped by process)."""
+        from torch.distributed.nn.functional import all_to_all_single as exchange
+
+        group, size, rank, per = self.parallel
+        sent = routed.view(size, per)  # [process, its experts]: rows this process sends
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)  # [source, my experts]
+        out_splits, in_splits = received.sum(1).tolist(), sent.sum(1).tolist()
+        mine = exchange(h.new_empty(sum(out_splits), h.shape[1]), h, out_splits, in_splits, group=group)
+        by_source = mine.split(out_splits)  # each source's rows, grouped by my experts: regroup by expert
+        parts = [p.split(c) for p, c in zip(by_source, received.tolist())]
+        grouped = torch.cat([parts[s][e] for e in range(per) for s in range(size)])
+        y = self._experts(grouped, received.sum(0))
+        ends = torch.tensor([[int(received[s, e]) for s in range(size)] for e in range(per)]).flatten().tolist()
+        pieces = y.split(ends)  # (expert, source) -> back to (source, expert)
+        back = torch.cat([pieces[e * size + s] for s in range(size) for e in range(per)])
+        return exchange(h.new_empty(len(h), y.shape[1]), back, in_splits, out_splits, group=group)
 
 
 def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
@@ -198,3 +220,30 @@ def router_metrics(model) -> dict[str, float]:
         m.load = None
     share = load / load.mean(dim=1, keepdim=True).clamp(min=1e-9)
     return {"expert_load_max": float(share.max()), "expert_load_min": float(share.min())}
+
+
+def expert_parallel(model, group=None) -> None:
+    """Split every mixture-of-experts block's experts over the processes of `group` (every
+    process by default): process r keeps experts r*E/P .. (r+1)*E/P - 1, and each block
+    sends every position to the processes holding its chosen experts and takes the results
+    back (`MoE._dispatched`). Each process trains on rows of its own; its dense parameters'
+    gradients are summed over the processes as in data parallel (reduce_gradients), while
+    its experts' gradients are whole where the experts live (marked `owned`: reduce_gradients
+    leaves them alone, clip_gradients adds their squares over the group). Call it on the same model in every process, before the
+    optimizer is made and before adapters on the experts (refused for now)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    for block in [m for m in model.modules() if isinstance(m, MoE)]:
+        w = block.experts
+        count = w.down_proj.shape[0]
+        if count % size:
+            raise ValueError(f"expert_parallel: {count} experts do not split over {size} processes; use a divisor")
+        if w.targets:
+            raise ValueError("expert_parallel: the experts carry adapters; split the experts first (adapters on them "
+                             "under expert parallel are not supported yet)")
+        per = count // size
+        for name in STACKED:
+            part = nn.Parameter(getattr(w, name).detach()[rank * per:(rank + 1) * per].clone(),
+                                requires_grad=getattr(w, name).requires_grad)
+            part.owned = (group,)  # the processes whose experts together make the block's
+            setattr(w, name, part)
+        block.parallel = (group, size, rank, per)
