@@ -43,7 +43,8 @@ ALONE = {"training.split": 1, "training.pipeline": 1, "training.context": 1}  # 
 
 
 class Stopped(Exception):
-    """Thrown into the runs still waiting for a turn when one is interrupted (Ctrl-C)."""
+    """Thrown into the runs still waiting for a turn when another failed before anything was
+    written, or was interrupted (Ctrl-C)."""
 
 
 @dataclass
