@@ -176,6 +176,7 @@ def test_the_load_balancing_loss_joins_training_as_transformers_adds_it(moe, tmp
         assert float(model.loss_packed(row)[0]) < float(total)
     balance = router_metrics(model)
     assert balance["expert_load_max"] >= 1 >= balance["expert_load_min"] and router_metrics(model) == {}
+    assert balance["router_balancing_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-5)  # logged
 
 
 @pytest.mark.parametrize("experts", [["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["gate_up_proj"]])

@@ -113,6 +113,7 @@ class MoE(nn.Module):
         self.record: list | None = None  # within `balanced`: (positions an expert, probability sums, positions)
         self.load: torch.Tensor | None = None  # positions routed to each expert since router_metrics (on the host)
         self.parallel: tuple | None = None  # expert_parallel's (group, processes, this one's rank, experts a process)
+        self.balancing: list[float] = []  # the load-balancing loss of each forward since router_metrics (first block)
 
     def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [N, count], each position's chosen experts [N, per_token] and
@@ -205,21 +206,29 @@ def balanced(model, loss_sum: list):
         positions = sum(n for _, _, n in seen)
         loss = e.count * (routed / positions * probs / positions).sum()
         loss_sum[0] = loss_sum[0] + e.aux_loss * loss * loss_sum[1]
+        blocks[0].balancing.append(float(loss.detach()))  # one value a forward, for router_metrics
 
 
 def router_metrics(model) -> dict[str, float]:
     """The routing in training since the last call: in the block where it is largest, the
     busiest expert's count of routed positions over the block's mean count
     (expert_load_max; 1 is a perfect balance), and the idlest's where smallest
-    (expert_load_min); {} for a model without experts or before any training."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE) and m.load is not None]
+    (expert_load_min); where the loss has it, the mean load-balancing loss of the forward
+    passes (router_balancing_loss, before its coefficient); {} for a model without experts
+    or before any training."""
+    every = [m for m in model.modules() if isinstance(m, MoE)]
+    balancing = [v for m in every for v in m.balancing]
+    for m in every:
+        m.balancing = []
+    blocks = [m for m in every if m.load is not None]
     if not blocks:
         return {}
     load = torch.stack([m.load for m in blocks]).float()  # [blocks, experts]
     for m in blocks:
         m.load = None
     share = load / load.mean(dim=1, keepdim=True).clamp(min=1e-9)
-    return {"expert_load_max": float(share.max()), "expert_load_min": float(share.min())}
+    return {"expert_load_max": float(share.max()), "expert_load_min": float(share.min()),
+            **({"router_balancing_loss": sum(balancing) / len(balancing)} if balancing else {})}
 
 
 def expert_parallel(model, group=None) -> None:
