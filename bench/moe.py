@@ -18,6 +18,8 @@ alternating, --repeats rounds:
   transformers + PEFT  AutoModelForCausalLM + get_peft_model(target_modules=attention,
                        target_parameters=the experts' gate_up_proj and down_proj), loss on
                        the same row (labels), its backward
+  TRL + PEFT           that PEFT model in TRL's SFTTrainer (its defaults, no packing: the
+                       row is one document), the step times from its callbacks
 
 Tokens/s is the row's positions over the median step; peak is the process's resident set
 above what it held before the model loaded.
@@ -51,9 +53,15 @@ def build(root: Path, quick: bool) -> None:
                                                   moe_intermediate_size=width, intermediate_size=2 * width,
                                                   norm_topk_prob=True),
                "dense": transformers.Qwen3Config(**common, intermediate_size=2 * width)}
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(8192)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
     for name, config in configs.items():
         torch.manual_seed(0)
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)  # TRL's trainer wants one
 
 
 def child(spec: dict) -> None:
@@ -84,6 +92,8 @@ def child(spec: dict) -> None:
         model = peft.get_peft_model(hf, peft.LoraConfig(
             r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        if spec["case"].startswith("TRL"):
+            return send_result(dict(seconds=_trl(model, spec, tokens.tolist()), peak_bytes=peak_rss() - baseline))
         model.train()
         ids = tokens[None]
 
@@ -98,6 +108,36 @@ def child(spec: dict) -> None:
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
     send_result(dict(seconds=seconds, peak_bytes=peak_rss() - baseline))
+
+
+def _trl(model, spec: dict, ids: list[int]) -> list[float]:
+    """TRL's SFTTrainer on the PEFT model, one row a step (no packing: the row is one
+    document); each step's seconds, from its callbacks."""
+    import tempfile
+
+    import transformers
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    seconds: list[float] = []
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, *args, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            seconds.append(time.perf_counter() - self.started)
+
+    steps = spec["steps"] + 2
+    with tempfile.TemporaryDirectory() as scratch:
+        args = SFTConfig(output_dir=scratch, max_steps=steps, learning_rate=1e-4, per_device_train_batch_size=1,
+                         max_length=ROW, packing=False, report_to="none", save_strategy="no", disable_tqdm=True,
+                         logging_steps=steps, use_cpu=True, dataloader_num_workers=0, lr_scheduler_type="constant",
+                         warmup_steps=0)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(spec["model"])
+        SFTTrainer(model=model, args=args, processing_class=tokenizer, callbacks=[Timer()],
+                   train_dataset=Dataset.from_dict({"input_ids": [ids] * steps})).train()
+    return seconds
 
 
 def main() -> None:
@@ -115,7 +155,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="linnet-moe-") as tmp:
         root = Path(tmp)
         build(root, args.quick)
-        specs = {"linnet, MoE": "moe", "linnet, dense": "dense", "transformers + PEFT, MoE": "moe"}
+        specs = {"linnet, MoE": "moe", "linnet, dense": "dense", "transformers + PEFT, MoE": "moe",
+                 "TRL SFTTrainer + PEFT, MoE": "moe"}
         got = alternate(__file__, {case: dict(case=case, model=str(root / model), steps=steps, threads=args.threads)
                                    for case, model in specs.items()}, repeats)
     step = {case: statistics.median(s for r in runs for s in r["seconds"][2:]) for case, runs in got.items()}
