@@ -138,12 +138,12 @@ class MoE(nn.Module):
             self.load = routed.cpu() if self.load is None else self.load + routed.cpu()
         rows = order // self.per_token
         h = x_ND.index_select(0, rows)  # a pair's position, in the experts' order
-        y = self._experts(h, routed) if self.parallel is None else self._dispatched(h, flat[order], routed)
+        y = self._experts(h, routed) if self.parallel is None else self._dispatched(h, routed)
         return torch.zeros_like(x_ND).index_add(0, rows, y * weights_NK.flatten()[order, None]).view(shape)
 
-    def _experts(self, h: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
-        """Rows `h` grouped by expert, counts[e] of them for this process's expert e (its
-        global index first + e), each through its expert's MLP, in their order."""
+    def _experts(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows `h` grouped by expert, counts[e] of them for this process's expert e, each
+        through its expert's MLP, in their order."""
         w, out = self.experts, []
         for expert, part in enumerate(h.split(counts.tolist())):
             if len(part):
@@ -151,7 +151,7 @@ class MoE(nn.Module):
                 out.append(_product(w, "down_proj", expert, F.silu(gate) * up))
         return torch.cat(out) if out else h[:0]
 
-    def _dispatched(self, h: torch.Tensor, experts: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+    def _dispatched(self, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """Expert parallel (`expert_parallel`): rows to the processes holding their experts
         and back, all-to-all with uneven splits (the experts of a process are consecutive,
         so rows grouped by expert are grouped by process)."""
@@ -167,8 +167,7 @@ class MoE(nn.Module):
         parts = [p.split(c) for p, c in zip(by_source, received.tolist())]
         grouped = torch.cat([parts[s][e] for e in range(per) for s in range(size)])
         y = self._experts(grouped, received.sum(0))
-        ends = torch.tensor([[int(received[s, e]) for s in range(size)] for e in range(per)]).flatten().tolist()
-        pieces = y.split(ends)  # (expert, source) -> back to (source, expert)
+        pieces = y.split(received.t().flatten().tolist())  # (expert, source) -> back to (source, expert)
         back = torch.cat([pieces[e * size + s] for s in range(size) for e in range(per)])
         return exchange(h.new_empty(len(h), y.shape[1]), back, in_splits, out_splits, group=group)
 
