@@ -270,6 +270,8 @@ def _expert_parallel_steps(rank, directory, lengths):
     the processes, beside the same steps of the whole model on every row in this process:
     the largest differences of the losses, the dense gradients and this process's experts'."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
 
     from linnet.torch.distributed import clip_gradients, reduce_gradients
     from linnet.torch.moe import expert_parallel
@@ -279,8 +281,8 @@ def _expert_parallel_steps(rank, directory, lengths):
     rows = [next(iter(pack([Example(g.integers(1, 97, n).tolist())], tokens=n))) for n in lengths]
     reference = nest.load(directory, weights=directory, dtype="float32", trainable=True)
     model = nest.load(directory, weights=directory, dtype="float32", trainable=True)
-    expert_parallel(model)
     size = dist.get_world_size()
+    expert_parallel(model, init_device_mesh("cpu", (size,)))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     worst = {"loss": 0.0, "dense": 0.0, "experts": 0.0, "norm": 0.0}
     for _ in range(2):
@@ -297,12 +299,12 @@ def _expert_parallel_steps(rank, directory, lengths):
         worst["norm"] = max(worst["norm"], abs(float(norms[0] - norms[1])))
         theirs = dict(reference.named_parameters())
         for name, p in model.named_parameters():
-            expected = theirs[name].grad
-            if getattr(p, "owned", False):
+            expected, split = theirs[name].grad, isinstance(p, DTensor)
+            if split:  # this process's experts
                 per = expected.shape[0] // size
                 expected = expected[rank * per:(rank + 1) * per]
-            key = "experts" if getattr(p, "owned", False) else "dense"
-            worst[key] = max(worst[key], float((p.grad - expected).abs().max()))
+            key = "experts" if split else "dense"
+            worst[key] = max(worst[key], float(((p.grad.to_local() if split else p.grad) - expected).abs().max()))
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -322,3 +324,50 @@ def test_expert_parallel_equals_one_process(moe, processes):
     lengths = [2, 17, 11, 23][:processes]
     for worst in in_processes(_expert_parallel_steps, str(directory), lengths, processes=processes):
         assert worst["loss"] < 1e-4 and worst["dense"] < 1e-5 and worst["experts"] < 1e-5 and worst["norm"] < 1e-5, worst
+
+
+def _sft_process(rank, overrides):
+    from linnet.commands.sft import main
+
+    return main([a for o in overrides for a in ("--set", o)])
+
+
+def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
+    """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
+    process its own rows) trains as one process does: the same losses step by step and the
+    same final weights, written whole."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from linnet.commands import quickstart
+    from linnet.commands.sft import run
+    from linnet.config import SFTConfig, load
+    from tests.conftest import in_processes, same_metrics
+
+    config = transformers.Qwen3MoeConfig(vocab_size=quickstart.CARD.vocab, hidden_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                         num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=quickstart.BOS,
+                                         eos_token_id=quickstart.EOS, pad_token_id=0)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "moe")
+    quickstart.save_tokenizer(tmp_path / "moe" / "tokenizer.json")
+    problems = quickstart.problems(np.random.default_rng(0), 200, 2)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": a}) + "\n"
+                                                  for p, a in problems))
+
+    def overrides(out, *extra):
+        return [f"model.card={tmp_path / 'moe'}", f"data.path={tmp_path / 'train.jsonl'}", "data.chat=false",
+                "data.eval_share=0.05", "training.context_length=64", "training.steps=4",
+                "lora.enabled=false", "optimizer.lr=1e-2", "lr_schedule.warmup_steps=1", "evaluation.every=2",
+                "data.overlap='off'", f"runtime.output_dir={out}", *extra]
+
+    run(load(SFTConfig, None, overrides(tmp_path / "one", "training.accumulation=4")))
+    assert in_processes(_sft_process, overrides(tmp_path / "two", "training.expert=2", "training.accumulation=2"),
+                        processes=2) == [0, 0]  # the same 4 rows a step: 2 in each process
+    same_metrics(tmp_path / "two", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
+    ours, theirs = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("two", "one"))
+    assert sorted(ours) == sorted(theirs) and any(".experts.3." in k for k in ours)
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=key)

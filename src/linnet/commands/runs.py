@@ -189,6 +189,8 @@ def load_model(card, config):
     model.tile_mlp(t.mlp_tile)
     if context > 1:  # after the adapters: their gradients are summed over the context group too
         model.split_context(mesh["context"])
+    if getattr(t, "expert", 1) > 1:
+        _split_experts(model, t, processes, torch.device(device).type)
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "") + (
@@ -198,6 +200,21 @@ def load_model(card, config):
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
     return model
+
+
+def _split_experts(model, t, processes: int, device_type: str) -> None:
+    """training.expert: the experts split over every process (linnet.torch.moe.expert_parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from linnet.torch.moe import expert_parallel
+
+    if model.card.experts is None:
+        raise ValueError(f"config: training.expert={t.expert} splits a mixture of experts; {model.card.name} has none")
+    if t.expert != processes or t.per_copy > 1 or t.shard != "none":
+        raise ValueError(f"config: training.expert={t.expert} splits the experts over every process, alone for now: "
+                         f"run {t.expert} processes, with training.split, pipeline and context 1 and training.shard "
+                         "none")
+    expert_parallel(model, init_device_mesh(device_type, (processes,), mesh_dim_names=("expert",)))
 
 
 def run_mesh(device_type: str, *, stages: int = 1, context: int = 1, split: int = 1):

@@ -307,6 +307,9 @@ class TrainingConfig:
                              "the same rows; training.context_length a multiple of 2 x context; the processes form "
                              "copies of such groups (docs/long_context.md)",
                           only=("sft", "dpo", "reward", "grpo", "distill"))
+    expert: int = option(1, "under torchrun (sft, dpo, reward, distill): processes that split a mixture of "
+                            "experts' experts between them (expert parallel; every process, for now), each taking "
+                            "rows of its own (docs/moe.md)", only=("sft", "dpo", "reward", "distill"))
     pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = option(
         "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks), interleaved "
                 "(interleaved 1F1B: two chunks a process, stage i of P holding chunks i and i + P of 2P, so the "
@@ -328,7 +331,7 @@ class TrainingConfig:
                      "training.micro_batch_size": self.micro_batch_size, "training.accumulation": self.accumulation,
                      "training.checkpoint_every": self.checkpoint_every, "training.split": self.split,
                      "training.pipeline": self.pipeline, "training.mlp_tile": self.mlp_tile,
-                     "training.context": self.context,
+                     "training.context": self.context, "training.expert": self.expert,
                      "training.keep": self.keep, "training.global_batch_tokens": self.global_batch_tokens})
         if self.context > 1 and self.context_length % (2 * self.context):
             raise ValueError(f"config: training.context_length={self.context_length} does not cut into "

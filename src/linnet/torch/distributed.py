@@ -194,8 +194,8 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     alone = group is not None and dist.get_world_size(group) == 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
-        if isinstance(p, DTensor) and (group is None or reduced_by_shards(p, group)) or getattr(p, "owned", None):
-            continue  # (owned: an expert of expert_parallel's, its gradient whole where it lives)
+        if isinstance(p, DTensor) and (group is None or reduced_by_shards(p, group)):
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         if isinstance(p.grad, DTensor) and any(place.is_partial() for place in p.grad.placements):
@@ -264,11 +264,7 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None,
         return torch.zeros(())
     by_cut: dict[tuple, list] = {}  # the mesh dimensions a gradient is cut along -> (their groups, its parts)
     whole = []  # replicated ones count once
-    owned = {id(p.grad): p.owned[0] for p in parameters if p.grad is not None and getattr(p, "owned", None)}
     for g in grads:
-        if id(g) in owned:  # expert_parallel's experts: each process's own, their squares summed over the group
-            by_cut.setdefault(("experts",), ([owned[id(g)]], []))[1].append(g)
-            continue
         axes = [a for a, place in enumerate(g.placements) if cuts(place)] if isinstance(g, DTensor) else []
         if not axes:
             whole.append(g.to_local() if isinstance(g, DTensor) else g)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linnet.cards import Card
+from linnet.torch.sharding import local
 
 
 class Router(nn.Module):
@@ -174,7 +175,7 @@ class MoE(nn.Module):
 
 def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
     """x through one expert's stacked tensor `name`, and its adapter where it has one."""
-    y = F.linear(x, getattr(w, name)[expert].to(x.dtype))
+    y = F.linear(x, local(getattr(w, name))[expert].to(x.dtype))  # an expert-parallel process's own experts
     pair = w.adapter(name)
     if pair is None:
         return y
@@ -230,28 +231,31 @@ def router_metrics(model) -> dict[str, float]:
             **({"router_balancing_loss": sum(balancing) / len(balancing)} if balancing else {})}
 
 
-def expert_parallel(model, group=None) -> None:
-    """Split every mixture-of-experts block's experts over the processes of `group` (every
-    process by default): process r keeps experts r*E/P .. (r+1)*E/P - 1, and each block
-    sends every position to the processes holding its chosen experts and takes the results
-    back (`MoE._dispatched`). Each process trains on rows of its own; its dense parameters'
-    gradients are summed over the processes as in data parallel (reduce_gradients), while
-    its experts' gradients are whole where the experts live (marked `owned`: reduce_gradients
-    leaves them alone, clip_gradients adds their squares over the group). Call it on the same model in every process, before the
-    optimizer is made and before adapters on the experts (refused for now)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+def expert_parallel(model, mesh) -> None:
+    """Split every mixture-of-experts block's experts over the processes of `mesh` (a
+    one-dimension DeviceMesh, e.g. the run mesh's "expert" dimension): process r keeps
+    experts r*E/P .. (r+1)*E/P - 1, the stacked tensors becoming DTensors split along the
+    experts, and each block sends every position to the processes holding its chosen
+    experts and takes the results back (`MoE._dispatched`). Each process trains on rows of
+    its own; the dense parameters' gradients are summed over the processes as in data
+    parallel (reduce_gradients), the experts' are whole where they live (a DTensor's part:
+    reduce_gradients leaves them, clip_gradients adds their squares over the mesh,
+    save_weights and checkpoints gather or split them). Call it on the same model in every
+    process, before the optimizer is made and before adapters on the experts (refused)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    size, rank = mesh.size(), mesh.get_local_rank()
     for block in [m for m in model.modules() if isinstance(m, MoE)]:
         w = block.experts
         count = w.down_proj.shape[0]
         if count % size:
             raise ValueError(f"expert_parallel: {count} experts do not split over {size} processes; use a divisor")
         if w.targets:
-            raise ValueError("expert_parallel: the experts carry adapters; split the experts first (adapters on them "
-                             "under expert parallel are not supported yet)")
-        per = count // size
+            raise ValueError("expert_parallel: the experts carry adapters, which expert parallel does not split yet; "
+                             "adapt the attention alone (lora.targets: [model.layers.*.self_attn.*_proj]) or train "
+                             "in full")
         for name in STACKED:
-            part = nn.Parameter(getattr(w, name).detach()[rank * per:(rank + 1) * per].clone(),
-                                requires_grad=getattr(w, name).requires_grad)
-            part.owned = (group,)  # the processes whose experts together make the block's
-            setattr(w, name, part)
-        block.parallel = (group, size, rank, per)
+            whole = getattr(w, name)
+            setattr(w, name, nn.Parameter(distribute_tensor(whole.detach(), mesh, [Shard(0)]),
+                                          requires_grad=whole.requires_grad))
+        block.parallel = (mesh.get_group(), size, rank, count // size)
