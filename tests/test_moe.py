@@ -335,7 +335,8 @@ def _sft_process(rank, overrides):
 def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
     process its own rows) trains as one process does: the same losses step by step and the
-    same final weights, written whole."""
+    same final weights, written whole; and a run of it cut after step 2 resumes as one
+    process, to the same end."""
     import json
 
     from safetensors.numpy import load_file
@@ -364,10 +365,16 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
                 "data.overlap='off'", f"runtime.output_dir={out}", *extra]
 
     run(load(SFTConfig, None, overrides(tmp_path / "one", "training.accumulation=4")))
-    assert in_processes(_sft_process, overrides(tmp_path / "two", "training.expert=2", "training.accumulation=2"),
-                        processes=2) == [0, 0]  # the same 4 rows a step: 2 in each process
+    split = ["training.expert=2", "training.accumulation=2"]  # the same 4 rows a step: 2 in each process
+    assert in_processes(_sft_process, overrides(tmp_path / "two", *split), processes=2) == [0, 0]
     same_metrics(tmp_path / "two", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
-    ours, theirs = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("two", "one"))
-    assert sorted(ours) == sorted(theirs) and any(".experts.3." in k for k in ours)
-    for key in theirs:
-        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=key)
+    # cut after step 2 (its checkpoint in parts, each process's experts), resumed as one process
+    assert in_processes(_sft_process, overrides(tmp_path / "cut", *split, "training.steps=2"), processes=2) == [0, 0]
+    resumed = load(SFTConfig, None, overrides(tmp_path / "cut", "training.accumulation=4"))
+    run(resumed, resume=True)
+    same_metrics(tmp_path / "cut", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
+    for run_dir in ("two", "cut"):
+        ours, theirs = (load_file(tmp_path / d / "final" / "model.safetensors") for d in (run_dir, "one"))
+        assert sorted(ours) == sorted(theirs) and any(".experts.3." in k for k in ours)
+        for key in theirs:
+            np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=f"{run_dir}: {key}")

@@ -51,14 +51,14 @@ RUN_FIELDS = frozenset({"runtime.device", "runtime.output_dir", "runtime.threads
 # What a step learns from stays fixed: for sft and distill the rows a step takes, over
 # every copy (training.accumulation x the copies: `rows_per_step`).
 LAYOUT_FIELDS = ("training.shard", "training.split", "training.pipeline", "training.pipeline_schedule",
-                 "training.context", "training.sequence_parallel")
+                 "training.context", "training.sequence_parallel", "training.expert")
 ROWS_PER_STEP = "training.rows_per_step"
 
 
 # Fields added after runs were saved without them, with the value those runs trained with:
 # a run saved before a field existed resumes when the field still has that value.
 ADDED_FIELDS = {"dpo.rpo_alpha": 0.0, "grpo.engine": "builtin", "grpo.engine_dtype": None, "grpo.reward_workers": 1,
-                "training.pipeline_schedule": "1f1b"}
+                "training.pipeline_schedule": "1f1b", "training.expert": 1}
 
 
 def renamed(saved: dict[str, Any]) -> dict[str, Any]:
