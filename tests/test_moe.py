@@ -335,8 +335,9 @@ def _sft_process(rank, overrides):
 def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
     process its own rows) trains as one process does: the same losses step by step and the
-    same final weights, written whole; and a run of it cut after step 2 resumes as one
-    process, to the same end."""
+    same final weights, written whole; so does it with the dense parts sharded
+    (training.shard=fsdp); and a run of it cut after step 2 resumes as one process, to the
+    same end."""
     import json
 
     from safetensors.numpy import load_file
@@ -368,12 +369,16 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     split = ["training.expert=2", "training.accumulation=2"]  # the same 4 rows a step: 2 in each process
     assert in_processes(_sft_process, overrides(tmp_path / "two", *split), processes=2) == [0, 0]
     same_metrics(tmp_path / "two", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
+    # the dense parts sharded (FSDP) over the same processes, the experts split beside them
+    assert in_processes(_sft_process, overrides(tmp_path / "fsdp", *split, "training.shard=fsdp"),
+                        processes=2) == [0, 0]
+    same_metrics(tmp_path / "fsdp", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
     # cut after step 2 (its checkpoint in parts, each process's experts), resumed as one process
     assert in_processes(_sft_process, overrides(tmp_path / "cut", *split, "training.steps=2"), processes=2) == [0, 0]
     resumed = load(SFTConfig, None, overrides(tmp_path / "cut", "training.accumulation=4"))
     run(resumed, resume=True)
     same_metrics(tmp_path / "cut", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
-    for run_dir in ("two", "cut"):
+    for run_dir in ("two", "fsdp", "cut"):
         ours, theirs = (load_file(tmp_path / d / "final" / "model.safetensors") for d in (run_dir, "one"))
         assert sorted(ours) == sorted(theirs) and any(".experts.3." in k for k in ours)
         for key in theirs:

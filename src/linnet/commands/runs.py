@@ -180,8 +180,9 @@ def load_model(card, config):
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
                       # GPipe for a step with fewer rows than stages
                       pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
-                      # no process ever holds the whole model (a stage's blocks: over copies of the pipeline)
-                      fully_shard=t.shard == "fsdp" and processes > split * stages,
+                      # no process ever holds the whole model (a stage's blocks: over copies of the pipeline);
+                      # with the experts split, the dense parts are sharded once they are (_split_experts)
+                      fully_shard=t.shard == "fsdp" and processes > split * stages and getattr(t, "expert", 1) == 1,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
                       lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
@@ -203,18 +204,23 @@ def load_model(card, config):
 
 
 def _split_experts(model, t, processes: int, device_type: str) -> None:
-    """training.expert: the experts split over every process (linnet.torch.moe.expert_parallel)."""
+    """training.expert: the experts split over every process (linnet.torch.moe.expert_parallel),
+    and with training.shard=fsdp the dense parts sharded over them after (each process
+    reads the whole model first)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from linnet.torch.moe import expert_parallel
+    from linnet.torch.sharding import fully_shard
 
     if model.card.experts is None:
         raise ValueError(f"config: training.expert={t.expert} splits a mixture of experts; {model.card.name} has none")
-    if t.expert != processes or t.per_copy > 1 or t.shard != "none":
-        raise ValueError(f"config: training.expert={t.expert} splits the experts over every process, alone for now: "
-                         f"run {t.expert} processes, with training.split, pipeline and context 1 and training.shard "
-                         "none")
+    if t.expert != processes or t.per_copy > 1 or t.shard == "zero":
+        raise ValueError(f"config: training.expert={t.expert} splits the experts over every process, beside "
+                         f"training.shard fsdp at most for now: run {t.expert} processes, with training.split, "
+                         "pipeline and context 1 and training.shard none or fsdp")
     expert_parallel(model, init_device_mesh(device_type, (processes,), mesh_dim_names=("expert",)))
+    if t.shard == "fsdp":
+        fully_shard(model)
 
 
 def run_mesh(device_type: str, *, stages: int = 1, context: int = 1, split: int = 1):
