@@ -140,3 +140,30 @@ def test_random_arrivals_each_sample_what_they_sample_alone(adapters):  # noqa: 
     for key, text, new, route in plan.values():
         alone = merged_engine(root, route).sample([_prompt(text)], max_new_tokens=new, temperature=0.0, stop=stop)[0]
         assert got[key] == alone.tokens, key
+
+
+def test_requests_with_settings_of_their_own_sample_what_they_sample_alone():
+    """Greedy and seeded sampled requests (temperatures, top-p) share one running batch,
+    joining at different steps: each samples exactly what it samples alone with its settings
+    (its own seed's stream, one uniform a step)."""
+    engine = Engine(nest.load(quickstart.CARD, weights="random", seed=0))
+    session = Continuous(engine, stop=(), new_slots=32)
+    settings = {"greedy": dict(), "hot": dict(temperature=1.0, seed=5), "nucleus": dict(temperature=0.7, top_p=0.9,
+                                                                                        seed=9)}
+    joins = {"greedy": 0, "hot": 2, "nucleus": 4}
+    got: dict = {}
+    for step in range(20):
+        for key, at in joins.items():
+            if at == step:
+                assert session.add(key, _prompt(PROMPTS["long"]), 10, **settings[key])
+        for key, (token, logprob) in session.step().items():
+            got.setdefault(key, ([], []))
+            got[key][0].append(token)
+            got[key][1].append(logprob)
+    alone = Engine(nest.load(quickstart.CARD, weights="random", seed=0))
+    for key, options in settings.items():
+        expected = alone.sample([_prompt(PROMPTS["long"])], max_new_tokens=10, stop=(),
+                                **{"temperature": 0.0, **options})[0]
+        assert got[key][0] == expected.tokens, key
+        torch.testing.assert_close(torch.tensor(got[key][1]), expected.logprobs, atol=1e-5, rtol=0)
+    assert got["hot"][0] != got["greedy"][0]  # the sampled ones did sample

@@ -61,11 +61,12 @@ def start(app):
     return http, http.servers[0].sockets[0].getsockname()[1]
 
 
-def greedy(served, prompt: str, tokens: int) -> str:
-    """What the engine alone samples greedily for `prompt` (BOS first, as the server does),
-    through the served adapter."""
+def greedy(served, prompt: str, tokens: int, **options) -> str:
+    """What the engine alone samples for `prompt` (BOS first, as the server does), through
+    the served adapter: greedily, or with `options` (temperature, seed)."""
     ids = [quickstart.BOS, *served.tokenizer.encode(prompt)]
-    done = served.engine.sample([ids], max_new_tokens=tokens, temperature=0.0, adapters=[served.adapter])[0]
+    done = served.engine.sample([ids], max_new_tokens=tokens, adapters=[served.adapter],
+                                **{"temperature": 0.0, **options})[0]
     kept = [t for t in done.tokens if t not in served.engine.card.eos_token_ids]
     return served.tokenizer.decode(kept)
 
@@ -122,9 +123,9 @@ def test_concurrent_requests_are_sampled_as_one_batch(server):
 
 
 def test_a_request_joins_a_running_batch(server, monkeypatch):
-    """A request that arrives while a batch runs joins it at the next step (the first
-    batch's steps wait until it is queued, so the test does not race the clock); both
-    answer what they answer alone."""
+    """A request that arrives while a batch runs joins it at the next step, with sampling
+    settings of its own (the first batch's steps wait until it is queued, so the test does
+    not race the clock); both answer what they answer alone."""
     from linnet.torch.continuous import Continuous
 
     client, batcher, served, _, _ = server
@@ -138,15 +139,15 @@ def test_a_request_joins_a_running_batch(server, monkeypatch):
     monkeypatch.setattr(Continuous, "step", waiting_step)
     answers = {}
 
-    def ask(name, model, prompt, tokens):
+    def ask(name, model, prompt, tokens, temperature=0.0, seed=None):
         answers[name] = client.completions.create(model=model, prompt=prompt, max_tokens=tokens,
-                                                  temperature=0).choices[0].text
+                                                  temperature=temperature, seed=seed).choices[0].text
 
     joined, before = batcher.joined, len(batcher.batches)
     first = threading.Thread(target=ask, args=("long", "base", "12+34=", 30))
     first.start()
     assert running.wait(60)  # the long request taken: its batch waits at its first step
-    second = threading.Thread(target=ask, args=("short", "tenant", "40+2=", 3))
+    second = threading.Thread(target=ask, args=("short", "tenant", "40+2=", 3, 1.0, 3))
     second.start()
     while not batcher.pending:
         time.sleep(0.01)
@@ -154,7 +155,8 @@ def test_a_request_joins_a_running_batch(server, monkeypatch):
     first.join()
     second.join()
     assert batcher.joined == joined + 1 and batcher.batches[before:] == [2]
-    assert answers == {"long": greedy(served["base"], "12+34=", 30), "short": greedy(served["tenant"], "40+2=", 3)}
+    assert answers == {"long": greedy(served["base"], "12+34=", 30),
+                       "short": greedy(served["tenant"], "40+2=", 3, temperature=1.0, seed=3)}
 
 
 def test_bad_requests_get_a_4xx_and_the_server_goes_on(server):

@@ -8,10 +8,10 @@ field names the base or an adapter; `stream: true` sends server-sent events), GE
 
 One thread, the `Batcher`, owns the engines. Requests wait in a bounded queue (full: 503);
 the batcher takes the oldest, and with it every waiting request for the same engine (a
-base and its adapters share one) with the same sampling settings (up to `max_batch`), and
-samples them as one batch, each row through its own adapter, handing each request its
-tokens as they come. Requests with the same settings that arrive meanwhile join the
-running batch between two decode steps (linnet.torch.continuous), as rows free up. A
+base and its adapters share one; up to `max_batch`), and samples them as one batch, each
+row through its own adapter and with its own sampling settings, handing each request its
+tokens as they come. Requests that arrive meanwhile join the running batch between two
+decode steps (linnet.torch.continuous), as rows free up. A
 request that reaches its max_tokens, its stop token or one of its stop strings is answered
 at once and leaves the batch. Bad requests get a 4xx and a message naming the field; the
 server goes on serving.
@@ -75,9 +75,9 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
-    def key(self) -> tuple:
-        """Requests that may share a batch: the same engine and sampling settings."""
-        return self.engine, self.temperature, self.top_p, self.seed
+    def key(self) -> int:
+        """Requests that may share a batch: the same engine (each keeps its own sampling settings)."""
+        return self.engine
 
     def send(self, event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -156,7 +156,7 @@ class Batcher:
 
     def _sample(self, batch: list[Job]) -> None:
         """Sample `batch` as one session of the engine (linnet.torch.continuous), letting
-        waiting requests with the same key join between its steps (with `join`)."""
+        waiting requests for the same engine join between its steps (with `join`)."""
         from linnet.torch.continuous import Continuous
 
         batch = [j for j in batch if not self._gone(j)]
@@ -165,8 +165,7 @@ class Batcher:
         first = batch[0]
         self.longest = (max(self.longest[0], *(len(j.prompt) for j in batch)),
                         max(self.longest[1], *(j.max_new_tokens for j in batch)))
-        session = Continuous(self.served[first.model].engine, temperature=first.temperature, top_p=first.top_p,
-                             seed=first.seed, rows=self.max_batch, prompt_slots=self.longest[0],
+        session = Continuous(self.served[first.model].engine, rows=self.max_batch, prompt_slots=self.longest[0],
                              new_slots=2 * self.longest[1])  # room for requests to join a batch half done
         answers: dict[int, _Answer] = {}
         waiting = [j for j in batch if not self._admit(session, j, answers)]  # longer than the caches: next time
@@ -200,13 +199,14 @@ class Batcher:
         if self._gone(job):
             return True
         served = self.served[job.model]
-        if not session.add(id(job), job.prompt, job.max_new_tokens, adapter=served.adapter):
+        if not session.add(id(job), job.prompt, job.max_new_tokens, adapter=served.adapter,
+                           temperature=job.temperature, top_p=job.top_p, seed=job.seed):
             return False
         answers[id(job)] = _Answer(job, set(served.engine.card.eos_token_ids))
         return True
 
-    def _join(self, session, key: tuple, answers: dict) -> int:
-        """Admit the waiting requests with the same key that fit the running batch; how many."""
+    def _join(self, session, key: int, answers: dict) -> int:
+        """Admit the waiting requests for the same engine that fit the running batch; how many."""
         with self._ready:
             if self._held or self._stopping:
                 return 0

@@ -42,6 +42,7 @@ class _Row:
     max_new_tokens: int
     adapter: int  # its index in the engine's adapter bank; -1: the base
     serial: int  # its draw among the session's uniforms (_pick)
+    sampling: object  # the session's settings, or its own (then with its own generator when seeded)
     first: int = 0  # the generated slot its first fed-back token goes to
     made: int = 0  # tokens sampled so far
     cancelled: bool = False
@@ -49,8 +50,9 @@ class _Row:
 
 class Continuous:
     """A batch that requests join and leave between decode steps, over `engine` (eager:
-    a compiled engine keeps a batch's sizes fixed). One sampling setting for the whole
-    session (temperature, top-p, seed, stop ids as `Engine.sample` takes them); `rows`:
+    a compiled engine keeps a batch's sizes fixed). The session's sampling settings
+    (temperature, top-p, seed, stop ids as `Engine.sample` takes them), which a request
+    may replace with its own but the stop ids (`add`); `rows`:
     requests at once; `prompt_slots`, `new_slots`: the least the caches are sized for
     when the session (re)starts, so that later, longer requests can still join."""
 
@@ -88,11 +90,21 @@ class Continuous:
         """Generated slots no running request attends to any longer (before the oldest one's first)."""
         return min((r.first for r in self.running), default=self.slot)
 
-    def add(self, key: Hashable, prompt: Sequence[int], max_new_tokens: int, *, adapter: str | None = None) -> bool:
-        """Admit a request (it joins at the next step); False, admitting nothing, when it does not fit now."""
+    def add(self, key: Hashable, prompt: Sequence[int], max_new_tokens: int, *, adapter: str | None = None,
+            temperature: float | None = None, top_p: float | None = None, seed: int | None = None) -> bool:
+        """Admit a request (it joins at the next step); False, admitting nothing, when it does
+        not fit now. temperature, top_p, seed: its own sampling settings (None: the
+        session's); with a seed of its own it draws from its own generator, one uniform a
+        step, and samples exactly what `Engine.sample` samples for it alone."""
         (ids,) = token_prompts([prompt], self.engine.card.vocab, who="Continuous.add")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"Continuous.add: max_new_tokens={max_new_tokens!r}; it must be at least 1")
+        sampling = self.sampling
+        if (temperature, top_p, seed) != (None, None, None):
+            s = self.sampling
+            sampling = self.engine._check_sampling(
+                1, 1, s.temperature if temperature is None else temperature, None,
+                top_p if top_p is not None else s.top_p, s.stop.tolist(), seed, None)
         if not self.fits(ids, max_new_tokens):
             return False
         bank = getattr(self.engine, "bank", None)
@@ -103,7 +115,7 @@ class Continuous:
             self._restart(len(ids), max_new_tokens)
         elif self.slot + max_new_tokens - 1 > self._capacity[1]:
             self._rebase()
-        self.joining.append(_Row(key, ids, max_new_tokens, index, self._serial))
+        self.joining.append(_Row(key, ids, max_new_tokens, index, self._serial, sampling))
         self._serial += 1
         return True
 
@@ -153,8 +165,7 @@ class Continuous:
         if not self.running:
             return {}
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        serials = torch.tensor([r.serial for r in self.running], device=e.model.device)
-        tokens, logprobs = _pick(logits, self.sampling, serials, self._serial)
+        tokens, logprobs = self._pick(logits)
         out, done = {}, []
         stops = set(self.sampling.stop.tolist())
         for r, token, logprob in zip(self.running, tokens.tolist(), logprobs.tolist()):
@@ -165,6 +176,25 @@ class Continuous:
         e.stats.sampled_tokens += len(self.running)
         self._decode(tokens, done)
         return out
+
+    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each running row's token and log-probability, the rows grouped by their sampling
+        settings: the session's draw from one stream by serial, a request's own seeded
+        stream one uniform a step."""
+        dev = logits.device
+        tokens = torch.empty(len(self.running), dtype=torch.long, device=dev)
+        logprobs = torch.empty(len(self.running), dtype=torch.float32, device=dev)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(self.running):
+            groups.setdefault(id(r.sampling), []).append(i)
+        for members in groups.values():
+            sampling, index = self.running[members[0]].sampling, torch.tensor(members, device=dev)
+            if sampling is self.sampling:
+                draws = torch.tensor([self.running[i].serial for i in members], device=dev), self._serial
+            else:
+                draws = torch.arange(len(members), device=dev), len(members)
+            tokens[index], logprobs[index] = _pick(logits[index], sampling, *draws)
+        return tokens, logprobs
 
     def _decode(self, tokens: torch.Tensor, done: list[bool]) -> None:
         """The running rows that go on: compacted in the caches, then one decode step."""
