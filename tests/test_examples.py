@@ -58,6 +58,12 @@ def test_context_extension_example(tmp_path):
     assert after < before - 0.5 and "transformers' logits at 1024 positions" in out
 
 
+def test_tenants_example(tmp_path):
+    out = _run("15_tenants.py", "--steps", "3", "--out", str(tmp_path / "tenants"))
+    assert "add: loss" in out and "max: 12+34=" in out
+    assert all((tmp_path / "tenants" / name / "final" / "adapter_config.json").is_file() for name in ("add", "max"))
+
+
 def test_tool_use_example():
     out = _run("13_tool_use.py", "--sft-steps", "2", "--steps", "1", "--held-out", "4", "--code")
     assert "held-out accuracy with the calculator" in out and "GRPO steps" in out
