@@ -33,7 +33,7 @@ import torch
 
 from linnet.commands import runs
 from linnet.config import load_any
-from linnet.config.fields import read_yaml
+from linnet.config.fields import flatten, read_yaml
 from linnet.report.tables import print_table
 
 # one base: what every adapter's config must give alike
@@ -75,11 +75,10 @@ class Tenant:
         if self.turns.base is None:
             self.turns.base = runs.load_model(card, config)
             return self.turns.base
-        rt, lora = config.runtime, config.lora
+        rt = config.runtime
         start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
         model = self.turns.base
-        add_lora(model, lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
-                 dora=lora.dora)
+        add_lora(model, **runs.lora_options(config))
         print(f"{self.name}: {sum(p.numel() for p in model.parameters() if p.requires_grad):,} adapter parameters "
               "over the shared base", file=sys.stderr)
         return model
@@ -168,7 +167,7 @@ def check(adapters: list[tuple[str | None, Any]]) -> list[tuple[str, Any]]:
                              "LoRA (or DoRA) adapters: set lora.enabled=true")
         if config.command == "dpo" and config.dpo.online:
             raise ValueError(f"{where}: dpo.online samples with an engine of its own; train it with linnet dpo")
-        flat = _flat(to_dict(config))
+        flat = flatten(to_dict(config))
         for key, value in ALONE.items():
             if flat.get(key, value) != value:
                 raise ValueError(f"{where}: {key}={flat[key]}; one process holds the shared base: set {key}={value}")
@@ -191,16 +190,6 @@ def check(adapters: list[tuple[str | None, Any]]) -> list[tuple[str, Any]]:
         if repeated:
             raise ValueError(f"adapters: {what} {repeated[0]} is given twice; each adapter is a run of its own")
     return named
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def run(adapters: list[tuple[str | None, Any]], *, overwrite: bool = False, resume: bool = False) -> list[Tenant]:

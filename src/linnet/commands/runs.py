@@ -185,8 +185,7 @@ def load_model(card, config):
                       fully_shard=t.shard == "fsdp" and processes > split * stages and getattr(t, "expert", 1) == 1,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
-                      lora=dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout,
-                                rslora=lora.rslora, dora=lora.dora) if lora.enabled else None)
+                      lora=lora_options(config) if lora.enabled else None)
     model.tile_mlp(t.mlp_tile)
     if context > 1:  # after the adapters: their gradients are summed over the context group too
         model.split_context(mesh["context"])
@@ -201,6 +200,13 @@ def load_model(card, config):
         print(f"{card.name}: {sum(p.numel() for p in trained):,} of {sum(p.numel() for p in model.parameters()):,} "
               f"parameters train ({'LoRA' if lora.enabled else 'full'}) on {on}", file=sys.stderr)
     return model
+
+
+def lora_options(config) -> dict:
+    """add_lora's arguments from a config's lora group."""
+    lora = config.lora
+    return dict(patterns=lora.targets, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, rslora=lora.rslora,
+                dora=lora.dora)
 
 
 def _split_experts(model, t, processes: int, device_type: str) -> None:

@@ -165,7 +165,7 @@ class Continuous:
         if not self.running:
             return {}
         logits = torch.cat(logits) if len(logits) > 1 else logits[0]
-        tokens, logprobs = self._pick(logits)
+        tokens, logprobs = self._sampled(logits)
         out, done = {}, []
         stops = set(self.sampling.stop.tolist())
         for r, token, logprob in zip(self.running, tokens.tolist(), logprobs.tolist()):
@@ -177,7 +177,7 @@ class Continuous:
         self._decode(tokens, done)
         return out
 
-    def _pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sampled(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each running row's token and log-probability, the rows grouped by their sampling
         settings: the session's draw from one stream by serial, a request's own seeded
         stream one uniform a step."""
