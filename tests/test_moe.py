@@ -144,39 +144,88 @@ def test_full_fine_tuning_learns_a_row(moe):
     assert all(s.metrics["expert_load_max"] >= 1 for s in history.steps)  # each step reports the balance
 
 
-def test_the_load_balancing_loss_joins_training_as_transformers_adds_it(moe, tmp_path):
-    """With output_router_logits the router's loss (times its coefficient) joins the loss in
-    training, pooled over the blocks as transformers pools it: the same loss and router
-    gradients; a step reports the experts' balance."""
+def _with_balancing(directory, to, coefficient=0.05):
+    """The model of `directory` with output_router_logits and `coefficient`, copied to `to`."""
     import json
     import shutil
 
-    from linnet.torch.moe import router_metrics
+    shutil.copytree(directory, to)
+    config = json.loads((to / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=coefficient)
+    (to / "config.json").write_text(json.dumps(config))
+    return nest.load(to, weights=to, dtype="float32", trainable=True)
+
+
+def test_the_load_balancing_loss_is_transformers(moe, tmp_path):
+    """With output_router_logits the router's loss of a forward pass, pooled over the blocks
+    as transformers pools it, times its coefficient: the same loss and router gradients."""
+    from linnet.torch.moe import balancing, router_metrics
 
     _, directory = moe
-    shutil.copytree(directory, tmp_path / "aux")
-    config = json.loads((tmp_path / "aux" / "config.json").read_text())
-    config.update(output_router_logits=True, router_aux_loss_coef=0.05)
-    (tmp_path / "aux" / "config.json").write_text(json.dumps(config))
-    model = nest.load(tmp_path / "aux", weights=tmp_path / "aux", dtype="float32", trainable=True)
+    model = _with_balancing(directory, tmp_path / "aux")
     assert model.card.experts.aux_loss == 0.05
     doc = np.random.default_rng(3).integers(1, 97, 20).tolist()
     (row,) = pack([Example(doc)], tokens=20)
-    total, count = model.loss_packed(row)
-    (total / count).backward()
+    with balancing(model) as aux:
+        total, count = model.loss_packed(row)
+    (total / count + aux[0]).backward()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "aux", dtype=torch.float32)
     ids = torch.tensor([doc])
     out = hf(ids, labels=ids)
     assert float(out.aux_loss.detach()) > 0
     out.loss.backward()
-    torch.testing.assert_close((total / count).detach(), out.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((total / count + aux[0]).detach(), out.loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dict(model.named_parameters())["model.layers.0.mlp.gate.weight"].grad,
                                hf.model.layers[0].mlp.gate.weight.grad, rtol=1e-4, atol=1e-6)
-    with torch.no_grad():  # evaluation: the loss alone
-        assert float(model.loss_packed(row)[0]) < float(total)
+    with torch.no_grad(), balancing(model) as aux:  # evaluation: nothing recorded
+        model.loss_packed(row)
+    assert aux == []
     balance = router_metrics(model)
     assert balance["expert_load_max"] >= 1 >= balance["expert_load_min"] and router_metrics(model) == {}
     assert balance["router_balancing_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=1e-5)  # logged
+
+
+def test_the_load_balancing_loss_joins_every_objective_once_a_step(moe, tmp_path):
+    """In SFT, DPO and GRPO steps the coefficient times the balancing loss joins the loss and
+    the metrics; accumulating micro-batches averages it (not adds it, as the accumulated
+    losses of transformers' Trainer do)."""
+    import math
+
+    from linnet.packing import Pair
+    from linnet.torch.moe import balancing
+    from linnet.train import train
+    from linnet.train.dpo import dpo
+    from linnet.train.grpo import Prompt, grpo
+
+    _, directory = moe
+    model = _with_balancing(directory, tmp_path / "aux", coefficient=0.5)
+    (row,) = pack([Example(np.random.default_rng(3).integers(1, 97, 20).tolist())], tokens=20)
+    with torch.no_grad():
+        total, count = model.loss_packed(row)
+    with torch.enable_grad(), balancing(model) as aux:
+        model.loss_packed(row)
+    aux = float(aux[0].detach())
+    expected = float(total / count) + aux
+    frozen = torch.optim.SGD(model.parameters(), lr=0.0)
+    for accumulate in (1, 2):  # the same row twice: its loss, its balancing loss once
+        history = train(model, [row] * accumulate, optimizer=frozen, steps=1, accumulate=accumulate)
+        assert history.losses[0] == pytest.approx(expected, rel=1e-5)
+        assert history.steps[0].metrics["router_balancing_loss"] == pytest.approx(aux / 0.5, rel=1e-5)
+
+    g = np.random.default_rng(0)
+    prompts = [g.integers(3, 40, size=int(g.integers(2, 6))).tolist() for _ in range(8)]
+    model.add_lora("all-linear", rank=4, alpha=8)
+    frozen = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    pairs = [Pair([1, *p], [*p, 2], [*p[::-1], 2]) for p in prompts]
+    history = dpo(model, pairs, optimizer=frozen, steps=2, pairs_per_step=4, beta=0.5, tokens=64)
+    for step in history.steps:  # the reference's passes, without gradients, count nothing
+        assert step.loss == pytest.approx(math.log(2) + 0.5 * step.metrics["router_balancing_loss"], abs=1e-6)
+        assert step.metrics["router_balancing_loss"] > 0
+    engine = Engine(nest.load(directory, weights=directory, dtype="float32"))
+    history = grpo(model, engine, [Prompt(p) for p in prompts], lambda p, c: float(7 in c),
+                   optimizer=frozen, steps=1, prompts_per_step=4, group=4, max_new_tokens=4, stop=(), seed=0,
+                   verbose=False)
+    assert history.steps[0].metrics["router_balancing_loss"] > 0
 
 
 @pytest.mark.parametrize("experts", [["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], ["gate_up_proj"]])

@@ -41,7 +41,7 @@ from linnet.torch import attention as attention_paths
 from linnet.torch.context import context_row, gather_row, sum_gradients_over, sum_over
 from linnet.torch.distributed import reduced_by_shards, sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
-from linnet.torch.moe import MoE, balanced
+from linnet.torch.moe import MoE
 from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
 from linnet.torch.sharding import copies_group, dropout, full, gather_positions, scatter_positions
 
@@ -414,10 +414,7 @@ class Decoder(nn.Module):
             return self.pipe.loss(batch)
         tokens, positions, layout, targets, weights = self._fields(batch)
         keep = self._learned(batch, len(tokens))
-        summed = [None, None]
-        with balanced(self, summed):  # a mixture of experts' load-balancing loss joins it in training
-            summed[:] = self._head_loss(self._trunk(tokens, positions, *layout, keep=keep), targets, weights, keep)
-        total, count = summed
+        total, count = self._head_loss(self._trunk(tokens, positions, *layout, keep=keep), targets, weights, keep)
         if self.context is not None:  # the row's sums, on every process of its context group
             return sum_over(total, self.context), sum_over(count, self.context)
         return total, count

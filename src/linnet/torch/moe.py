@@ -9,9 +9,10 @@ its own rows (what transformers computes, with the experts' weights side by side
 
 The router's load-balancing loss (Switch Transformer, Fedus et al. 2021, as transformers
 computes it for these families): count x sum over experts of (the share of positions routed
-to it) x (its mean router probability), both pooled over the blocks of one forward pass;
-`balanced` adds it to a row's loss with the card's coefficient. In training each block also
-counts the positions routed to each expert, which `router_metrics` reports a step.
+to it) x (its mean router probability), both pooled over the blocks and over the forward
+passes that `balancing` watches (a micro-batch's: linnet.train.loop adds it to every
+objective's loss), times the card's coefficient. In training each block also counts the
+positions routed to each expert, which `router_metrics` reports a step.
 """
 
 from __future__ import annotations
@@ -111,10 +112,10 @@ class MoE(nn.Module):
         self.per_token, self.normalize = e.per_token, e.normalize
         self.gate = Router(card.hidden, e.count)
         self.experts = ExpertWeights(card.hidden, e.count, e.intermediate)
-        self.record: list | None = None  # within `balanced`: (positions an expert, probability sums, positions)
+        self.record: list | None = None  # within `balancing`: (positions an expert, probability sums, positions)
         self.load: torch.Tensor | None = None  # positions routed to each expert since router_metrics (on the host)
         self.parallel: tuple | None = None  # expert_parallel's (group, processes, this one's rank, experts a process)
-        self.balancing: list[float] = []  # the load-balancing loss of each forward since router_metrics (first block)
+        self.balancing: list[float] = []  # each pooled load-balancing loss since router_metrics (first block)
 
     def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits [N, count], each position's chosen experts [N, per_token] and
@@ -133,7 +134,7 @@ class MoE(nn.Module):
         flat = chosen_NK.flatten()
         order = torch.argsort(flat, stable=True)  # (position, slot) pairs grouped by expert
         routed = torch.bincount(flat, minlength=self.gate.weight.shape[0])
-        if self.record is not None:
+        if self.record is not None and torch.is_grad_enabled():
             self.record.append((routed, torch.softmax(logits.float(), dim=-1).sum(0), len(x_ND)))
         if torch.is_grad_enabled():
             self.load = routed.cpu() if self.load is None else self.load + routed.cpu()
@@ -184,19 +185,19 @@ def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch
 
 
 @contextlib.contextmanager
-def balanced(model, loss_sum: list):
-    """Within it, the mixture-of-experts blocks of `model` record their routing; at its
-    end the load-balancing loss times the card's coefficient and times `loss_sum[1]` (the
-    row's count of learned positions: the loss is a sum, which the caller divides) is added
-    to `loss_sum[0]`. Nothing is recorded without a coefficient, or outside training."""
-    e = model.card.experts
+def balancing(model):
+    """Within it, the mixture-of-experts blocks of `model` record the routing of every
+    forward pass that builds a graph; the list it yields then holds the load-balancing loss
+    of all of them pooled, times the card's coefficient (one tensor), or stays empty: for a
+    model without a coefficient, or when nothing trained."""
+    e = getattr(model.card, "experts", None)
     blocks = [m for m in model.modules() if isinstance(m, MoE)] if e is not None and e.aux_loss else []
     seen: list = []
-    if torch.is_grad_enabled():
-        for block in blocks:
-            block.record = seen
+    for block in blocks:
+        block.record = seen
+    weighted: list = []
     try:
-        yield
+        yield weighted
     finally:
         for block in blocks:
             block.record = None
@@ -205,16 +206,16 @@ def balanced(model, loss_sum: list):
         probs = sum(p for _, p, _ in seen)
         positions = sum(n for _, _, n in seen)
         loss = e.count * (routed / positions * probs / positions).sum()
-        loss_sum[0] = loss_sum[0] + e.aux_loss * loss * loss_sum[1]
-        blocks[0].balancing.append(float(loss.detach()))  # one value a forward, for router_metrics
+        weighted.append(e.aux_loss * loss)
+        blocks[0].balancing.append(float(loss.detach()))  # one value a pooled loss, for router_metrics
 
 
 def router_metrics(model) -> dict[str, float]:
     """The routing in training since the last call: in the block where it is largest, the
     busiest expert's count of routed positions over the block's mean count
     (expert_load_max; 1 is a perfect balance), and the idlest's where smallest
-    (expert_load_min); where the loss has it, the mean load-balancing loss of the forward
-    passes (router_balancing_loss, before its coefficient); {} for a model without experts
+    (expert_load_min); where the loss has it, the mean load-balancing loss of the
+    micro-batches (router_balancing_loss, before its coefficient); {} for a model without experts
     or before any training."""
     every = [m for m in model.modules() if isinstance(m, MoE)]
     balancing = [v for m in every for v in m.balancing]

@@ -41,8 +41,9 @@ from linnet.torch.distributed import (
     passes_short,
     reduce_gradients,
     sum_across,
+    world,
 )
-from linnet.torch.moe import router_metrics
+from linnet.torch.moe import balancing, router_metrics
 from linnet.torch.pipeline import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -216,7 +217,7 @@ def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run
     for step, chunk in step_items(items, per_step, start=start, steps=run.steps, what=what):
         started = time.perf_counter()
         model.train()
-        record = take_step(params, _matched(model, work(step, chunk)), run, step, started)
+        record = take_step(params, _matched(model, _balanced(model, work(step, chunk))), run, step, started)
         record.metrics.update(router_metrics(model))  # a mixture of experts' balance ({} for other models)
         if run.evaluate is not None and due(step, run.evaluate_every, run.steps):
             record.metrics.update(run.evaluate(model))
@@ -282,6 +283,26 @@ def _matched(model, work: Work) -> Work:
                 idle_passes(1, model)
 
     return dataclasses.replace(work, idle=idle)
+
+
+def _balanced(model, work: Work) -> Work:
+    """`work` with a mixture of experts' load-balancing loss (linnet.torch.moe.balancing)
+    added to each micro-batch's summed loss, pooled over the micro-batch's forward passes
+    and weighted by its share of this process's positions, every process alike: the step's
+    loss is the objective's plus the card's coefficient times that mean, whatever the
+    objective, the accumulation or the count of processes."""
+    experts = getattr(getattr(model, "card", None), "experts", None)
+    if experts is None or not experts.aux_loss or not work.real:
+        return work
+    processes = world()[1] if work.group is None else torch.distributed.get_world_size(work.group)
+    scale = work.count / (work.real * processes)
+
+    def loss(index: int, batch) -> tuple[torch.Tensor, dict[str, float]]:
+        with balancing(model) as aux:
+            loss_sum, stats = work.loss(index, batch)
+        return (loss_sum + aux[0] * (scale * batch.real) if aux else loss_sum), stats
+
+    return dataclasses.replace(work, loss=loss)
 
 
 def _weights(batch) -> float:
