@@ -109,7 +109,7 @@ def test_all_linear_adapts_attention_and_experts_and_what_is_not_yet_is_refused(
     with pytest.raises(ValueError, match="mixture-of-experts"):
         model.tile_mlp(8)
     with pytest.raises(ValueError, match="mixture-of-experts"):
-        nest.load(directory, weights=directory, quantize="nf4")
+        nest.load(directory, weights=directory, pipeline=2)
     with pytest.raises(ValueError, match="PyTorch backend"):
         nest.load(directory, backend="jax")
 
@@ -275,6 +275,56 @@ def test_the_experts_adapters_train(moe):
     (row,) = pack([Example(list(range(3, 40)))], tokens=40)
     history = train(model, [row] * 12, optimizer=adamw(model, lr=5e-2), steps=12)
     assert history.losses[-1] < 0.95 * history.losses[0]  # only the experts adapt: slowly, but they do
+
+
+def test_qlora_stores_the_experts_in_nf4_and_trains_their_adapters(moe, tmp_path):
+    """quantize='nf4' holds each expert's weights as NF4 codes (a state an expert): the
+    model computes what its dequantized weights compute, its adapters on the experts train
+    while the codes stay, merging leaves the logits, and an NF4 engine shares them."""
+    pytest.importorskip("bitsandbytes", reason="quantize='nf4' needs bitsandbytes")
+    import shutil
+
+    from linnet.torch.quantize import quant_states, quantized_bytes
+    from linnet.train import train
+    from linnet.train.optimizer import adamw
+
+    _, directory = moe
+    model = nest.load(directory, weights=directory, dtype="float32", quantize="nf4")
+    experts = model.model.layers[0].mlp.experts
+    card = model.card
+    assert experts.gate_up_proj.dtype == torch.uint8 and len(experts.quant_state["down_proj"]) == card.experts.count
+    stacked = [n for n in quant_states(model) if ".mlp.experts." in n]
+    assert len(stacked) == 2 * card.layers
+    weights = card.layers * (card.experts.count * 3 * card.experts.intermediate * card.hidden
+                             + sum(o * i for o, i in card.linear_shapes().values()))
+    assert 0.5 * weights < quantized_bytes(model) < 0.6 * weights  # every block weight in about 4.2 bits
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    model.save_weights(tmp_path / "dense")  # the dequantized weights, as checkpoints hold them
+    shutil.copy(directory / "config.json", tmp_path / "dense" / "config.json")
+    plain = nest.load(tmp_path / "dense", weights=tmp_path / "dense", dtype="float32")
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), plain(tokens), atol=1e-5, rtol=0)
+
+    codes = experts.down_proj.clone()
+    (row,) = pack([Example(list(range(3, 40)))], tokens=40)
+    losses = []
+    for m in (model, plain):  # the same adapters train alike over the codes and over their plain weights
+        torch.manual_seed(0)
+        m.add_lora(["q_proj", "gate_up_proj", "down_proj"], rank=4, alpha=8)
+        losses.append(train(m, [row] * 8, optimizer=adamw(m, lr=5e-2), steps=8).losses)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4) and losses[0][-1] < 0.97 * losses[0][0]
+    assert torch.equal(experts.down_proj, codes) and experts.lora_b.abs().sum() > 0
+    engine = Engine(nest.load(directory, weights=directory, dtype="float32", quantize="nf4"))
+    engine.load_weights(model)
+    assert engine.model.model.layers[0].mlp.experts is experts  # the policy's codes and adapters, not a copy
+    prompt = [5, 6, 7]
+    with torch.no_grad():
+        before = model(tokens)
+        sampled = engine.sample([prompt], max_new_tokens=6, temperature=0.0, stop=())[0].tokens
+        model.merge_lora()
+        torch.testing.assert_close(model(tokens), before, atol=1e-4, rtol=0)
+    assert experts.down_proj.dtype == torch.float32 and experts.quant_state is None
+    assert Engine(model).sample([prompt], max_new_tokens=6, temperature=0.0, stop=())[0].tokens == sampled
 
 
 def test_preference_and_rl_objectives_train_a_mixture_of_experts(moe):

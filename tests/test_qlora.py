@@ -75,10 +75,11 @@ def test_loading_quantizes_a_weight_at_a_time(tmp_path, monkeypatch, source):
     arrives: no block's linear weight is ever held in the compute dtype, and the codes equal
     those of the whole plain model quantized afterwards."""
     from linnet.torch import loading as loading_module
+    from linnet.torch import quantize as quantize_module
 
     plain = nest.load(CARD.replace(layers=3), weights="random", seed=0)
     plain.save_weights(tmp_path / "w")
-    fill, nf4, loading, dense_weights = loading_module._fill, loading_module.nf4, [], []
+    fill, nf4, loading, dense_weights = loading_module._fill, quantize_module.nf4, [], []
 
     def watched_fill(model, *args):
         loading.append(model)
@@ -90,7 +91,7 @@ def test_loading_quantizes_a_weight_at_a_time(tmp_path, monkeypatch, source):
         return nf4(weight, dtype)
 
     monkeypatch.setattr(loading_module, "_fill", watched_fill)
-    monkeypatch.setattr(loading_module, "nf4", watched_nf4)
+    monkeypatch.setattr(quantize_module, "nf4", watched_nf4)
     weights = dict(weights="random", seed=0) if source == "random" else dict(weights=tmp_path / "w")
     quantized = nest.load(CARD.replace(layers=3), quantize="nf4", **weights)
     assert dense_weights == [0] * 7 * 3  # every weight quantized on arrival, none kept in f32

@@ -185,10 +185,8 @@ class Engine:
             src = merged(p, layer)
             dst = own[name]
             if src.shape != dst.shape:
-                raise ValueError(
-                    f"Engine.load_weights: {name} is {tuple(src.shape)} in the policy but "
-                    f"{tuple(dst.shape)} in the engine; load the engine from the same card"
-                )
+                raise ValueError(f"Engine.load_weights: {name} is {tuple(src.shape)} in the policy but "
+                                 f"{tuple(dst.shape)} in the engine; load the engine from the same card")
             dst.copy_(src)
         if pipe is not None:
             seen = self._pass_stages(pipe, seen)
@@ -196,10 +194,8 @@ class Engine:
             self._reordered = reorder_weights(self.model, self._reordered.layers is not None)
         missing = sorted(set(own) - seen)
         if missing:
-            raise ValueError(
-                f"Engine.load_weights: the policy has no {missing[0]!r} (and {len(missing) - 1} "
-                "more); load the engine from the same card as the policy"
-            )
+            raise ValueError(f"Engine.load_weights: the policy has no {missing[0]!r} (and {len(missing) - 1} "
+                             "more); load the engine from the same card as the policy")
 
     def _pass_stages(self, pipe, mine: set[str]) -> set[str]:
         """Each stage of a pipelined policy has copied its own weights in: pass them to the
@@ -222,6 +218,10 @@ class Engine:
         if source is None or not is_quantized(source):
             raise ValueError(f"Engine.load_weights: the engine's {name} is NF4 but the policy's is not; load the "
                              "engine as the policy was loaded (quantize= the same)")
+        if not isinstance(source, Linear):  # NF4 experts: the policy's own module, its adapters in place
+            block, _, held = name.rpartition(".")[0].rpartition(".")
+            setattr(self.model.get_submodule(block), held, source)
+            return
         layer = self.model.get_submodule(name.removesuffix(".weight"))
         layer.weight, layer.quant_state = source.weight, source.quant_state
         for part in ("lora_a", "lora_b", "lora_magnitude"):

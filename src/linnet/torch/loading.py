@@ -17,7 +17,8 @@ from linnet.cards import Card
 from linnet.files.adapters import check_adapter_options
 from linnet.torch import attention as attention_paths
 from linnet.torch.model import Decoder, Linear, rope_frequencies
-from linnet.torch.quantize import QUANTIZE, nf4
+from linnet.torch.moe import STACKED, ExpertWeights
+from linnet.torch.quantize import QUANTIZE, quantize_into
 from linnet.torch.weights import as_dtype
 
 
@@ -103,14 +104,20 @@ def _check_lora(lora, trainable) -> None:
 
 
 def nf4_layout(model: Decoder) -> None:
-    """Give every block's linear layer of a model on meta the place of its NF4 codes (uint8,
-    the packed 4-bit pairs, as linnet.torch.quantize.nf4 makes them), so a split (FSDP)
-    divides the codes and loading quantizes each weight as it arrives."""
+    """Give every block's linear layer (and stacked experts' tensor) of a model on meta the
+    place of its NF4 codes (uint8, the packed 4-bit pairs, as linnet.torch.quantize.nf4
+    makes them; a row an expert), so a split (FSDP) divides the codes and loading
+    quantizes each weight as it arrives."""
+    def codes(*shape):
+        return nn.Parameter(torch.empty(*shape, dtype=torch.uint8, device="meta"), requires_grad=False)
+
     for layer in model.model.layers.modules():
         if isinstance(layer, Linear):
-            size = layer.out_features * layer.in_features
-            layer.weight = nn.Parameter(torch.empty((size + 1) // 2, 1, dtype=torch.uint8, device="meta"),
-                                        requires_grad=False)
+            layer.weight = codes((layer.out_features * layer.in_features + 1) // 2, 1)
+        elif isinstance(layer, ExpertWeights):
+            for name in STACKED:
+                count, out, inputs = getattr(layer, name).shape
+                setattr(layer, name, codes(count, (out * inputs + 1) // 2))
 
 
 def _random_values(model: Decoder, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -147,7 +154,7 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
                     module.to_empty(device=device, recurse=False)
                 param, part = getattr(module, name), value
                 if param.dtype == torch.uint8:  # NF4 codes: the layer keeps their state whole
-                    part, module.quant_state = nf4(value.to(device), model.dtype)
+                    part = quantize_into(module, name, value.to(device), model.dtype)
                 if isinstance(param, DTensor):  # split: this process's slice of the whole value
                     mesh = param.device_mesh
                     for axis, place in enumerate(param.placements):
@@ -172,8 +179,8 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
-    if card.experts is not None and (quantize or tensor_parallel is not None or pipeline is not None):
-        used = "quantize" if quantize else "tensor_parallel" if tensor_parallel is not None else "pipeline"
+    if card.experts is not None and (tensor_parallel is not None or pipeline is not None):
+        used = "tensor_parallel" if tensor_parallel is not None else "pipeline"
         raise ValueError(f"nest.load({used}=...): not yet for a mixture-of-experts model ({card.family}); train it "
                          "whole, or sharded with fully_shard=True")
     if sequence_parallel and tensor_parallel is None:

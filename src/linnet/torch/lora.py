@@ -111,7 +111,7 @@ def _add_expert_adapters(stacks: dict, paths: list[str], rank: int, scale: float
     if any(module.down_proj.is_meta for module, _ in stacks.values()):
         raise ValueError("add_lora: the experts' adapters on a model built on meta (fully_shard, pipeline) are not "
                          "supported yet; train them on one process, or adapt the attention alone")
-    check_adapter_options(rank=rank, shapes={p: tuple(getattr(*stacks[p]).shape[1:]) for p in paths})
+    check_adapter_options(rank=rank, shapes={p: m.shape(name)[1:] for p, (m, name) in ((p, stacks[p]) for p in paths)})
     for module in {id(m): m for m, _ in stacks.values()}.values():
         targets = [name for m, name in (stacks[p] for p in paths) if m is module]
         if targets:
@@ -175,9 +175,14 @@ def merge_lora(model) -> None:
                          "merge them on one process, into a model loaded whole")
     for experts in _adapted_experts(model).values():
         with torch.no_grad():
-            for name in experts.targets:
-                getattr(experts, name).copy_(experts.merged(name))
+            plain = {name: experts.merged(name) for name in experts.altered()}
+            for name, weight in plain.items():
+                if name in (experts.quant_state or {}):
+                    setattr(experts, name, nn.Parameter(weight.to(model.dtype), requires_grad=False))
+                else:
+                    getattr(experts, name).copy_(weight)
         experts.drop_adapters()
+        experts.quant_state = None
     for layer in _linears(model).values():
         with torch.no_grad():
             merged = layer.dense_weight() if layer.lora_a is None else layer.merged_weight()
@@ -211,19 +216,20 @@ def save_peft(model, directory: str | os.PathLike, *, base_model: str | None = N
 
 
 def _adapted_experts(model) -> dict[str, nn.Module]:
-    """The mixture-of-experts blocks' stacked tensors that carry adapters, by module path."""
+    """The mixture-of-experts blocks' stacked tensors that carry adapters or NF4 codes, by
+    module path."""
     from linnet.torch.moe import ExpertWeights
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, ExpertWeights) and m.targets}
+    return {name: m for name, m in model.named_modules() if isinstance(m, ExpertWeights) and m.altered()}
 
 
 def policy_weights(policy: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter, nn.Module | None]]:
-    """(name, parameter, its layer if adapted or NF4 (or its adapted experts), else None)
+    """(name, parameter, its layer if adapted or NF4 (or its experts, adapted or NF4), else None)
     for each of a policy's weights, by Hugging Face name, the adapters' own tensors and a
     PPO critic left out: what an engine copies in and an export writes."""
     adapted = {f"{name}.weight": m for name, m in policy.named_modules()
                if isinstance(m, nn.Linear) and (m.lora_a is not None or is_quantized(m))}
-    adapted.update({f"{name}.{t}": m for name, m in _adapted_experts(policy).items() for t in m.targets})
+    adapted.update({f"{name}.{t}": m for name, m in _adapted_experts(policy).items() for t in m.altered()})
     for name, p in policy.named_parameters():
         if not name.endswith(ADAPTER_SUFFIXES) and not name.startswith(CRITIC):
             yield name, p, adapted.get(name)
@@ -236,7 +242,7 @@ def merged(weight: torch.nn.Parameter, layer: nn.Linear | None) -> torch.Tensor:
     if layer is None:
         return _whole(weight)
     if not isinstance(layer, nn.Linear):  # adapted experts: the stacked tensor this weight is
-        return layer.merged(next(t for t in layer.targets if getattr(layer, t) is weight))
+        return layer.merged(next(t for t in layer.altered() if getattr(layer, t) is weight))
     return layer.dense_weight(_whole) if layer.lora_a is None else layer.merged_weight(_whole)
 
 

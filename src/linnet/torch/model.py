@@ -42,7 +42,7 @@ from linnet.torch.context import context_row, gather_row, sum_gradients_over, su
 from linnet.torch.distributed import reduced_by_shards, sharded_over
 from linnet.torch.losses import linear_cross_entropy, linear_token_log_probs, split_cross_entropy, split_token_log_probs
 from linnet.torch.moe import MoE
-from linnet.torch.quantize import dense, is_quantized, linear_4bit, quant_states
+from linnet.torch.quantize import dense, is_quantized, linear_4bit, move_states, quant_states
 from linnet.torch.sharding import copies_group, dropout, full, gather_positions, scatter_positions
 
 
@@ -86,7 +86,7 @@ class Linear(nn.Linear):
         """model.to(device) moves an NF4 weight's quantization state with its codes."""
         super()._apply(fn, recurse)
         if self.quant_state is not None:
-            self.quant_state.to(self.weight.device)
+            move_states(self, self.weight.device)
         return self
 
     def _base(self, x, bias=None):

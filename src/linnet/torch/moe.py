@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linnet.cards import Card
+from linnet.torch.quantize import dense, linear_4bit, move_states
 from linnet.torch.sharding import local
 
 
@@ -59,6 +60,14 @@ class ExpertWeights(nn.Module):
         self.lora_a: nn.Parameter | None = None
         self.lora_b: nn.Parameter | None = None
         self.lora_scale = 0.0
+        self.quant_state: dict | None = None  # QLoRA: {stacked tensor: one NF4 state an expert} (quantize_into)
+
+    def _apply(self, fn, recurse=True):
+        """model.to(device) moves the experts' NF4 states with their codes."""
+        super()._apply(fn, recurse)
+        if self.quant_state is not None:
+            move_states(self, self.down_proj.device)
+        return self
 
     def adapt(self, targets: list[str], rank: int, scale: float) -> None:
         """Fresh adapters on `targets` (PEFT's init: A as a Linear's weight of count x r rows,
@@ -67,7 +76,7 @@ class ExpertWeights(nn.Module):
         self.targets = tuple(t for t in STACKED if t in targets)
         holders = [self] if len(self.targets) == 1 else [self.base_layer_module(), self]
         for holder, name in zip(holders, self.targets):
-            out, inputs = getattr(self, name).shape[1:]
+            out, inputs = self.shape(name)[1:]
             a = torch.empty(count * rank, inputs, device=self.down_proj.device)
             nn.init.kaiming_uniform_(a, a=math.sqrt(5))
             holder.lora_a = nn.Parameter(a)
@@ -88,9 +97,23 @@ class ExpertWeights(nn.Module):
         return holder.lora_a.view(count, -1, holder.lora_a.shape[1]), holder.lora_b.view(holder.lora_b.shape[0], -1,
                                                                                            count)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Stacked tensor `name`'s [count, out, in] (of its plain weights, when held in NF4)."""
+        states = (self.quant_state or {}).get(name)
+        return (len(states), *states[0].shape) if states else tuple(getattr(self, name).shape)
+
+    def altered(self) -> tuple[str, ...]:
+        """The stacked tensors whose plain weights are not the parameter as it is: adapted, or
+        stored in NF4."""
+        return tuple(t for t in STACKED if t in self.targets or t in (self.quant_state or {}))
+
+    def dense(self, name: str) -> torch.Tensor:
+        """Stacked tensor `name` as plain weights (NF4 codes dequantized)."""
+        return dense(getattr(self, name).detach(), (self.quant_state or {}).get(name))
+
     def merged(self, name: str) -> torch.Tensor:
         """Stacked tensor `name` with its adapter folded in (float32)."""
-        weight = getattr(self, name).detach().float()
+        weight = self.dense(name).float()
         pair = self.adapter(name)
         if pair is None:
             return weight
@@ -175,8 +198,13 @@ class MoE(nn.Module):
 
 
 def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """x through one expert's stacked tensor `name`, and its adapter where it has one."""
-    y = F.linear(x, local(getattr(w, name))[expert].to(x.dtype))  # an expert-parallel process's own experts
+    """x through one expert's stacked tensor `name` (NF4 codes through bitsandbytes), and its
+    adapter where it has one."""
+    states = (w.quant_state or {}).get(name)
+    if states is not None:
+        y = linear_4bit(x, getattr(w, name)[expert].view(-1, 1), states[expert])
+    else:
+        y = F.linear(x, local(getattr(w, name))[expert].to(x.dtype))  # an expert-parallel process's own experts
     pair = w.adapter(name)
     if pair is None:
         return y
@@ -251,6 +279,9 @@ def expert_parallel(model, mesh) -> None:
         count = w.down_proj.shape[0]
         if count % size:
             raise ValueError(f"expert_parallel: {count} experts do not split over {size} processes; use a divisor")
+        if w.quant_state is not None:
+            raise ValueError("expert_parallel: the experts are stored in NF4 (quantize), which expert parallel does "
+                             "not split yet; load them unquantized, or train on one process")
         if w.targets:
             raise ValueError("expert_parallel: the experts carry adapters, which expert parallel does not split yet; "
                              "adapt the attention alone (lora.targets: [model.layers.*.self_attn.*_proj]) or train "

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from linnet.files.adapters import ADAPTER_SUFFIXES
+from linnet.torch.quantize import move_states
 
 # The methods trainers call in place of forward: each gathers the root unit's parameters.
 ENTRIES = ("loss_packed", "log_probs_packed", "hidden_packed")
@@ -63,7 +64,7 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, entries
         p.data = p.data.to(model.device)
     for layer in model.modules():
         if getattr(layer, "quant_state", None) is not None:
-            layer.quant_state.to(model.device)
+            move_states(layer, model.device)
     for unit in model.modules():
         if isinstance(unit, FSDPModule):
             unit.set_gradient_divide_factor(1.0)

@@ -66,7 +66,8 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
     params = dict(model.named_parameters())
     quantized = quant_states(model)
     # an NF4 weight is checked against its layer's dense shape, then refused by name
-    shapes = {name: _dense_shape(model, name) if name in quantized else tuple(p.shape) for name, p in params.items()}
+    shapes = {name: _dense_shape(model, name, quantized[name]) if name in quantized else tuple(p.shape)
+              for name, p in params.items()}
     experts = expert_tensors(model)  # stacked experts: one checkpoint tensor an expert and part
     for name, parts in experts.items():
         stacked = shapes.pop(name)
@@ -78,10 +79,11 @@ def read_weights(model: torch.nn.Module, source: str | os.PathLike, *,
                            else checkpoint_name(key, family, back=True),
                            skip=lambda name: ignorable(name, model.card.tied_embeddings)
                            or (name == "score.weight" and not hasattr(model, "score")))  # a reward model's head
-    stored = [name for name in found if name in quantized]
+    nf4 = {n: name for name in quantized for n in [name, *(k for each in experts.get(name, []) for k in each)]}
+    stored = [name for name in found if name in nf4]
     if stored:
-        raise ValueError(f"{found[stored[0]][0]}: {stored[0]} is stored in NF4 in this model; base weights are read "
-                         "before quantizing: nest.load(card, weights=..., quantize='nf4')")
+        raise ValueError(f"{found[stored[0]][0]}: {nf4[stored[0]]} is stored in NF4 in this model; base weights are "
+                         "read before quantizing: nest.load(card, weights=..., quantize='nf4')")
     folds = adapter_folds(model.card.adapters, shapes)  # the earlier runs' adapters, when the card is a run
     with ExitStack() as files:
         opened = {}
@@ -157,7 +159,10 @@ def fold(weight: torch.Tensor, adapters: list[tuple]) -> torch.Tensor:
     return w.to(weight.dtype)
 
 
-def _dense_shape(model, name: str) -> tuple[int, int]:
+def _dense_shape(model, name: str, state) -> tuple[int, ...]:
+    """The shape an NF4 weight had (stacked experts': one state an expert)."""
+    if isinstance(state, list):
+        return len(state), *state[0].shape
     layer = model.get_submodule(name.rsplit(".", 1)[0])
     return layer.out_features, layer.in_features
 
