@@ -364,10 +364,11 @@ def test_preference_and_rl_objectives_train_a_mixture_of_experts(moe):
     assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if n.endswith("experts.lora_b"))
 
 
-def _expert_parallel_steps(rank, directory, lengths):
+def _expert_parallel_steps(rank, directory, lengths, expert):
     """Two SGD steps of full fine-tuning, this process's row through the experts split over
-    the processes, beside the same steps of the whole model on every row in this process:
-    the largest differences of the losses, the dense gradients and this process's experts'."""
+    groups of `expert` processes (copies of each other), beside the same steps of the whole
+    model on every row in this process: the largest differences of the losses, the dense
+    gradients and this process's experts'."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -380,8 +381,9 @@ def _expert_parallel_steps(rank, directory, lengths):
     rows = [next(iter(pack([Example(g.integers(1, 97, n).tolist())], tokens=n))) for n in lengths]
     reference = nest.load(directory, weights=directory, dtype="float32", trainable=True)
     model = nest.load(directory, weights=directory, dtype="float32", trainable=True)
-    size = dist.get_world_size()
-    expert_parallel(model, init_device_mesh("cpu", (size,)))
+    copies = dist.get_world_size() // expert
+    mesh = init_device_mesh("cpu", (copies, expert), mesh_dim_names=("expert_copies", "expert"))
+    expert_parallel(model, mesh if copies > 1 else mesh["expert"])
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     worst = {"loss": 0.0, "dense": 0.0, "experts": 0.0, "norm": 0.0}
     for _ in range(2):
@@ -400,8 +402,8 @@ def _expert_parallel_steps(rank, directory, lengths):
         for name, p in model.named_parameters():
             expected, split = theirs[name].grad, isinstance(p, DTensor)
             if split:  # this process's experts
-                per = expected.shape[0] // size
-                expected = expected[rank * per:(rank + 1) * per]
+                per, mine = expected.shape[0] // expert, rank % expert
+                expected = expected[mine * per:(mine + 1) * per]
             key = "experts" if split else "dense"
             worst[key] = max(worst[key], float(((p.grad.to_local() if split else p.grad) - expected).abs().max()))
         for optimizer in optimizers:
@@ -410,18 +412,19 @@ def _expert_parallel_steps(rank, directory, lengths):
     return worst
 
 
-@pytest.mark.parametrize("processes", [2, 4])
-def test_expert_parallel_equals_one_process(moe, processes):
-    """Experts split over 2 and 4 gloo processes, each with a row of its own (the first of
-    two positions: some experts get nothing from it): losses, gradients and the gradient
-    norm over two steps equal one process's to 1e-5."""
+@pytest.mark.parametrize("processes, expert", [(2, 2), (4, 4), (4, 2)])
+def test_expert_parallel_equals_one_process(moe, processes, expert):
+    """Experts split over 2 and 4 gloo processes, and over pairs of 4 (two copies of the
+    split), each process with a row of its own (the first of two positions: some experts
+    get nothing from it): losses, gradients and the gradient norm over two steps equal one
+    process's to 1e-5."""
     from tests.conftest import in_processes
 
     hf, directory = moe
-    if hf.config.num_local_experts % processes:
-        pytest.skip(f"{hf.config.num_local_experts} experts do not split over {processes} processes")
+    if hf.config.num_local_experts % expert:
+        pytest.skip(f"{hf.config.num_local_experts} experts do not split over {expert} processes")
     lengths = [2, 17, 11, 23][:processes]
-    for worst in in_processes(_expert_parallel_steps, str(directory), lengths, processes=processes):
+    for worst in in_processes(_expert_parallel_steps, str(directory), lengths, expert, processes=processes):
         assert worst["loss"] < 1e-4 and worst["dense"] < 1e-5 and worst["experts"] < 1e-5 and worst["norm"] < 1e-5, worst
 
 
@@ -434,9 +437,9 @@ def _sft_process(rank, overrides):
 def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
     process its own rows) trains as one process does: the same losses step by step and the
-    same final weights, written whole; so does it with the dense parts sharded
-    (training.shard=fsdp); and a run of it cut after step 2 resumes as one process, to the
-    same end."""
+    same final weights, written whole; so does it over 4 processes, the experts split over
+    pairs of them and the dense parts sharded over all 4 (training.shard=fsdp); and a run
+    of it cut after step 2 resumes as one process, to the same end."""
     import json
 
     from safetensors.numpy import load_file
@@ -468,9 +471,9 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     split = ["training.expert=2", "training.accumulation=2"]  # the same 4 rows a step: 2 in each process
     assert in_processes(_sft_process, overrides(tmp_path / "two", *split), processes=2) == [0, 0]
     same_metrics(tmp_path / "two", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
-    # the dense parts sharded (FSDP) over the same processes, the experts split beside them
-    assert in_processes(_sft_process, overrides(tmp_path / "fsdp", *split, "training.shard=fsdp"),
-                        processes=2) == [0, 0]
+    # over 4 processes: the experts split over pairs of them, the dense parts sharded (FSDP) over all 4
+    pairs = ["training.expert=2", "training.accumulation=1", "training.shard=fsdp"]
+    assert in_processes(_sft_process, overrides(tmp_path / "fsdp", *pairs), processes=4) == [0] * 4
     same_metrics(tmp_path / "fsdp", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
     # cut after step 2 (its checkpoint in parts, each process's experts), resumed as one process
     assert in_processes(_sft_process, overrides(tmp_path / "cut", *split, "training.steps=2"), processes=2) == [0, 0]

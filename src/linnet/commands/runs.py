@@ -210,9 +210,10 @@ def lora_options(config) -> dict:
 
 
 def _split_experts(model, t, processes: int, device_type: str) -> None:
-    """training.expert: the experts split over every process (linnet.torch.moe.expert_parallel),
-    and with training.shard=fsdp the dense parts sharded over them after (each process
-    reads the whole model first)."""
+    """training.expert: the experts split over groups of that many processes, the groups
+    copies of each other (linnet.torch.moe.expert_parallel), and with training.shard=fsdp
+    the dense parts sharded over every process after (each process reads the whole model
+    first)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from linnet.torch.moe import expert_parallel
@@ -220,11 +221,13 @@ def _split_experts(model, t, processes: int, device_type: str) -> None:
 
     if model.card.experts is None:
         raise ValueError(f"config: training.expert={t.expert} splits a mixture of experts; {model.card.name} has none")
-    if t.expert != processes or t.per_copy > 1 or t.shard == "zero":
-        raise ValueError(f"config: training.expert={t.expert} splits the experts over every process, beside "
-                         f"training.shard fsdp at most for now: run {t.expert} processes, with training.split, "
-                         "pipeline and context 1 and training.shard none or fsdp")
-    expert_parallel(model, init_device_mesh(device_type, (processes,), mesh_dim_names=("expert",)))
+    if processes % t.expert or t.per_copy > 1 or t.shard == "zero":
+        raise ValueError(f"config: training.expert={t.expert} splits the experts over groups of that many of the "
+                         f"run's {processes} processes (a divisor of the count), beside training.shard fsdp at most "
+                         "for now: training.split, pipeline and context 1 and training.shard none or fsdp")
+    copies = processes // t.expert
+    shape, names = ((t.expert,), ("expert",)) if copies == 1 else ((copies, t.expert), ("expert_copies", "expert"))
+    expert_parallel(model, init_device_mesh(device_type, shape, mesh_dim_names=names))
     if t.shard == "fsdp":
         fully_shard(model)
 

@@ -308,8 +308,9 @@ class TrainingConfig:
                              "copies of such groups (docs/long_context.md)",
                           only=("sft", "dpo", "reward", "grpo", "distill"))
     expert: int = option(1, "under torchrun (sft, dpo, reward, distill): processes that split a mixture of "
-                            "experts' experts between them (expert parallel; every process, for now), each taking "
-                            "rows of its own (docs/moe.md)", only=("sft", "dpo", "reward", "distill"))
+                            "experts' experts between them (expert parallel), each taking rows of its own; a divisor "
+                            "of the run's processes, the groups copies of each other (docs/moe.md)",
+                         only=("sft", "dpo", "reward", "distill"))
     pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = option(
         "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks), interleaved "
                 "(interleaved 1F1B: two chunks a process, stage i of P holding chunks i and i + P of 2P, so the "

@@ -185,16 +185,19 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
     process has already divided by the global count of learned positions, so the sum is
     the mean over every token of the step. A parameter without a gradient counts as zero.
     Without `group`, over every process, skipping sharded parameters (fully_shard has
-    reduced them already); with it (a split, pipelined or context-parallel model's copies),
-    over the group, skipping those fully_shard split over processes that include it,
-    each process summing its own part of a split parameter (a whole adapter's partial
-    sums joined across its split first); no sum when the group is this process alone."""
+    reduced them already; expert parallel's experts are summed over their copies alone);
+    with it (a split, pipelined or context-parallel model's copies), over the group,
+    skipping those fully_shard split over processes that include it, each process summing
+    its own part of a split parameter (a whole adapter's partial sums joined across its
+    split first); no sum when the group is this process alone."""
     if world()[1] == 1:
         return
     alone = group is not None and dist.get_world_size(group) == 1
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
         if isinstance(p, DTensor) and (group is None or reduced_by_shards(p, group)):
+            if group is None:
+                _sum_replicas(p)
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -216,6 +219,16 @@ def reduce_gradients(parameters: list[torch.nn.Parameter], group=None) -> None:
             bucket.append(g)
         if bucket:
             _reduce_flat(bucket, group)
+
+
+def _sum_replicas(p: DTensor) -> None:
+    """A split parameter's gradient summed along the mesh dimensions that hold copies of it
+    (expert parallel inside data parallel), each copy's having its own rows' share."""
+    for axis, place in enumerate(p.placements):
+        if place.is_replicate():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad.to_local(), group=p.device_mesh.get_group(axis))
 
 
 def reduced_by_shards(t: DTensor, group) -> bool:

@@ -261,18 +261,25 @@ def router_metrics(model) -> dict[str, float]:
 
 
 def expert_parallel(model, mesh) -> None:
-    """Split every mixture-of-experts block's experts over the processes of `mesh` (a
-    one-dimension DeviceMesh, e.g. the run mesh's "expert" dimension): process r keeps
-    experts r*E/P .. (r+1)*E/P - 1, the stacked tensors becoming DTensors split along the
-    experts, and each block sends every position to the processes holding its chosen
-    experts and takes the results back (`MoE._dispatched`). Each process trains on rows of
-    its own; the dense parameters' gradients are summed over the processes as in data
-    parallel (reduce_gradients), the experts' are whole where they live (a DTensor's part:
-    reduce_gradients leaves them, clip_gradients adds their squares over the mesh,
-    save_weights and checkpoints gather or split them). Call it on the same model in every
-    process, before the optimizer is made and before adapters on the experts (refused)."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """Split every mixture-of-experts block's experts over the processes of `mesh`'s last
+    dimension (a DeviceMesh named "expert" there, e.g. the run mesh's): process r of it
+    keeps experts r*E/P .. (r+1)*E/P - 1, the stacked tensors becoming DTensors split along
+    the experts, and each block sends every position to the processes holding its chosen
+    experts and takes the results back (`MoE._dispatched`). A first dimension holds copies
+    of that split (expert parallel inside data parallel), the experts replicated along it.
+    Each process trains on rows of its own; the dense parameters' gradients are summed over
+    every process as in data parallel (reduce_gradients), the experts' over the copies
+    alone (each copy's expert gets every position routed to it within its group: a
+    DTensor's part, which clip_gradients counts once, and save_weights and checkpoints
+    gather or split). Call it on the same model in every process, before the optimizer is
+    made and before adapters on the experts (refused)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    if mesh.mesh_dim_names is None or mesh.mesh_dim_names[-1] != "expert" or mesh.ndim > 2:
+        raise ValueError("expert_parallel: a DeviceMesh of one or two dimensions, the last named 'expert' "
+                         f"(optionally after its copies); got names {mesh.mesh_dim_names}")
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    mesh, whole_mesh = mesh["expert"], mesh
     size, rank = mesh.size(), mesh.get_local_rank()
     for block in [m for m in model.modules() if isinstance(m, MoE)]:
         w = block.experts
@@ -288,6 +295,6 @@ def expert_parallel(model, mesh) -> None:
                              "in full")
         for name in STACKED:
             whole = getattr(w, name)
-            setattr(w, name, nn.Parameter(distribute_tensor(whole.detach(), mesh, [Shard(0)]),
+            setattr(w, name, nn.Parameter(distribute_tensor(whole.detach(), whole_mesh, placements),
                                           requires_grad=whole.requires_grad))
         block.parallel = (mesh.get_group(), size, rank, count // size)

@@ -50,7 +50,7 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, entries
         raise ValueError("fully_shard: this model is sharded already")
     adapters = {p for name, p in model.named_parameters() if name.endswith(ADAPTER_SUFFIXES)}
     experts = {p for p in model.parameters()  # split by expert_parallel already: each process keeps its own
-               if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("expert",)}
+               if isinstance(p, DTensor) and "expert" in (p.device_mesh.mesh_dim_names or ())}
     options = dict(mesh=mesh, ignored_params=(adapters | experts) or None,
                    mp_policy=MixedPrecisionPolicy(param_dtype=model.dtype, reduce_dtype=torch.float32))
     for block in model.model.layers:
