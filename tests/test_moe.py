@@ -364,11 +364,11 @@ def test_preference_and_rl_objectives_train_a_mixture_of_experts(moe):
     assert any(p.abs().sum() > 0 for n, p in policy.named_parameters() if n.endswith("experts.lora_b"))
 
 
-def _expert_parallel_steps(rank, directory, lengths, expert):
-    """Two SGD steps of full fine-tuning, this process's row through the experts split over
-    groups of `expert` processes (copies of each other), beside the same steps of the whole
-    model on every row in this process: the largest differences of the losses, the dense
-    gradients and this process's experts'."""
+def _expert_parallel_steps(rank, directory, lengths, expert, adapters):
+    """Two SGD steps of full fine-tuning (or of adapters on the attention and the experts),
+    this process's row through the experts split over groups of `expert` processes (copies
+    of each other), beside the same steps of the whole model on every row in this process:
+    the largest differences of the losses, the dense gradients and this process's experts'."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -379,8 +379,15 @@ def _expert_parallel_steps(rank, directory, lengths, expert):
     torch.set_num_threads(1)
     g = np.random.default_rng(7)
     rows = [next(iter(pack([Example(g.integers(1, 97, n).tolist())], tokens=n))) for n in lengths]
-    reference = nest.load(directory, weights=directory, dtype="float32", trainable=True)
-    model = nest.load(directory, weights=directory, dtype="float32", trainable=True)
+    reference, model = (nest.load(directory, weights=directory, dtype="float32", trainable=not adapters)
+                        for _ in range(2))
+    for m in (reference, model) if adapters else ():
+        torch.manual_seed(0)
+        m.add_lora("all-linear", rank=2, alpha=4)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith("lora_b"):
+                    p.normal_(0, 0.5)
     copies = dist.get_world_size() // expert
     mesh = init_device_mesh("cpu", (copies, expert), mesh_dim_names=("expert_copies", "expert"))
     expert_parallel(model, mesh if copies > 1 else mesh["expert"])
@@ -399,7 +406,7 @@ def _expert_parallel_steps(rank, directory, lengths, expert):
         norms = [clip_gradients(list(m.parameters()), None) for m in (reference, model)]
         worst["norm"] = max(worst["norm"], abs(float(norms[0] - norms[1])))
         theirs = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
+        for name, p in ((n, p) for n, p in model.named_parameters() if p.requires_grad):
             expected, split = theirs[name].grad, isinstance(p, DTensor)
             if split:  # this process's experts
                 per, mine = expected.shape[0] // expert, rank % expert
@@ -412,19 +419,21 @@ def _expert_parallel_steps(rank, directory, lengths, expert):
     return worst
 
 
-@pytest.mark.parametrize("processes, expert", [(2, 2), (4, 4), (4, 2)])
-def test_expert_parallel_equals_one_process(moe, processes, expert):
+@pytest.mark.parametrize("processes, expert, adapters", [(2, 2, False), (4, 4, False), (4, 2, False),
+                                                       (4, 2, True)])
+def test_expert_parallel_equals_one_process(moe, processes, expert, adapters):
     """Experts split over 2 and 4 gloo processes, and over pairs of 4 (two copies of the
     split), each process with a row of its own (the first of two positions: some experts
     get nothing from it): losses, gradients and the gradient norm over two steps equal one
-    process's to 1e-5."""
+    process's to 1e-5, in full fine-tuning and with adapters on attention and experts."""
     from tests.conftest import in_processes
 
     hf, directory = moe
     if hf.config.num_local_experts % expert:
         pytest.skip(f"{hf.config.num_local_experts} experts do not split over {expert} processes")
     lengths = [2, 17, 11, 23][:processes]
-    for worst in in_processes(_expert_parallel_steps, str(directory), lengths, expert, processes=processes):
+    for worst in in_processes(_expert_parallel_steps, str(directory), lengths, expert, adapters,
+                              processes=processes):
         assert worst["loss"] < 1e-4 and worst["dense"] < 1e-5 and worst["experts"] < 1e-5 and worst["norm"] < 1e-5, worst
 
 
@@ -438,8 +447,9 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
     process its own rows) trains as one process does: the same losses step by step and the
     same final weights, written whole; so does it over 4 processes, the experts split over
-    pairs of them and the dense parts sharded over all 4 (training.shard=fsdp); and a run
-    of it cut after step 2 resumes as one process, to the same end."""
+    pairs of them and the dense parts sharded over all 4 (training.shard=fsdp), and with
+    adapters on attention and experts; and a run of it cut after step 2 resumes as one
+    process, to the same end."""
     import json
 
     from safetensors.numpy import load_file
@@ -480,6 +490,15 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     resumed = load(SFTConfig, None, overrides(tmp_path / "cut", "training.accumulation=4"))
     run(resumed, resume=True)
     same_metrics(tmp_path / "cut", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
+    # adapters on the attention and on the experts, whole on each process, as one process trains them
+    run(load(SFTConfig, None, overrides(tmp_path / "lora-one", "training.accumulation=4", "lora.enabled=true")))
+    assert in_processes(_sft_process, overrides(tmp_path / "lora-two", *split, "lora.enabled=true"),
+                        processes=2) == [0, 0]
+    same_metrics(tmp_path / "lora-two", tmp_path / "lora-one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
+    ours, theirs = (load_file(tmp_path / d / "final" / "adapter_model.safetensors") for d in ("lora-two", "lora-one"))
+    assert sorted(ours) == sorted(theirs) and any("experts" in k for k in ours)
+    for key in theirs:
+        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=key)
     for run_dir in ("two", "fsdp", "cut"):
         ours, theirs = (load_file(tmp_path / d / "final" / "model.safetensors") for d in (run_dir, "one"))
         assert sorted(ours) == sorted(theirs) and any(".experts.3." in k for k in ours)

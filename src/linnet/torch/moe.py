@@ -166,14 +166,14 @@ class MoE(nn.Module):
         y = self._experts(h, routed) if self.parallel is None else self._dispatched(h, routed)
         return torch.zeros_like(x_ND).index_add(0, rows, y * weights_NK.flatten()[order, None]).view(shape)
 
-    def _experts(self, h: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows `h` grouped by expert, counts[e] of them for this process's expert e, each
-        through its expert's MLP, in their order."""
+    def _experts(self, h: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """Rows `h` grouped by expert, counts[e] of them for this process's expert e (expert
+        first + e of the block), each through its expert's MLP, in their order."""
         w, out = self.experts, []
         for expert, part in enumerate(h.split(counts.tolist())):
             if len(part):
-                gate, up = _product(w, "gate_up_proj", expert, part).chunk(2, dim=-1)
-                out.append(_product(w, "down_proj", expert, F.silu(gate) * up))
+                gate, up = _product(w, "gate_up_proj", expert, part, first).chunk(2, dim=-1)
+                out.append(_product(w, "down_proj", expert, F.silu(gate) * up, first))
         return torch.cat(out) if out else h[:0]
 
     def _dispatched(self, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
@@ -191,15 +191,16 @@ class MoE(nn.Module):
         by_source = mine.split(out_splits)  # each source's rows, grouped by my experts: regroup by expert
         parts = [p.split(c) for p, c in zip(by_source, received.tolist())]
         grouped = torch.cat([parts[s][e] for e in range(per) for s in range(size)])
-        y = self._experts(grouped, received.sum(0))
+        y = self._experts(grouped, received.sum(0), rank * per)
         pieces = y.split(received.t().flatten().tolist())  # (expert, source) -> back to (source, expert)
         back = torch.cat([pieces[e * size + s] for s in range(size) for e in range(per)])
         return exchange(h.new_empty(len(h), y.shape[1]), back, in_splits, out_splits, group=group)
 
 
-def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-    """x through one expert's stacked tensor `name` (NF4 codes through bitsandbytes), and its
-    adapter where it has one."""
+def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """x through this process's expert `expert` of stacked tensor `name` (NF4 codes through
+    bitsandbytes), and its adapter where it has one (every expert's, whole on each
+    process: expert first + expert's)."""
     states = (w.quant_state or {}).get(name)
     if states is not None:
         y = linear_4bit(x, getattr(w, name)[expert].view(-1, 1), states[expert])
@@ -209,7 +210,7 @@ def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor) -> torch
     if pair is None:
         return y
     a, b = pair
-    return y + F.linear(F.linear(x, a[expert].to(x.dtype)), b[:, :, expert].to(x.dtype)) * w.lora_scale
+    return y + F.linear(F.linear(x, a[first + expert].to(x.dtype)), b[:, :, first + expert].to(x.dtype)) * w.lora_scale
 
 
 @contextlib.contextmanager
@@ -271,8 +272,10 @@ def expert_parallel(model, mesh) -> None:
     every process as in data parallel (reduce_gradients), the experts' over the copies
     alone (each copy's expert gets every position routed to it within its group: a
     DTensor's part, which clip_gradients counts once, and save_weights and checkpoints
-    gather or split). Call it on the same model in every process, before the optimizer is
-    made and before adapters on the experts (refused)."""
+    gather or split). Adapters on the experts stay whole on every process (rank / width of
+    the experts' size): each process's experts add their rows' share to their gradients,
+    which are summed over every process as the dense ones are. Call it on the same model in
+    every process, before the optimizer is made."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     if mesh.mesh_dim_names is None or mesh.mesh_dim_names[-1] != "expert" or mesh.ndim > 2:
@@ -289,10 +292,6 @@ def expert_parallel(model, mesh) -> None:
         if w.quant_state is not None:
             raise ValueError("expert_parallel: the experts are stored in NF4 (quantize), which expert parallel does "
                              "not split yet; load them unquantized, or train on one process")
-        if w.targets:
-            raise ValueError("expert_parallel: the experts carry adapters, which expert parallel does not split yet; "
-                             "adapt the attention alone (lora.targets: [model.layers.*.self_attn.*_proj]) or train "
-                             "in full")
         for name in STACKED:
             whole = getattr(w, name)
             setattr(w, name, nn.Parameter(distribute_tensor(whole.detach(), whole_mesh, placements),
