@@ -1,5 +1,6 @@
-"""Mixture-of-experts cards (Qwen3-MoE, Mixtral) against transformers on tiny random
-models: logits, packed losses, gradients, weights in and out, greedy sampling."""
+"""Mixture-of-experts cards (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) against
+transformers on tiny random models: logits, packed losses, gradients, weights in and out,
+greedy sampling."""
 
 from __future__ import annotations
 
@@ -22,7 +23,14 @@ FAMILIES = {
     "qwen3_moe-raw-weights": ("Qwen3MoeConfig", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
                                                      norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=24, num_local_experts=4, sliding_window=None)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                         shared_expert_intermediate_size=24, norm_topk_prob=False)),
 }
+
+
+def _count(hf) -> int:
+    """A transformers model's count of experts a block, as its config spells it."""
+    return getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -47,7 +55,7 @@ def moe(request, tmp_path_factory):
 def test_logits_and_weights_round_trip_equal_transformers(moe, tmp_path):
     hf, directory = moe
     model = nest.load(directory, weights=directory, dtype="float32")
-    assert model.card.experts is not None and model.card.experts.count == hf.config.num_local_experts
+    assert model.card.experts is not None and model.card.experts.count == _count(hf)
     tokens = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = hf(tokens).logits
@@ -103,8 +111,9 @@ def test_the_engine_samples_what_transformers_generates(moe):
 def test_all_linear_adapts_attention_and_experts_and_what_is_not_yet_is_refused(moe):
     hf, directory = moe
     model = nest.load(directory, weights=directory, dtype="float32")
-    adapted = model.add_lora("all-linear", rank=4)  # the attention's layers, and the experts' stacked tensors
-    assert adapted and all(".self_attn." in name for name in adapted)
+    adapted = model.add_lora("all-linear", rank=4)  # the attention's layers (and a shared expert's), and the experts'
+    assert adapted and all(".self_attn." in name or ".shared_expert." in name for name in adapted)
+    assert any(".shared_expert." in name for name in adapted) == bool(model.card.experts.shared)
     assert len(model.lora["experts"]) == 2 * model.card.layers and "gate.weight" not in str(model.lora)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         model.tile_mlp(8)
@@ -269,9 +278,10 @@ def test_the_experts_adapters_train(moe):
 
     _, directory = moe
     model = nest.load(directory, weights=directory, dtype="float32")
-    model.add_lora(["gate_up_proj", "down_proj"], rank=4, alpha=8)
+    model.add_lora(["gate_up_proj", "down_proj"], rank=4, alpha=8)  # (a shared expert's down_proj too, as in PEFT)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trained and all(".mlp.experts." in n and n.endswith(("lora_a", "lora_b")) for n in trained)
+    assert trained and all(".mlp.experts." in n or ".mlp.shared_expert.down_proj." in n for n in trained)
+    assert all(n.endswith(("lora_a", "lora_b")) for n in trained)
     (row,) = pack([Example(list(range(3, 40)))], tokens=40)
     history = train(model, [row] * 12, optimizer=adamw(model, lr=5e-2), steps=12)
     assert history.losses[-1] < 0.95 * history.losses[0]  # only the experts adapt: slowly, but they do
@@ -429,8 +439,8 @@ def test_expert_parallel_equals_one_process(moe, processes, expert, adapters):
     from tests.conftest import in_processes
 
     hf, directory = moe
-    if hf.config.num_local_experts % expert:
-        pytest.skip(f"{hf.config.num_local_experts} experts do not split over {expert} processes")
+    if _count(hf) % expert:
+        pytest.skip(f"{_count(hf)} experts do not split over {expert} processes")
     lengths = [2, 17, 11, 23][:processes]
     for worst in in_processes(_expert_parallel_steps, str(directory), lengths, expert, adapters,
                               processes=processes):

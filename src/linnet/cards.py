@@ -26,7 +26,7 @@ from typing import Any
 
 from linnet.experts import PARTS, Experts, experts_config, experts_from_config
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
 
 
 ROPE_KINDS = ("linear", "llama3", "yarn")
@@ -190,7 +190,8 @@ class Card:
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out, in) of each linear projection in one block, by its checkpoint name (the
-        experts' stacked tensors and their router are no linear layers)."""
+        experts' stacked tensors, their router and a shared expert's gate are no linear
+        layers; a shared expert's projections are)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = {
             "self_attn.q_proj": (q, self.hidden),
@@ -199,7 +200,10 @@ class Card:
             "self_attn.o_proj": (self.hidden, q),
         }
         if self.experts is not None:
-            return attention
+            s = self.experts.shared
+            return {**attention, **({"mlp.shared_expert.gate_proj": (s, self.hidden),
+                                     "mlp.shared_expert.up_proj": (s, self.hidden),
+                                     "mlp.shared_expert.down_proj": (self.hidden, s)} if s else {})}
         return {**attention, "mlp.gate_proj": (self.intermediate, self.hidden),
                 "mlp.up_proj": (self.intermediate, self.hidden), "mlp.down_proj": (self.hidden, self.intermediate)}
 
@@ -207,8 +211,9 @@ class Card:
         """Parameters of one decoder block, biases and norms included (every expert's)."""
         shapes = self.linear_shapes()
         n = sum(o * i for o, i in shapes.values())
-        if self.experts is not None:  # the router and three matrices an expert
+        if self.experts is not None:  # the router and three matrices an expert (and a shared expert's gate)
             n += self.experts.count * (self.hidden + 3 * self.experts.intermediate * self.hidden)
+            n += self.hidden if self.experts.shared else 0
         if self.qkv_bias:
             n += sum(shapes[f"self_attn.{p}_proj"][0] for p in "qkv")
         if self.o_bias:
@@ -241,6 +246,7 @@ class Card:
             "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
             "mixtral": "MixtralForCausalLM",
         }[self.family]
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_base}
@@ -273,9 +279,11 @@ class Card:
             config["mlp_bias"] = self.mlp_bias
         elif self.family in ("qwen3", "qwen3_moe"):
             config["attention_bias"] = self.qkv_bias
-        elif self.family in ("qwen2", "mistral", "mixtral"):
+        elif self.family in ("qwen2", "mistral", "mixtral", "qwen2_moe"):
             config["sliding_window"] = None
             config["use_sliding_window"] = False
+            if self.family == "qwen2_moe":
+                config["qkv_bias"] = self.qkv_bias
         if self.experts is not None:
             config.update(experts_config(self.family, self.experts))
         return config
@@ -411,7 +419,7 @@ def card_from_config(config: dict, *, name: str, where: str = "config.json") -> 
         rope_scaling=scaling,
         norm_eps=number("rms_norm_eps", 1e-6, float),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias or family == "qwen2",
+        qkv_bias=attention_bias or family == "qwen2" or (family == "qwen2_moe" and bool(config.get("qkv_bias", True))),
         o_bias=attention_bias,
         mlp_bias=bool(config.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "qwen3_moe"),

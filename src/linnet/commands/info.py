@@ -35,10 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         ("biases (qkv / o / mlp)", f"{card.qkv_bias} / {card.o_bias} / {card.mlp_bias}"),
         ("qk norm", card.qk_norm),
         ("max positions", card.max_positions),
-        *([("experts (a position / a block)", f"{card.experts.per_token} / {card.experts.count}, each "
-                                                 f"{card.experts.intermediate} wide" + (", renormalized"
-                                                                                       if card.experts.normalize else ""))]
-          if card.experts else []),
+        *([("experts (a position / a block)", _experts(card.experts))] if card.experts else []),
         ("weights", card.weights.path or card.weights.repo or "none (random init)"),
         ("tokenizer", card.tokenizer.path or card.tokenizer.repo or "none"),
         ("chat template", "yes" if card.chat_template else "no"),
@@ -54,3 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         ("f32 weights", gib(4 * card.params())),
     ])
     return 0
+
+
+def _experts(e) -> str:
+    """How a mixture of experts routes, in one line."""
+    return (f"{e.per_token} / {e.count}, each {e.intermediate} wide" + (", renormalized" if e.normalize else "")
+            + (f", and a shared expert {e.shared} wide" if e.shared else ""))

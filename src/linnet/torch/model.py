@@ -221,7 +221,8 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(card.hidden, card.norm_eps)
         self.self_attn = Attention(card)
         self.post_attention_layernorm = RMSNorm(card.hidden, card.norm_eps)
-        self.mlp = MLP(card) if card.experts is None else MoE(card)
+        e = card.experts
+        self.mlp = MLP(card) if e is None else MoE(card, MLP(card.replace(intermediate=e.shared)) if e.shared else None)
 
     def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend, keep=None):
         """keep: the positions whose outputs are wanted (the last block's); every position

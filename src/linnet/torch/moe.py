@@ -31,7 +31,8 @@ from linnet.torch.sharding import local
 
 
 class Router(nn.Module):
-    """One logit an expert from the hidden state (`weight` [count, hidden], no bias)."""
+    """One logit an expert from the hidden state (`weight` [count, hidden], no bias); with
+    count 1, a shared expert's gate."""
 
     def __init__(self, hidden: int, count: int):
         super().__init__()
@@ -127,14 +128,17 @@ class ExpertWeights(nn.Module):
 
 
 class MoE(nn.Module):
-    """The experts' MLP of one block: [N, hidden] -> [N, hidden]."""
+    """The experts' MLP of one block: [N, hidden] -> [N, hidden]; `shared`, the card's
+    shared expert (an MLP every position goes through, scaled by a sigmoid gate), if any."""
 
-    def __init__(self, card: Card):
+    def __init__(self, card: Card, shared: nn.Module | None = None):
         super().__init__()
         e = card.experts
         self.per_token, self.normalize = e.per_token, e.normalize
         self.gate = Router(card.hidden, e.count)
         self.experts = ExpertWeights(card.hidden, e.count, e.intermediate)
+        if shared is not None:
+            self.shared_expert, self.shared_expert_gate = shared, Router(card.hidden, 1)
         self.record: list | None = None  # within `balancing`: (positions an expert, probability sums, positions)
         self.load: torch.Tensor | None = None  # positions routed to each expert since router_metrics (on the host)
         self.parallel: tuple | None = None  # expert_parallel's (group, processes, this one's rank, experts a process)
@@ -164,7 +168,11 @@ class MoE(nn.Module):
         rows = order // self.per_token
         h = x_ND.index_select(0, rows)  # a pair's position, in the experts' order
         y = self._experts(h, routed) if self.parallel is None else self._dispatched(h, routed)
-        return torch.zeros_like(x_ND).index_add(0, rows, y * weights_NK.flatten()[order, None]).view(shape)
+        out = torch.zeros_like(x_ND).index_add(0, rows, y * weights_NK.flatten()[order, None])
+        if hasattr(self, "shared_expert"):
+            gate = torch.sigmoid(F.linear(x_ND, self.shared_expert_gate.weight.to(x_ND.dtype)))
+            out = out + gate * self.shared_expert(x_ND)
+        return out.view(shape)
 
     def _experts(self, h: torch.Tensor, counts: torch.Tensor, first: int = 0) -> torch.Tensor:
         """Rows `h` grouped by expert, counts[e] of them for this process's expert e (expert
