@@ -389,8 +389,12 @@ def _expert_parallel_steps(rank, directory, lengths, expert, adapters):
     torch.set_num_threads(1)
     g = np.random.default_rng(7)
     rows = [next(iter(pack([Example(g.integers(1, 97, n).tolist())], tokens=n))) for n in lengths]
-    reference, model = (nest.load(directory, weights=directory, dtype="float32", trainable=not adapters)
-                        for _ in range(2))
+    copies = dist.get_world_size() // expert
+    mesh = init_device_mesh("cpu", (copies, expert), mesh_dim_names=("expert_copies", "expert"))
+    mesh = mesh if copies > 1 else mesh["expert"]
+    # full fine-tuning: each process loads its own experts alone; adapters: added first, then the experts split
+    reference, model = (nest.load(directory, weights=directory, dtype="float32", trainable=not adapters,
+                                  expert_parallel=None if adapters else split) for split in (None, mesh))
     for m in (reference, model) if adapters else ():
         torch.manual_seed(0)
         m.add_lora("all-linear", rank=2, alpha=4)
@@ -398,9 +402,9 @@ def _expert_parallel_steps(rank, directory, lengths, expert, adapters):
             for name, p in m.named_parameters():
                 if name.endswith("lora_b"):
                     p.normal_(0, 0.5)
-    copies = dist.get_world_size() // expert
-    mesh = init_device_mesh("cpu", (copies, expert), mesh_dim_names=("expert_copies", "expert"))
-    expert_parallel(model, mesh if copies > 1 else mesh["expert"])
+    if adapters:
+        expert_parallel(model, mesh)
+    assert model.model.layers[0].mlp.experts.down_proj.to_local().shape[0] == reference.card.experts.count // expert
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (reference, model)]
     worst = {"loss": 0.0, "dense": 0.0, "experts": 0.0, "norm": 0.0}
     for _ in range(2):

@@ -49,6 +49,7 @@ def load(
     pipeline: Any = None,
     pipeline_schedule: str = "1f1b",
     fully_shard: bool = False,
+    expert_parallel: Any = None,
     activation_checkpointing: bool | str = False,
     activation_memory_budget: float | None = None,
     quantize: str | None = None,
@@ -88,6 +89,10 @@ def load(
     stage is sharded over its copies (the processes holding the same stage in the other
     pipelines); with tensor_parallel, each process's part of the split is sharded over the
     "copies" dimension of the mesh tensor_parallel was taken from (FSDP x TP), once read.
+    expert_parallel: a DeviceMesh whose last dimension is named "expert" (a first, its
+    copies): a mixture of experts' experts split over it (linnet.torch.moe.expert_parallel)
+    before the weights are read, each process keeping only its experts; with fully_shard,
+    the dense parts are then read whole and sharded over every process.
     lora: adapters to add, as add_lora's arguments in a dict (`patterns` and any of rank,
     alpha, dropout, rslora, dora), e.g. dict(patterns="*_proj.weight", rank=16): the same
     model as model.add_lora(...) after loading, drawn from the same global RNG. With
@@ -146,6 +151,7 @@ def load(
                                                    ("tensor_parallel", tensor_parallel, None),
                                                    ("sequence_parallel", sequence_parallel, False),
                                                    ("pipeline", pipeline, None), ("fully_shard", fully_shard, False),
+                                                   ("expert_parallel", expert_parallel, None),
                                                    ("activation_checkpointing", activation_checkpointing, False),
                                                    ("activation_memory_budget", activation_memory_budget, None),
                                                    ("quantize", quantize, None), ("lora", lora, None))
@@ -177,6 +183,7 @@ def load(
         pipeline=pipeline,
         pipeline_schedule=pipeline_schedule,
         fully_shard=fully_shard,
+        expert_parallel=expert_parallel,
         activation_checkpointing=activation_checkpointing,
         activation_memory_budget=activation_memory_budget,
         quantize=quantize,

@@ -173,6 +173,7 @@ def load_model(card, config):
         device = f"cuda:{os.environ.get('LOCAL_RANK', rank % torch.cuda.device_count())}"
         torch.cuda.set_device(device)
     mesh = run_mesh(torch.device(device).type, stages=stages, context=context, split=split)
+    experts = _expert_mesh(card, t, processes, torch.device(device).type)
     model = nest.load(card, device=device, dtype=m.dtype, weights=m.weights, seed=rt.seed,
                       trainable=not lora.enabled, compile=m.compile, attention=m.attention,
                       tensor_parallel=mesh["split"] if split > 1 else None,
@@ -180,17 +181,14 @@ def load_model(card, config):
                       pipeline=mesh["stages"] if stages > 1 else None,  # each process builds its stage alone
                       # GPipe for a step with fewer rows than stages
                       pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
-                      # no process ever holds the whole model (a stage's blocks: over copies of the pipeline);
-                      # with the experts split, the dense parts are sharded once they are (_split_experts)
-                      fully_shard=t.shard == "fsdp" and processes > split * stages and getattr(t, "expert", 1) == 1,
+                      # no process ever holds the whole model (a stage's blocks: over copies of the pipeline)
+                      fully_shard=t.shard == "fsdp" and processes > split * stages, expert_parallel=experts,
                       activation_checkpointing=t.activation_checkpointing,
                       activation_memory_budget=m.activation_memory_budget, quantize=m.quantize,
                       lora=lora_options(config) if lora.enabled else None)
     model.tile_mlp(t.mlp_tile)
     if context > 1:  # after the adapters: their gradients are summed over the context group too
         model.split_context(mesh["context"])
-    if getattr(t, "expert", 1) > 1:
-        _split_experts(model, t, processes, torch.device(device).type)
     trained = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         parts = (f", {model.pipe}" if stages > 1 else "") + (f", split {split} ways" if split > 1 else "") + (
@@ -209,27 +207,22 @@ def lora_options(config) -> dict:
                 dora=lora.dora)
 
 
-def _split_experts(model, t, processes: int, device_type: str) -> None:
-    """training.expert: the experts split over groups of that many processes, the groups
-    copies of each other (linnet.torch.moe.expert_parallel), and with training.shard=fsdp
-    the dense parts sharded over every process after (each process reads the whole model
-    first)."""
+def _expert_mesh(card, t, processes: int, device_type: str):
+    """training.expert's mesh: the experts split over groups of that many processes, the
+    groups copies of each other (linnet.torch.moe.expert_parallel); None without it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from linnet.torch.moe import expert_parallel
-    from linnet.torch.sharding import fully_shard
-
-    if model.card.experts is None:
-        raise ValueError(f"config: training.expert={t.expert} splits a mixture of experts; {model.card.name} has none")
+    if getattr(t, "expert", 1) == 1:
+        return None
+    if card.experts is None:
+        raise ValueError(f"config: training.expert={t.expert} splits a mixture of experts; {card.name} has none")
     if processes % t.expert or t.per_copy > 1 or t.shard == "zero":
         raise ValueError(f"config: training.expert={t.expert} splits the experts over groups of that many of the "
                          f"run's {processes} processes (a divisor of the count), beside training.shard fsdp at most "
                          "for now: training.split, pipeline and context 1 and training.shard none or fsdp")
     copies = processes // t.expert
     shape, names = ((t.expert,), ("expert",)) if copies == 1 else ((copies, t.expert), ("expert_copies", "expert"))
-    expert_parallel(model, init_device_mesh(device_type, shape, mesh_dim_names=names))
-    if t.shard == "fsdp":
-        fully_shard(model)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def run_mesh(device_type: str, *, stages: int = 1, context: int = 1, split: int = 1):

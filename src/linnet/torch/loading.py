@@ -166,7 +166,7 @@ def _fill(model: Decoder, values: Iterator[tuple[str, torch.Tensor]], device: to
 
 def build(card: Card, *, device, dtype, trainable, compile, weights, seed, attention, tensor_parallel=None,
           sequence_parallel: bool = False, pipeline=None, pipeline_schedule: str = "1f1b", fully_shard: bool = False,
-          activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
+          expert_parallel=None, activation_checkpointing: bool | str = False, activation_memory_budget: float | None = None,
           quantize: str | None = None, numerics: str | None = None, lora: dict | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
@@ -179,6 +179,8 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     if quantize is not None:
         _check_quantize(quantize, trainable=trainable, tensor_parallel=tensor_parallel, pipeline=pipeline,
                         compile=compile)
+    if expert_parallel is not None and card.experts is None:
+        raise ValueError(f"nest.load(expert_parallel=...) splits a mixture of experts' experts; {card.name} has none")
     if card.experts is not None and (tensor_parallel is not None or pipeline is not None):
         used = "tensor_parallel" if tensor_parallel is not None else "pipeline"
         raise ValueError(f"nest.load({used}=...): not yet for a mixture-of-experts model ({card.family}); train it "
@@ -203,7 +205,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
 
     model = whole = on_meta()
     also = None
-    if pipeline is not None or tensor_parallel is not None or fully_shard or quantize:
+    if pipeline is not None or tensor_parallel is not None or fully_shard or quantize or expert_parallel is not None:
         # cut, split, sharded or quantized on meta: only this process's part of each weight is ever allocated
         whole = on_meta()  # what the weights are read (or drawn) for, every process's, as they are stored
         also = {"model.embed_tokens.weight": "lm_head.weight"} if card.tied_embeddings else None  # untied
@@ -211,7 +213,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         nf4_layout(model)
     # adapters placed on the whole model before a cut or fully_shard (which wants them first), drawn
     # once the weights are in; a tensor-parallel split adds its own after, split as its weights are
-    placed = lora and (fully_shard or pipeline is not None) and tensor_parallel is None
+    placed = lora and (fully_shard or pipeline is not None) and tensor_parallel is None and expert_parallel is None
     if placed:
         add_lora(model, **lora)
     copies = None
@@ -226,6 +228,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     # a split model's parts are sharded over their copies once filled and adapted (below)
     if fully_shard and pipeline is not None and tensor_parallel is None:  # each stage over its copies
         stages.shard_stage(model, copies, device.type)
+    if expert_parallel is not None:  # each process allocates its own experts alone
+        from linnet.torch.moe import expert_parallel as split_experts
+
+        split_experts(model, expert_parallel)
     elif fully_shard and tensor_parallel is None:  # a tied head is the embedding's own parameter: one part
         from linnet.torch.sharding import fully_shard as shard
 
@@ -241,6 +247,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
         draw_adapters(model, device)
     elif lora:  # whole, or split by tensor_parallel (A drawn whole, then split)
         add_lora(model, **lora)
+    if fully_shard and expert_parallel is not None:  # the dense parts, once read and adapted, beside the experts
+        from linnet.torch.sharding import fully_shard as shard
+
+        shard(model)
     if fully_shard and tensor_parallel is not None and pipeline is not None:  # 3-D: a stage's part over its copies
         stages.shard_stage(model, copies, device.type, tensor_parallel)
     elif fully_shard and tensor_parallel is not None:  # 2-D: each process's part of the split over its copies
