@@ -125,9 +125,10 @@ def test_all_linear_adapts_attention_and_experts_and_what_is_not_yet_is_refused(
 
 def test_counts_and_the_planner(moe):
     """Every parameter counted, a token's share (its chosen experts alone) by transformers'
-    tensors; the planner refuses what it cannot count yet."""
+    tensors; the planner counts both, FLOPs by the active ones, and the adapters all-linear
+    puts on the attention and the experts' stacked tensors."""
     from linnet.cards import resolve
-    from linnet.plan import estimate
+    from linnet.plan import Method, estimate
 
     hf, directory = moe
     card = resolve(str(directory))
@@ -136,8 +137,12 @@ def test_counts_and_the_planner(moe):
     one = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // card.experts.count
     idle = card.layers * (card.experts.count - card.experts.per_token) * one
     assert card.active_params() == card.params() - idle
-    with pytest.raises(ValueError, match="mixture of experts"):
-        estimate(card)
+    plan = estimate(card, Method("lora", rank=4), total_targets=1e6)
+    assert (plan.params, plan.active) == (card.params(), card.active_params())
+    assert plan.compute.flops == 4 * card.active_params() * 1e6
+    model = nest.load(directory, weights=directory, dtype="float32")
+    model.add_lora("all-linear", rank=4)
+    assert plan.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_full_fine_tuning_learns_a_row(moe):

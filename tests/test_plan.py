@@ -1041,3 +1041,266 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
                               "131072", "--suggest"]) == 0
     out = capsys.readouterr().out
     assert "training.context=2" in out and "none fits" in out
+
+
+# ---------------------------------------------------------------------------------------
+# A mixture of experts (linnet.plan.experts)
+
+MOE_CARD = plan.cards.resolve("debug").replace(name="tiny-moe", family="qwen3_moe", qk_norm=True,
+                                               experts=plan.Experts(8, 2, 24, True))
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def moe_directory(tmp_path, card=MOE_CARD):
+    """A model directory of `card` (its config.json), as linnet plan reads one."""
+    directory = tmp_path / card.name
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(card.hf_config()))
+    return directory
+
+
+def moe_model(method: str, dtype: str, targets=(), card=MOE_CARD):
+    """A linnet decoder of `card` with random weights, its routers scaled up so that the
+    positions spread over the experts, and adapters of rank 4 on `targets` (add_lora's
+    patterns) unless it trains in full."""
+    import torch
+
+    from linnet import nest
+
+    model = nest.load(card, weights="random", trainable=method == "full",
+                      dtype={"f32": "float32", "bf16": "bfloat16"}[dtype],
+                      **({"quantize": "nf4"} if method == "qlora" else {}))
+    if method != "full":
+        model.add_lora(list(targets), rank=4)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.mlp.gate.weight.normal_(0, 1.0)
+    return model
+
+
+# Qwen2-MoE's block: a shared expert, 40 wide, beside the routed ones
+SHARED_CARD = MOE_CARD.replace(name="tiny-moe-shared", family="qwen2_moe", qk_norm=False, qkv_bias=True,
+                               experts=plan.Experts(8, 2, 24, False, shared=40))
+RAW_WEIGHTS = MOE_CARD.replace(experts=dataclasses.replace(MOE_CARD.experts, normalize=False, count=6))
+# (method, dtype, add_lora's patterns, the planner's targets, the card)
+MOE_BLOCK_CASES = [
+    ("full", "f32", (), plan.LINEAR_NAMES, MOE_CARD),
+    ("full", "bf16", (), plan.LINEAR_NAMES, MOE_CARD),
+    ("full", "f32", (), plan.LINEAR_NAMES, RAW_WEIGHTS),
+    ("lora", "f32", ("all-linear",), plan.LINEAR_NAMES, MOE_CARD),
+    ("lora", "bf16", ("all-linear",), plan.LINEAR_NAMES, MOE_CARD),
+    ("lora", "f32", ATTENTION, ATTENTION, MOE_CARD),
+    ("lora", "bf16", ("q_proj", "o_proj", "gate_up_proj"), ("q_proj", "o_proj", "gate_up_proj"), MOE_CARD),
+    ("lora", "f32", ("q_proj", "model.layers.*.mlp.experts.down_proj"), ("q_proj", "down_proj"), MOE_CARD),
+    ("qlora", "f32", ("all-linear",), plan.LINEAR_NAMES, MOE_CARD),
+    ("full", "f32", (), plan.LINEAR_NAMES, MOE_CARD.replace(experts=dataclasses.replace(MOE_CARD.experts, aux_loss=0.01))),
+    ("full", "f32", (), plan.LINEAR_NAMES, SHARED_CARD),
+    ("full", "bf16", (), plan.LINEAR_NAMES, SHARED_CARD),
+    ("lora", "f32", ("all-linear",), plan.LINEAR_NAMES, SHARED_CARD),
+    ("lora", "f32", ATTENTION, ATTENTION, SHARED_CARD),
+    ("lora", "bf16", ("q_proj", "o_proj", "up_proj", "down_proj"), ("q_proj", "o_proj", "up_proj", "down_proj"),
+     SHARED_CARD),
+]
+
+
+@pytest.mark.parametrize("method, dtype, patterns, targets, card", MOE_BLOCK_CASES)
+def test_moe_block_count_is_what_autograd_saves(method, dtype, patterns, targets, card):
+    """A mixture of experts' block keeps its router's softmax and top-k, each position's rows
+    gathered for its chosen experts with their MLP's intermediates, the results and their
+    weighted copy (and Qwen2-MoE's shared expert): the planner's count per token is
+    autograd's, for full fine-tuning, QLoRA and adapters on the attention, the experts or
+    both; its adapters are add_lora's, its NF4 weights nest.load's."""
+    import torch
+
+    from linnet.torch import attention
+    from linnet.torch.moe import balancing
+
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    model = moe_model(method, dtype, patterns, card)
+    planned = Method(method, rank=4, targets=targets, dtype=dtype)
+
+    def forward(n):
+        x = torch.randn(n, card.hidden, dtype=model.dtype, generator=torch.Generator().manual_seed(n),
+                        requires_grad=True)
+        angles = torch.arange(n)[:, None].float() * model.inv_freq[None]
+        cos, sin = (torch.cat((angles, angles), -1).cos().to(model.dtype), torch.cat((angles, angles), -1).sin()
+                    .to(model.dtype))
+        with balancing(model):  # as training runs it: with a coefficient the router's loss takes the softmax again
+            return model.model.layers[0](x, cos, sin, [0, n], attention.documents), (cos, sin)
+
+    assert saved_per_token(forward, lengths=(64, 128)) == block_activation_bytes(
+        card, planned, Workload(tokens=1, device="cpu"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.trainable_params(card, planned) == trained
+    if method == "qlora":  # NF4 codes, two weights a byte: the attention's and every expert's, not the router's
+        assert 2 * sum(p.numel() for p in model.parameters() if p.dtype == torch.uint8) == plan.quantized_params(
+            card, planned)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("card", [MOE_CARD, SHARED_CARD])
+def test_moe_kept_activations_are_what_the_trunk_saves(method, card):
+    import numpy as np
+
+    from linnet.packing import Example, pack
+
+    model = moe_model(method, "f32", ("all-linear",), card)
+
+    def forward(n):
+        row = next(pack([Example.plain(np.arange(3, 3 + n) % card.vocab)], tokens=n))
+        return model.hidden_packed(row), ()
+
+    acts = activation_bytes(card, Method(method, rank=4, dtype="f32"),
+                            Workload(tokens=1, device="cpu", activation_checkpointing="none", chunked_loss=True))
+    assert saved_per_token(forward, lengths=(64, 128), keep=lambda h: [h]) == acts.kept
+
+
+def test_moe_counts_every_expert_in_states_and_the_active_ones_in_flops():
+    card = MOE_CARD
+    e, experts = card.experts, card.layers * card.experts.count * 3 * card.experts.intermediate * card.hidden
+    full = estimate(card, Method("full"), total_targets=1e9)
+    assert (full.params, full.active, full.trainable) == (card.params(), card.active_params(), card.params())
+    assert full.active == card.params() - card.layers * (e.count - e.per_token) * 3 * e.intermediate * card.hidden
+    assert full.states.total == 16 * card.params()
+    assert full.compute.flops == 6 * card.active_params() * 1e9 < 6 * card.params() * 1e9
+    lora = estimate(card, Method("lora", rank=4), total_targets=1e9)
+    assert lora.compute.flops == 4 * card.active_params() * 1e9
+    # all-linear: the attention's four and one pair an expert on each stacked tensor, E·r·(in + out)
+    attention = 4 * sum(o + i for o, i in card.linear_shapes().values())
+    stacked = e.count * 4 * ((2 * e.intermediate + card.hidden) + (card.hidden + e.intermediate))
+    assert lora.trainable == card.layers * (attention + stacked)
+    assert plan.trainable_params(card, Method("lora", rank=4, targets=ATTENTION)) == card.layers * attention
+    attention_weights = sum(o * i for o, i in card.linear_shapes().values())
+    assert plan.quantized_params(card, Method("qlora")) == card.layers * attention_weights + experts
+
+
+def test_expert_parallel_splits_the_experts_states_and_adds_the_all_to_all_buffers():
+    """Over 4 GPUs each holds a quarter of every block's experts with their states, never
+    sharded again (fsdp shards the rest over the same GPUs), and a block's backward holds
+    the all-to-all buffers, 3·c·d a routed pair; what blocks keep is unchanged."""
+    card, work = MOE_CARD, Workload(tokens=512, chunked_loss=True)
+    e, c = card.experts, 2
+    experts = card.layers * e.count * 3 * e.intermediate * card.hidden
+    dense = card.params() - experts
+    one = estimate(card, Method("full"), work, Cluster(gpus=4))
+    split = estimate(card, Method("full"), work, Cluster(gpus=4, expert=4))
+    sharded = estimate(card, Method("full"), work, Cluster(gpus=4, expert=4, shard="fsdp"))
+    assert one.states.total == 16 * card.params()
+    assert split.states.total == 16 * (dense + experts / 4)
+    assert sharded.states.total == pytest.approx(16 * (dense / 4 + experts / 4))
+    assert split.activations.kept == one.activations.kept
+    # a block's backward: the pairs' results' and gathered rows' gradients, and an expert's own, two of each
+    assert one.activations.backward == 2 * c * e.per_token * 512 * (card.hidden + e.intermediate / e.count)
+    assert split.activations.backward - one.activations.backward == 3 * c * card.hidden * e.per_token * 512
+    assert [p.params for p in split.processes] == [dense + experts // 4]
+    # the optimizer step (no bf16 copies; foreach AdamW's 4 B): fsdp splits the dense states of each moment over
+    # the GPUs, the experts' stay a quarter
+    assert one.phases["optimizer"] == 18 * card.params() and split.phases["optimizer"] == 18 * (dense + experts / 4)
+    assert sharded.phases["optimizer"] == pytest.approx(18 * (dense / 4 + experts / 4))
+    # the fewest GPUs is the whole model's, every state sharded
+    assert split.min_gpus == one.min_gpus
+    # two groups of 4 (copies of each other): the experts a quarter, the dense parts sharded over all 8
+    groups = estimate(card, Method("full"), work, Cluster(gpus=8, expert=4, shard="fsdp"))
+    assert groups.states.total == pytest.approx(16 * (dense / 8 + experts / 4))
+    adapters = estimate(card, Method("lora", targets=ATTENTION), work, Cluster(gpus=4, expert=4, shard="fsdp"))
+    # the frozen base in bf16: its dense part sharded, its experts split; the adapters' copies whole
+    assert adapters.states.weights == pytest.approx(2 * dense / 4 + 2 * experts / 4 + 2 * adapters.trainable)
+
+
+@pytest.mark.parametrize("card, settings, message", [
+    (PARTS_CARD, dict(expert=2, gpus=2), "expert 2 splits a mixture of experts' experts; card 'debug' (llama) has none"),
+    (MOE_CARD, dict(expert=3, gpus=3), "expert 3: card 'tiny-moe' has 8 experts a block, which 3 GPUs cannot split"),
+    (MOE_CARD, dict(expert=4, gpus=6), "gpus=6: expert 4 splits the experts over groups of 4 GPUs; use a multiple"),
+    (MOE_CARD, dict(expert=2, gpus=2, method="qlora", targets="q_proj"), "expert 2 with qlora: linnet's expert "
+                                                                         "parallel does not split experts stored in NF4"),
+    (MOE_CARD, dict(expert=2, gpus=4, split=2), "expert 2 with split 2, pipeline 1 and context 1"),
+    (MOE_CARD, dict(expert=2, gpus=4, pipeline=2), "expert 2 with split 1, pipeline 2 and context 1"),
+    (MOE_CARD, dict(expert=2, gpus=4, context=2), "expert 2 with split 1, pipeline 1 and context 2"),
+    (MOE_CARD, dict(expert=2, gpus=2, shard="zero"), "beside the split experts linnet shards the dense parts with "
+                                                     "fsdp alone"),
+    (MOE_CARD, dict(split=2, gpus=2), "split 2 with a mixture of experts ('tiny-moe', qwen3_moe): linnet does not "
+                                      "split or cut its blocks yet"),
+    (MOE_CARD, dict(pipeline=2, gpus=2), "pipeline 2 with a mixture of experts"),
+    (MOE_CARD, dict(mlp_tile=64), "mlp_tile 64 with a mixture of experts"),
+    (MOE_CARD, dict(method="dora"), "dora on a mixture of experts ('tiny-moe', qwen3_moe)'s experts"),
+    (MOE_CARD, dict(method="lora", targets="q_proj,gate_proj"), "targets gate_proj: card 'tiny-moe' has no such "
+                                                                "layer; a mixture of experts holds every expert's gate "
+                                                                "and up rows in one stacked tensor, gate_up_proj"),
+    (PARTS_CARD, dict(method="lora", targets="gate_up_proj"), "targets gate_up_proj: card 'debug' has no such layer"),
+])
+def test_moe_plans_refuse_what_linnet_refuses(card, settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.estimate(card, **plan.plan_inputs(settings))
+
+
+def test_moe_plans_with_context_parallel_and_adapters_beside_expert_parallel():
+    """Context parallel runs a mixture of experts (its blocks on a GPU's positions); under
+    expert parallel the experts' adapters stay whole on every GPU, with their states."""
+    assert estimate(MOE_CARD, workload=Workload(tokens=512), cluster=Cluster(gpus=2, context=2)).fits
+    one = estimate(MOE_CARD, Method("lora"), cluster=Cluster(gpus=2))
+    split = estimate(MOE_CARD, Method("lora"), cluster=Cluster(gpus=2, expert=2, shard="fsdp"))
+    experts = MOE_CARD.layers * MOE_CARD.experts.count * 3 * MOE_CARD.experts.intermediate * MOE_CARD.hidden
+    assert split.trainable == one.trainable == plan.trainable_params(MOE_CARD, Method("lora"))
+    for name in ("gradients", "master", "optimizer"):
+        assert getattr(split.states, name) == getattr(one.states, name) > 0, name
+    base = 2 * (MOE_CARD.params() - experts)  # the frozen base: the dense part sharded, the experts split
+    assert split.states.weights == pytest.approx(base / 2 + 2 * experts / 2 + 2 * one.trainable)
+
+
+def test_cli_plans_a_mixture_of_experts_with_both_counts(tmp_path, capsys):
+    from linnet.report.tables import count
+
+    directory = moe_directory(tmp_path)
+    code, out, err = run_cli(capsys, str(directory), "--method", "lora", "--total-targets", "1e9")
+    assert code == 0 and err == ""
+    assert table_row(out, "parameters") == [count(MOE_CARD.params())] == ["132K"]
+    assert table_row(out, "active a token") == [count(MOE_CARD.active_params())] == ["77.2K"]
+    assumptions = out.split("assumptions:")[1]
+    assert "adapters on q_proj, k_proj, v_proj, o_proj, gate_up_proj, down_proj in every block" in assumptions
+    assert "mixture of experts: 2 of 8 experts a position" in assumptions
+    code, out, _ = run_cli(capsys, str(directory), "--expert", "4", "--gpus", "4", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["cluster"]["expert"] == 4 and data["experts"]["count"] == 8
+    assert (data["params"], data["active"]) == (MOE_CARD.params(), MOE_CARD.active_params())
+    code, _, err = run_cli(capsys, str(directory), "--expert", "3", "--gpus", "3")
+    assert code == 2 and "--expert 3: card 'tiny-moe' has 8 experts a block" in err
+    code, _, err = run_cli(capsys, L8B, "--expert", "2", "--gpus", "2")
+    assert code == 2 and err.startswith("linnet plan: error: --expert 2 splits a mixture of experts' experts")
+
+
+def test_a_config_with_training_expert_plans_the_experts_split(tmp_path, capsys):
+    """training.expert: the experts split over that many GPUs (every one of the run); a
+    config's lora.targets name the stacked tensors as add_lora picks them."""
+    directory = moe_directory(tmp_path)
+    _, data = planned_config(tmp_path, capsys, f"model: {{card: {directory}}}\ndata: {{path: x.jsonl}}\n"
+                                               "lora: {enabled: false}\ntraining: {expert: 4, shard: fsdp}\n")
+    assert data["cluster"]["expert"] == data["cluster"]["gpus"] == 4 and data["cluster"]["shard"] == "fsdp"
+    assert data["states"]["total"] == estimate(MOE_CARD, Method("full", grad_dtype="fp32"),
+                                               cluster=Cluster(gpus=4, expert=4, shard="fsdp")).states.total
+    for targets, adapted in [("all-linear", [*ATTENTION, "gate_up_proj", "down_proj"]),
+                             ("['model.layers.*.self_attn.*_proj']", list(ATTENTION)),
+                             ("[gate_up_proj]", ["gate_up_proj"])]:
+        config = tmp_path / "lora.yaml"
+        config.write_text(f"model: {{card: {directory}}}\ndata: {{path: x.jsonl}}\nlora: {{targets: {targets}}}\n")
+        assert plan_command.settings_from_config(str(config))["targets"] == adapted
+    config.write_text(f"model: {{card: {directory}, quantize: nf4}}\ndata: {{path: x.jsonl}}\ntraining: {{expert: 4}}\n")
+    assert plan_command.main(["--config", str(config)]) == 2
+    assert "training.expert 4 with qlora: linnet's expert parallel does not split" in capsys.readouterr().err
+
+
+def test_suggest_splits_a_mixture_of_experts_experts_where_linnet_does(capsys):
+    from linnet.plan.layouts import suggest
+
+    card = MOE_CARD.replace(layers=16)
+    layouts = suggest(card, Method("full"), Workload(tokens=1024), Cluster(gpus=4))
+    kinds = {(x.shard, x.split, x.pipeline, x.context, x.expert) for x in layouts}
+    assert {("none", 1, 1, 1, 2), ("fsdp", 1, 1, 1, 2), ("none", 1, 1, 1, 4), ("fsdp", 1, 1, 1, 4)} <= kinds
+    assert not any(x[1] > 1 or x[2] > 1 for x in kinds)  # linnet splits and cuts no mixture of experts
+    for x in layouts:
+        assert x.peak == estimate(card, Method("full"), Workload(tokens=1024),
+                                  Cluster(gpus=4, shard=x.shard, context=x.context, expert=x.expert)).total
+    order = [x.settings for x in layouts]
+    assert {"training.expert=4", "training.shard=fsdp training.expert=2"} <= set(order) and all(x.fits for x in layouts)
+    # the experts split: after zero (gradients alike, and the all-to-alls), before fsdp (every weight gathered)
+    assert order.index("training.shard=zero") < order.index("training.expert=2") < order.index("training.shard=fsdp")

@@ -69,6 +69,7 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
     chosen = CHECKPOINTING_LABELS[first.workload.activation_checkpointing]
     memory = {
         "parameters": lambda p: count(p.params),
+        **({"active a token": lambda p: count(p.active)} if first.active != first.params else {}),
         "trainable": lambda p: f"{count(p.trainable)} ({p.trainable / p.params:.1%})",
         "weights": lambda p: gb(p.states.weights),
         "gradients": lambda p: gb(p.states.gradients),
@@ -123,8 +124,8 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
         lines.append(
             f"{', '.join(adapted)}: base frozen (no gradient, master or optimizer state)"
             + ("" if adapted == ["qlora"] else f" in {method.dtype}, {c} B per parameter")
-            + f"; rank {method.rank} adapters on {', '.join(method.targets)} in every block, "
-            "r·(d_in + d_out) parameters each"
+            + f"; rank {method.rank} adapters on {', '.join(plan.experts.adapted_names(first.experts, method.targets))}"
+            " in every block, r·(d_in + d_out) parameters each"
         )
     if "qlora" in names:
         lines.append(
@@ -161,14 +162,14 @@ def _assumptions(plans: Sequence[Plan]) -> list[str]:
             if split
             else "states not sharded: every GPU holds all of them (--shard zero, zero1, zero2 or fsdp splits them)"
         )
-    lines.append(
+    lines += plan.experts.describe(first) + [
         f"usable memory: {cluster.usable:.0%} of {cluster.gpu.memory_gb:g} GB per {cluster.gpu.name} (CUDA "
         "context, allocator fragmentation, communication buffers); minimum GPUs shards every state (FSDP)"
-    )
+    ]
     if first.compute is not None:
         lines += [
             "FLOPs = 6·N·D when the base trains, 4·N·D when it is frozen (no weight gradients in backward); "
-            "N counts every parameter",
+            "N counts the parameters a token computes with (a mixture of experts' chosen experts alone)",
             f"GPU-hours = FLOPs / ({cluster.peak_flops / 1e12:g} TFLOP/s dense {cluster.precision} × "
             f"{cluster.mfu:.0%} MFU) / 3600; MFU counts model FLOPs, so recomputation lowers MFU",
             f"wall time = GPU-hours / {_gpus(cluster.gpus)}"
@@ -266,7 +267,7 @@ CONFIG_FIELDS = {"tokens": "training.context_length", "accumulate": "training.ac
                  "split": "training.split", "pipeline": "training.pipeline",
                  "pipeline_schedule": "training.pipeline_schedule", "rank": "lora.rank", "targets": "lora.targets",
                  "mlp_tile": "training.mlp_tile", "context": "training.context",
-                 "sequence_parallel": "training.sequence_parallel"}
+                 "sequence_parallel": "training.sequence_parallel", "expert": "training.expert"}
 
 
 class _Flags(dict):
@@ -364,6 +365,8 @@ def parser() -> argparse.ArgumentParser:
     hardware("--context", type=int, metavar="N",
              help="GPUs that take the same rows, each computing 1/N of every row's positions (context parallel, "
              f"linnet's training.context; attention as a ring) (default {cluster.context})")
+    hardware("--expert", type=int, metavar="N", help="GPUs that split a mixture of experts' experts between them "
+             f"(expert parallel, linnet's training.expert; --gpus a multiple) (default {cluster.expert})")
     hardware("--pipeline-schedule", choices=list(SCHEDULES),
              help="with --pipeline: 1f1b, interleaved (two chunks of blocks a stage) or zero-bubble (those chunks, "
                   "each backward split in two), linnet's training.pipeline_schedule "
@@ -410,7 +413,7 @@ def settings_from_config(path: str) -> dict[str, Any]:
     micro-batch, the budget's targets and, packed, its models (N side by side). The
     settings are named as `linnet.plan.plan_inputs` takes them (Python's names)."""
     from linnet.config import PretrainConfig, load_any
-    from linnet.paths import target_matches
+    from linnet.plan.experts import config_targets
 
     config = load_any(path)
     t, model = config.training, config.model
@@ -438,18 +441,15 @@ def settings_from_config(path: str) -> dict[str, Any]:
         settings.update(split=split, pipeline=stages, gpus=split * stages,
                         pipeline_schedule=getattr(t, "pipeline_schedule", "1f1b"),
                         sequence_parallel=getattr(t, "sequence_parallel", False))
-    if getattr(t, "context", 1) > 1:
-        settings.update(context=t.context, gpus=t.context)
+    for name in [n for n in ("context", "expert") if getattr(t, n, 1) > 1]:  # one group, unless --gpus says more
+        settings.update({name: getattr(t, name), "gpus": getattr(t, name)})
     lora = config.lora
     if lora.enabled:
         if model.quantize and lora.dora:
             raise ValueError(f"{path}: DoRA over an NF4 base (model.quantize with lora.dora) has no plan yet; "
                              "plan it as qlora (lora.dora: false) and add one magnitude per output row")
-        parents = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
         settings.update(method="qlora" if model.quantize else "dora" if lora.dora else "lora", rank=lora.rank,
-                        targets=[name for name in plan.LINEAR_NAMES
-                                 if any(target_matches(f"model.layers.0.{parents.get(name, 'mlp')}.{name}", pattern)
-                                        for pattern in lora.targets)])
+                        targets=config_targets(cards.resolve(model.card), lora.targets))
     else:
         settings["method"] = "full"
     if t.steps:
@@ -619,8 +619,8 @@ def _suggest(card, inputs: dict[str, Any], as_json: bool) -> int:
     card = cards.resolve(card)
     layouts = suggest(card, inputs["method"], inputs["workload"], inputs["cluster"])
     if as_json:
-        print(json.dumps([{"settings": x.settings, "shard": x.shard, "split": x.split, "pipeline": x.pipeline,
-                           "context": x.context, "peak_bytes": x.peak, "fits": x.fits} for x in layouts], indent=2))
+        keys = ("settings", "shard", "split", "pipeline", "context", "expert", "peak", "fits")  # peak as peak_bytes
+        print(json.dumps([{k + "_bytes" * (k == "peak"): getattr(x, k) for k in keys} for x in layouts], indent=2))
         return 0
     w, c = inputs["workload"], inputs["cluster"]
     print(render_layouts(layouts, f"{card.name}, {inputs['method'].name}: context length {w.tokens} x micro-batch size "

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from linnet import cards, hardware
+from linnet.experts import Experts
+from linnet.plan import experts
+from linnet.plan.experts import EXPERT_NAMES  # noqa: F401  (re-exported)
 from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's public names)
     CHECKPOINTING,
     COMPARED,
@@ -50,6 +53,7 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     block_activation_bytes,
     logits_bytes,
     loss_rows,
+    part_states,
     quantized_params,
     ring_bytes,
     state_bytes,
@@ -162,7 +166,10 @@ class Cluster:
     with `pipeline_schedule` "interleaved"): split x pipeline GPUs hold one copy of the
     model, and `gpus` counts every copy's. `context` GPUs take the same rows, each a whole
     copy computing 1/context of every row's positions (context parallel: `ring_bytes`).
-    `sequence_parallel`: a split's GPUs also share the blocks' norms' positions.
+    `sequence_parallel`: a split's GPUs also share the blocks' norms' positions. `expert`
+    GPUs split a mixture of experts' experts between them (expert parallel,
+    `training.expert`; groups of them copies of each other when `gpus` is a multiple), each
+    holding the rest of the model and rows of its own.
     """
 
     gpu: Accelerator = ACCELERATORS["h100"]
@@ -173,6 +180,7 @@ class Cluster:
     pipeline_schedule: str = "1f1b"
     context: int = 1
     sequence_parallel: bool = False
+    expert: int = 1
     usable: float = 0.9
     precision: str = "bf16"
     mfu: float = 0.35
@@ -202,6 +210,7 @@ class Cluster:
                  f"{{shard}} {self.shard!r} with {{split}} {self.split} and {{pipeline}} {self.pipeline}: linnet "
                  "shards the parts of a split or pipelined model over their copies with fsdp alone ({shard} none "
                  "or fsdp)")
+        experts.check_cluster(self)
         _require(0 < self.usable <= 1, f"{{usable}} must be a fraction in (0, 1] of GPU memory, got {self.usable}")
         _require(0 < self.mfu <= 1, f"{{mfu}} must be in (0, 1], got {self.mfu}; pass a fraction such as 0.35 for 35%")
         _require(self.price is None or self.price >= 0, f"{{price}} must be >= 0 dollars per GPU-hour, got {self.price}")
@@ -284,7 +293,9 @@ class Compute:
 
 
 def compute_cost(params: float, total_targets: float, method: Method, cluster: Cluster) -> Compute:
-    """FLOPs, GPU-hours, wall time and dollars of training on `total_targets` tokens."""
+    """FLOPs, GPU-hours, wall time and dollars of training on `total_targets` tokens, `params`
+    the parameters a token computes with (card.active_params(): of a mixture of experts' only
+    the chosen ones)."""
     flops = training_flops(params, total_targets, frozen_base=method.adapters)
     hours = gpu_hours(flops, cluster.peak_flops, cluster.mfu)
     cost = None if cluster.price is None else hours * cluster.price
@@ -316,6 +327,7 @@ class Plan:
 
     model: str
     params: int
+    active: int  # the parameters a token computes with: a mixture of experts' chosen experts alone
     trainable: int
     method: Method
     workload: Workload
@@ -329,6 +341,7 @@ class Plan:
     min_gpus: int | None  # with every state sharded; None: activations alone overflow a GPU
     compute: Compute | None
     processes: tuple[ProcessPlan, ...] = ()  # one a pipeline stage (its split's processes hold alike)
+    experts: Experts | None = None  # a mixture of experts' (card.experts); None for a dense model
 
     @property
     def total(self) -> float:
@@ -361,11 +374,10 @@ def estimate(
 ) -> Plan:
     """Plan a run of `card` (a Card, registered name or model directory). `total_targets`
     is the count of tokens trained on (prediction targets), "chinchilla" for 20 per
-    parameter, or None for memory only."""
+    parameter (every one, a mixture's experts all counted), or None for memory only. FLOPs
+    count the parameters a token computes with (card.active_params())."""
     card = cards.resolve(card)
-    if card.experts is not None:
-        raise ValueError(f"linnet plan: {card.name} is a mixture of experts ({card.family}); the planner counts dense "
-                         "models for now (its memory: linnet plan would under-count the experts' activations)")
+    experts.check(card, method, workload, cluster)
     params = card.params()
     trainable = trainable_params(card, method)
     if total_targets == "chinchilla":
@@ -396,15 +408,14 @@ def estimate(
     _require(not cluster.sequence_parallel or (workload.tokens % cluster.split == 0 and not workload.mlp_tile),
              "{sequence_parallel}: {tokens} a multiple of {split}, and no {mlp_tile} (linnet refuses it)")
     for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule,
-                            cluster.sequence_parallel):
+                            cluster.sequence_parallel, cluster.expert):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),
                                        part) for mode in CHECKPOINTING}
         acts = {mode: dataclasses.replace(a, backward=a.backward + ring) for mode, a in acts.items()}
         over = copies if cut and cluster.shard == "fsdp" else 1  # a stage sharded over its copies
         # per GPU when over > 1
         moments = step_moments(card, method, mine, acts[workload.activation_checkpointing], part, over)
-        states = state_bytes(part.params(), trainable_params(card, method, part), method, cluster.shard, copies,
-                             quantized_params(part.card, method))
+        states = part_states(card, method, part, cluster.shard, copies)
         n = workload.num_models
         if n > 1:  # packed workers: n whole models, their states and their micro-batches side by side
             moments = {phase: [Moment({k: v * n for k, v in m.states.items()}, m.activations * n) for m in ms]
@@ -418,13 +429,14 @@ def estimate(
         modes.append((acts, moments))
     fullest = max(range(len(processes)), key=lambda i: max(processes[i].phases.values()))
     acts, moments = modes[fullest]
-    if cut:  # the fewest GPUs that hold the whole model with every state sharded, as unsplit
+    if cut or cluster.expert > 1:  # the fewest GPUs that hold the whole model with every state sharded, as one
         moments = step_moments(card, method, workload, activation_bytes(card, method, workload))
     fewest = [min_gpus(sum(m.states.values()), m.activations, cluster.usable_bytes)
               for ms in moments.values() for m in ms]
     return Plan(
         model=card.name,
         params=params,
+        active=card.active_params(),
         trainable=trainable,
         method=method,
         workload=workload,
@@ -436,8 +448,9 @@ def estimate(
         logits=logits_bytes(card.vocab, workload),
         phases={phase: max(p.phases[phase] for p in processes) for phase in PHASES},
         min_gpus=None if None in fewest else max(fewest),
-        compute=None if total_targets is None else compute_cost(params, total_targets, method, cluster),
+        compute=None if total_targets is None else compute_cost(card.active_params(), total_targets, method, cluster),
         processes=tuple(processes),
+        experts=card.experts,
     )
 
 

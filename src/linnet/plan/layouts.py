@@ -2,15 +2,19 @@
 the ones that fit first, the cheapest in communication first among them.
 
 A layout is how the GPUs share the work: whole copies (`shard` none, zero or fsdp over the
-copies), a model split `split` ways (tensor parallel), cut in `pipeline` stages, or each row
-split over `context` GPUs (context parallel). Each is planned with `estimate`; a layout
-linnet refuses (a card that does not split evenly, context with a split, ...) is left out.
+copies), a model split `split` ways (tensor parallel), cut in `pipeline` stages, each row
+split over `context` GPUs (context parallel), or a mixture of experts' experts split over
+groups of `expert` GPUs (expert parallel). Each is planned with `estimate`; a layout linnet
+refuses (a card that does not split evenly, context with a split, ...) is left out.
 
 The order among those that fit follows what a step sends between GPUs, least first:
 
   copies      the gradients once a step (all-reduce)
   zero        the same; optimizer states split, the updated weights gathered once
+  expert      the gradients once a step, and every block's routed rows sent to their
+              experts' GPUs and back (all-to-all), forward and backward
   fsdp        weights gathered for every block forward and backward, gradients scattered
+              (beside expert parallel: its all-to-alls too)
   context     every block's keys and values passed round the ring, forward and backward
   pipeline    activations handed between stages, and the stages idle at a step's ends
   split       activations all-reduced twice in every block, forward and backward
@@ -29,7 +33,8 @@ from typing import Any
 
 from linnet.plan.parts import SettingError
 
-COST = {"none": 0, "zero": 1, "fsdp": 2}  # shard's rank in the order above; context 3, pipeline 4, split 5
+COST = {"none": 0, "zero": 1, "fsdp": 3}  # shard's rank in the order above (expert parallel adds 1.5); context,
+# pipeline and split come after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Layout:
     context: int
     plan: Any  # linnet.plan.Plan
     sequence_parallel: bool = False
+    expert: int = 1
 
     @property
     def peak(self) -> float:
@@ -56,13 +62,15 @@ class Layout:
         """The config's training fields for it (defaults left out)."""
         out = [f"shard={self.shard}"] if self.shard != "none" else []
         out += [f"{name}={value}" for name, value in (("split", self.split), ("pipeline", self.pipeline),
-                                                      ("context", self.context)) if value > 1]
+                                                      ("context", self.context), ("expert", self.expert))
+                if value > 1]
         out += ["sequence_parallel=true"] if self.sequence_parallel else []
         return " ".join(f"training.{s}" for s in out) or "whole copies (the defaults)"
 
     @property
     def cost(self) -> tuple:
-        return (not self.fits, self.split > 1, self.pipeline > 1, self.context > 1, COST[self.shard], self.peak)
+        return (not self.fits, self.split > 1, self.pipeline > 1, self.context > 1,
+                COST[self.shard] + 1.5 * (self.expert > 1), self.peak)
 
 
 def _divisors(n: int) -> list[int]:
@@ -84,11 +92,18 @@ def suggest(card, method, workload, cluster) -> list[Layout]:
                         continue  # one copy: nothing to shard over
                     try:
                         layout = dataclasses.replace(cluster, shard=shard, split=split, pipeline=pipeline,
-                                                     context=context, sequence_parallel=sequence)
+                                                     context=context, sequence_parallel=sequence, expert=1)
                         found.append(Layout(shard, split, pipeline, context, estimate(card, method, workload, layout),
                                             sequence))
                     except (SettingError, ValueError):
                         continue
+    groups = [d for d in _divisors(n)[1:] if card.experts is not None and card.experts.count % d == 0]
+    for expert, shard in itertools.product(groups, ("none", "fsdp")):
+        try:  # the experts split over groups of `expert` GPUs, the rest whole or sharded
+            layout = dataclasses.replace(cluster, shard=shard, split=1, pipeline=1, context=1, expert=expert)
+            found.append(Layout(shard, 1, 1, 1, estimate(card, method, workload, layout), expert=expert))
+        except (SettingError, ValueError):
+            continue
     return sorted(found, key=lambda layout: layout.cost)
 
 

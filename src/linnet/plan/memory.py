@@ -21,11 +21,20 @@ import dataclasses
 from dataclasses import dataclass
 
 from linnet import cards
+from linnet.plan.experts import (
+    EXPERT_NAMES,
+    LINEAR_NAMES,
+    adapted_experts,
+    expert_adapter_params,
+    expert_shapes,
+    held_expert_params,
+    moe_backward_bytes,
+    moe_bytes_per_token,
+)
 from linnet.plan.parts import Part, _require, whole
 
 METHODS = ("full", "lora", "qlora", "dora")
 COMPARED = ("full", "lora", "qlora")
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GRADIENT_BYTES = {"bf16": 2, "fp32": 4}
 DTYPES = {"bf16": 2, "f32": 4}  # compute dtype -> bytes per value
 DEVICES = ("gpu", "cpu")
@@ -77,11 +86,11 @@ class Method:
     def __post_init__(self):
         _require(self.name in METHODS, f"{{method}} {self.name!r} is unknown; use one of {', '.join(METHODS)}")
         _require(self.rank >= 1, f"{{rank}} must be a positive integer, got {self.rank}")
-        unknown = [t for t in self.targets if t not in LINEAR_NAMES]
+        unknown = [t for t in self.targets if t not in LINEAR_NAMES + EXPERT_NAMES]
         _require(
             bool(self.targets) and not unknown,
             f"{{targets}} {list(unknown or self.targets)} are not linear layers of a block; "
-            f"use 'all-linear' or names from {', '.join(LINEAR_NAMES)}",
+            f"use 'all-linear' or names from {', '.join(LINEAR_NAMES)} (a mixture of experts': gate_up_proj)",
         )
         _require(self.optimizer_bytes >= 0, f"{{optimizer_bytes}} must be >= 0 (8 for AdamW), got {self.optimizer_bytes}")
         _require(
@@ -188,7 +197,9 @@ def trainable_params(card: cards.Card, method: Method, part: Part | None = None)
     Full fine-tuning trains every parameter. LoRA replaces the update of each targeted
     d_out x d_in matrix by B A with A: r x d_in and B: d_out x r, so it trains
     r (d_in + d_out) per matrix (Hu et al. 2021). DoRA adds a magnitude per output row
-    of each targeted matrix (Liu et al. 2024). QLoRA trains the same adapters as LoRA.
+    of each targeted matrix (Liu et al. 2024). QLoRA trains the same adapters as LoRA. A
+    mixture of experts' adapted stacked tensors train one pair an expert
+    (linnet.plan.experts.expert_adapter_params).
     """
     part = part or whole(card)
     if not method.adapters:
@@ -197,29 +208,37 @@ def trainable_params(card: cards.Card, method: Method, part: Part | None = None)
     per_block = sum(method.rank * (d_out + d_in) for d_out, d_in in shapes)
     if method.name == "dora":
         per_block += sum(d_out for d_out, _ in shapes)
-    return part.card.layers * per_block
+    return part.card.layers * (per_block + expert_adapter_params(part.card, method))
 
 
 def _largest_trainable(part: Part, method: Method) -> int:
-    """Values in the largest trainable tensor of a part."""
-    c = part.card
+    """Values in the largest trainable tensor of a part (a mixture's stacked experts' tensors
+    held, or their adapters, whole, among them)."""
+    c, e = part.card, part.card.experts
+    stacked = expert_shapes(c).items() if e is not None else ()
     if method.adapters:
-        return method.rank * max(max(shape) for shape in _targeted(c, method))
+        adapted = [e.count * max(shape) for name, shape in stacked if name in adapted_experts(e, method.targets)]
+        return method.rank * max([max(shape) for shape in _targeted(c, method)] + adapted)
+    held = 0 if e is None else e.count if part.experts_held is None else part.experts_held
     return max(c.vocab * c.hidden if part.embeds else 0, part.head_rows * c.hidden,
-               *(o * i for o, i in c.linear_shapes().values()))
+               *(o * i for o, i in c.linear_shapes().values()), *(held * o * i for _, (o, i) in stacked))
 
 
 def _targeted(card: cards.Card, method: Method) -> list[tuple[int, int]]:
     return [shape for path, shape in card.linear_shapes().items() if path.rsplit(".", 1)[-1] in method.targets]
 
 
-def quantized_params(card: cards.Card, method: Method) -> int:
-    """Frozen parameters QLoRA stores in NF4: every block's seven linear weights, whichever
-    carry adapters (linnet.torch.loading.nf4_layout); embeddings, norms and the head
-    stay in the compute dtype. 0 for the other methods."""
+def quantized_params(card: cards.Card, method: Method, part: Part | None = None) -> int:
+    """Frozen parameters QLoRA stores in NF4 (of `part`, default the whole model): every
+    block's seven linear weights, whichever carry adapters (linnet.torch.loading.nf4_layout),
+    in a mixture of experts its linear layers (attention, a shared expert) and the experts'
+    stacked tensors (those held); embeddings, norms, routers and the head stay in the
+    compute dtype. 0 for the other methods."""
     if method.name != "qlora":
         return 0
-    return card.layers * sum(o * i for o, i in card.linear_shapes().values())
+    part = part or whole(card)
+    c = part.card
+    return c.layers * (sum(o * i for o, i in c.linear_shapes().values()) + held_expert_params(c, part.experts_held))
 
 
 @dataclass(frozen=True)
@@ -264,6 +283,21 @@ def state_bytes(params: int, trainable: int, method: Method, shard: str = "none"
     return States(**per_gpu)
 
 
+def part_states(card: cards.Card, method: Method, part: Part, shard: str = "none", gpus: int = 1) -> States:
+    """state_bytes of `part` with `shard` over `gpus`; a share of a mixture's experts that
+    expert parallel gave it stays whole (linnet's fsdp shards the dense parts beside them)."""
+    def states(p: Part, shard: str, gpus: int, less: Part | None = None) -> States:
+        counts = [f(p) - (f(less) if less else 0) for f in (Part.params, lambda q: trainable_params(card, method, q),
+                                                           lambda q: quantized_params(card, method, q))]
+        return state_bytes(counts[0], counts[1], method, shard, gpus, counts[2])
+
+    if not part.experts_held:
+        return states(part, shard, gpus)
+    dense = dataclasses.replace(part, experts_held=0)
+    return States(*(a + b for a, b in zip(dataclasses.astuple(states(dense, shard, gpus)),
+                                          dataclasses.astuple(states(part, "none", 1, dense)), strict=True)))
+
+
 # ---------------------------------------------------------------------------------------
 # Activations
 
@@ -287,17 +321,20 @@ def block_activation_bytes(card: cards.Card, method: Method, workload: Workload,
     MLP keeps gate, up, silu(gate) and their product (4·c·F), or in tiles (`mlp_tile`) only
     its input, a view of the norm's output kept already. Each adapted matrix adds
     x·Aᵀ (c·r) and DoRA also the sum it rescales (c·d_out); Qwen3's qk-norm adds a norm
-    per head of q and of k. For Llama 3 8B, bf16 on a GPU, full fine-tuning: 49·d bytes a
-    token (0.82 GB at 4,096 tokens). Korthikanti et al. (2022) count 34·d for a GPT block
-    (a 4·d MLP, dropout masks, a bf16 LayerNorm input): not this block. `sequence`: the
-    GPUs a sequence-parallel split shares the norms' positions among.
+    per head of q and of k. A mixture of experts' MLP keeps its router's and its routed
+    pairs' tensors instead (linnet.plan.experts.moe_bytes_per_token). For Llama 3 8B, bf16
+    on a GPU, full fine-tuning: 49·d bytes a token (0.82 GB at 4,096 tokens). Korthikanti et
+    al. (2022) count 34·d for a GPT block (a 4·d MLP, dropout masks, a bf16 LayerNorm
+    input): not this block. `sequence`: the GPUs a sequence-parallel split shares the
+    norms' positions among.
     """
     c = method.compute_bytes
     a = 4 if workload.device == "cpu" else c
     q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
     trains = not method.adapters
+    mlp = moe_bytes_per_token(card, method) if card.experts is not None else 4 * c * card.intermediate
     per_token = 2 * _norm_bytes(card.hidden, c, trains, sequence) + a * (2 * q + 2 * kv) + 4 * card.heads \
-        + (c * q if a != c else 0) + (0 if workload.mlp_tile else 4 * c * card.intermediate)
+        + (c * q if a != c else 0) + (0 if workload.mlp_tile else mlp)
     if method.adapters:
         shapes = _targeted(card, method)
         per_token += c * method.rank * len(shapes) + (c * sum(o for o, _ in shapes) if method.name == "dora" else 0)
@@ -358,7 +395,11 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight;
     with MLP tiles, one tile's MLP computed again.
     backward: the gradients in flight inside a block's backward, two [s·b, F] tensors in
-    the compute dtype (measured: bench/plan_vs_measured.md), or two a tile.
+    the compute dtype (measured: bench/plan_vs_measured.md), or two a tile; in a mixture of
+    experts two [s·b·K, d] and two [s·b·K/E, I], and in a part holding a share of the experts
+    (expert parallel) the all-to-all buffers (linnet.plan.experts.moe_backward_bytes).
+    QLoRA's dequantized weight is the largest of a block's linear weights and an expert's
+    [gate; up].
     A pipeline stage (Part) keeps `in_flight` micro-batches' activations; a stage that sends
     its output on keeps it (c·d a token) for its backward instead of a final norm's; one
     that receives its input reads it from a receive buffer (`buffers`: c·d a token, one a
@@ -392,7 +433,8 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
             if not method.adapters and c == 2:
                 loss += (2 * V * d if method.master_bytes else 0) + min(V, 2**26 // (4 * d)) * d * 6
     largest = max(o * i for o, i in card.linear_shapes().values())
-    recompute = c * largest if method.name == "qlora" else 0
+    one_expert = 2 * card.experts.intermediate * d if card.experts is not None else 0
+    recompute = c * max(largest, one_expert) if method.name == "qlora" else 0
     mlp_rows = min(workload.mlp_tile or tokens, tokens)
     recompute += 4 * c * card.intermediate * mlp_rows if workload.mlp_tile else 0
     if workload.activation_checkpointing != "none":
@@ -405,7 +447,12 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
         earlier += part.awaiting / part.chunks * card.layers * (block - per_block +
                                                                  _output_gradients(card, method) * tokens)
     buffers = (part.receives + part.sends) * part.micro_batches * c * d * tokens
-    return Activations(each + earlier, loss, recompute, 2 * c * card.intermediate * mlp_rows, top + earlier,
+    if card.experts is not None:
+        exchanged = part.experts_held is not None and part.experts_held < card.experts.count
+        backward = moe_backward_bytes(card, c, tokens, exchanged)
+    else:
+        backward = 2 * c * card.intermediate * mlp_rows
+    return Activations(each + earlier, loss, recompute, backward, top + earlier,
                        per_block + rope - frozen_input + earlier, buffers, each)
 
 
@@ -509,26 +556,41 @@ def step_moments(card: cards.Card, method: Method, workload: Workload, acts: Act
     block gathered whole as it runs, the root (embedding, final norm, head) gathered whole
     through the step's passes (FSDP keeps a root unit from its forward to its backward), and
     the head's and embedding's gradients made whole before they are reduced to parts.
+    A part holding a share of a mixture's experts (expert parallel) holds their states whole
+    whatever the shard: each moment gives them under keys of their own ("experts' weights",
+    ...: what the moment holds beyond the same part without experts), which no shard splits.
     """
     part = part or whole(card)
+    moments = _moments(card, method, workload, acts, part, over)
+    if not part.experts_held:
+        return moments
+    dense = _moments(card, method, workload, acts, dataclasses.replace(part, experts_held=0), over)
+    return {phase: [Moment({**d.states, **{f"experts' {k}": v - d.states[k] for k, v in m.states.items()}},
+                           m.activations) for m, d in zip(ms, dense[phase], strict=True)]
+            for phase, ms in moments.items()}
+
+
+def _moments(card: cards.Card, method: Method, workload: Workload, acts: Activations, part: Part,
+             over: int) -> dict[str, list[Moment]]:
+    """step_moments' moments, every state under its kind."""
     trainable = trainable_params(card, method, part)
     states = state_bytes(part.params(), trainable, method, "fsdp" if over > 1 else "none", over,
-                         quantized_params(part.card, method))
+                         quantized_params(card, method, part))
     blocks = part.card
     held, largest = trainable, _largest_trainable(part, method)  # trained values this GPU holds; its largest tensor
     if over > 1 and not method.adapters:  # adapters stay whole
         held, largest = trainable / over, largest / over
     grad, c, tokens = GRADIENT_BYTES[method.grad_dtype], method.compute_bytes, workload.positions
-    gathered = c * (part.params() - blocks.layers * blocks.block_params()) if over > 1 else 0  # the root, whole
+    gathered = c * (part.params() - blocks.layers * part.block_params()) if over > 1 else 0  # the root, whole
     copies = method.copy_bytes * held if method.master_bytes else 0
     stored = states.weights - copies
     if method.adapters:
         per_layer = copies / blocks.layers  # one block's compute copies
     else:  # the embedding and head are not copied by the blocks' linears
-        per_layer = method.copy_bytes * blocks.block_params() if method.master_bytes else 0
+        per_layer = method.copy_bytes * part.block_params() if method.master_bytes else 0
         copies = per_layer * blocks.layers / over
     if over > 1:  # a sharded block is gathered whole in the compute dtype as it runs
-        per_layer = max(per_layer, c * blocks.block_params())
+        per_layer = max(per_layer, c * part.block_params())
     head = 0 if method.adapters else grad * part.head_rows * card.hidden
     embedding = 0 if method.adapters or part.tied or not part.embeds else grad * card.vocab * card.hidden
     # the head's gradient the chunked loss makes in its forward, one a pass until its backward (for the

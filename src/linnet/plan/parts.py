@@ -73,7 +73,8 @@ class Part:
     whole graph. A later stage `receives` its input, an earlier one `sends` its output on, each through a buffer a micro-batch of the step (`micro_batches`) that the
     pipeline keeps for the whole run: as many of each as its chunks that do (interleaved,
     two a stage). `sequence`: the processes of a sequence-parallel split, among which the
-    blocks' norms share each row's positions (1: none)."""
+    blocks' norms share each row's positions (1: none). `experts_held`: of each block's
+    experts, how many the part holds (expert parallel: E / its processes; None: every one)."""
 
     name: str
     card: cards.Card
@@ -88,11 +89,19 @@ class Part:
     sends: int = 0
     micro_batches: int = 1
     sequence: int = 1
+    experts_held: int | None = None
+
+    def block_params(self) -> int:
+        """Parameters of one block held: the card's, but of a mixture's experts (3·I·H each) those held."""
+        c, e = self.card, self.card.experts
+        if e is None or self.experts_held is None:
+            return c.block_params()
+        return c.block_params() - (e.count - self.experts_held) * 3 * e.intermediate * c.hidden
 
     def params(self) -> int:
         """Parameters held; a tied head counted once."""
         c = self.card
-        n = c.layers * c.block_params() + (c.vocab * c.hidden if self.embeds else 0)
+        n = c.layers * self.block_params() + (c.vocab * c.hidden if self.embeds else 0)
         if self.head_rows:
             n += c.hidden + (0 if self.tied else self.head_rows * c.hidden)
         return n
@@ -104,12 +113,16 @@ def whole(card: cards.Card) -> Part:
 
 
 def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches: int = 1,
-                schedule: str = "1f1b", sequence: bool = False) -> list[Part]:
+                schedule: str = "1f1b", sequence: bool = False, expert: int = 1) -> list[Part]:
     """The part each process of one copy holds, stage by stage (the processes of a stage's
     split hold alike): linnet.torch.sharding.tensor_parallel (`sequence`: sequence
     parallel) and linnet.torch.pipeline, as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
     interleaved the chunks i and i + P of the 2P chunks [c L / 2P, (c + 1) L / 2P); what it
-    keeps in flight is `_in_flight`'s."""
+    keeps in flight is `_in_flight`'s. `expert` > 1: a mixture's experts split over that many
+    processes (linnet.torch.moe.expert_parallel), each holding the rest of the model."""
+    if expert > 1:
+        return [Part(f"whole model, 1/{expert} of the experts", card, head_rows=card.vocab, tied=card.tied_embeddings,
+                     experts_held=card.experts.count // expert)]
     if split == stages == 1:
         return [whole(card)]
     for name in ("heads", "kv_heads", "intermediate"):
