@@ -465,9 +465,10 @@ def _sft_process(rank, overrides):
 def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
     process its own rows) trains as one process does: the same losses step by step and the
-    same final weights, written whole; so does it over 4 processes, the experts split over
-    pairs of them and the dense parts sharded over all 4 (training.shard=fsdp), and with
-    adapters on attention and experts; and a run of it cut after step 2 resumes as one
+    same final weights, written whole; so does it over 4 processes, each row's positions and
+    the experts split over pairs of them and the dense parts sharded over all 4
+    (training.context=2, training.shard=fsdp), and with
+    adapters on attention and experts (the experts split, or the base sharded); and a run of it cut after step 2 resumes as one
     process, to the same end."""
     import json
 
@@ -500,8 +501,9 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     split = ["training.expert=2", "training.accumulation=2"]  # the same 4 rows a step: 2 in each process
     assert in_processes(_sft_process, overrides(tmp_path / "two", *split), processes=2) == [0, 0]
     same_metrics(tmp_path / "two", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
-    # over 4 processes: the experts split over pairs of them, the dense parts sharded (FSDP) over all 4
-    pairs = ["training.expert=2", "training.accumulation=1", "training.shard=fsdp"]
+    # over 4 processes: each row's positions split over pairs of them (context parallel), the experts split
+    # over the same pairs, the dense parts sharded (FSDP) over all 4
+    pairs = ["training.expert=2", "training.context=2", "training.accumulation=2", "training.shard=fsdp"]
     assert in_processes(_sft_process, overrides(tmp_path / "fsdp", *pairs), processes=4) == [0] * 4
     same_metrics(tmp_path / "fsdp", tmp_path / "one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
     # cut after step 2 (its checkpoint in parts, each process's experts), resumed as one process
@@ -513,11 +515,15 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     run(load(SFTConfig, None, overrides(tmp_path / "lora-one", "training.accumulation=4", "lora.enabled=true")))
     assert in_processes(_sft_process, overrides(tmp_path / "lora-two", *split, "lora.enabled=true"),
                         processes=2) == [0, 0]
-    same_metrics(tmp_path / "lora-two", tmp_path / "lora-one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
-    ours, theirs = (load_file(tmp_path / d / "final" / "adapter_model.safetensors") for d in ("lora-two", "lora-one"))
-    assert sorted(ours) == sorted(theirs) and any("experts" in k for k in ours)
-    for key in theirs:
-        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=key)
+    # and the same adapters placed on the empty model, the base sharded (FSDP) over 2 processes as it loads
+    assert in_processes(_sft_process, overrides(tmp_path / "lora-fsdp", "training.accumulation=2", "lora.enabled=true",
+                                                "training.shard=fsdp"), processes=2) == [0, 0]
+    for run_dir in ("lora-two", "lora-fsdp"):
+        same_metrics(tmp_path / run_dir, tmp_path / "lora-one", ["loss", "held_out_loss"], steps=4, abs=1e-5)
+        ours, theirs = (load_file(tmp_path / d / "final" / "adapter_model.safetensors") for d in (run_dir, "lora-one"))
+        assert sorted(ours) == sorted(theirs) and any("experts" in k for k in ours)
+        for key in theirs:
+            np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5, err_msg=f"{run_dir}: {key}")
     for run_dir in ("two", "fsdp", "cut"):
         ours, theirs = (load_file(tmp_path / d / "final" / "model.safetensors") for d in (run_dir, "one"))
         assert sorted(ours) == sorted(theirs) and any(".experts.3." in k for k in ours)

@@ -216,7 +216,7 @@ def _expert_mesh(card, t, processes: int, device_type: str):
         return None
     if card.experts is None:
         raise ValueError(f"config: training.expert={t.expert} splits a mixture of experts; {card.name} has none")
-    if processes % t.expert or t.per_copy > 1 or t.shard == "zero":
+    if processes % t.expert or t.split * t.pipeline > 1 or t.shard == "zero":
         raise ValueError(f"config: training.expert={t.expert} splits the experts over groups of that many of the "
                          f"run's {processes} processes (a divisor of the count), beside training.shard fsdp at most "
                          "for now: training.split, pipeline and context 1 and training.shard none or fsdp")

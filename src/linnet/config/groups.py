@@ -308,8 +308,9 @@ class TrainingConfig:
                              "copies of such groups (docs/long_context.md)",
                           only=("sft", "dpo", "reward", "grpo", "distill"))
     expert: int = option(1, "under torchrun (sft, dpo, reward, distill): processes that split a mixture of "
-                            "experts' experts between them (expert parallel), each taking rows of its own; a divisor "
-                            "of the run's processes, the groups copies of each other (docs/moe.md)",
+                            "experts' experts between them (expert parallel), each taking rows (or, with "
+                            "training.context, positions) of its own; a divisor of the run's processes, the groups "
+                            "copies of each other (docs/moe.md)",
                          only=("sft", "dpo", "reward", "distill"))
     pipeline_schedule: Literal["1f1b", "interleaved", "zero-bubble"] = option(
         "1f1b", "with training.pipeline: 1f1b (each process one chunk of consecutive blocks), interleaved "

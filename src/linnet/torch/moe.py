@@ -57,6 +57,7 @@ class ExpertWeights(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(count, hidden, intermediate))
+        self.shapes = {"gate_up_proj": (count, 2 * intermediate, hidden), "down_proj": (count, hidden, intermediate)}
         self.targets: tuple[str, ...] = ()  # the adapted stacked tensors, in STACKED's order
         self.lora_a: nn.Parameter | None = None
         self.lora_b: nn.Parameter | None = None
@@ -72,17 +73,28 @@ class ExpertWeights(nn.Module):
 
     def adapt(self, targets: list[str], rank: int, scale: float) -> None:
         """Fresh adapters on `targets` (PEFT's init: A as a Linear's weight of count x r rows,
-        from the global RNG; B zeros)."""
-        count = self.down_proj.shape[0]
+        from the global RNG; B zeros; nothing drawn on meta)."""
         self.targets = tuple(t for t in STACKED if t in targets)
-        holders = [self] if len(self.targets) == 1 else [self.base_layer_module(), self]
-        for holder, name in zip(holders, self.targets):
-            out, inputs = self.shape(name)[1:]
-            a = torch.empty(count * rank, inputs, device=self.down_proj.device)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-            holder.lora_a = nn.Parameter(a)
-            holder.lora_b = nn.Parameter(torch.zeros(out, rank * count, device=a.device))
+        for holder, name in self._holders():
+            holder.lora_a, holder.lora_b = (nn.Parameter(t) for t in self._draw(name, rank, self.down_proj.device))
         self.lora_scale = scale
+
+    def redraw(self, device) -> None:
+        """`adapt`'s draws again, into adapters placed while the model was on meta, once its
+        weights are filled (linnet.torch.lora.draw_adapters)."""
+        for holder, name in self._holders():  # new parameters: a meta tensor takes no data
+            a, b = self._draw(name, holder.lora_a.shape[0] // self.shapes[name][0], device)
+            holder.lora_a, holder.lora_b = nn.Parameter(a), nn.Parameter(b)
+
+    def _holders(self) -> list[tuple[nn.Module, str]]:
+        """(the module holding its adapter, the stacked tensor) for each adapted tensor."""
+        return list(zip([self] if len(self.targets) == 1 else [self.base_layer_module(), self], self.targets))
+
+    def _draw(self, name: str, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        count, out, inputs = self.shapes[name]
+        a = torch.empty(count * rank, inputs, device=device)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        return a, torch.zeros(out, rank * count, device=device)
 
     def base_layer_module(self) -> nn.Module:
         if not hasattr(self, "base_layer"):
@@ -97,11 +109,6 @@ class ExpertWeights(nn.Module):
         count = self.down_proj.shape[0]
         return holder.lora_a.view(count, -1, holder.lora_a.shape[1]), holder.lora_b.view(holder.lora_b.shape[0], -1,
                                                                                            count)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Stacked tensor `name`'s [count, out, in] (of its plain weights, when held in NF4)."""
-        states = (self.quant_state or {}).get(name)
-        return (len(states), *states[0].shape) if states else tuple(getattr(self, name).shape)
 
     def altered(self) -> tuple[str, ...]:
         """The stacked tensors whose plain weights are not the parameter as it is: adapted, or
@@ -188,21 +195,24 @@ class MoE(nn.Module):
         """Expert parallel (`expert_parallel`): rows to the processes holding their experts
         and back, all-to-all with uneven splits (the experts of a process are consecutive,
         so rows grouped by expert are grouped by process)."""
-        from torch.distributed.nn.functional import all_to_all_single as exchange
+        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+        def exchange(x, output_splits, input_splits):  # autograd's all-to-all, its result awaited
+            return wait_tensor(all_to_all_single_autograd(x, output_splits, input_splits, group))
 
         group, size, rank, per = self.parallel
         sent = routed.view(size, per)  # [process, its experts]: rows this process sends
         received = torch.empty_like(sent)
         dist.all_to_all_single(received, sent, group=group)  # [source, my experts]
         out_splits, in_splits = received.sum(1).tolist(), sent.sum(1).tolist()
-        mine = exchange(h.new_empty(sum(out_splits), h.shape[1]), h, out_splits, in_splits, group=group)
+        mine = exchange(h.contiguous(), out_splits, in_splits)
         by_source = mine.split(out_splits)  # each source's rows, grouped by my experts: regroup by expert
         parts = [p.split(c) for p, c in zip(by_source, received.tolist())]
         grouped = torch.cat([parts[s][e] for e in range(per) for s in range(size)])
         y = self._experts(grouped, received.sum(0), rank * per)
         pieces = y.split(received.t().flatten().tolist())  # (expert, source) -> back to (source, expert)
         back = torch.cat([pieces[e * size + s] for s in range(size) for e in range(per)])
-        return exchange(h.new_empty(len(h), y.shape[1]), back, in_splits, out_splits, group=group)
+        return exchange(back, in_splits, out_splits)
 
 
 def _product(w: ExpertWeights, name: str, expert: int, x: torch.Tensor, first: int = 0) -> torch.Tensor:
