@@ -1214,9 +1214,8 @@ def test_expert_parallel_splits_the_experts_states_and_adds_the_all_to_all_buffe
     (MOE_CARD, dict(expert=4, gpus=6), "gpus=6: expert 4 splits the experts over groups of 4 GPUs; use a multiple"),
     (MOE_CARD, dict(expert=2, gpus=2, method="qlora", targets="q_proj"), "expert 2 with qlora: linnet's expert "
                                                                          "parallel does not split experts stored in NF4"),
-    (MOE_CARD, dict(expert=2, gpus=4, split=2), "expert 2 with split 2, pipeline 1 and context 1"),
-    (MOE_CARD, dict(expert=2, gpus=4, pipeline=2), "expert 2 with split 1, pipeline 2 and context 1"),
-    (MOE_CARD, dict(expert=2, gpus=4, context=2), "expert 2 with split 1, pipeline 1 and context 2"),
+    (MOE_CARD, dict(expert=2, gpus=4, split=2), "expert 2 with split 2 and pipeline 1"),
+    (MOE_CARD, dict(expert=2, gpus=4, pipeline=2), "expert 2 with split 1 and pipeline 2"),
     (MOE_CARD, dict(expert=2, gpus=2, shard="zero"), "beside the split experts linnet shards the dense parts with "
                                                      "fsdp alone"),
     (MOE_CARD, dict(split=2, gpus=2), "split 2 with a mixture of experts ('tiny-moe', qwen3_moe): linnet does not "
@@ -1235,9 +1234,19 @@ def test_moe_plans_refuse_what_linnet_refuses(card, settings, message):
 
 
 def test_moe_plans_with_context_parallel_and_adapters_beside_expert_parallel():
-    """Context parallel runs a mixture of experts (its blocks on a GPU's positions); under
-    expert parallel the experts' adapters stay whole on every GPU, with their states."""
+    """Context parallel runs a mixture of experts (its blocks on a GPU's positions), beside
+    expert parallel too: a GPU's share of a row's positions goes through the all-to-all;
+    under expert parallel the experts' adapters stay whole on every GPU, with their states."""
     assert estimate(MOE_CARD, workload=Workload(tokens=512), cluster=Cluster(gpus=2, context=2)).fits
+    e, c, work = MOE_CARD.experts, 2, Workload(tokens=512, chunked_loss=True)
+    alone, both = (estimate(MOE_CARD, Method("full"), work, Cluster(gpus=4, context=context, expert=2))
+                   for context in (1, 2))
+    halved = estimate(MOE_CARD, Method("full"), Workload(tokens=256, chunked_loss=True), Cluster(gpus=4, expert=2))
+    assert both.states == alone.states and both.activations.kept == halved.activations.kept
+    assert both.activations.backward - halved.activations.backward > 0  # the ring's buffers, beside the all-to-all
+    assert halved.activations.backward - estimate(MOE_CARD, Method("full"), Workload(tokens=256, chunked_loss=True),
+                                                  Cluster(gpus=4)).activations.backward == \
+        3 * c * MOE_CARD.hidden * e.per_token * 256
     one = estimate(MOE_CARD, Method("lora"), cluster=Cluster(gpus=2))
     split = estimate(MOE_CARD, Method("lora"), cluster=Cluster(gpus=2, expert=2, shard="fsdp"))
     experts = MOE_CARD.layers * MOE_CARD.experts.count * 3 * MOE_CARD.experts.intermediate * MOE_CARD.hidden

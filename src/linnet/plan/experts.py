@@ -184,16 +184,16 @@ def check(card: cards.Card, method: Any, workload: Any, cluster: Any) -> None:
 def check_cluster(cluster: Any) -> None:
     """Expert parallel as linnet runs it (training.expert): the experts split over groups of
     `expert` GPUs (the groups copies of each other), each GPU holding the rest of the model,
-    whole or sharded with fsdp over every GPU."""
+    whole or sharded with fsdp over every GPU, and its share of each row's positions under
+    context parallel."""
     n = cluster.expert
     _require(n >= 1, f"{{expert}} must be a positive number of GPUs, got {n}")
     if n == 1:
         return
     _require(
-        cluster.split == cluster.pipeline == cluster.context == 1,
-        f"{{expert}} {n} with {{split}} {cluster.split}, {{pipeline}} {cluster.pipeline} and {{context}} "
-        f"{cluster.context}: linnet splits the experts over GPUs that each hold the rest of the model whole or "
-        "sharded; set them to 1",
+        cluster.split == cluster.pipeline == 1,
+        f"{{expert}} {n} with {{split}} {cluster.split} and {{pipeline}} {cluster.pipeline}: linnet splits the "
+        "experts over GPUs that each hold the rest of the model whole or sharded; set them to 1",
     )
     _require(
         cluster.gpus % n == 0,
