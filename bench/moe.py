@@ -14,6 +14,8 @@ steps after 2 unmeasured. Cases, each in a fresh process (its peak memory its ow
 alternating, --repeats rounds:
 
   linnet, MoE          nest.load + add_lora("all-linear") + loss_packed
+  linnet, MoE, QLoRA   the same over an NF4 base (quantize="nf4": attention and every
+                       expert in 4 bits, dequantized in each product by bitsandbytes)
   linnet, dense        the same on the dense model
   transformers + PEFT  AutoModelForCausalLM + get_peft_model(target_modules=attention,
                        target_parameters=the experts' gate_up_proj and down_proj), loss on
@@ -77,7 +79,8 @@ def child(spec: dict) -> None:
         from linnet import nest
         from linnet.packing import Example, pack
 
-        model = nest.load(spec["model"], weights=spec["model"], dtype="float32")
+        model = nest.load(spec["model"], weights=spec["model"], dtype="float32",
+                          quantize="nf4" if spec["case"].endswith("QLoRA") else None)
         model.add_lora("all-linear", rank=16, alpha=32)
         (row,) = pack([Example(tokens.tolist())], tokens=ROW)
 
@@ -155,7 +158,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="linnet-moe-") as tmp:
         root = Path(tmp)
         build(root, args.quick)
-        specs = {"linnet, MoE": "moe", "linnet, dense": "dense", "transformers + PEFT, MoE": "moe",
+        specs = {"linnet, MoE": "moe", "linnet, MoE, QLoRA": "moe", "linnet, dense": "dense", "transformers + PEFT, MoE": "moe",
                  "TRL SFTTrainer + PEFT, MoE": "moe"}
         got = alternate(__file__, {case: dict(case=case, model=str(root / model), steps=steps, threads=args.threads)
                                    for case, model in specs.items()}, repeats)
