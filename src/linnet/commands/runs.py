@@ -219,7 +219,7 @@ def _expert_mesh(card, t, processes: int, device_type: str):
     if processes % t.expert or t.split * t.pipeline > 1 or t.shard == "zero":
         raise ValueError(f"config: training.expert={t.expert} splits the experts over groups of that many of the "
                          f"run's {processes} processes (a divisor of the count), beside training.shard fsdp at most "
-                         "for now: training.split, pipeline and context 1 and training.shard none or fsdp")
+                         "for now: training.split and pipeline 1 and training.shard none or fsdp")
     copies = processes // t.expert
     shape, names = ((t.expert,), ("expert",)) if copies == 1 else ((copies, t.expert), ("expert_copies", "expert"))
     return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -108,7 +108,7 @@ def _add_expert_adapters(stacks: dict, paths: list[str], rank: int, scale: float
         raise ValueError("add_lora: the experts' adapters take no dropout and no DoRA (as PEFT's adapters of stacked "
                          "parameters); set lora.dropout=0 and lora.dora=false, or adapt the attention alone "
                          "(lora.targets: [model.layers.*.self_attn.*_proj])")
-    check_adapter_options(rank=rank, shapes={p: m.shapes[name][1:] for p, (m, name) in ((p, stacks[p]) for p in paths)})
+    check_adapter_options(rank=rank, shapes={p: stacks[p][0].shapes[stacks[p][1]][1:] for p in paths})
     for module in {id(m): m for m, _ in stacks.values()}.values():
         targets = [name for m, name in (stacks[p] for p in paths) if m is module]
         if targets:
@@ -134,9 +134,9 @@ def draw_adapters(model, device) -> None:
     """Give the adapters add_lora placed on a whole model still on meta (before fully_shard
     split it or a pipeline cut it) their values once its weights are filled: the draws
     add_lora makes on the whole filled model, in its order (a mixture of experts' stacked
-    tensors first; another stage's layers drawn and dropped, so every stage holds what one process would), and DoRA's magnitudes from
-    the filled weights (a split one gathered a layer at a time; every process calls this
-    together)."""
+    tensors first; another stage's layers drawn and dropped, so every stage holds what one
+    process would), and DoRA's magnitudes from the filled weights (a split one gathered a
+    layer at a time; every process calls this together)."""
     for experts in _adapted_experts(model).values():  # drawn first, as add_lora draws them
         if experts.targets:
             experts.redraw(device)

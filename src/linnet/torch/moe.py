@@ -262,8 +262,8 @@ def router_metrics(model) -> dict[str, float]:
     busiest expert's count of routed positions over the block's mean count
     (expert_load_max; 1 is a perfect balance), and the idlest's where smallest
     (expert_load_min); where the loss has it, the mean load-balancing loss of the
-    micro-batches (router_balancing_loss, before its coefficient); {} for a model without experts
-    or before any training."""
+    micro-batches (router_balancing_loss, before its coefficient); {} for a model without
+    experts or before any training."""
     every = [m for m in model.modules() if isinstance(m, MoE)]
     balancing = [v for m in every for v in m.balancing]
     for m in every:
@@ -290,9 +290,9 @@ def expert_parallel(model, mesh) -> None:
     every process as in data parallel (reduce_gradients), the experts' over the copies
     alone (each copy's expert gets every position routed to it within its group: a
     DTensor's part, which clip_gradients counts once, and save_weights and checkpoints
-    gather or split). Adapters on the experts stay whole on every process (rank / width of
-    the experts' size): each process's experts add their rows' share to their gradients,
-    which are summed over every process as the dense ones are. Call it on the same model in
+    gather or split). Adapters on the experts stay whole on every process (an expert's pair
+    holds rank / width of its weights' count): each process's experts add their rows' share
+    to their gradients, which are summed over every process as the dense ones are. Call it on the same model in
     every process, before the optimizer is made."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

@@ -288,14 +288,14 @@ def _matched(model, work: Work) -> Work:
 def _balanced(model, work: Work) -> Work:
     """`work` with a mixture of experts' load-balancing loss (linnet.torch.moe.balancing)
     added to each micro-batch's summed loss, pooled over the micro-batch's forward passes
-    and weighted by its share of this process's positions, every process alike: the step's
-    loss is the objective's plus the card's coefficient times that mean, whatever the
-    objective, the accumulation or the count of processes."""
+    and weighted by its share of this process's positions, every process alike (each of a
+    context group's routes its own positions): the step's loss is the objective's plus the
+    card's coefficient times that mean, whatever the objective, the accumulation or the
+    count of processes."""
     experts = getattr(getattr(model, "card", None), "experts", None)
     if experts is None or not experts.aux_loss or not work.real:
         return work
-    processes = world()[1] if work.group is None else torch.distributed.get_world_size(work.group)
-    scale = work.count / (work.real * processes)
+    scale = work.count / (work.real * world()[1])
 
     def loss(index: int, batch) -> tuple[torch.Tensor, dict[str, float]]:
         with balancing(model) as aux:
