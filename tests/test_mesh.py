@@ -74,15 +74,17 @@ def test_fsdp_over_a_split_takes_one_process_steps(workspace, tmp_path, lora):
     _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
 
 
-@pytest.mark.parametrize("layout", ["split", "fsdp", "pipeline"])
+@pytest.mark.parametrize("layout", ["split", "tiles", "fsdp", "pipeline"])
 def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path, layout):
     """training.split=2 with training.sequence_parallel=true: both processes of a split take
-    the same rows, each running the norms on half of every row's positions (with fsdp, two
-    copies of such a split, each part sharded over them; with two pipeline stages, each
-    split so); the steps and weights of one process."""
+    the same rows, each running the norms on half of every row's positions (its MLP in
+    tiles of 16 positions, 8 of each process's, gathered and scattered a tile at a time;
+    with fsdp, two copies of such a split, each part sharded over them; with two pipeline
+    stages, each split so); the steps and weights of one process."""
     common = _common(workspace, "training.steps=3", "lora.enabled=false")
-    extra = {"split": [], "fsdp": ["training.shard=fsdp"], "pipeline": ["training.pipeline=2"]}[layout]
-    processes, copies = (2, 1) if layout == "split" else (4, 2 if layout == "fsdp" else 1)
+    extra = {"split": [], "tiles": ["training.mlp_tile=16"], "fsdp": ["training.shard=fsdp"],
+             "pipeline": ["training.pipeline=2"]}[layout]
+    processes, copies = (2, 1) if layout in ("split", "tiles") else (4, 2 if layout == "fsdp" else 1)
     many = common + [f"runtime.output_dir={tmp_path / 'many'}", "training.split=2", "training.sequence_parallel=true",
                      *extra, *(["training.accumulation=2"] if layout == "pipeline" else [])]
     assert in_processes(_sft_process, many, processes=processes) == [0] * processes
@@ -133,7 +135,7 @@ def test_a_run_resumes_under_another_layout_only_with_the_same_rows_a_step(works
 @pytest.mark.parametrize("settings, message", [
     (["training.sequence_parallel=true"], "set training.split to 2 or more"),
     (["training.sequence_parallel=true", "training.split=2", "training.context_length=63"], "a multiple of it"),
-    (["training.sequence_parallel=true", "training.split=2", "training.mlp_tile=16"], "with training.mlp_tile=16"),
+    (["training.sequence_parallel=true", "training.split=2", "training.mlp_tile=15"], "with training.mlp_tile=15"),
     (["training.split=2", "training.shard=zero"], "training.split=2 with training.shard=zero is not supported"),
 ])
 def test_layouts_linnet_does_not_run_are_refused_naming_the_pair(settings, message):

@@ -894,8 +894,13 @@ def test_sequence_parallel_shares_the_norms_and_block_inputs_among_the_split():
     plans = [plan.estimate(PARTS_CARD, **plan.plan_inputs(dict(split=2, gpus=2, tokens=64, sequence_parallel=s)))
              for s in (False, True)]
     assert plans[1].phases["backward"] < plans[0].phases["backward"]
+    tiled = plan.estimate(PARTS_CARD, **plan.plan_inputs(dict(split=2, gpus=2, tokens=64, sequence_parallel=True,
+                                                              mlp_tile=16)))
+    # a checkpointed block computed again in backward holds the split MLP's activations for one tile's positions
+    assert tiled.activations.recompute < plans[1].activations.recompute
+    assert tiled.phases["backward"] < plans[1].phases["backward"]
     for settings, message in ((dict(sequence_parallel=True), "sequence_parallel shares a split's positions"),
-                              (dict(split=2, gpus=2, sequence_parallel=True, mlp_tile=16), "no mlp_tile")):
+                              (dict(split=2, gpus=2, sequence_parallel=True, mlp_tile=15), "multiples of split")):
         with pytest.raises(ValueError, match=message):
             plan.estimate(PARTS_CARD, **plan.plan_inputs(settings))
 
@@ -1034,9 +1039,12 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     assert not any(x[3] > 1 and (x[1] > 1 or x[2] > 1) for x in kinds)
     assert {x.settings for x in layouts} >= {"whole copies (the defaults)", "training.shard=zero training.context=2"}
     for x in layouts:  # what it says to set is a config linnet takes
-        TrainingConfig(context_length=32768, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context)
-        assert x.peak == estimate(card, Method("full"), work, Cluster(gpus=8, shard=x.shard, split=x.split,
-                                                                     pipeline=x.pipeline, context=x.context)).total
+        TrainingConfig(context_length=32768, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context,
+                       sequence_parallel=x.sequence_parallel, mlp_tile=2048)
+        assert x.peak == estimate(card, Method("full"), work, Cluster(
+            gpus=8, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context,
+            sequence_parallel=x.sequence_parallel)).total
+    assert any(x.sequence_parallel for x in layouts)  # with the MLP's tiles too
     assert plan_command.main(["llama-3.1-8b-instruct", "--method", "full", "--gpus", "2", "--context-length",
                               "131072", "--suggest"]) == 0
     out = capsys.readouterr().out

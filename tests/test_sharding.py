@@ -455,8 +455,13 @@ def _sequence_run(rank, lora, out):
     first = dict(seen)
     with pytest.raises(ValueError, match="does not split into 2 equal shares"):
         model.loss_packed(next(pack([Example.plain(list(range(3, 12)))], tokens=9)))
-    with pytest.raises(ValueError, match="tile one or the other"):
-        model.tile_mlp(8)
+    with pytest.raises(ValueError, match="use a multiple of 2"):
+        model.tile_mlp(7)
+    model.tile_mlp(8)  # each process's 4 positions of a tile, the tile's 8 gathered for the MLP, and trained so
+    seen.clear()
+    with torch.no_grad():
+        tiled = model.loss_packed(_odd_row())[0].item()
+    assert tiled == pytest.approx(odd, rel=1e-6) and ("mlp.down_proj", 8) in seen, seen
     return first, odd, _run(model, _rows(), 2, save_to=out / "final")
 
 
@@ -465,7 +470,8 @@ def test_sequence_parallel_splits_the_positions_and_trains_like_one(tmp_path, lo
     """nest.load(tensor_parallel=, sequence_parallel=True): each process's norms run on half
     of a row's positions, q and the MLP see them all (gathered), and the output
     projections' partial sums arrive summed and scattered; the steps and the weights (or
-    adapters) are one process's. A row of odd length is refused, and so are MLP tiles."""
+    adapters) are one process's, the MLP in tiles (each process's share of a tile gathered
+    for it). A row of odd length is refused, and so is a tile the split cannot share."""
     results = in_processes(_sequence_run, lora, tmp_path / "split")
     whole = _whole(False) if not lora else nest.load(CARD, weights="random", seed=0)
     if lora:

@@ -345,9 +345,10 @@ class TrainingConfig:
             raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
                              f"training.split to 2 or more, and training.context_length={self.context_length} to a "
                              f"multiple of it")
-        if self.sequence_parallel and self.mlp_tile:
-            raise ValueError(f"config: training.sequence_parallel=true with training.mlp_tile={self.mlp_tile} is not "
-                             "supported yet (the split MLP sums its outputs a row at a time); drop one of the two")
+        if self.sequence_parallel and self.mlp_tile and self.mlp_tile % self.split:
+            raise ValueError(f"config: training.sequence_parallel=true with training.mlp_tile={self.mlp_tile}: each of "
+                             f"the split's processes takes an equal share of a tile; use a multiple of "
+                             f"training.split={self.split}")
         if self.context > 1 and other:
             raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on copies "
                              "of the model, whole or sharded (shard none, zero or fsdp), for now; drop one of the two")

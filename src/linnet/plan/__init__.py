@@ -405,8 +405,9 @@ def estimate(
              f"chunks; use a multiple of {2 * cluster.context}")
     mine = dataclasses.replace(workload, tokens=workload.tokens // cluster.context)  # a GPU's positions of a row
     ring = ring_bytes(card, mine, cluster.context)
-    _require(not cluster.sequence_parallel or (workload.tokens % cluster.split == 0 and not workload.mlp_tile),
-             "{sequence_parallel}: {tokens} a multiple of {split}, and no {mlp_tile} (linnet refuses it)")
+    _require(not cluster.sequence_parallel or (workload.tokens % cluster.split == 0
+                                                and (workload.mlp_tile or 0) % cluster.split == 0),
+             "{sequence_parallel}: {tokens} and {mlp_tile} multiples of {split} (each GPU takes an equal share)")
     for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule,
                             cluster.sequence_parallel, cluster.expert):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),

@@ -205,14 +205,20 @@ class MLP(nn.Module):
         self.tile: int | None = None  # positions computed at a time (Decoder.tile_mlp)
 
     def forward(self, x):
-        if self.tile is None or x.shape[0] <= self.tile:
-            return self._whole(x)
-        if torch.is_grad_enabled():  # each tile's [tile, intermediate] activations freed, made again in backward
-            return torch.cat([checkpoint(self._whole, part, use_reentrant=False) for part in x.split(self.tile)])
-        return torch.cat([self._whole(part) for part in x.split(self.tile)])
+        return in_tiles(self._whole, x, self.tile)
 
     def _whole(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def in_tiles(run, x: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """run(x), `tile` rows of x at a time (None: at once): in training each tile's
+    activations are freed and made again in backward, so one tile's are live at once."""
+    if tile is None or x.shape[0] <= tile:
+        return run(x)
+    if torch.is_grad_enabled():
+        return torch.cat([checkpoint(run, part, use_reentrant=False) for part in x.split(tile)])
+    return torch.cat([run(part) for part in x.split(tile)])
 
 
 class Block(nn.Module):
@@ -223,13 +229,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(card.hidden, card.norm_eps)
         e = card.experts
         self.mlp = MLP(card) if e is None else MoE(card, MLP(card.replace(intermediate=e.shared)) if e.shared else None)
+        self.tile: int | None = None  # sequence parallel's MLP tiles of this process's positions (gathered in the MLP)
 
     def forward(self, x_PD, cos_Pd, sin_Pd, bounds: list[int], attend, keep=None):
         """keep: the positions whose outputs are wanted (the last block's); every position
         still gives its keys and values, the rest of the block runs on `keep` alone."""
         out = self.self_attn(self.input_layernorm(x_PD), cos_Pd, sin_Pd, bounds, attend, keep)
         x_PD = (x_PD if keep is None else x_PD[keep]) + out
-        return x_PD + self.mlp(self.post_attention_layernorm(x_PD))
+        return x_PD + in_tiles(self.mlp, self.post_attention_layernorm(x_PD), self.tile)
 
 
 class Body(nn.Module):
@@ -351,10 +358,8 @@ class Decoder(nn.Module):
 
         bounds = batch.bounds.tolist() if hasattr(batch.bounds, "tolist") else list(batch.bounds)
         if not bounds or bounds[0] != 0 or bounds[-1] != len(batch.tokens):
-            raise ValueError(
-                f"packed batch: bounds {bounds[:3]}…{bounds[-1:]} must run from 0 to the row "
-                f"length {len(batch.tokens)}; build batches with linnet.packing.pack"
-            )
+            raise ValueError(f"packed batch: bounds {bounds[:3]}…{bounds[-1:]} must run from 0 to the row "
+                             f"length {len(batch.tokens)}; build batches with linnet.packing.pack")
         fields = batch.tokens, batch.positions, batch.targets, batch.weights
         prefix = getattr(batch, "prefix", None)
         prefix = None if prefix is None else [int(i) for i in prefix]
@@ -504,8 +509,7 @@ class Decoder(nn.Module):
         activation. Gradients are the same either way; peak memory falls roughly to one
         block's activations plus the blocks' inputs (offloaded: one of them)."""
         if mode not in (True, False, "full", "selective", "offload"):
-            raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective', 'offload' or "
-                             "False")
+            raise ValueError(f"activation_checkpointing={mode!r}: use True (or 'full'), 'selective', 'offload', False")
         self.checkpointing = None if mode is False else "full" if mode is True else mode
 
     def split_context(self, mesh) -> None:
@@ -534,14 +538,21 @@ class Decoder(nn.Module):
         A long row's MLP activations ([P, intermediate], three of them) are its largest;
         tiled, only one tile's live at once, and in training each tile is computed again
         in backward (about a third more MLP work). The same function, rounded alike up to
-        the order of the weight gradients' sums."""
+        the order of the weight gradients' sums. Under sequence parallel each process takes
+        `positions / split` of its own positions a tile, which the MLP gathers from the
+        split's processes and scatters back, so a tile is `positions` rows there too."""
         if positions is not None and not (isinstance(positions, int) and positions >= 1):
             raise ValueError(f"tile_mlp: positions={positions!r}; use a positive number of positions or None")
         if positions is not None and self.card.experts is not None:
             raise ValueError("tile_mlp: a mixture-of-experts model's MLPs are its experts, which run on their own rows")
-        if positions is not None and self.sequence is not None:
-            raise ValueError("tile_mlp: this model splits its positions (sequence parallel), whose MLP sums its "
-                             "outputs over the split a row at a time; tile one or the other")
+        if self.sequence is not None:  # each process's share of a tile's positions; the MLP gathers them
+            size = self.sequence.size()
+            if positions is not None and positions % size:
+                raise ValueError(f"tile_mlp: positions={positions} with sequence parallel over {size} processes: "
+                                 f"each takes an equal share of a tile; use a multiple of {size}")
+            for block in self.model.layers:
+                block.tile = None if positions is None else positions // size
+            return
         for module in self.modules():
             if isinstance(module, MLP):
                 module.tile = positions
