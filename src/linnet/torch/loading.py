@@ -226,12 +226,12 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
 
         split(model, tensor_parallel, sequence=sequence_parallel)
     # a split model's parts are sharded over their copies once filled and adapted (below)
-    if fully_shard and pipeline is not None and tensor_parallel is None:  # each stage over its copies
-        stages.shard_stage(model, copies, device.type)
-    if expert_parallel is not None:  # each process allocates its own experts alone
+    if expert_parallel is not None:  # each process allocates its own experts alone (no stages: refused above)
         from linnet.torch.moe import expert_parallel as split_experts
 
         split_experts(model, expert_parallel)
+    elif fully_shard and pipeline is not None and tensor_parallel is None:  # each stage over its copies
+        stages.shard_stage(model, copies, device.type)
     elif fully_shard and tensor_parallel is None:  # a tied head is the embedding's own parameter: one part
         from linnet.torch.sharding import fully_shard as shard
 
