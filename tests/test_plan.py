@@ -877,6 +877,21 @@ def test_offloaded_checkpointing_keeps_one_blocks_input_on_the_gpu():
     assert on_cpu[0] == on_cpu[1]
 
 
+def test_mlp_tiles_hold_their_input_gradients_in_a_blocks_backward():
+    """With the MLP in tiles a block's backward holds one tile's two [tile, F] gradients and
+    the tiles' input gradients with their concatenation, two [s·b, d] (bench/long_context.md:
+    without them the planner fell 7-10% short at 16K-64K); none when one tile holds the row,
+    and a GPU's share of them under sequence parallel."""
+    card, c = PARTS_CARD, 4  # f32
+    f32 = Method("full", dtype="f32")
+    d, F = card.hidden, card.intermediate
+    for tile, expected in ((16, 2 * c * F * 16 + 2 * c * d * 64), (64, 2 * c * F * 64)):
+        assert activation_bytes(card, f32, Workload(tokens=64, mlp_tile=tile)).backward == expected
+    share = plan_parts.model_parts(card, split=2, sequence=True)[0]
+    assert activation_bytes(card, f32, Workload(tokens=64, mlp_tile=16), share).backward == \
+        2 * c * F // 2 * 16 + 2 * c * d * 64 / 2
+
+
 def test_sequence_parallel_shares_the_norms_and_block_inputs_among_the_split():
     """--sequence-parallel with --split 2: each norm's input, 1/rms and normalised input
     and a checkpointed block's input are half a row's; the norms' outputs whole (gathered

@@ -58,7 +58,8 @@ def experts_from_config(config: dict, family: str, where: str) -> Experts | None
                              "experts' blocks) are not supported")
         count = config.get("num_experts", config.get("num_local_experts"))  # transformers 5 writes the latter
         width, normalize = config.get("moe_intermediate_size"), bool(config.get("norm_topk_prob", False))
-        shared = config.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+        if family == "qwen2_moe":
+            shared = config.get("shared_expert_intermediate_size", 0)
     else:
         if float(config.get("router_jitter_noise") or 0.0):
             raise ValueError(f"{where}: router_jitter_noise={config['router_jitter_noise']} is not supported; set it "

@@ -395,7 +395,10 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     with DoRA's merged f32 weight while it takes the row norms; QLoRA's dequantized weight;
     with MLP tiles, one tile's MLP computed again.
     backward: the gradients in flight inside a block's backward, two [s·b, F] tensors in
-    the compute dtype (measured: bench/plan_vs_measured.md), or two a tile; in a mixture of
+    the compute dtype (measured: bench/plan_vs_measured.md), or two a tile, and then also
+    two [s·b, d]: the tiles' input gradients, held until the last tile's arrives, and their
+    concatenation (a GPU's share of the positions under sequence parallel; measured:
+    bench/long_context.md, 16K to 64K positions); in a mixture of
     experts two [s·b·K, d] and two [s·b·K/E, I], and in a part holding a share of the experts
     (expert parallel) the all-to-all buffers (linnet.plan.experts.moe_backward_bytes).
     QLoRA's dequantized weight is the largest of a block's linear weights and an expert's
@@ -452,6 +455,7 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
         backward = moe_backward_bytes(card, c, tokens, exchanged)
     else:
         backward = 2 * c * card.intermediate * mlp_rows
+        backward += 2 * c * d * tokens / part.sequence if mlp_rows < tokens else 0  # the tiles' input gradients
     return Activations(each + earlier, loss, recompute, backward, top + earlier,
                        per_block + rope - frozen_input + earlier, buffers, each)
 
