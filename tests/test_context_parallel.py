@@ -206,9 +206,12 @@ def test_linnet_sft_with_context_2_in_4_processes_takes_one_process_steps(tmp_pa
 
 def test_context_settings_are_checked_before_anything_runs():
     from linnet.config import SFTConfig, load
+    from linnet.config.groups import TrainingConfig
 
     with pytest.raises(ValueError, match="does not cut into 8 equal chunks"):
         load(SFTConfig, None, ["training.context=4", "training.context_length=100"])
-    for other in ("training.split=2", "training.pipeline=2"):
-        with pytest.raises(ValueError, match=f"training.context=2 with {other}: .*drop one"):
-            load(SFTConfig, None, ["training.context=2", other])
+    for other in (["training.pipeline=2"], ["training.split=2", "training.sequence_parallel=true"],
+                  ["training.split=2", "training.shard=fsdp"]):
+        with pytest.raises(ValueError, match=r"training.context=2 with training\.(pipeline|sequence|split).*drop one"):
+            load(SFTConfig, None, ["training.context=2", *other])
+    TrainingConfig(context=2, split=2)  # a split, each row over two of them

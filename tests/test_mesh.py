@@ -94,6 +94,19 @@ def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path, la
     _same_weights(tmp_path / "many", tmp_path / "one", "model.safetensors")
 
 
+def test_context_parallel_beside_a_split_takes_one_process_steps(workspace, tmp_path):
+    """training.split=2 with training.context=2 in four processes: each row's positions
+    split over two splits (each process a quarter of the work: its share of the heads and
+    MLP for its half of the positions), the ring passing each split's share of the keys and
+    values; the steps and weights of one process."""
+    common = _common(workspace, "training.steps=3", "lora.enabled=false")
+    four = common + [f"runtime.output_dir={tmp_path / 'four'}", "training.split=2", "training.context=2"]
+    assert in_processes(_sft_process, four, processes=4) == [0] * 4
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}"]))
+    same_metrics(tmp_path / "four", tmp_path / "one", KEYS, steps=3, rel=1e-5)
+    _same_weights(tmp_path / "four", tmp_path / "one", "model.safetensors")
+
+
 def test_stages_split_and_sharded_take_one_process_steps_and_resume_under_other_layouts(workspace, tmp_path):
     """2 x 2 x 2: two pipeline stages, each split two ways, each part sharded over the two
     copies (eight processes, one thread each). The same steps and weights as one process;

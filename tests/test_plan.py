@@ -1028,16 +1028,26 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     assert plan.ring_bytes(card, Workload(tokens=8192, device="cpu"), 4) == fused
     assert ring.activations.backward == quarter.backward + added
     assert plan.ring_bytes(card, work, 1) == 0
-    for bad, message in [(dict(gpus=4, context=4, split=2), "whole or sharded"), (dict(gpus=3, context=2), "multiple of 2")]:
+    for bad, message in [(dict(gpus=4, context=2, pipeline=2), re.escape("whole, sharded or split (shard none)")),
+                         (dict(gpus=8, context=2, split=2, shard="fsdp"), "split and shard fsdp"),
+                         (dict(gpus=4, context=4, split=2), "use a multiple of 8 GPUs"),
+                         (dict(gpus=3, context=2), "multiple of 2")]:
         with pytest.raises(ValueError, match=message):
             plan.estimate(card, method, work, Cluster(**bad))
+    # beside a split, each GPU passes its share of the heads' keys and values round the ring
+    both = plan.estimate(card, method, work, Cluster(gpus=8, context=4, split=2))
+    half = card.replace(heads=card.heads // 2, kv_heads=card.kv_heads // 2, intermediate=card.intermediate // 2)
+    assert both.activations.backward == plan.activation_bytes(
+        card, method, dataclasses.replace(work, tokens=work.tokens // 4), plan_parts.model_parts(card, split=2)[0]
+    ).backward + plan.ring_bytes(half, dataclasses.replace(work, tokens=work.tokens // 4), 4)
     with pytest.raises(ValueError, match="multiple of 8"):
         plan.estimate(card, method, Workload(tokens=1001), Cluster(gpus=4, context=4))
 
 
 def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys):
     """`linnet plan --suggest`: every layout of the GPUs that linnet runs (whole copies,
-    zero, fsdp, split, pipeline, context and their mixes), those that fit first, by kind
+    zero, fsdp, split, pipeline, context and their mixes, context beside a split
+    included), those that fit first, by kind
     of communication then peak; each layout's settings load as a config."""
     from linnet.config.groups import TrainingConfig
     from linnet.plan.layouts import suggest
@@ -1051,7 +1061,8 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     kinds = {(x.shard, x.split, x.pipeline, x.context) for x in layouts}
     assert ("none", 1, 1, 1) in kinds and ("zero", 1, 1, 2) in kinds and ("fsdp", 1, 4, 1) in kinds
     assert ("none", 2, 4, 1) in kinds and ("fsdp", 2, 2, 1) in kinds and ("fsdp", 1, 1, 4) in kinds
-    assert not any(x[3] > 1 and (x[1] > 1 or x[2] > 1) for x in kinds)
+    assert not any(x[3] > 1 and (x[2] > 1 or (x[1] > 1 and x[0] != "none")) for x in kinds)
+    assert ("none", 2, 1, 2) in kinds  # a split, each row over two such splits
     assert {x.settings for x in layouts} >= {"whole copies (the defaults)", "training.shard=zero training.context=2"}
     for x in layouts:  # what it says to set is a config linnet takes
         TrainingConfig(context_length=32768, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context,

@@ -339,8 +339,11 @@ class TrainingConfig:
             raise ValueError(f"config: training.context_length={self.context_length} does not cut into "
                              f"{2 * self.context} equal chunks (2 x training.context); use a multiple of "
                              f"{2 * self.context}")
-        other = next((f"training.{k}={v}" for k, v in (("split", self.split), ("pipeline", self.pipeline)) if v > 1),
-                     None)
+        other = next((setting for setting, clash in (
+            (f"training.pipeline={self.pipeline}", self.pipeline > 1),
+            ("training.sequence_parallel=true", self.sequence_parallel),
+            (f"training.split={self.split} and training.shard={self.shard}", self.split > 1 and self.shard != "none"))
+            if clash), None)
         if self.sequence_parallel and (self.split == 1 or self.context_length % self.split):
             raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
                              f"training.split to 2 or more, and training.context_length={self.context_length} to a "
@@ -351,7 +354,8 @@ class TrainingConfig:
                              f"training.split={self.split}")
         if self.context > 1 and other:
             raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on copies "
-                             "of the model, whole or sharded (shard none, zero or fsdp), for now; drop one of the two")
+                             "of the model, whole, sharded (shard zero or fsdp) or split (shard none), for now; drop "
+                             "one of the two")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):

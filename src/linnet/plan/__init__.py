@@ -165,7 +165,8 @@ class Cluster:
     block (tensor parallel) and `pipeline` stages hold consecutive blocks (two chunks a stage
     with `pipeline_schedule` "interleaved"): split x pipeline GPUs hold one copy of the
     model, and `gpus` counts every copy's. `context` GPUs take the same rows, each a whole
-    copy computing 1/context of every row's positions (context parallel: `ring_bytes`).
+    copy (or split's part) computing 1/context of every row's positions (context parallel:
+    `ring_bytes`).
     `sequence_parallel`: a split's GPUs also share the blocks' norms' positions. `expert`
     GPUs split a mixture of experts' experts between them (expert parallel,
     `training.expert`; groups of them copies of each other when `gpus` is a multiple), each
@@ -196,11 +197,13 @@ class Cluster:
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         _require(self.context >= 1, f"{{context}} must be a positive number of GPUs, got {self.context}")
-        _require(self.context == 1 or self.split == self.pipeline == 1,
-                 f"{{context}} {self.context} with {{split}} or {{pipeline}}: linnet's context parallel runs on "
-                 "copies of the model, whole or sharded")
-        _require(self.gpus % self.context == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} GPUs take each "
-                 f"row; use a multiple of {self.context} GPUs")
+        _require(self.context == 1 or (self.pipeline == 1 and not self.sequence_parallel
+                                        and (self.split == 1 or self.shard == "none")),
+                 f"{{context}} {self.context} with {{pipeline}}, {{sequence_parallel}}, or {{split}} and {{shard}} "
+                 f"{self.shard}: linnet's context parallel runs on copies of the model, whole, sharded or split "
+                 "(shard none)")
+        _require(self.gpus % (self.context * self.split) == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} x "
+                 f"{{split}} {self.split} GPUs take each row; use a multiple of {self.context * self.split} GPUs")
         _require(not self.sequence_parallel or self.split > 1,
                  "{sequence_parallel} shares a split's positions: linnet runs it with {split} 2 or more")
         per_copy = self.split * self.pipeline
@@ -404,7 +407,6 @@ def estimate(
              f"{{tokens}} {workload.tokens} with {{context}} {cluster.context}: a row cuts into 2 x context equal "
              f"chunks; use a multiple of {2 * cluster.context}")
     mine = dataclasses.replace(workload, tokens=workload.tokens // cluster.context)  # a GPU's positions of a row
-    ring = ring_bytes(card, mine, cluster.context)
     _require(not cluster.sequence_parallel or (workload.tokens % cluster.split == 0
                                                 and (workload.mlp_tile or 0) % cluster.split == 0),
              "{sequence_parallel}: {tokens} and {mlp_tile} multiples of {split} (each GPU takes an equal share)")
@@ -412,6 +414,7 @@ def estimate(
                             cluster.sequence_parallel, cluster.expert):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),
                                        part) for mode in CHECKPOINTING}
+        ring = ring_bytes(part.card, mine, cluster.context)  # a split's share of the heads passed round
         acts = {mode: dataclasses.replace(a, backward=a.backward + ring) for mode, a in acts.items()}
         over = copies if cut and cluster.shard == "fsdp" else 1  # a stage sharded over its copies
         # per GPU when over > 1

@@ -5,7 +5,7 @@ A layout is how the GPUs share the work: whole copies (`shard` none, zero or fsd
 copies), a model split `split` ways (tensor parallel), cut in `pipeline` stages, each row
 split over `context` GPUs (context parallel), or a mixture of experts' experts split over
 groups of `expert` GPUs (expert parallel). Each is planned with `estimate`; a layout linnet
-refuses (a card that does not split evenly, context with a split, ...) is left out.
+refuses (a card that does not split evenly, context with a pipeline, ...) is left out.
 
 The order among those that fit follows what a step sends between GPUs, least first:
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from linnet.torch.distributed import reduced_by_shards
+
 SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.memory.RING_SCORE_BYTES)
 # where PyTorch's fused attention kernel takes an arbitrary mask and returns the log-sum-exp
 # the ring merges by (its flash kernel for CPUs); elsewhere each block's scores in float32
@@ -286,15 +288,16 @@ def gather_row(x: torch.Tensor, length: int, group) -> torch.Tensor:
 
 def sum_gradients_over(model, group) -> None:
     """Every trained parameter's gradient summed over `group` as backward makes it, before
-    it accumulates: each process's is its own positions' part. Parameters sharded by
-    fully_shard over every process are left to it: it sums over the group with the rest."""
+    it accumulates: each process's is its own positions' part (a split parameter's, its
+    part's). Parameters sharded by fully_shard over every process are left to it: it sums
+    over the group with the rest."""
     def summed(grad):
         grad = grad.clone()
-        dist.all_reduce(grad, group=group)
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
         return grad
 
     for p in model.parameters():
-        if p.requires_grad and not isinstance(p, DTensor):
+        if p.requires_grad and not (isinstance(p, DTensor) and reduced_by_shards(p, group)):
             p.register_hook(summed)
 
 

@@ -521,16 +521,18 @@ class Decoder(nn.Module):
         hidden states gathered), and each trained parameter's gradient is summed over the
         mesh as backward makes it: add adapters and choose what trains first. `copies`
         becomes the processes at this place in every copy, as for tensor_parallel. A model
-        fully_shard sharded over every process (each context group's included) sums its
-        parts' gradients there."""
-        if self.pipe is not None or self.copies is not None or self.compiled:
-            raise ValueError("split_context: the model is pipelined, split or compiled; context parallel runs on "
-                             "eager copies, whole or sharded over every process, for now")
-        if any(isinstance(p, DTensor) and not reduced_by_shards(p, mesh.get_group()) for p in self.parameters()):
-            raise ValueError("split_context: the model is sharded over processes that leave out some of the "
-                             "context group; shard it over every process (fully_shard's default mesh)")
+        fully_shard sharded over every process sums its parts' gradients there; a split one
+        (tensor_parallel, no sequence parallel) sums its parts' over the context group too."""
+        if self.pipe is not None or self.compiled or self.sequence is not None:
+            raise ValueError("split_context: the model is pipelined, compiled or sequence parallel; context parallel "
+                             "runs on eager copies, whole, split or sharded over every process, for now")
+        split = self.split if self.copies is not None else None
+        if any(isinstance(p, DTensor) and p.device_mesh != split and not reduced_by_shards(p, mesh.get_group())
+               for p in self.parameters()):
+            raise ValueError("split_context: the model is sharded over processes that leave out some of the context "
+                             "group; shard it over every process (fully_shard's default mesh)")
         self.context = mesh.get_group()
-        self.copies = copies_group(mesh)
+        self.copies = copies_group(*([split] if split is not None else []), mesh)
         sum_gradients_over(self, self.context)
 
     def tile_mlp(self, positions: int | None) -> None:
@@ -636,9 +638,7 @@ _KEEP = {"full": noop_context_fn, "offload": noop_context_fn,
 def _to_host(x: torch.Tensor) -> torch.Tensor:
     """x in host memory (from an accelerator): what an offloaded block keeps of its input;
     differentiable, its gradient returning to x's device."""
-    if x.device.type == "cpu":
-        return x
-    return x.to("cpu", non_blocking=False)
+    return x if x.device.type == "cpu" else x.to("cpu", non_blocking=False)
 
 
 def _from_host(block, device):
