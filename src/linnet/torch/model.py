@@ -526,13 +526,13 @@ class Decoder(nn.Module):
         if self.pipe is not None or self.compiled or self.sequence is not None:
             raise ValueError("split_context: the model is pipelined, compiled or sequence parallel; context parallel "
                              "runs on eager copies, whole, split or sharded over every process, for now")
-        split = self.split if self.copies is not None else None
+        split = self.split
         if any(isinstance(p, DTensor) and p.device_mesh != split and not reduced_by_shards(p, mesh.get_group())
                for p in self.parameters()):
             raise ValueError("split_context: the model is sharded over processes that leave out some of the context "
                              "group; shard it over every process (fully_shard's default mesh)")
         self.context = mesh.get_group()
-        self.copies = copies_group(*([split] if split is not None else []), mesh)
+        self.copies = copies_group(mesh) if split is None else copies_group(split, mesh)
         sum_gradients_over(self, self.context)
 
     def tile_mlp(self, positions: int | None) -> None:
