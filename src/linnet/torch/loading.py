@@ -19,6 +19,9 @@ from linnet.torch import attention as attention_paths
 from linnet.torch.model import Decoder, Linear, rope_frequencies
 from linnet.torch.moe import STACKED, ExpertWeights
 from linnet.torch.quantize import QUANTIZE, quantize_into
+from linnet.torch.sharding import copies_mesh
+from linnet.torch.sharding import fully_shard as shard
+from linnet.torch.sharding import tensor_parallel as split
 from linnet.torch.weights import as_dtype
 
 
@@ -222,8 +225,6 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
                    pipeline_schedule)
         copies = stages.stage_copies(pipeline, tensor_parallel)
     if tensor_parallel is not None:
-        from linnet.torch.sharding import tensor_parallel as split
-
         split(model, tensor_parallel, sequence=sequence_parallel)
     # a split model's parts are sharded over their copies once filled and adapted (below)
     if expert_parallel is not None:  # each process allocates its own experts alone (no stages: refused above)
@@ -233,8 +234,6 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     elif fully_shard and pipeline is not None and tensor_parallel is None:  # each stage over its copies
         stages.shard_stage(model, copies, device.type)
     elif fully_shard and tensor_parallel is None:  # a tied head is the embedding's own parameter: one part
-        from linnet.torch.sharding import fully_shard as shard
-
         also = None
         shard(model)
     if isinstance(weights, str) and weights == "random":
@@ -248,15 +247,10 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
     elif lora:  # whole, or split by tensor_parallel (A drawn whole, then split)
         add_lora(model, **lora)
     if fully_shard and expert_parallel is not None:  # the dense parts, once read and adapted, beside the experts
-        from linnet.torch.sharding import fully_shard as shard
-
         shard(model)
     if fully_shard and tensor_parallel is not None and pipeline is not None:  # 3-D: a stage's part over its copies
         stages.shard_stage(model, copies, device.type, tensor_parallel)
     elif fully_shard and tensor_parallel is not None:  # 2-D: each process's part of the split over its copies
-        from linnet.torch.sharding import copies_mesh
-        from linnet.torch.sharding import fully_shard as shard
-
         shard(model, mesh=copies_mesh(tensor_parallel))
     if pipeline is not None:
         stages.staged(model, pipeline, pipeline_schedule, copies)
