@@ -7,6 +7,9 @@ tokens a step, float32, AdamW at 1e-3, every case given the same two threads, at
 lengths: short (a median of 10 tokens) and compare.py's (a median of 60):
 
   sync      linnet, max_staleness 0: each step samples, then trains, every op on 2 threads
+  sync1     the same on 1 thread: what each side costs alone on one core. Half their sum is the
+            fastest step any overlap of the two could reach (both cores busy all the time), so
+            the report states the bound: sync's step over that
   ahead     linnet, max_staleness 1: a sampler thread samples step t+1 while step t trains, 1 thread a side
   trl       TRL's GRPOTrainer (plain `generate`, compare.py's settings), its micro-batch the fastest
             of --trl-micro, searched first with one run each at each prompt length
@@ -35,7 +38,7 @@ from pathlib import Path
 from _common import KEEP, alternate, command, machine, send_result, table, write_report
 
 HERE = Path(__file__).resolve().parent
-CASES = {"sync": 0, "ahead": 1, "trl": None}
+CASES = {"sync": 0, "sync1": 0, "ahead": 1, "trl": None}
 PROMPTS = {"short": 10, "long": 60}  # median prompt tokens
 
 
@@ -51,7 +54,7 @@ def child(spec: dict) -> None:
     from linnet.torch.weights import bind_weights
     from linnet.train.grpo import Prompt, grpo
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1 if spec["case"] == "sync1" else 2)
     torch.manual_seed(0)
     data = json.loads(Path(spec["data"]).read_text())
     model = nest.load(spec["model_dir"], dtype="float32", trainable=False)
@@ -120,6 +123,9 @@ def measure(size: str, prompts: str, args, root: Path) -> list:
     got = alternate(__file__, {case: dict(base, case=case, trl_micro=micro) for case in args.cases}, args.repeats,
                     label=label)
     step = {case: median_step(runs) for case, runs in got.items()}
+    parts = {case: [statistics.median(m[k] for r in runs for m in r["metrics"][2:])
+                    for k in ("sample_seconds", "train_seconds")] for case, runs in got.items() if case != "trl"}
+    bound = f"{step['sync'] / (sum(parts['sync1']) / 2):.2f}x" if {"sync", "sync1"} <= set(step) else "-"
     rows = []
     for case, runs in got.items():
         timed = [m for r in runs for m in r["metrics"][2:]]
@@ -127,11 +133,11 @@ def measure(size: str, prompts: str, args, root: Path) -> list:
                 f"{statistics.median(m['trainer_busy'] for m in timed):.2f}" if case == "ahead" else "-")
         curve = " ".join(f"{statistics.mean(r['metrics'][i]['reward'] for r in runs):.3f}"
                          for i in range(args.steps))
-        parts = ["-", "-"] if case == "trl" else [f"{statistics.median(m[k] for m in timed):.2f} s"
-                                                   for k in ("sample_seconds", "train_seconds")]
         rows.append([size, f"{prompts} ({PROMPTS[prompts]})", case + (f" (micro {micro})" if case == "trl" else ""),
                      f"{step[case]:.2f} s", *(f"{step[ref] / step[case]:.2f}x" if ref in step else "-"
-                                              for ref in ("sync", "trl")), *parts, busy, curve])
+                                              for ref in ("sync", "trl")),
+                     *([f"{t:.2f} s" for t in parts[case]] if case in parts else ["-", "-"]),
+                     busy, bound if case == "ahead" else "-", curve])
     return rows
 
 
@@ -160,12 +166,13 @@ def main() -> None:
         "Produced by `bench/grpo_async.py`; numbers are measured, not edited.", "",
         f"- Command: `{command(__file__)}` ({(time.perf_counter() - started) / 60:.1f} min, "
         f"{time.strftime('%Y-%m-%d')})",
-        f"- Machine: {machine()}; 2 threads a process (ahead: 1 a side).",
+        f"- Machine: {machine()}; 2 threads a process (ahead: 1 a side; sync1: 1).",
         "- Work: bench/compare.py's GRPO models with their LoRA adapters, float32, 4 prompts x 8 completions x 64 "
         f"new tokens a step, correction_cap 2 (linnet), {args.steps} steps a run, {args.repeats} round(s) a case; "
         f"TRL's micro-batch searched over {args.trl_micro} completions a forward.", "",
         *table(["size", "prompts (median tokens)", "case", "step (median)", "step rate / sync",
-                "step rate / TRL", "sampling", "training", "busy: sampler / trainer", "reward, step by step"], rows),
+                "step rate / TRL", "sampling", "training", "busy: sampler / trainer",
+                "best overlap / sync", "reward, step by step"], rows),
         ""])
     write_report(text, args.out, keep=KEEP)  # the notes below the marker stay
 
