@@ -94,17 +94,25 @@ def test_sequence_parallel_split_takes_one_process_steps(workspace, tmp_path, la
     _same_weights(tmp_path / "many", tmp_path / "one", "model.safetensors")
 
 
-def test_context_parallel_beside_a_split_takes_one_process_steps(workspace, tmp_path):
+@pytest.mark.parametrize("layout", ["split", "fsdp", "fsdp-lora", "sequence"])
+def test_context_parallel_beside_a_split_takes_one_process_steps(workspace, tmp_path, layout):
     """training.split=2 with training.context=2 in four processes: each row's positions
     split over two splits (each process a quarter of the work: its share of the heads and
     MLP for its half of the positions), the ring passing each split's share of the keys and
-    values; the steps and weights of one process."""
-    common = _common(workspace, "training.steps=3", "lora.enabled=false")
-    four = common + [f"runtime.output_dir={tmp_path / 'four'}", "training.split=2", "training.context=2"]
+    values. With fsdp each part is also sharded over the context group (FSDP x TP x CP: the
+    reduce-scatter sums both processes' positions; LoRA: the base so, the adapters summed
+    over the group by hooks); with sequence parallel each process of a split runs the norms
+    on half of its positions, its MLP in tiles of 16 (TP x SP x CP). The steps and weights of
+    one process."""
+    lora = layout == "fsdp-lora"
+    extra = {"split": [], "fsdp": ["training.shard=fsdp"], "fsdp-lora": ["training.shard=fsdp"],
+             "sequence": ["training.sequence_parallel=true", "training.mlp_tile=16"]}[layout]
+    common = _common(workspace, "training.steps=3", f"lora.enabled={str(lora).lower()}")
+    four = common + [f"runtime.output_dir={tmp_path / 'four'}", "training.split=2", "training.context=2", *extra]
     assert in_processes(_sft_process, four, processes=4) == [0] * 4
     run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}"]))
     same_metrics(tmp_path / "four", tmp_path / "one", KEYS, steps=3, rel=1e-5)
-    _same_weights(tmp_path / "four", tmp_path / "one", "model.safetensors")
+    _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
 
 
 def test_stages_split_and_sharded_take_one_process_steps_and_resume_under_other_layouts(workspace, tmp_path):
@@ -149,6 +157,8 @@ def test_a_run_resumes_under_another_layout_only_with_the_same_rows_a_step(works
     (["training.sequence_parallel=true"], "set training.split to 2 or more"),
     (["training.sequence_parallel=true", "training.split=2", "training.context_length=63"], "a multiple of it"),
     (["training.sequence_parallel=true", "training.split=2", "training.mlp_tile=15"], "with training.mlp_tile=15"),
+    (["training.sequence_parallel=true", "training.split=4", "training.context=2", "training.context_length=68"],
+     r"a multiple of it x training.context"),
     (["training.split=2", "training.shard=zero"], "training.split=2 with training.shard=zero is not supported"),
 ])
 def test_layouts_linnet_does_not_run_are_refused_naming_the_pair(settings, message):

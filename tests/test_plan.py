@@ -1028,8 +1028,7 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     assert plan.ring_bytes(card, Workload(tokens=8192, device="cpu"), 4) == fused
     assert ring.activations.backward == quarter.backward + added
     assert plan.ring_bytes(card, work, 1) == 0
-    for bad, message in [(dict(gpus=4, context=2, pipeline=2), re.escape("whole, sharded or split (shard none)")),
-                         (dict(gpus=8, context=2, split=2, shard="fsdp"), "split and shard fsdp"),
+    for bad, message in [(dict(gpus=4, context=2, pipeline=2), "context parallel runs on copies"),
                          (dict(gpus=4, context=4, split=2), "use a multiple of 8 GPUs"),
                          (dict(gpus=3, context=2), "multiple of 2")]:
         with pytest.raises(ValueError, match=message):
@@ -1042,12 +1041,22 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     ).backward + plan.ring_bytes(half, dataclasses.replace(work, tokens=work.tokens // 4), 4)
     with pytest.raises(ValueError, match="multiple of 8"):
         plan.estimate(card, method, Workload(tokens=1001), Cluster(gpus=4, context=4))
+    # a split's parts sharded over its copies and the context group together (FSDP x TP x CP)
+    cube = plan.estimate(card, method, work, Cluster(gpus=8, context=2, split=2, shard="fsdp"))
+    split = plan.estimate(card, method, work, Cluster(gpus=2, split=2))
+    for a, b in zip(dataclasses.astuple(cube.states), dataclasses.astuple(split.states), strict=True):
+        assert a == pytest.approx(b / 4)
+    # and its norms on a GPU's share of that GPU's positions (TP x SP x CP)
+    spread = plan.estimate(card, method, work, Cluster(gpus=4, context=2, split=2, sequence_parallel=True))
+    assert spread.activations.kept < plan.estimate(card, method, work, Cluster(gpus=4, context=2, split=2)).activations.kept
+    with pytest.raises(ValueError, match="a GPU's share of them"):
+        plan.estimate(card, method, Workload(tokens=8196), Cluster(gpus=8, context=2, split=4, sequence_parallel=True))
 
 
 def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys):
     """`linnet plan --suggest`: every layout of the GPUs that linnet runs (whole copies,
-    zero, fsdp, split, pipeline, context and their mixes, context beside a split
-    included), those that fit first, by kind
+    zero, fsdp, split, pipeline, context and their mixes, context beside a split, sharded
+    or sequence parallel, included), those that fit first, by kind
     of communication then peak; each layout's settings load as a config."""
     from linnet.config.groups import TrainingConfig
     from linnet.plan.layouts import suggest
@@ -1061,8 +1070,10 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     kinds = {(x.shard, x.split, x.pipeline, x.context) for x in layouts}
     assert ("none", 1, 1, 1) in kinds and ("zero", 1, 1, 2) in kinds and ("fsdp", 1, 4, 1) in kinds
     assert ("none", 2, 4, 1) in kinds and ("fsdp", 2, 2, 1) in kinds and ("fsdp", 1, 1, 4) in kinds
-    assert not any(x[3] > 1 and (x[2] > 1 or (x[1] > 1 and x[0] != "none")) for x in kinds)
+    assert not any(x[3] > 1 and x[2] > 1 for x in kinds)  # context with a pipeline: refused
     assert ("none", 2, 1, 2) in kinds  # a split, each row over two such splits
+    assert ("fsdp", 2, 1, 2) in kinds  # its parts sharded over the copies and the context group
+    assert any(x.sequence_parallel and x.context > 1 for x in layouts)
     assert {x.settings for x in layouts} >= {"whole copies (the defaults)", "training.shard=zero training.context=2"}
     for x in layouts:  # what it says to set is a config linnet takes
         TrainingConfig(context_length=32768, shard=x.shard, split=x.split, pipeline=x.pipeline, context=x.context,

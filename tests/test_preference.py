@@ -92,6 +92,8 @@ LAYOUTS = {  # name: (settings, processes)
     "sequence": (["training.split=2", "training.sequence_parallel=true"], 2),
     "context-fsdp": (["training.context=2", "training.shard=fsdp"], 4),
     "split-context": (["training.split=2", "training.context=2"], 4),
+    "split-context-fsdp-sequence": (["training.split=2", "training.context=2", "training.shard=fsdp",
+                                     "training.sequence_parallel=true"], 4),
 }
 SLOW_LAYOUTS = {  # eight processes; linnet sft runs the same layout in the default run (tests/test_mesh.py)
     "pipeline-split-fsdp": (["training.pipeline=2", "training.split=2", "training.shard=fsdp"], 8),
@@ -110,7 +112,8 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     training.sequence_parallel too, the split's norms on half of each row's positions, or
     with training.context=2 and training.shard=fsdp, four processes: two copies of a context
     pair, every state sharded over all four, or with training.split=2 and training.context=2,
-    four processes: each row over two splits, or eight processes: two copies of two stages
+    four processes: each row over two splits (and with fsdp and sequence parallel, each part
+    sharded over the context pair, the norms on a quarter of the row), or eight processes: two copies of two stages
     split two ways, each part sharded over the copies: the same steps and held-out metrics
     as one process."""
     from tests.conftest import in_processes

@@ -339,23 +339,19 @@ class TrainingConfig:
             raise ValueError(f"config: training.context_length={self.context_length} does not cut into "
                              f"{2 * self.context} equal chunks (2 x training.context); use a multiple of "
                              f"{2 * self.context}")
-        other = next((setting for setting, clash in (
-            (f"training.pipeline={self.pipeline}", self.pipeline > 1),
-            ("training.sequence_parallel=true", self.sequence_parallel),
-            (f"training.split={self.split} and training.shard={self.shard}", self.split > 1 and self.shard != "none"))
-            if clash), None)
-        if self.sequence_parallel and (self.split == 1 or self.context_length % self.split):
+        if self.sequence_parallel and (self.split == 1 or self.context_length % (self.split * self.context)):
             raise ValueError(f"config: training.sequence_parallel=true splits the positions of a split model: set "
                              f"training.split to 2 or more, and training.context_length={self.context_length} to a "
-                             f"multiple of it")
+                             f"multiple of it" + (" x training.context (each process's share of a row splits)"
+                                                  if self.context > 1 else ""))
         if self.sequence_parallel and self.mlp_tile and self.mlp_tile % self.split:
             raise ValueError(f"config: training.sequence_parallel=true with training.mlp_tile={self.mlp_tile}: each of "
                              f"the split's processes takes an equal share of a tile; use a multiple of "
                              f"training.split={self.split}")
-        if self.context > 1 and other:
-            raise ValueError(f"config: training.context={self.context} with {other}: context parallel runs on copies "
-                             "of the model, whole, sharded (shard zero or fsdp) or split (shard none), for now; drop "
-                             "one of the two")
+        if self.context > 1 and self.pipeline > 1:
+            raise ValueError(f"config: training.context={self.context} with training.pipeline={self.pipeline}: "
+                             "context parallel runs on copies of the model, whole, sharded (shard zero or fsdp) or "
+                             "split (sequence parallel too), for now; drop one of the two")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):

@@ -197,11 +197,9 @@ class Cluster:
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         _require(self.context >= 1, f"{{context}} must be a positive number of GPUs, got {self.context}")
-        _require(self.context == 1 or (self.pipeline == 1 and not self.sequence_parallel
-                                        and (self.split == 1 or self.shard == "none")),
-                 f"{{context}} {self.context} with {{pipeline}}, {{sequence_parallel}}, or {{split}} and {{shard}} "
-                 f"{self.shard}: linnet's context parallel runs on copies of the model, whole, sharded or split "
-                 "(shard none)")
+        _require(self.context == 1 or self.pipeline == 1,
+                 f"{{context}} {self.context} with {{pipeline}}: linnet's context parallel runs on copies of the "
+                 "model, whole, sharded or split")
         _require(self.gpus % (self.context * self.split) == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} x "
                  f"{{split}} {self.split} GPUs take each row; use a multiple of {self.context * self.split} GPUs")
         _require(not self.sequence_parallel or self.split > 1,
@@ -407,9 +405,10 @@ def estimate(
              f"{{tokens}} {workload.tokens} with {{context}} {cluster.context}: a row cuts into 2 x context equal "
              f"chunks; use a multiple of {2 * cluster.context}")
     mine = dataclasses.replace(workload, tokens=workload.tokens // cluster.context)  # a GPU's positions of a row
-    _require(not cluster.sequence_parallel or (workload.tokens % cluster.split == 0
+    _require(not cluster.sequence_parallel or (mine.tokens % cluster.split == 0
                                                 and (workload.mlp_tile or 0) % cluster.split == 0),
-             "{sequence_parallel}: {tokens} and {mlp_tile} multiples of {split} (each GPU takes an equal share)")
+             "{sequence_parallel}: {tokens} (over {context}: a GPU's share of them) and {mlp_tile} multiples of "
+             "{split} (each GPU takes an equal share)")
     for part in model_parts(card, cluster.split, cluster.pipeline, workload.accumulate, cluster.pipeline_schedule,
                             cluster.sequence_parallel, cluster.expert):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),

@@ -75,11 +75,16 @@ def fully_shard(model, *, mesh=None, reshard_after_forward: bool = True, entries
 def copies_mesh(split):
     """The mesh of the processes holding this process's part of a split model in the other
     copies: the "copies" dimension of the mesh `split` (mesh["split"]) was taken from, as
-    FSDP wants the two from one mesh."""
+    FSDP wants the two from one mesh; with a "context" dimension of more than one process,
+    the two flattened into one ("copies_context"), so that the reduce-scatter of each part's
+    gradient sums the context group's positions too."""
     root = split._get_root_mesh()
-    if "copies" not in (root.mesh_dim_names or ()):
+    names = root.mesh_dim_names or ()
+    if "copies" not in names:
         raise ValueError("fully_shard with tensor_parallel: take the split's mesh from one mesh with a 'copies' "
                          "dimension, e.g. init_device_mesh(..., mesh_dim_names=('copies', 'split'))['split']")
+    if "context" in names and root["context"].size() > 1:
+        return root["copies", "context"]._flatten("copies_context")
     return root["copies"]
 
 
@@ -184,6 +189,10 @@ def scatter_positions(x: torch.Tensor, mesh) -> torch.Tensor:
     process of a sequence-parallel split; the shares' gradients are gathered in backward."""
     from torch.distributed.tensor import Replicate, Shard
 
+    if x.shape[0] % mesh.size():
+        raise ValueError(f"sequence parallel: {x.shape[0]} positions do not split into {mesh.size()} equal shares; "
+                         f"pack rows whose positions (each context-parallel process's share of them) are a "
+                         f"multiple of {mesh.size()} (training.context_length)")
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
 
 
