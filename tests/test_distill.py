@@ -475,7 +475,7 @@ def _distill_process(rank, root, out, *extra):
 @pytest.mark.parametrize("mode, parallel", [("logit", "split"), ("on_policy", "split"), ("logit", "pipeline"),
                                             ("sequence", "pipeline"), ("on_policy", "pipeline"),
                                             ("on_policy", "pipeline-fsdp"), ("logit", "context"),
-                                            ("on_policy", "context")])
+                                            ("on_policy", "context"), ("logit", "pipeline-context")])
 def test_linnet_distill_with_a_split_or_pipelined_student_takes_one_process_steps(distill_workspace, tmp_path, mode,
                                                                                  parallel):
     """`linnet distill` with training.split=2 (two processes split the student, LoRA),
@@ -484,7 +484,9 @@ def test_linnet_distill_with_a_split_or_pipelined_student_takes_one_process_step
     same rows (on-policy and sequence-level, the first process's completions), with the
     losses, held-out divergences and adapters of one process. With training.shard=fsdp too,
     four processes (two copies of the stages, sharded over them, each copy's first stage
-    sampling its share) take the steps of two processes sharding the whole student."""
+    sampling its share) take the steps of two processes sharding the whole student; with
+    training.context=2 too, four processes (two stages, each splitting every row's positions
+    over a pair) take one process's."""
     from safetensors.torch import load_file
 
     from tests.conftest import in_processes
@@ -494,6 +496,10 @@ def test_linnet_distill_with_a_split_or_pipelined_student_takes_one_process_step
         assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra, "training.pipeline=2",
                             "training.shard=fsdp", processes=4) == [0, 1, 2, 3]
         in_processes(_distill_process, distill_workspace, tmp_path / "one", *extra, "training.shard=fsdp")
+    elif parallel == "pipeline-context":  # two stages, each row's positions split over each stage's pair
+        assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra, "training.pipeline=2",
+                            "training.context=2", processes=4) == [0, 1, 2, 3]
+        _distill_process(0, distill_workspace, tmp_path / "one", *extra)
     else:
         assert in_processes(_distill_process, distill_workspace, tmp_path / "two", *extra,
                             f"training.{parallel}=2") == [0, 1]

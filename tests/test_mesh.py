@@ -115,6 +115,23 @@ def test_context_parallel_beside_a_split_takes_one_process_steps(workspace, tmp_
     _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
 
 
+@pytest.mark.parametrize("layout", ["stages", "stages-fsdp-lora"])
+def test_context_parallel_through_pipeline_stages_takes_one_process_steps(workspace, tmp_path, layout):
+    """training.pipeline=2 with training.context=2 in four processes: each stage's pair
+    takes the same rows, each process half of every row's positions, and hands its half's
+    hidden states to the same place in the next stage; the last stage's loss is the row's
+    on both (with fsdp each stage sharded over its pair, LoRA adapters summed over it). The
+    steps and weights of one process."""
+    lora = layout.endswith("lora")
+    common = _common(workspace, "training.steps=3", f"lora.enabled={str(lora).lower()}", "training.accumulation=2")
+    extra = ["training.shard=fsdp"] if "fsdp" in layout else []
+    four = common + [f"runtime.output_dir={tmp_path / 'four'}", "training.pipeline=2", "training.context=2", *extra]
+    assert in_processes(_sft_process, four, processes=4) == [0] * 4
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}"]))
+    same_metrics(tmp_path / "four", tmp_path / "one", KEYS, steps=3, rel=1e-5)
+    _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
+
+
 def test_stages_split_and_sharded_take_one_process_steps_and_resume_under_other_layouts(workspace, tmp_path):
     """2 x 2 x 2: two pipeline stages, each split two ways, each part sharded over the two
     copies (eight processes, one thread each). The same steps and weights as one process;

@@ -1028,7 +1028,7 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     assert plan.ring_bytes(card, Workload(tokens=8192, device="cpu"), 4) == fused
     assert ring.activations.backward == quarter.backward + added
     assert plan.ring_bytes(card, work, 1) == 0
-    for bad, message in [(dict(gpus=4, context=2, pipeline=2), "context parallel runs on copies"),
+    for bad, message in [
                          (dict(gpus=4, context=4, split=2), "use a multiple of 8 GPUs"),
                          (dict(gpus=3, context=2), "multiple of 2")]:
         with pytest.raises(ValueError, match=message):
@@ -1049,6 +1049,11 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
     # and its norms on a GPU's share of that GPU's positions (TP x SP x CP)
     spread = plan.estimate(card, method, work, Cluster(gpus=4, context=2, split=2, sequence_parallel=True))
     assert spread.activations.kept < plan.estimate(card, method, work, Cluster(gpus=4, context=2, split=2)).activations.kept
+    # and through pipeline stages: each stage's GPUs a share of its positions and the ring's buffers
+    staged = plan.estimate(card, method, work, Cluster(gpus=4, context=2, pipeline=2))
+    alone = plan.estimate(card, method, dataclasses.replace(work, tokens=work.tokens // 2), Cluster(gpus=2, pipeline=2))
+    assert staged.activations.backward == alone.activations.backward + plan.ring_bytes(
+        card, dataclasses.replace(work, tokens=work.tokens // 2), 2)
     with pytest.raises(ValueError, match="a GPU's share of them"):
         plan.estimate(card, method, Workload(tokens=8196), Cluster(gpus=8, context=2, split=4, sequence_parallel=True))
 
@@ -1070,7 +1075,7 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     kinds = {(x.shard, x.split, x.pipeline, x.context) for x in layouts}
     assert ("none", 1, 1, 1) in kinds and ("zero", 1, 1, 2) in kinds and ("fsdp", 1, 4, 1) in kinds
     assert ("none", 2, 4, 1) in kinds and ("fsdp", 2, 2, 1) in kinds and ("fsdp", 1, 1, 4) in kinds
-    assert not any(x[3] > 1 and x[2] > 1 for x in kinds)  # context with a pipeline: refused
+    assert ("none", 1, 2, 2) in kinds and ("fsdp", 2, 2, 2) in kinds  # context through pipeline stages
     assert ("none", 2, 1, 2) in kinds  # a split, each row over two such splits
     assert ("fsdp", 2, 1, 2) in kinds  # its parts sharded over the copies and the context group
     assert any(x.sequence_parallel and x.context > 1 for x in layouts)

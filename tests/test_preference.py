@@ -92,6 +92,7 @@ LAYOUTS = {  # name: (settings, processes)
     "sequence": (["training.split=2", "training.sequence_parallel=true"], 2),
     "context-fsdp": (["training.context=2", "training.shard=fsdp"], 4),
     "split-context": (["training.split=2", "training.context=2"], 4),
+    "pipeline-context": (["training.pipeline=2", "training.context=2"], 4),
     "split-context-fsdp-sequence": (["training.split=2", "training.context=2", "training.shard=fsdp",
                                      "training.sequence_parallel=true"], 4),
 }
@@ -113,7 +114,9 @@ def test_two_processes_take_the_steps_of_one(workspace, tmp_path, shard):
     with training.context=2 and training.shard=fsdp, four processes: two copies of a context
     pair, every state sharded over all four, or with training.split=2 and training.context=2,
     four processes: each row over two splits (and with fsdp and sequence parallel, each part
-    sharded over the context pair, the norms on a quarter of the row), or eight processes: two copies of two stages
+    sharded over the context pair, the norms on a quarter of the row), or with
+    training.pipeline=2 and training.context=2, four processes: each stage's pair splitting
+    every row's positions, or eight processes: two copies of two stages
     split two ways, each part sharded over the copies: the same steps and held-out metrics
     as one process."""
     from tests.conftest import in_processes

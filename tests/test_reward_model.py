@@ -159,11 +159,13 @@ def _reward_process(rank, config):
 
 
 @pytest.mark.parametrize("mode", ["training.shard=fsdp", "training.split=2", "training.pipeline=2",
-                                  "training.pipeline=2 training.shard=fsdp", "training.context=2"])
+                                  "training.pipeline=2 training.shard=fsdp", "training.context=2",
+                                  "training.pipeline=2 training.context=2"])
 def test_linnet_reward_over_two_processes_takes_one_process_steps(records, tmp_path, mode):
     """`linnet reward` in two processes, sharded (fsdp), split (tensor parallel) or cut into
     two pipeline stages (the last holding the score head), or in four, two copies of the
-    stages sharded over them: one process's losses and held-out accuracy, and the same
+    stages sharded over them, or two stages each splitting every row's positions over a
+    pair (the last stage's pair gathering the hidden states it scores): one process's losses and held-out accuracy, and the same
     merged reward model in final/ (under fsdp its end used to fail: merging adapters into
     a sharded model is refused)."""
 

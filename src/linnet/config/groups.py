@@ -348,10 +348,6 @@ class TrainingConfig:
             raise ValueError(f"config: training.sequence_parallel=true with training.mlp_tile={self.mlp_tile}: each of "
                              f"the split's processes takes an equal share of a tile; use a multiple of "
                              f"training.split={self.split}")
-        if self.context > 1 and self.pipeline > 1:
-            raise ValueError(f"config: training.context={self.context} with training.pipeline={self.pipeline}: "
-                             "context parallel runs on copies of the model, whole, sharded (shard zero or fsdp) or "
-                             "split (sequence parallel too), for now; drop one of the two")
         if not (self.epochs > 0 and math.isfinite(self.epochs)):
             raise ValueError(f"config: training.epochs={self.epochs}; it must be a positive finite number")
         if self.targets_per_parameter <= 0 or (self.total_targets is not None and self.total_targets < 1):

@@ -197,9 +197,6 @@ class Cluster:
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         _require(self.context >= 1, f"{{context}} must be a positive number of GPUs, got {self.context}")
-        _require(self.context == 1 or self.pipeline == 1,
-                 f"{{context}} {self.context} with {{pipeline}}: linnet's context parallel runs on copies of the "
-                 "model, whole, sharded or split")
         _require(self.gpus % (self.context * self.split) == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} x "
                  f"{{split}} {self.split} GPUs take each row; use a multiple of {self.context * self.split} GPUs")
         _require(not self.sequence_parallel or self.split > 1,

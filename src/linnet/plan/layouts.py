@@ -5,7 +5,7 @@ A layout is how the GPUs share the work: whole copies (`shard` none, zero or fsd
 copies), a model split `split` ways (tensor parallel), cut in `pipeline` stages, each row
 split over `context` GPUs (context parallel), or a mixture of experts' experts split over
 groups of `expert` GPUs (expert parallel). Each is planned with `estimate`; a layout linnet
-refuses (a card that does not split evenly, context with a pipeline, ...) is left out.
+refuses (a card that does not split evenly, zero beside a split, ...) is left out.
 
 The order among those that fit follows what a step sends between GPUs, least first:
 
@@ -88,8 +88,8 @@ def suggest(card, method, workload, cluster) -> list[Layout]:
         for pipeline in _divisors(n // split):
             for context in _divisors(n // (split * pipeline)):
                 for shard, sequence in itertools.product(COST, (False, True)):
-                    if shard != "none" and n == split * pipeline * context:
-                        continue  # one copy: nothing to shard over
+                    if shard != "none" and n == split * pipeline:
+                        continue  # each GPU its own part: nothing to shard over (a context group shards)
                     try:
                         layout = dataclasses.replace(cluster, shard=shard, split=split, pipeline=pipeline,
                                                      context=context, sequence_parallel=sequence, expert=1)

@@ -520,19 +520,18 @@ class Decoder(nn.Module):
         rows' results on every process (loss and count summed, log-probabilities and
         hidden states gathered), and each trained parameter's gradient is summed over the
         mesh as backward makes it: add adapters and choose what trains first. `copies`
-        becomes the processes at this place in every copy, as for tensor_parallel. FSDP sums
-        the gradients of parts it shards over processes that include the group (every one, or
-        a split's copies and context: copies_mesh); a split's other parts sum over it here."""
-        if self.pipe is not None or self.compiled:
-            raise ValueError("split_context: the model is pipelined or compiled; context parallel runs on eager "
-                             "copies, whole, split (sequence parallel too) or sharded, for now")
+        becomes the processes at this place (stage, split part, context) in every copy. FSDP
+        sums the gradients of parts it shards over processes that include the group (every
+        one, a split's copies and context: copies_mesh, a stage's); the others sum here."""
+        if self.compiled:
+            raise ValueError("split_context: the model is compiled; context parallel runs on eager models")
         split = self.split
         if any(isinstance(p, DTensor) and p.device_mesh != split and not reduced_by_shards(p, mesh.get_group())
                for p in self.parameters()):
             raise ValueError("split_context: the model is sharded over processes that leave out some of the context "
                              "group; shard it over every process, or a split's over its copies_mesh")
         self.context = mesh.get_group()
-        self.copies = copies_group(mesh) if split is None else copies_group(split, mesh)
+        self.copies = copies_group(*(m for m in (getattr(self.pipe, "mesh", None), split) if m is not None), mesh)
         sum_gradients_over(self, self.context)
 
     def tile_mlp(self, positions: int | None) -> None:

@@ -22,6 +22,10 @@ norm across the pipeline for clipping and reports the last stage's loss on every
 ("copies", "stages") mesh), each stage's gradients are summed across its copies, as a
 split model's are; with fully_shard=True each stage is sharded over its copies instead
 (FSDP), and a copy with fewer micro-batches passes blank ones so their gathers meet.
+A stage may also split every row's positions over a context group (`split_context` after
+the cut): each process passes its share's hidden states to its place in the next stage's
+group, and the last stage sums the row's loss over the group, or gathers the row's
+log-probabilities or hidden states for an objective's head.
 
 A head tied to the embedding is untied first (the first stage embeds, the last predicts):
 it starts as a copy of the embedding and trains apart from it, as under tensor_parallel.
@@ -44,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from linnet.torch.context import gather_row, sum_over
 from linnet.torch.distributed import most_across, sum_across
 from linnet.torch.sharding import copies_group, is_sharded
 
@@ -189,7 +194,7 @@ def staged(model, mesh, schedule: str, copies):
     """Make the cut (and perhaps split or sharded) `model` a stage: its `copies` group and
     its Pipe."""
     model.copies = copies
-    model.pipe = Pipe(model, mesh.get_group(), mesh.get_local_rank(), mesh.size(), schedule)
+    model.pipe = Pipe(model, mesh, schedule)
     return model
 
 
@@ -210,9 +215,10 @@ class Pipe:
     pipeline's summed loss, the same on every stage; `loss` is `loss_packed`'s forward
     only (a held-out loss)."""
 
-    def __init__(self, model, group, index: int, stages: int, schedule: str):
-        self.model, self.group, self.index, self.stages, self.schedule = model, group, index, stages, schedule
-        self.first, self.last = index == 0, index == stages - 1
+    def __init__(self, model, mesh, schedule: str):
+        self.model, self.mesh, self.schedule = model, mesh, schedule  # mesh: the stages' (one dimension)
+        self.group, self.index, self.stages = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+        self.first, self.last = self.index == 0, self.index == self.stages - 1
         # blocks sharded over the copies (shard_stage): each pass gathers across them, so every copy makes as many
         self.matched = any(isinstance(block, FSDPModule) for block in model.model.layers)
         self._built: dict[tuple, tuple] = {}  # (micro-batches, row length, backward) -> (schedule, its _Stage)
@@ -320,7 +326,8 @@ class Pipe:
         for j, run in enumerate(runs):
             c = self.index + j * self.stages  # the chunk's place in the pipeline
             chunk = _Stage(m, [getattr(m.model.layers, str(i)) for i in run], first=c == 0, last=c == n - 1)
-            hidden = torch.empty(1, P, m.card.hidden, dtype=m.dtype, device=m.device, requires_grad=True)
+            mine = P if m.context is None else P // dist.get_world_size(m.context)  # a context group's share
+            hidden = torch.empty(1, mine, m.card.hidden, dtype=m.dtype, device=m.device, requires_grad=True)
             entering = torch.empty(1, P, dtype=torch.long, device=m.device) if chunk.first else hidden
             leaving = torch.empty((), device=m.device) if chunk.last else hidden
             stages.append(PipelineStage(chunk, c, n, m.device, input_args=entering, output_args=leaving,
@@ -375,21 +382,27 @@ class _Stage(nn.Module):
             x = x[0, :n]
         hidden = isinstance(head, HiddenAt)
         keep = None
-        if self.last:  # the positions the head reads: the last block computes those alone
+        if self.last and m.context is None:  # the positions the head reads: the last block computes those alone
             keep = torch.as_tensor(head.positions(row), device=m.device) if hidden else m._learned(row, n)
         h = m._blocks(x, positions, *layout, keep=keep, blocks=self.blocks)
         if not self.last:
             # a tensor of its own: zero-bubble schedules detach it in place, and a sharded root's backward
             # hook on it then fires before the last block's, whatever the row's padding
-            return m._padded(h, row).unsqueeze(0).clone()
+            return (h if m.context is not None else m._padded(h, row)).unsqueeze(0).clone()
         if head is None:
             loss, _ = m._head_loss(m.model.norm(h), targets, weights, keep)
+            if m.context is not None:  # the row's loss on every process of the group, each its own part's gradient
+                loss = sum_over(loss, m.context)
             if blank:
                 return loss * 0
         else:
             final = m.model.norm(h)
-            found = (head.head(index, row, final) if hidden else
-                     head(index, row, m.head_log_probs(final, targets, keep, row)))
+            if hidden:  # under context parallel the whole row's, then the positions the head reads
+                at = None if m.context is None else torch.as_tensor(head.positions(row), device=m.device)
+                found = head.head(index, row, final if at is None else _whole(m, final, row)[at])
+            else:
+                logp = m.head_log_probs(final, targets, keep, row)
+                found = head(index, row, logp if m.context is None else _whole(m, logp[:n], row))
             if self.values is not None:
                 self.values.append(found.detach())
                 return found.new_zeros(())
@@ -399,3 +412,9 @@ class _Stage(nn.Module):
         self.summed.append(loss.detach())
         return loss / self.count
 
+
+
+def _whole(model, x: torch.Tensor, row) -> torch.Tensor:
+    """A context-parallel last stage's per-position values (this process's positions) as
+    the whole row's, on every process of the group; each gets its own positions' gradient."""
+    return gather_row(x, len(row.tokens), model.context)
