@@ -1058,7 +1058,7 @@ def test_context_parallel_plans_a_gpus_share_of_each_row_and_the_rings_buffers()
         plan.estimate(card, method, Workload(tokens=8196), Cluster(gpus=8, context=2, split=4, sequence_parallel=True))
 
 
-def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys):
+def test_suggest_plans_every_layout_linnet_runs_fastest_that_fits_first(capsys):
     """`linnet plan --suggest`: every layout of the GPUs that linnet runs (whole copies,
     zero, fsdp, split, pipeline, context and their mixes, context beside a split, sharded
     or sequence parallel, included), those that fit first, by kind
@@ -1071,7 +1071,9 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     layouts = suggest(card, Method("full"), work, Cluster(gpus=8))
     fits = [x.fits for x in layouts]
     assert fits == sorted(fits, reverse=True) and any(fits) and not all(fits)
-    assert layouts[0].settings == "training.shard=zero" and not layouts[-1].fits
+    assert not layouts[-1].fits
+    fitting = [x.tokens_per_second for x in layouts if x.fits]  # the fastest first, by the estimated step
+    assert fitting == sorted(fitting, reverse=True) and layouts[0].settings == "training.shard=fsdp"
     kinds = {(x.shard, x.split, x.pipeline, x.context) for x in layouts}
     assert ("none", 1, 1, 1) in kinds and ("zero", 1, 1, 2) in kinds and ("fsdp", 1, 4, 1) in kinds
     assert ("none", 2, 4, 1) in kinds and ("fsdp", 2, 2, 1) in kinds and ("fsdp", 1, 1, 4) in kinds
@@ -1090,7 +1092,43 @@ def test_suggest_plans_every_layout_linnet_runs_cheapest_that_fits_first(capsys)
     assert plan_command.main(["llama-3.1-8b-instruct", "--method", "full", "--gpus", "2", "--context-length",
                               "131072", "--suggest"]) == 0
     out = capsys.readouterr().out
-    assert "training.context=2" in out and "none fits" in out
+    assert "training.context=2" in out and "none fits" in out and "tokens/s (est.)" in out
+    assert plan_command.main(["llama-3.1-8b-instruct", "--method", "full", "--gpus", "4", "--suggest", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    fastest = [r["tokens_per_second"] for r in rows if r["fits"]]
+    assert fastest and fastest == sorted(fastest, reverse=True)
+
+
+def test_step_time_counts_each_axis_at_the_bandwidth_of_the_link_it_spans():
+    """linnet.plan.traffic: compute at the MFU, the pipeline's idle turns, and each axis's
+    bytes over NVLink inside a node of 8, the network beyond, as its docstring counts them."""
+    from linnet.plan.traffic import bandwidth, step_time
+
+    card = plan.cards.resolve("llama-3.1-8b-instruct")
+    full, work = Method("full"), Workload(tokens=8192, accumulate=4)
+    peak = 989e12 * 0.35
+    per_token = 8 * card.params() + 4 * 2 * 8192 * card.heads * card.head_dim * card.layers  # 6N + 2N again
+    one = step_time(card, full, work, Cluster(gpus=1))
+    assert one.compute == pytest.approx(4 * 8192 * per_token / peak) and one.seconds == one.compute
+    assert one.tokens_per_second == pytest.approx(4 * 8192 / one.compute)
+    assert bandwidth("h100", 8) == 450e9 and bandwidth("h100", 16) == 50e9 and bandwidth("l40s", 2) == 32e9
+    split = step_time(card, full, work, Cluster(gpus=2, split=2))
+    sent = 4 * card.layers * 6 * 8192 * card.hidden * 2  # 6 all-reduces a block a micro-batch, 2(s-1)/s = 1
+    assert split.split == pytest.approx(sent / 450e9) and split.compute == pytest.approx(one.compute / 2)
+    staged = step_time(card, full, work, Cluster(gpus=2, pipeline=2))
+    assert staged.idle == pytest.approx(staged.compute / 4)  # (P - 1) / M of the compute
+    ring = step_time(card, full, work, Cluster(gpus=2, context=2))
+    kv = card.kv_heads * card.head_dim * 4096
+    assert ring.context == pytest.approx(4 * card.layers * (2 * kv * 2 * 2 + 2 * kv * 6 + 2 * kv * 4) / 450e9)
+    wide = step_time(card, full, work, Cluster(gpus=16, context=16))  # over two nodes: the network's bandwidth
+    kv = card.kv_heads * card.head_dim * 512
+    assert wide.context == pytest.approx(4 * card.layers * (15 * 2 * kv * 2 * 2 + 15 * 2 * kv * 6 + 2 * kv * 4) / 50e9)
+    copies = step_time(card, full, work, Cluster(gpus=8))  # whole copies: the gradients all-reduced after backward
+    assert copies.copies == pytest.approx(2 * 7 / 8 * card.params() * 2 / 450e9)
+    assert copies.tokens_per_second == pytest.approx(8 * one.tokens_per_second, rel=0.02)
+    assert step_time(card, full, work, Cluster(gpus=8, shard="fsdp")).copies == 0  # hidden behind compute
+    small = Workload(tokens=256)  # too little compute to hide FSDP's gathers over the network
+    assert step_time(card, full, small, Cluster(gpus=64, shard="fsdp")).copies > 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -1361,5 +1399,6 @@ def test_suggest_splits_a_mixture_of_experts_experts_where_linnet_does(capsys):
                                   Cluster(gpus=4, shard=x.shard, context=x.context, expert=x.expert)).total
     order = [x.settings for x in layouts]
     assert {"training.expert=4", "training.shard=fsdp training.expert=2"} <= set(order) and all(x.fits for x in layouts)
-    # the experts split: after zero (gradients alike, and the all-to-alls), before fsdp (every weight gathered)
-    assert order.index("training.shard=zero") < order.index("training.expert=2") < order.index("training.shard=fsdp")
+    speeds = [x.tokens_per_second for x in layouts]  # every one fits: the fastest first
+    assert speeds == sorted(speeds, reverse=True)
+    assert all((x.time.expert > 0) == (x.expert > 1) for x in layouts)  # the all-to-alls of the experts split

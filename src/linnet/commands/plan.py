@@ -619,7 +619,7 @@ def _suggest(card, inputs: dict[str, Any], as_json: bool) -> int:
     card = cards.resolve(card)
     layouts = suggest(card, inputs["method"], inputs["workload"], inputs["cluster"])
     if as_json:
-        keys = ("settings", "shard", "split", "pipeline", "context", "expert", "peak", "fits")  # peak as peak_bytes
+        keys = ("settings", "shard", "split", "pipeline", "context", "expert", "peak", "fits", "tokens_per_second")
         print(json.dumps([{k + "_bytes" * (k == "peak"): getattr(x, k) for k in keys} for x in layouts], indent=2))
         return 0
     w, c = inputs["workload"], inputs["cluster"]

@@ -26,7 +26,7 @@ from typing import Any
 
 from linnet import cards, hardware
 from linnet.experts import Experts
-from linnet.plan import experts
+from linnet.plan import experts, traffic
 from linnet.plan.experts import EXPERT_NAMES  # noqa: F401  (re-exported)
 from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's public names)
     CHECKPOINTING,
@@ -226,7 +226,7 @@ class Cluster:
 # ---------------------------------------------------------------------------------------
 # GPUs
 
-GPUS_PER_NODE = 8  # an HGX / DGX node
+GPUS_PER_NODE = traffic.GPUS_PER_NODE  # an HGX / DGX node
 
 
 def min_gpus(states: float, activations: float, usable_bytes: float) -> int | None:
