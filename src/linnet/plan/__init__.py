@@ -410,8 +410,9 @@ def estimate(
                             cluster.sequence_parallel, cluster.expert):
         acts = {mode: activation_bytes(card, method, dataclasses.replace(mine, activation_checkpointing=mode),
                                        part) for mode in CHECKPOINTING}
-        ring = ring_bytes(part.card, mine, cluster.context)  # a split's share of the heads passed round
-        acts = {mode: dataclasses.replace(a, backward=a.backward + ring) for mode, a in acts.items()}
+        # a split's share of the heads passed round: live in attention's backward, after the MLP's has ended
+        ring = ring_bytes(part.card, mine, cluster.context)
+        acts = {mode: dataclasses.replace(a, backward=max(a.backward, ring)) for mode, a in acts.items()}
         over = copies if cut and cluster.shard == "fsdp" else 1  # a stage sharded over its copies
         # per GPU when over > 1
         moments = step_moments(card, method, mine, acts[workload.activation_checkpointing], part, over)

@@ -461,7 +461,8 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
 
 
 def ring_bytes(card: cards.Card, mine: Workload, context: int) -> float:
-    """What context parallel's ring adds to a block's backward on one GPU holding `mine`'s
+    """What context parallel's ring holds in a block's backward (while attention's runs, after
+    the MLP's: `estimate` takes the larger of the two) on one GPU holding `mine`'s
     positions of each row (n of them): the neighbour's keys and values with their float32
     gradients, sent and received (8 x 4·kv·n), and on a GPU a tile's scores, probabilities,
     their gradient and the product before it (4 x RING_SCORE_BYTES, or the whole block of
