@@ -413,7 +413,6 @@ class _Stage(nn.Module):
         return loss / self.count
 
 
-
 def _whole(model, x: torch.Tensor, row) -> torch.Tensor:
     """A context-parallel last stage's per-position values (this process's positions) as
     the whole row's, on every process of the group; each gets its own positions' gradient."""
