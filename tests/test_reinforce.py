@@ -93,19 +93,20 @@ def test_grpo_run_with_a_fully_sharded_qlora_policy(workspace, tmp_path):
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
 
 
-@pytest.mark.parametrize("mode", ["split", "pipeline", "context"])
+@pytest.mark.parametrize("mode", ["split", "pipeline", "context", "pipeline context"])
 def test_two_processes_splitting_or_staging_the_policy_take_one_process_steps(workspace, tmp_path, mode):
     """`linnet grpo` with training.split=2 (both processes split one policy),
     training.pipeline=2 (two stages, every stage's engine taking the whole policy from
-    both) or training.context=2 (each computing half of every row's positions): both
-    train on the first one's samples, with the steps, rewards and held-out metrics of one
-    process."""
+    both) or training.context=2 (each computing half of every row's positions), or in four
+    processes both (two stages, each splitting every row over a pair): all train on the
+    first one's samples, with the steps, rewards and held-out metrics of one process."""
     from tests.conftest import in_processes
 
     common = ["model.dtype=float32", "training.steps=2", "evaluation.every=2", "grpo.pass_k=0",
               "grpo.pass_samples=null"]
-    two = _overrides(workspace, tmp_path / "two", *common, f"training.{mode}=2")
-    assert in_processes(_grpo_process, two)[0] is not None
+    modes = mode.split()
+    two = _overrides(workspace, tmp_path / "two", *common, *(f"training.{m}=2" for m in modes))
+    assert in_processes(_grpo_process, two, processes=2 * len(modes))[0] is not None
     run(load(GRPOConfig, None, _overrides(workspace, tmp_path / "one", *common)))
     same_metrics(tmp_path / "two", tmp_path / "one", ("loss", "grad_norm", "reward", "held_out_reward"), steps=2,
                  rel=1e-4, abs=1e-6)
