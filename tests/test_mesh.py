@@ -132,6 +132,20 @@ def test_context_parallel_through_pipeline_stages_takes_one_process_steps(worksp
     _same_weights(tmp_path / "four", tmp_path / "one", "adapter_model.safetensors" if lora else "model.safetensors")
 
 
+@pytest.mark.slow  # eight processes; each pair of these axes runs beside context in the default run (above)
+def test_every_axis_at_once_takes_one_process_steps(workspace, tmp_path):
+    """Two pipeline stages, each row's positions split over a context pair, every block
+    split two ways, each part sharded over its context pair (eight processes, one copy):
+    the steps and weights of one process."""
+    common = _common(workspace, "training.steps=3", "lora.enabled=false", "training.accumulation=2")
+    eight = common + [f"runtime.output_dir={tmp_path / 'eight'}", "training.pipeline=2", "training.context=2",
+                      "training.split=2", "training.shard=fsdp"]
+    assert in_processes(_sft_process, eight, processes=8) == [0] * 8
+    run(load(SFTConfig, None, common + [f"runtime.output_dir={tmp_path / 'one'}"]))
+    same_metrics(tmp_path / "eight", tmp_path / "one", KEYS, steps=3, rel=1e-5)
+    _same_weights(tmp_path / "eight", tmp_path / "one", "model.safetensors")
+
+
 def test_stages_split_and_sharded_take_one_process_steps_and_resume_under_other_layouts(workspace, tmp_path):
     """2 x 2 x 2: two pipeline stages, each split two ways, each part sharded over the two
     copies (eight processes, one thread each). The same steps and weights as one process;
