@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from linnet import nest
 from linnet.packing import Example, Pair, Unpaired, pack
 from linnet.torch import fully_shard
-from linnet.torch.sharding import local
+from linnet.torch.sharding import local, scatter_positions
 from linnet.train import train
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 from linnet.train.distill import distill
@@ -455,6 +455,8 @@ def _sequence_run(rank, lora, out):
     first = dict(seen)
     with pytest.raises(ValueError, match="does not split into 2 equal shares"):
         model.loss_packed(next(pack([Example.plain(list(range(3, 12)))], tokens=9)))
+    with pytest.raises(ValueError, match="3 positions do not split into 2 equal shares"):  # a context share's
+        scatter_positions(torch.zeros(3, CARD.hidden), mesh)
     with pytest.raises(ValueError, match="use a multiple of 2"):
         model.tile_mlp(7)
     model.tile_mlp(8)  # each process's 4 positions of a tile, the tile's 8 gathered for the MLP, and trained so
