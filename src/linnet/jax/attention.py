@@ -161,3 +161,69 @@ def _paired_backward(saved, dout_NKGBd):
 
 
 _paired.defvjp(_paired_forward, _paired_backward)
+
+
+CONTEXT = "context"  # the mesh axis context parallel splits a row's positions over
+
+
+def ring(q_PKGd, k_PKd, v_PKd, row: dict, size: int):
+    """`attend` for a row whose positions are split over the mesh's "context" axis of
+    `size` devices, inside jax.shard_map: each device holds its queries and passes its
+    keys and values round the ring (lax.ppermute), one device's block a turn, folding
+    each block into a running softmax. The row's arrays carry `index`, each position's
+    place in the row (`context_layout` reorders a row so that device r holds chunks r and
+    2·size-1-r of its 2·size chunks, the same causal work on every device). Each turn's
+    block is recomputed in backward (jax.checkpoint), so no device holds more than one
+    block's scores; JAX differentiates the ring, its gradients passing the other way."""
+    d = q_PKGd.shape[-1]
+    q = q_PKGd.astype(jnp.float32) / jnp.sqrt(jnp.float32(d))
+    mine = (row["index"], row["segments"], row["shared"], row["first"])
+    m = jnp.full(q.shape[:-1], FLOOR, jnp.float32)
+    total, acc = jnp.zeros_like(m), jnp.zeros_like(q)
+    block = (k_PKd.astype(jnp.float32), v_PKd.astype(jnp.float32), row["index"], row["segments"])
+    after = [(i, (i + 1) % size) for i in range(size)]
+    for turn in range(size):
+        m, total, acc = jax.checkpoint(_fold)(q, *block, *mine, m, total, acc)
+        if turn < size - 1:
+            block = tuple(jax.lax.ppermute(x, CONTEXT, after) for x in block)
+    return acc / total[..., None]
+
+
+def _fold(q_PKGd, k_TKd, v_TKd, k_index, k_segment, index, segment, shared, first, m, total, acc):
+    """One block of keys folded into the running max `m`, sum `total` [P, K, G] and
+    output `acc` [P, K, G, d] of the queries (every query sees its own position, so
+    `total` ends above 0)."""
+    mask_PT = allowed(index[:, None], k_index[None, :], k_segment[None, :], segment[:, None], shared[:, None],
+                      first[:, None])
+    s = jnp.where(mask_PT[:, None, None, :], jnp.einsum("pkgd,tkd->pkgt", q_PKGd, k_TKd), -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    scale = jnp.exp(m - m_new)
+    return m_new, total * scale + p.sum(axis=-1), acc * scale[..., None] + jnp.einsum("pkgt,tkd->pkgd", p, v_TKd)
+
+
+def context_layout(length: int, size: int) -> np.ndarray:
+    """The order of a row's positions under context parallel over `size` devices: the row
+    cut into 2·size chunks, device r's contiguous share chunks r and 2·size-1-r."""
+    if length % (2 * size):
+        raise ValueError(f"context parallel: a row of {length} positions does not cut into {2 * size} equal chunks "
+                         f"(2 x {size} devices); pack rows of a multiple of {2 * size} positions")
+    chunk = length // (2 * size)
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for r in range(size) for c in (r, 2 * size - 1 - r)])
+
+
+def context_attend(q_PKGd, k_PKd, v_PKd, row: dict):
+    """`ring` over the "context" axis of the mesh in force (jax.set_mesh), the row's
+    position axis split over it; the mesh's other axes stay the partitioner's."""
+    from jax.sharding import PartitionSpec
+
+    mesh = jax.sharding.get_abstract_mesh()
+    size = mesh.shape[CONTEXT]
+    names = ("index", "segments", "shared", "first")
+    split = PartitionSpec(CONTEXT)
+
+    def local(q, k, v, *arrays):
+        return ring(q, k, v, dict(zip(names, arrays, strict=True)), size)
+
+    return jax.shard_map(local, in_specs=(split,) * 7, out_specs=split, axis_names={CONTEXT})(
+        q_PKGd, k_PKd, v_PKd, *(row[name] for name in names))

@@ -140,7 +140,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, setti
     if s.online:
         raise ValueError("dpo (JAX): online=True (pairs sampled each step) is not supported by the JAX backend yet; "
                          "use linnet.train.online_dpo.online_dpo (PyTorch), or pairs you have with online=False")
-    mesh = check_mesh(mesh)
+    mesh = check_mesh(mesh, context=False)
     if s.loss_type == "kto" or (s.desirable_weight, s.undesirable_weight) != (1.0, 1.0):
         raise ValueError("dpo (JAX): loss_type='kto', desirable_weight and undesirable_weight are KTO's, which "
                          "trains on unpaired answers: use linnet.train.kto.kto (the PyTorch backend's; JAX has no "

@@ -135,7 +135,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     each iteration from (seed, step, iteration, row), the first iteration's also for the
     `old` log-probabilities."""
     run, s = run_and_options("grpo", run, options, GRPOOptions, settings)
-    mesh = check_mesh(mesh)
+    mesh = check_mesh(mesh, context=False)
     if s.beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
     if s.dynamic_sampling and not isinstance(prompts, Sequence):

@@ -26,7 +26,7 @@ import numpy as np
 
 from linnet.cards import Card, rope_cos_sin_scale, rope_frequencies
 from linnet.files.adapters import ADAPTER_SUFFIXES, check_adapter_options, write_peft
-from linnet.jax.attention import attend
+from linnet.jax.attention import attend, context_attend
 from linnet.jax.lora import Params, adapted_weight, linear
 from linnet.jax.loss import linear_cross_entropy, linear_token_log_probs
 from linnet.packing import segments
@@ -110,7 +110,8 @@ def _attention(params: Params, card: Card, i: int, x, cos, sin, row: dict, s: fl
     c = card
     P = x.shape[0]
     q, k, v = project(params, card, i, x, cos, sin, s, drop)
-    out = attend(q.reshape(P, c.kv_heads, c.heads // c.kv_heads, c.head_dim), k, v, row)  # float32
+    attention = context_attend if "index" in row else attend  # a row split over the mesh's "context" axis
+    out = attention(q.reshape(P, c.kv_heads, c.heads // c.kv_heads, c.head_dim), k, v, row)  # float32
     return linear(params, f"model.layers.{i}.self_attn.o_proj", out.reshape(P, -1).astype(x.dtype), c.o_bias, s,
                   drop)
 

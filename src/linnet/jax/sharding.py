@@ -2,9 +2,13 @@
 
     mesh = jax.make_mesh((4,), ("data",))                # fully sharded data parallel
     mesh = jax.make_mesh((8, 4), ("data", "model"))      # FSDP over "data", tensor parallel over "model"
+    mesh = jax.make_mesh((2, 4), ("data", "context"))    # FSDP over "data", each row's positions over "context"
 
 A one-axis mesh (any name) splits every array along its largest axis the device count
-divides, and the rows over the devices. A ("data", "model") mesh splits the rows over
+divides, and the rows over the devices. A "context" axis beside "data" (and "model")
+splits each row's positions over its devices (context parallel: attention as a ring,
+`linnet.jax.attention.ring`; `context_rows` lays the row out), every weight whole across
+it. A ("data", "model") mesh splits the rows over
 "data" alone and lays each weight out as Megatron does over "model" (`LAYOUT`): q, k, v,
 gate and up by output rows, o and down by input columns, the embedding and head by
 vocabulary rows; "data" takes the weight's other dimension (FSDP). Norms stay whole on
@@ -15,6 +19,8 @@ whole on that axis. XLA's partitioner (GSPMD) inserts the gathers and reductions
 
 from __future__ import annotations
 
+import numpy as np
+
 # The mesh axis of each layer's weight [out, in] dimensions on a ("data", "model") mesh.
 LAYOUT = {"q_proj": ("model", "data"), "k_proj": ("model", "data"), "v_proj": ("model", "data"),
           "o_proj": ("data", "model"), "gate_proj": ("model", "data"), "up_proj": ("model", "data"),
@@ -24,17 +30,22 @@ HEADS = ("q_proj", "k_proj", "v_proj", "o_proj")  # "model" splits their heads x
 DIMENSIONS = {"weight": (0, 1), "bias": (0,), "lora_magnitude": (0,), "lora_a": (None, 1), "lora_b": (0, None)}
 
 
-def check_mesh(mesh):
-    """`mesh` as the trainers use it (None stays None): one axis, or two named "data" and
-    "model"; a mesh whose axes are Explicit or Manual (`jax.make_mesh`'s default) comes back
-    as the same devices with Auto axes, so that GSPMD places every intermediate value."""
+def check_mesh(mesh, context: bool = True):
+    """`mesh` as the trainers use it (None stays None): one axis, or "data" with "model",
+    "context" or both; a mesh whose axes are Explicit or Manual (`jax.make_mesh`'s default)
+    comes back as the same devices with Auto axes, so that GSPMD places every intermediate
+    value. context=False: a trainer that does not split rows over "context" refuses it."""
     if mesh is None:
         return None
     names = tuple(mesh.axis_names)
-    if len(names) > 2 or (len(names) == 2 and set(names) != {"data", "model"}):
+    if len(names) > 1 and ("data" not in names or not set(names) <= {"data", "model", "context"}
+                           or len(set(names)) < len(names)):
         raise ValueError(f"mesh: axes {names}; the JAX trainers take one axis (data parallel, fully sharded) or "
-                         "two named 'data' and 'model' (FSDP and tensor parallel), e.g. "
+                         "'data' with 'model' (tensor parallel), 'context' (context parallel) or both, e.g. "
                          "jax.make_mesh((8, 4), ('data', 'model'))")
+    if not context and "context" in names:
+        raise ValueError("mesh: a 'context' axis splits each row's positions, which linnet.jax.train does; DPO and "
+                         "GRPO do not yet: drop the axis (e.g. fold its devices into 'data')")
     # Sharding in types (Explicit) would need an out_sharding on every matmul; older meshes have no axis types.
     if any(t.name != "Auto" for t in getattr(mesh, "axis_types", None) or ()):
         from jax.sharding import AxisType, Mesh
@@ -45,14 +56,39 @@ def check_mesh(mesh):
 
 def row_axis(mesh) -> str:
     """The mesh axis a step's rows are split over: "data", or a one-axis mesh's one axis."""
-    return "data" if len(mesh.axis_names) == 2 else mesh.axis_names[0]
+    return "data" if len(mesh.axis_names) > 1 else mesh.axis_names[0]
 
 
-def rows_sharding(mesh, dim: int = 0):
-    """A NamedSharding splitting dimension `dim` of stacked rows over `row_axis` (whole on "model")."""
+def context_size(mesh) -> int:
+    """The devices each row's positions are split over: the "context" axis's, else 1."""
+    return 1 if mesh is None or "context" not in mesh.axis_names else mesh.shape["context"]
+
+
+def rows_sharding(mesh, dim: int = 0, positions: bool = True):
+    """A NamedSharding splitting dimension `dim` of stacked rows over `row_axis` (whole on
+    "model"), and the positions after it over "context" when the mesh has that axis
+    (`positions`: arrays whose next dimension is a row's positions)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    return NamedSharding(mesh, PartitionSpec(*[None] * dim, row_axis(mesh)))
+    positions = ("context",) if positions and context_size(mesh) > 1 else ()
+    return NamedSharding(mesh, PartitionSpec(*[None] * dim, row_axis(mesh), *positions))
+
+
+def context_rows(arrays: dict, mesh) -> dict:
+    """A row's arrays (`linnet.jax.model.row_arrays`) laid out for context parallel over
+    `mesh`: its positions reordered so that each device's contiguous share is its two
+    chunks (`linnet.jax.attention.context_layout`), and `index`, each position's place in
+    the row, which the ring's masks read. As they are without a "context" axis."""
+    from linnet.jax.attention import context_layout
+
+    size = context_size(mesh)
+    if size == 1:
+        return arrays
+    order = context_layout(len(arrays["tokens"]), size)
+    out = {name: x[order] if np.ndim(x) and len(x) == len(order) and name != "lora_key" else x
+           for name, x in arrays.items()}
+    out["index"] = order.astype(np.int32)
+    return out
 
 
 def part(x, mesh, path: str | None = None, head_dim: int = 1):
@@ -63,7 +99,7 @@ def part(x, mesh, path: str | None = None, head_dim: int = 1):
     split over "model" by whole heads of `head_dim`."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    if len(mesh.axis_names) == 1 or path is None:
+    if "model" not in mesh.axis_names or path is None:
         axis = row_axis(mesh)
         for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
             if x.shape[d] % mesh.shape[axis] == 0:
