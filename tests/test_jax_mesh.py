@@ -145,15 +145,25 @@ def test_context_axis_splits_each_rows_positions_and_trains_like_one_device(jx, 
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-def test_dpo_on_a_two_axis_mesh_equals_one_device(jx, tmp_path):
+@pytest.mark.parametrize("axis", ["model", "context"])
+def test_dpo_on_a_two_axis_mesh_equals_one_device(jx, tmp_path, axis, monkeypatch):
     """Full fine-tuning DPO steps, the rows split over "data" (a row filled out) and the
-    weights over both axes: the losses, margins and parameters of one device."""
+    weights over both axes, or each row's positions over "context" (a pair's answers and
+    their prompt wherever the chunks put them): the losses, margins and parameters of one
+    device."""
     jax, _ = jx
     import optax
+    from jax.sharding import Mesh
 
     from linnet.jax.dpo import dpo
 
+    from linnet.jax import attention
+
     mesh, weights = _mesh(jax, "Mesh"), _weights(tmp_path)
+    if axis == "context":
+        mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context"))
+    turns, ring = [], attention.ring
+    monkeypatch.setattr(attention, "ring", lambda *a: turns.append(a[-1]) or ring(*a))
     g = np.random.default_rng(6)
     pairs = [Pair(g.integers(3, 96, 4).tolist(), g.integers(3, 96, int(g.integers(1, 6))).tolist(),
                   g.integers(3, 96, int(g.integers(1, 6))).tolist()) for _ in range(6)]
@@ -169,7 +179,10 @@ def test_dpo_on_a_two_axis_mesh_equals_one_device(jx, tmp_path):
         assert got.metrics["rewards/margins"] == pytest.approx(want.metrics["rewards/margins"], rel=1e-4, abs=1e-6)
     for name, value in whole.items():
         np.testing.assert_allclose(np.asarray(split[name]), np.asarray(value), rtol=1e-5, atol=1e-6, err_msg=name)
-    assert _spec(split["model.layers.0.self_attn.o_proj.weight"]) == ("data", "model")
+    if axis == "model":
+        assert _spec(split["model.layers.0.self_attn.o_proj.weight"]) == ("data", "model") and not turns
+    else:
+        assert turns and set(turns) == {2}  # the policy's attention went round the ring
 
 
 def test_loading_over_a_mesh_reads_each_devices_slice_alone(jx, tmp_path, monkeypatch):
@@ -260,7 +273,7 @@ def test_bad_meshes_are_refused_naming_the_fix(jx):
     import optax
     from jax.sharding import Mesh
 
-    from linnet.jax.dpo import dpo
+    from linnet.jax.sharding import check_mesh
     from linnet.jax.train import train
 
     _mesh(jax, "Mesh")
@@ -272,9 +285,8 @@ def test_bad_meshes_are_refused_naming_the_fix(jx):
             train(model, _rows(4), optimizer=optax.sgd(0.1), steps=1, mesh=mesh)
         with pytest.raises(ValueError, match="'data' with 'model'"):
             nest.load(CARD, backend="jax", weights="random", mesh=mesh)
-    with pytest.raises(ValueError, match="DPO and GRPO do not yet"):  # they would gather every row whole
-        dpo(model, [Pair([5, 6], [7], [8])] * 2, optimizer=optax.sgd(0.1), steps=1, pairs_per_step=2, tokens=16,
-            mesh=Mesh(devices.reshape(2, 2), ("data", "context")))
+    with pytest.raises(ValueError, match="GRPO does not yet"):  # it would gather every row whole
+        check_mesh(Mesh(devices.reshape(2, 2), ("data", "context")), context=False)
     with pytest.raises(ValueError, match="does not cut into 8 equal chunks"):
         train(model, _rows(4, tokens=20), optimizer=optax.sgd(0.1), steps=1,
               mesh=Mesh(devices.reshape(1, 4), ("data", "context")))

@@ -28,19 +28,21 @@ from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
 from linnet.jax.preference_loss import pair_losses
-from linnet.jax.sharding import check_mesh
+from linnet.jax.sharding import check_mesh, context_rows, in_force
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.run import History, Run, run_and_options
 
 
-def _rows(pairs: Sequence[Pair], tokens: int):
+def _rows(pairs: Sequence[Pair], tokens: int, mesh=None):
     """(stacked row arrays [R, P], [pairs, 2, 2] (row, document) of each chosen and
     rejected answer, real positions): each prompt once, both answers attending to it;
-    the answers are the documents with learned tokens, in row order."""
+    the answers are the documents with learned tokens, in row order. Over a mesh's
+    "context" axis each row laid out for it (`context_rows`: its sums by document are
+    the same in any order)."""
     rows = list(pack_prompted(((p.prompt, (p.chosen, p.rejected)) for p in pairs), tokens))
     where = [(r, d) for r, row in enumerate(rows)
              for d in np.flatnonzero(np.add.reduceat(np.asarray(row.weights), np.asarray(row.bounds)[:-1]) > 0)]
-    arrays = [row_arrays(row) for row in rows]
+    arrays = [context_rows(row_arrays(row), mesh) for row in rows]
     stacked = {k: np.stack([a[k] for a in arrays]) for k in arrays[0]}
     return stacked, np.asarray(where, np.int32).reshape(len(pairs), 2, 2), sum(row.real for row in rows)
 
@@ -140,7 +142,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, setti
     if s.online:
         raise ValueError("dpo (JAX): online=True (pairs sampled each step) is not supported by the JAX backend yet; "
                          "use linnet.train.online_dpo.online_dpo (PyTorch), or pairs you have with online=False")
-    mesh = check_mesh(mesh, context=False)
+    mesh = check_mesh(mesh)
     if s.loss_type == "kto" or (s.desirable_weight, s.undesirable_weight) != (1.0, 1.0):
         raise ValueError("dpo (JAX): loss_type='kto', desirable_weight and undesirable_weight are KTO's, which "
                          "trains on unpaired answers: use linnet.train.kto.kto (the PyTorch backend's; JAX has no "
@@ -165,13 +167,14 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, setti
 
     def step(number: int, chunk: list, state: State) -> Update:
         batch = [p for _, p in chunk]
-        rows, where, real = _rows(batch, tokens)
+        rows, where, real = _rows(batch, tokens, mesh)
         if rate:  # each row its own masks
             rows["lora_key"] = dropout_keys(seed, number, len(rows["weights"]))
         ref = None if fixed is None else fixed[[i for i, _ in chunk]].astype(np.float32)
         lengths = np.array([[len(p.chosen), len(p.rejected)] for p in batch], np.float32)
-        state.trained, state.opt_state, loss, norm, stats = compiled(
-            state.trained, state.frozen, state.opt_state, place_rows(rows, mesh), where, ref, lengths)
+        with in_force(mesh):
+            state.trained, state.opt_state, loss, norm, stats = compiled(
+                state.trained, state.frozen, state.opt_state, place_rows(rows, mesh), where, ref, lengths)
         return Update(loss, norm, int(rows["weights"].sum()), real,
                       {"pairs": len(chunk), **{k: float(v) for k, v in stats.items()}})
 

@@ -25,7 +25,7 @@ from linnet.files import checkpoints as layout
 from linnet.files.adapters import ADAPTERS, MAGNITUDES
 from linnet.jax.lora import Params
 from linnet.jax.model import JaxModel, save_peft, save_weights
-from linnet.jax.sharding import place, place_like, row_axis, rows_sharding
+from linnet.jax.sharding import place, place_like, row_axis, rows_shardings
 from linnet.paths import select
 from linnet.run import History, Preempted, Run, Step, due, step_items, stop_asked
 
@@ -74,7 +74,7 @@ def place_rows(rows: dict[str, np.ndarray], mesh) -> dict:
         return rows
     missing = -len(rows["weights"]) % mesh.shape[row_axis(mesh)]
     rows = {k: np.concatenate([v, np.zeros((missing, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
-    return jax.device_put(rows, rows_sharding(mesh))
+    return jax.device_put(rows, rows_shardings(rows, mesh))
 
 
 def learning_rate(opt_state) -> float:

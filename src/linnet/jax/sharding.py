@@ -44,8 +44,8 @@ def check_mesh(mesh, context: bool = True):
                          "'data' with 'model' (tensor parallel), 'context' (context parallel) or both, e.g. "
                          "jax.make_mesh((8, 4), ('data', 'model'))")
     if not context and "context" in names:
-        raise ValueError("mesh: a 'context' axis splits each row's positions, which linnet.jax.train does; DPO and "
-                         "GRPO do not yet: drop the axis (e.g. fold its devices into 'data')")
+        raise ValueError("mesh: a 'context' axis splits each row's positions, which linnet.jax.train and dpo do; "
+                         "GRPO does not yet: drop the axis (e.g. fold its devices into 'data')")
     # Sharding in types (Explicit) would need an out_sharding on every matmul; older meshes have no axis types.
     if any(t.name != "Auto" for t in getattr(mesh, "axis_types", None) or ()):
         from jax.sharding import AxisType, Mesh
@@ -72,6 +72,22 @@ def rows_sharding(mesh, dim: int = 0, positions: bool = True):
 
     positions = ("context",) if positions and context_size(mesh) > 1 else ()
     return NamedSharding(mesh, PartitionSpec(*[None] * dim, row_axis(mesh), *positions))
+
+
+def in_force(mesh):
+    """What a compiled step runs inside: `mesh` set in force (jax.set_mesh) where it has a
+    "context" axis, whose ring (a jax.shard_map) reads it while the step compiles."""
+    import contextlib
+
+    import jax
+
+    return jax.set_mesh(mesh) if context_size(mesh) > 1 else contextlib.nullcontext()
+
+
+def rows_shardings(rows: dict, mesh, dim: int = 0) -> dict:
+    """Each array of stacked rows as `rows_sharding` places it, a row's dropout key
+    (`lora_key`, not a position's) with its row."""
+    return {name: rows_sharding(mesh, dim, positions=name != "lora_key") for name in rows}
 
 
 def context_rows(arrays: dict, mesh) -> dict:

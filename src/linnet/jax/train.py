@@ -13,7 +13,6 @@ around the step is `linnet.jax.loop.fit`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Iterable, Sequence
 
@@ -24,7 +23,7 @@ import numpy as np
 from linnet.jax.loop import State, Update, apply_gradients, fit
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, loss_packed, row_arrays
-from linnet.jax.sharding import check_mesh, context_rows, context_size, row_axis, rows_sharding
+from linnet.jax.sharding import check_mesh, context_rows, in_force, row_axis, rows_shardings
 from linnet.run import History, Run, run_and_options
 
 
@@ -81,10 +80,6 @@ def train(model: JaxModel, batches: Iterable, run: Run | None = None, *, accumul
         raise ValueError(f"train: accumulate={accumulate}; it must be >= 1")
     mesh = check_mesh(mesh)
     per_micro = 1 if mesh is None else mesh.shape[row_axis(mesh)]
-    row_sharding = None if mesh is None else rows_sharding(mesh, dim=1)
-    keys_sharding = None if mesh is None else rows_sharding(mesh, dim=1, positions=False)
-    # context parallel: the ring's shard_map reads the mesh in force while the step compiles
-    within = functools.partial(jax.set_mesh, mesh) if context_size(mesh) > 1 else contextlib.nullcontext
     rate = model.lora_dropout
     compiled = _make_step(model.card, model.dtype, model.lora_scale, run.optimizer, run.clip, remat, rate)
 
@@ -96,11 +91,11 @@ def train(model: JaxModel, batches: Iterable, run: Run | None = None, *, accumul
             a["lora_key"] = key  # each row its own masks
         rows = {k: np.stack([a[k] for a in arrays]).reshape(accumulate, per_micro, -1) for k in arrays[0]}
         learned = float(rows["weights"].sum())
-        if row_sharding is not None:  # a dropout key whole with its row, not split over "context"
-            rows = jax.device_put(rows, {k: row_sharding if k != "lora_key" else keys_sharding for k in rows})
+        if mesh is not None:
+            rows = jax.device_put(rows, rows_shardings(rows, mesh, dim=1))
         if learned == 0:
             raise ValueError(f"step {number}: its {accumulate} batches hold no learned position")
-        with within():
+        with in_force(mesh):
             state.trained, state.opt_state, loss, norm = compiled(state.trained, state.frozen, state.opt_state, rows)
         return Update(loss, norm, int(learned), int(sum(b.real for b in chunk)))
 
