@@ -155,9 +155,8 @@ def test_dpo_on_a_two_axis_mesh_equals_one_device(jx, tmp_path, axis, monkeypatc
     import optax
     from jax.sharding import Mesh
 
-    from linnet.jax.dpo import dpo
-
     from linnet.jax import attention
+    from linnet.jax.dpo import dpo
 
     mesh, weights = _mesh(jax, "Mesh"), _weights(tmp_path)
     if axis == "context":
@@ -183,6 +182,29 @@ def test_dpo_on_a_two_axis_mesh_equals_one_device(jx, tmp_path, axis, monkeypatc
         assert _spec(split["model.layers.0.self_attn.o_proj.weight"]) == ("data", "model") and not turns
     else:
         assert turns and set(turns) == {2}  # the policy's attention went round the ring
+
+
+def test_grpo_over_a_context_axis_takes_one_devices_steps(jx, monkeypatch):
+    """JAX GRPO with each packed row of prompts and completions split over a "context"
+    axis (beside "data"): the rewards, losses and gradient norms of one device, the
+    policy's log-probabilities (old, and trained) taken round the ring."""
+    jax, _ = jx
+    from jax.sharding import Mesh
+
+    from linnet.jax import attention
+    from tests.test_jax import _sevens_grpo
+
+    _mesh(jax, "Mesh")
+    turns, ring = [], attention.ring
+    monkeypatch.setattr(attention, "ring", lambda *a: turns.append(a[-1]) or ring(*a))
+    split = _sevens_grpo(2, mesh=Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context")))
+    assert turns and set(turns) == {2}
+    whole = _sevens_grpo(2)
+    for got, want in zip(split.steps, whole.steps, strict=True):
+        assert got.metrics["reward"] == want.metrics["reward"]
+        assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)
+        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+        assert got.metrics["mismatch"] < 1e-4  # the engine's and the ring's log-probabilities agree
 
 
 def test_loading_over_a_mesh_reads_each_devices_slice_alone(jx, tmp_path, monkeypatch):
@@ -273,7 +295,6 @@ def test_bad_meshes_are_refused_naming_the_fix(jx):
     import optax
     from jax.sharding import Mesh
 
-    from linnet.jax.sharding import check_mesh
     from linnet.jax.train import train
 
     _mesh(jax, "Mesh")
@@ -285,8 +306,6 @@ def test_bad_meshes_are_refused_naming_the_fix(jx):
             train(model, _rows(4), optimizer=optax.sgd(0.1), steps=1, mesh=mesh)
         with pytest.raises(ValueError, match="'data' with 'model'"):
             nest.load(CARD, backend="jax", weights="random", mesh=mesh)
-    with pytest.raises(ValueError, match="GRPO does not yet"):  # it would gather every row whole
-        check_mesh(Mesh(devices.reshape(2, 2), ("data", "context")), context=False)
     with pytest.raises(ValueError, match="does not cut into 8 equal chunks"):
         train(model, _rows(4, tokens=20), optimizer=optax.sgd(0.1), steps=1,
               mesh=Mesh(devices.reshape(1, 4), ("data", "context")))

@@ -31,7 +31,7 @@ from linnet.jax.engine import Engine
 from linnet.jax.loop import State, Update, apply_gradients, fit, place_rows
 from linnet.jax.lora import Params, dropout_keys
 from linnet.jax.model import JaxModel, row_arrays, rows_log_probs
-from linnet.jax.sharding import check_mesh
+from linnet.jax.sharding import check_mesh, context_rows, in_force
 from linnet.packing import pack_prompted
 from linnet.rl.rollouts import (
     Prompt,
@@ -135,7 +135,7 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
     each iteration from (seed, step, iteration, row), the first iteration's also for the
     `old` log-probabilities."""
     run, s = run_and_options("grpo", run, options, GRPOOptions, settings)
-    mesh = check_mesh(mesh, context=False)
+    mesh = check_mesh(mesh)
     if s.beta and reference is None:
         raise ValueError("grpo: beta > 0 needs reference=, the parameters of a frozen copy of the model")
     if s.dynamic_sampling and not isinstance(prompts, Sequence):
@@ -165,23 +165,26 @@ def grpo(policy: JaxModel, engine: Engine, prompts: Iterable[Prompt], reward: Re
         real = 0
         if rollout is not None:
             host, real = rollout
+            host = context_rows(host, mesh)  # over a "context" axis: laid out for the ring (sums are by token)
             normaliser = sequences if per_sequence else sequences * max_new_tokens if dr_grpo else n_tokens
             def placed(iteration: int):  # each iteration new dropout masks, the first's also `old`'s (as PyTorch's)
                 keys = {"lora_key": dropout_keys(seed, number, len(host["weights"]), iteration)} if rate else {}
                 return place_rows({**host, **keys}, mesh)
 
             rows = placed(0)
-            old = forward(state.params, card, rows, dtype, lora_scale, False, rate)
-            ref = forward(reference, card, rows, dtype, 0.0, False, 0.0) if beta else jnp.zeros_like(old)
+            with in_force(mesh):
+                old = forward(state.params, card, rows, dtype, lora_scale, False, rate)
+                ref = forward(reference, card, rows, dtype, 0.0, False, 0.0) if beta else jnp.zeros_like(old)
             learned = np.asarray(rows["weights"]) > 0
             mismatch = float(np.abs(np.asarray(old) - np.asarray(rows["engine"]))[learned].sum())
             checked = float(learned.sum())
             compiled = _make_step(card, dtype, lora_scale, run.optimizer, run.clip, tuple(s.clip), beta,
                                   s.correction_cap, sequence_level, len(scored.samples), remat, rate)
             for iteration in range(iterations):
-                state.trained, state.opt_state, norm, (loss_sum, clipped, kl) = compiled(
-                    state.trained, state.frozen, state.opt_state, rows if iteration == 0 or not rate
-                    else placed(iteration), old, ref, jnp.float32(max(normaliser, 1.0)))
+                with in_force(mesh):
+                    state.trained, state.opt_state, norm, (loss_sum, clipped, kl) = compiled(
+                        state.trained, state.frozen, state.opt_state, rows if iteration == 0 or not rate
+                        else placed(iteration), old, ref, jnp.float32(max(normaliser, 1.0)))
             loss = float(loss_sum) / max(normaliser, 1.0)
         metrics = step_metrics(scored, trained, tokens=n_tokens, checked=checked, clipped=float(clipped),
                                kl=float(kl), mismatch=mismatch)

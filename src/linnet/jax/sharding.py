@@ -30,11 +30,11 @@ HEADS = ("q_proj", "k_proj", "v_proj", "o_proj")  # "model" splits their heads x
 DIMENSIONS = {"weight": (0, 1), "bias": (0,), "lora_magnitude": (0,), "lora_a": (None, 1), "lora_b": (0, None)}
 
 
-def check_mesh(mesh, context: bool = True):
+def check_mesh(mesh):
     """`mesh` as the trainers use it (None stays None): one axis, or "data" with "model",
     "context" or both; a mesh whose axes are Explicit or Manual (`jax.make_mesh`'s default)
     comes back as the same devices with Auto axes, so that GSPMD places every intermediate
-    value. context=False: a trainer that does not split rows over "context" refuses it."""
+    value."""
     if mesh is None:
         return None
     names = tuple(mesh.axis_names)
@@ -43,9 +43,6 @@ def check_mesh(mesh, context: bool = True):
         raise ValueError(f"mesh: axes {names}; the JAX trainers take one axis (data parallel, fully sharded) or "
                          "'data' with 'model' (tensor parallel), 'context' (context parallel) or both, e.g. "
                          "jax.make_mesh((8, 4), ('data', 'model'))")
-    if not context and "context" in names:
-        raise ValueError("mesh: a 'context' axis splits each row's positions, which linnet.jax.train and dpo do; "
-                         "GRPO does not yet: drop the axis (e.g. fold its devices into 'data')")
     # Sharding in types (Explicit) would need an out_sharding on every matmul; older meshes have no axis types.
     if any(t.name != "Auto" for t in getattr(mesh, "axis_types", None) or ()):
         from jax.sharding import AxisType, Mesh
@@ -91,8 +88,9 @@ def rows_shardings(rows: dict, mesh, dim: int = 0) -> dict:
 
 
 def context_rows(arrays: dict, mesh) -> dict:
-    """A row's arrays (`linnet.jax.model.row_arrays`) laid out for context parallel over
-    `mesh`: its positions reordered so that each device's contiguous share is its two
+    """A row's arrays (`linnet.jax.model.row_arrays`, or rows of them stacked, and any other
+    per-position arrays beside them) laid out for context parallel over `mesh`: the
+    positions (the last axis) reordered so that each device's contiguous share is its two
     chunks (`linnet.jax.attention.context_layout`), and `index`, each position's place in
     the row, which the ring's masks read. As they are without a "context" axis."""
     from linnet.jax.attention import context_layout
@@ -100,10 +98,10 @@ def context_rows(arrays: dict, mesh) -> dict:
     size = context_size(mesh)
     if size == 1:
         return arrays
-    order = context_layout(len(arrays["tokens"]), size)
-    out = {name: x[order] if np.ndim(x) and len(x) == len(order) and name != "lora_key" else x
-           for name, x in arrays.items()}
-    out["index"] = order.astype(np.int32)
+    tokens = np.asarray(arrays["tokens"])
+    order = context_layout(tokens.shape[-1], size)
+    out = {name: np.asarray(x)[..., order] if name != "lora_key" else x for name, x in arrays.items()}
+    out["index"] = np.broadcast_to(order.astype(np.int32), tokens.shape).copy()
     return out
 
 

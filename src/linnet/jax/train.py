@@ -70,7 +70,10 @@ def train(model: JaxModel, batches: Iterable, run: Run | None = None, *, accumul
     sharded training: every accumulated micro-step takes one row a device, and every
     parameter, its gradient and optimizer state are split along the largest axis the device
     count divides. Two, ("data", "model"): a micro-step takes one row a "data" index, and
-    the weights are split tensor-parallel over "model" and fully sharded over "data".
+    the weights are split tensor-parallel over "model" and fully sharded over "data". A
+    "context" axis beside "data" (and "model") splits each row's positions over its
+    devices, attention going round them as a ring (linnet.jax.attention.ring); a row must
+    cut into 2 x its size equal chunks.
     remat: recompute each layer in backward (see `linnet.jax.model.hidden`).
     seed: the adapters' dropout masks
     (add_lora(dropout=)), drawn a row at a time from (seed, step, row), so a resumed run
