@@ -383,6 +383,15 @@ def test_linnet_jax_runs_the_sft_config(jx, tmp_path, monkeypatch):
     assert 0 < one[1]["lr"] <= 3e-3 * (1 + 1e-6) and (tmp_path / "one" / "final" / "model.safetensors").is_file()
     if len(jx[0].devices()) == 4:  # four devices a micro-step, one row each: the rows of accumulate=4
         assert [m["loss"] for m in every] == pytest.approx([m["loss"] for m in one], rel=1e-4)
+        # two rows a micro-step, each row's positions over two devices (training.context): the same steps
+        assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'ring'}", "training.context=2",
+                                  "training.accumulation=2")]) == 0
+        ring = [json.loads(x) for x in (tmp_path / "ring" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["loss"] for m in ring] == pytest.approx([m["loss"] for m in one], rel=1e-4)
+        remats.pop()
+        assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'no'}", "training.context=3",
+                                  "training.context_length=126")]) == 2  # 3 does not divide 4 devices
+        assert not (tmp_path / "no").exists()
     assert main(["jax", *sets(f"runtime.output_dir={tmp_path / 'no'}", "training.shard=fsdp")]) == 2
     assert main(["jax", "--no-remat", *sets(f"runtime.output_dir={tmp_path / 'no'}",
                                             "training.activation_checkpointing=true")]) == 2

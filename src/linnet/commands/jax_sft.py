@@ -4,14 +4,19 @@ reports) trained by the JAX backend.
     linnet jax --config run.yaml                   # one device
     linnet jax --config run.yaml --fully-shard     # every local device, parameters split
     linnet jax --config run.yaml --no-remat        # layers kept for backward: faster, more memory
+    linnet jax --config run.yaml --set training.context=4   # each row's positions over 4 devices (a ring)
 
 Each layer is recomputed in backward by default (a jax.checkpoint per layer, as the
 specification's JAX runs do): a step keeps each layer's input alone, for about a third
 more compute. `--no-remat` keeps every layer's values instead; `--remat` is accepted and
-changes nothing.
+changes nothing. `training.context: C` takes every local device, C of them splitting each
+row's positions (context parallel: linnet.jax.sharding), the parameters fully sharded over
+the rest.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -46,7 +51,6 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
                                  ("model.attention", m.attention, "auto"),
                                  ("training.shard", t.shard, "none"), ("training.split", t.split, 1),
                                  ("training.pipeline", t.pipeline, 1), ("training.mlp_tile", t.mlp_tile, None),
-                                 ("training.context", t.context, 1),
                                  ("model.quantize", m.quantize, None)):
         if value != default:
             raise ValueError(f"config: {name}={value!r} is for the PyTorch backend; `linnet jax` places arrays "
@@ -58,7 +62,16 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     if t.activation_checkpointing and not remat:
         raise ValueError("config: training.activation_checkpointing=true asks `linnet jax` to recompute layers and "
                          "--no-remat asks it not to: drop one")
+    # training.context here splits rows over this process's devices, not over torchrun's processes, which
+    # the run directory and the data shares count: for them the run is one process taking every row
+    context, config = t.context, dataclasses.replace(config, training=dataclasses.replace(t, context=1))
     inputs = read_inputs(config)
+    if context > 1:  # checked before the run directory is made (this starts JAX)
+        import jax
+
+        if len(jax.devices()) % context:
+            raise ValueError(f"config: training.context={context} splits each row over that many of the "
+                             f"{len(jax.devices())} local devices; use a divisor of {len(jax.devices())}")
     job = runs.start(config, inputs.steps, overwrite=overwrite, resume=resume, resume_from=resume_from,
                      label="jax sft")
     if job.complete is not None:
@@ -81,7 +94,11 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
         sums = np.array([[float(x) for x in model.loss_packed(row, params)] for row in eval_rows])
         return {"held_out_loss": float(sums[:, 0].sum() / max(sums[:, 1].sum(), 1.0))}
 
-    mesh = Mesh(np.array(jax.devices()), ("data",)) if fully_shard else None
+    devices = np.array(jax.devices())
+    if context > 1:  # every local device: `context` of them each row's positions, the rest "data"
+        mesh = Mesh(devices.reshape(-1, context), ("data", "context"))
+    else:
+        mesh = Mesh(devices, ("data",)) if fully_shard else None
     with job.open(evaluate=held_out if eval_rows else None, optimizer=optax_adamw(config, inputs.steps)) as run:
         _, history = train(model, epochs_of_rows(inputs), run, accumulate=t.accumulation, mesh=mesh, remat=remat,
                            seed=rt.seed)

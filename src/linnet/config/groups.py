@@ -305,7 +305,8 @@ class TrainingConfig:
                              "row's positions between them (context parallel: attention as a ring passing keys and "
                              "values) and take "
                              "the same rows; training.context_length a multiple of 2 x context; the processes form "
-                             "copies of such groups (docs/long_context.md)",
+                             "copies of such groups (docs/long_context.md). `linnet jax`: that many of the local "
+                             "devices split each row, the rest take rows of their own",
                           only=("sft", "dpo", "reward", "grpo", "distill"))
     expert: int = option(1, "under torchrun (sft, dpo, reward, distill): processes that split a mixture of "
                             "experts' experts between them (expert parallel), each taking rows (or, with "

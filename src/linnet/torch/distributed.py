@@ -70,7 +70,7 @@ def data_share(per_copy: int = 1) -> tuple[int, int]:
     one share a copy."""
     rank, processes = world()
     if processes % per_copy:
-        raise ValueError(f"config: {per_copy} processes a copy of the model (training.split x training.pipeline) "
+        raise ValueError(f"config: {per_copy} processes a copy of the model (training.split x pipeline x context) "
                          f"do not divide {processes} processes")
     return rank // per_copy, processes // per_copy
 
