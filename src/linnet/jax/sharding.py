@@ -67,8 +67,8 @@ def rows_sharding(mesh, dim: int = 0, positions: bool = True):
     (`positions`: arrays whose next dimension is a row's positions)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    positions = ("context",) if positions and context_size(mesh) > 1 else ()
-    return NamedSharding(mesh, PartitionSpec(*[None] * dim, row_axis(mesh), *positions))
+    split = ("context",) if positions and context_size(mesh) > 1 else ()
+    return NamedSharding(mesh, PartitionSpec(*[None] * dim, row_axis(mesh), *split))
 
 
 def in_force(mesh):
