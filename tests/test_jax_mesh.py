@@ -97,9 +97,10 @@ def test_two_axis_mesh_trains_like_one_device(jx, tmp_path, lora, how):
         assert len(split[name].sharding.device_set) == 4, name
 
 
-@pytest.mark.parametrize("shape,names,lora", [((2, 2), ("data", "context"), False),
-                                              ((1, 4), ("data", "context"), True),
-                                              ((1, 2, 2), ("data", "context", "model"), False)])
+@pytest.mark.parametrize("shape,names,lora", [
+    ((2, 2), ("data", "context"), False),
+    pytest.param((1, 4), ("data", "context"), True, marks=pytest.mark.slow),  # the ring: the other two; LoRA on a
+    ((1, 2, 2), ("data", "context", "model"), False)])                      # mesh: test_two_axis_mesh_trains_...
 def test_context_axis_splits_each_rows_positions_and_trains_like_one_device(jx, tmp_path, shape, names, lora,
                                                                            monkeypatch):
     """A "context" axis: each row's positions split over its devices (rows of 24 positions
@@ -197,9 +198,9 @@ def test_grpo_over_a_context_axis_takes_one_devices_steps(jx, monkeypatch):
     _mesh(jax, "Mesh")
     turns, ring = [], attention.ring
     monkeypatch.setattr(attention, "ring", lambda *a: turns.append(a[-1]) or ring(*a))
-    split = _sevens_grpo(2, mesh=Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context")))
+    split = _sevens_grpo(1, mesh=Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context")))
     assert turns and set(turns) == {2}
-    whole = _sevens_grpo(2)
+    whole = _sevens_grpo(1)
     for got, want in zip(split.steps, whole.steps, strict=True):
         assert got.metrics["reward"] == want.metrics["reward"]
         assert got.loss == pytest.approx(want.loss, rel=1e-4, abs=1e-6)

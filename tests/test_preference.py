@@ -91,13 +91,14 @@ LAYOUTS = {  # name: (settings, processes)
     "split-fsdp": (["training.split=2", "training.shard=fsdp"], 4),
     "sequence": (["training.split=2", "training.sequence_parallel=true"], 2),
     "context-fsdp": (["training.context=2", "training.shard=fsdp"], 4),
-    "split-context": (["training.split=2", "training.context=2"], 4),
     "pipeline-context": (["training.pipeline=2", "training.context=2"], 4),
     "split-context-fsdp-sequence": (["training.split=2", "training.context=2", "training.shard=fsdp",
                                      "training.sequence_parallel=true"], 4),
 }
 SLOW_LAYOUTS = {  # eight processes; linnet sft runs the same layout in the default run (tests/test_mesh.py)
     "pipeline-split-fsdp": (["training.pipeline=2", "training.split=2", "training.shard=fsdp"], 8),
+    # split-context-fsdp-sequence runs it with more in the default run, and linnet sft alone (tests/test_mesh.py)
+    "split-context": (["training.split=2", "training.context=2"], 4),
 }
 
 
