@@ -1,8 +1,8 @@
 """The CUDA-only paths (skipped without a GPU; bench/gpu_check.py runs them on one):
 varlen attention against the per-document path, the pinned-memory loader, bf16 training,
 compiled blocks against eager ones, offloaded checkpointing, packed decentralized training, fully_shard over NCCL
-in one process (an NF4 base loaded on the CPU too), the compiled engine (CUDA graphs)
-against the eager one."""
+in one process (an NF4 base loaded on the CPU too), the context-parallel ring's blocks,
+the compiled engine (CUDA graphs) against the eager one."""
 
 from __future__ import annotations
 
@@ -126,6 +126,27 @@ def test_fully_shard_over_nccl_in_one_process():
         fully_shard(model)
         history = train(model, _rows(8) * 2, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), steps=4)
         assert all(np.isfinite(s.loss) for s in history.steps)
+
+
+def test_the_rings_blocks_on_the_gpu_equal_the_whole_rows_attention():
+    """linnet.torch.context on a GPU (float32 scores, a tile of queries at a time) over a
+    group of one: the whole row's attention within its documents and its gradients."""
+    import torch.distributed as dist
+
+    from linnet.torch.context import documents_of, ring_attention
+    from tests.test_context_parallel import BOUNDS, P, _inputs, _whole
+
+    q, k, v, weight = _inputs()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    (_whole(*whole, documents_of(P, BOUNDS)) * weight).sum().backward()
+    with _nccl_group_of_one():
+        local = [t.cuda().requires_grad_() for t in (q, k, v)]
+        document = torch.as_tensor(documents_of(P, BOUNDS), device="cuda")
+        out = ring_attention(*local, torch.arange(P, device="cuda"), document, dist.group.WORLD)
+        (out * weight.cuda()).sum().backward()
+    torch.testing.assert_close(out.detach().cpu(), _whole(q, k, v, documents_of(P, BOUNDS)), atol=1e-5, rtol=0)
+    for got, want in zip(local, whole, strict=True):
+        torch.testing.assert_close(got.grad.cpu(), want.grad, atol=1e-5, rtol=0)
 
 
 def test_an_nf4_model_loaded_on_the_cpu_is_split_onto_the_gpu():
