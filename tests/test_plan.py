@@ -207,7 +207,7 @@ def saved_per_token(forward, lengths=(32, 64), keep=()) -> float:
     return (totals[1] - totals[0]) / (lengths[1] - lengths[0])
 
 
-def small_model(method: str, dtype: str, **card_fields):
+def small_model(method: str, dtype: str, targets=plan.LINEAR_NAMES, **card_fields):
     from linnet import nest
 
     card = nest.resolve("debug").replace(**card_fields)
@@ -215,24 +215,15 @@ def small_model(method: str, dtype: str, **card_fields):
                       dtype={"f32": "float32", "bf16": "bfloat16"}[dtype],
                       **({"quantize": "nf4"} if method == "qlora" else {}))
     if method != "full":
-        model.add_lora(["*_proj"], rank=4, dora=method == "dora")
+        model.add_lora([f"*.{name}" for name in targets], rank=4, dora=method == "dora")
     return card, model
 
 
-BLOCK_CASES = [("full", "f32", {}), ("lora", "f32", {}), ("dora", "f32", {}), ("full", "bf16", {}),
-               ("lora", "bf16", {}), ("dora", "bf16", {}), ("full", "f32", {"qk_norm": True}),
-               ("lora", "bf16", {"qk_norm": True}), ("qlora", "f32", {})]
-
-
-@pytest.mark.parametrize("method, dtype, fields", BLOCK_CASES)
-def test_block_count_is_what_autograd_saves(method, dtype, fields):
+def _first_block(card, model):
+    """saved_per_token's forward: n random positions through the model's first block."""
     import torch
 
     from linnet.torch import attention
-
-    if method == "qlora":
-        pytest.importorskip("bitsandbytes")
-    card, model = small_model(method, dtype, **fields)
 
     def forward(n):
         x = torch.randn(n, card.hidden, dtype=model.dtype, requires_grad=True)
@@ -241,25 +232,53 @@ def test_block_count_is_what_autograd_saves(method, dtype, fields):
                     .to(model.dtype))
         return model.model.layers[0](x, cos, sin, [0, n], attention.documents), (cos, sin)
 
+    return forward
+
+
+MLP, QKV = ("gate_proj", "up_proj", "down_proj"), ("q_proj", "k_proj", "v_proj")
+BLOCK_CASES = [("full", "f32", {}), ("lora", "f32", {}), ("dora", "f32", {}), ("full", "bf16", {}),
+               ("lora", "bf16", {}), ("dora", "bf16", {}), ("full", "f32", {"qk_norm": True}),
+               ("lora", "bf16", {"qk_norm": True}), ("qlora", "f32", {})]
+# adapters on some matrices: a frozen matmul without one keeps nothing of its input
+PARTIAL_CASES = [("lora", "f32", MLP), ("lora", "bf16", QKV), ("dora", "f32", ("o_proj", "up_proj"))]
+
+
+@pytest.mark.parametrize("method, dtype, targets", PARTIAL_CASES)
+def test_block_count_follows_which_matrices_carry_adapters(method, dtype, targets):
+    card, model = small_model(method, dtype, targets)
+    expected = block_activation_bytes(card, Method(method, rank=4, dtype=dtype, targets=targets),
+                                      Workload(tokens=1, device="cpu"))
+    assert saved_per_token(_first_block(card, model)) == expected
+    assert expected < block_activation_bytes(card, Method(method, rank=4, dtype=dtype), Workload(tokens=1, device="cpu"))
+
+
+@pytest.mark.parametrize("method, dtype, fields", BLOCK_CASES)
+def test_block_count_is_what_autograd_saves(method, dtype, fields):
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+    card, model = small_model(method, dtype, **fields)
     expected = block_activation_bytes(card, Method(method, rank=4, dtype=dtype), Workload(tokens=1, device="cpu"))
-    assert saved_per_token(forward) == expected
+    assert saved_per_token(_first_block(card, model)) == expected
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_kept_activations_are_what_the_trunk_saves(method):
+@pytest.mark.parametrize("method, targets, fields", [
+    ("full", plan.LINEAR_NAMES, {}), ("lora", plan.LINEAR_NAMES, {}), ("lora", MLP, {}), ("lora", QKV, {}),
+    ("lora", ("o_proj", "down_proj"), {}), ("lora", MLP, {"qk_norm": True})])
+def test_kept_activations_are_what_the_trunk_saves(method, targets, fields):
     # Every block, the final norm (its output is the loss's input), the RoPE tables, and the
-    # first norm's input only where the embedding trains (and then the token ids).
+    # first norm's input only where the embedding trains (and then the token ids); with a
+    # frozen embedding, of the first block only what follows its first adapter.
     import numpy as np
 
     from linnet.packing import Example, pack
 
-    card, model = small_model(method, "f32")
+    card, model = small_model(method, "f32", targets, **fields)
 
     def forward(n):
         row = next(pack([Example.plain(np.arange(3, 3 + n) % card.vocab)], tokens=n))
         return model.hidden_packed(row), ()
 
-    acts = activation_bytes(card, Method(method, rank=4, dtype="f32"),
+    acts = activation_bytes(card, Method(method, rank=4, dtype="f32", targets=targets),
                             Workload(tokens=1, device="cpu", activation_checkpointing="none", chunked_loss=True))
     assert saved_per_token(forward, keep=lambda h: [h]) == acts.kept
 

@@ -42,7 +42,6 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     METHODS,
     NF4_BYTES,
     PHASES,
-    RING_SCORE_BYTES,
     SHARDED_STATES,
     Activations,
     Method,
@@ -55,7 +54,6 @@ from linnet.plan.memory import (  # noqa: F401  (re-exported: the planner's publ
     loss_rows,
     part_states,
     quantized_params,
-    ring_bytes,
     state_bytes,
     step_moments,
     trainable_params,
@@ -68,6 +66,7 @@ from linnet.plan.parts import (  # noqa: F401  (re-exported)
     model_parts,
     whole,
 )
+from linnet.plan.ring import RING_SCORE_BYTES, ring_bytes  # noqa: F401  (re-exported)
 
 GB = 1e9
 DEFAULT_METHOD, DEFAULT_WORKLOAD = Method(), Workload()  # frozen: safe as argument defaults

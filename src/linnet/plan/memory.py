@@ -50,9 +50,6 @@ NF4_BYTES = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 LOSS_BLOCK_BYTES = 2**30
 CPU_LOSS_BLOCK_BYTES = 2**24
 CPU_LOSS_MIN_ROWS = 512
-# linnet.torch.context.SCORE_BYTES (a test keeps them equal): the float32 scores one tile of
-# a process's queries holds against a neighbour's block of keys, in context parallel.
-RING_SCORE_BYTES = 2**24
 # From this many rows a float32 loss on a CPU reorders a head of this many weights or more
 # for oneDNN: a copy of it (linnet.torch.losses.REORDER_MIN_ROWS, REORDER_MIN_ELEMENTS).
 CPU_REORDER_MIN_ROWS = 256
@@ -302,24 +299,47 @@ def part_states(card: cards.Card, method: Method, part: Part, shard: str = "none
 # Activations
 
 
-def _norm_bytes(width: int, c: int, trains: bool, sequence: int = 1) -> float:
+def _norm_bytes(width: int, c: int, trains: bool, sequence: int = 1, read: bool = True) -> float:
     """Per token, what one of linnet's RMSNorms keeps: its input in f32 (4·width; in f32
-    compute the input itself), 1/rms (4), its output (c·width, the next matmuls' input) and,
-    when its weight trains, the normalised input (c·width) for that weight's gradient. With
-    sequence parallel over `sequence` GPUs all but the output are a GPU's share of the
-    positions; the output is gathered whole for the matmuls."""
-    return (4 * width + 4 + c * width * trains) / sequence + c * width
+    compute the input itself), 1/rms (4), its output (c·width, the next matmuls' input,
+    where one of them trains or carries an adapter: `read`) and, when its weight trains,
+    the normalised input (c·width) for that weight's gradient. With sequence parallel over
+    `sequence` GPUs all but the output are a GPU's share of the positions; the output is
+    gathered whole for the matmuls."""
+    return (4 * width + 4 + c * width * trains) / sequence + c * width * read
+
+
+def _untracked(card: cards.Card, method: Method, a: int) -> float:
+    """Per token, what the first block keeps in `block_activation_bytes`' count but not
+    when nothing before it trains (adapters: a frozen embedding): its first norm's input
+    and 1/rms; with no adapter on q, k or v, attention's own tensors too (all but its
+    output where o_proj's adapter reads it), and with none on o_proj either, the second
+    norm's input and 1/rms (the residual stream takes no gradient before the MLP)."""
+    d, q, kv = card.hidden, card.heads * card.head_dim, card.kv_heads * card.head_dim
+    out = 4 * d + 4
+    if not _reads(method, "q_proj", "k_proj", "v_proj"):
+        out += a * (q + 2 * kv) + 4 * card.heads + (a * q if not _reads(method, "o_proj") else 0)
+        out += 4 * (q + kv) + 4 * (card.heads + card.kv_heads) if card.qk_norm else 0
+        out += 4 * d + 4 if not _reads(method, "o_proj") else 0
+    return out
+
+
+def _reads(method: Method, *names: str) -> bool:
+    """Whether matmuls `names` keep their input for backward: their weights train, or one
+    of them carries an adapter (a frozen weight's input gradient needs the weight alone)."""
+    return not method.adapters or any(name in method.targets for name in names)
 
 
 def block_activation_bytes(card: cards.Card, method: Method, workload: Workload, sequence: int = 1) -> float:
     """Bytes one of linnet's decoder blocks keeps for its backward pass, for s·b tokens.
 
     These are autograd's saved tensors in linnet's eager block (linnet.torch.model), per
-    token: two RMSNorms (_norm_bytes); attention keeps q, k, v and its output (a·(2q + 2k),
-    a = 4 where linnet runs attention in f32, which it does for bf16 on a CPU, else c), its
-    log-sum-exp (4 per head) and, when a is not c, the output cast back (c·q); the SwiGLU
-    MLP keeps gate, up, silu(gate) and their product (4·c·F), or in tiles (`mlp_tile`) only
-    its input, a view of the norm's output kept already. Each adapted matrix adds
+    token: two RMSNorms (_norm_bytes, their outputs where the next matmuls read them:
+    `_reads`); attention keeps q, k, v and its output (a·(2q + 2k), a = 4 where linnet runs
+    attention in f32, which it does for bf16 on a CPU, else c), its log-sum-exp (4 per head)
+    and, when a is not c, the output cast back (c·q) where o_proj reads it; the SwiGLU MLP
+    keeps gate, up, silu(gate) and, where down_proj reads it, their product (4·c·F), or in
+    tiles (`mlp_tile`) only its input, the norm's output. Each adapted matrix adds
     x·Aᵀ (c·r) and DoRA also the sum it rescales (c·d_out); Qwen3's qk-norm adds a norm
     per head of q and of k. A mixture of experts' MLP keeps its router's and its routed
     pairs' tensors instead (linnet.plan.experts.moe_bytes_per_token). For Llama 3 8B, bf16
@@ -332,9 +352,13 @@ def block_activation_bytes(card: cards.Card, method: Method, workload: Workload,
     a = 4 if workload.device == "cpu" else c
     q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
     trains = not method.adapters
-    mlp = moe_bytes_per_token(card, method) if card.experts is not None else 4 * c * card.intermediate
-    per_token = 2 * _norm_bytes(card.hidden, c, trains, sequence) + a * (2 * q + 2 * kv) + 4 * card.heads \
-        + (c * q if a != c else 0) + (0 if workload.mlp_tile else mlp)
+    mlp = (moe_bytes_per_token(card, method) if card.experts is not None
+           else (3 + _reads(method, "down_proj")) * c * card.intermediate)
+    dense_mlp_reads = _reads(method, "gate_proj", "up_proj") or bool(workload.mlp_tile)  # tiles keep their input
+    norms = _norm_bytes(card.hidden, c, trains, sequence, _reads(method, "q_proj", "k_proj", "v_proj")) \
+        + _norm_bytes(card.hidden, c, trains, sequence, card.experts is not None or dense_mlp_reads)
+    per_token = norms + a * (2 * q + 2 * kv) + 4 * card.heads + (c * q if a != c and _reads(method, "o_proj") else 0) \
+        + (0 if workload.mlp_tile else mlp)
     if method.adapters:
         shapes = _targeted(card, method)
         per_token += c * method.rank * len(shapes) + (c * sum(o for o, _ in shapes) if method.name == "dora" else 0)
@@ -385,7 +409,8 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     arguments) and, selective, what attention's kernel returned (a·q + 4·heads). Beside
     the blocks, the final norm's, the RoPE tables (2·c·head_dim) and, when the embedding
     trains, the token ids its gradient reads (8). With a frozen embedding (adapters) the
-    first block's input needs no gradient: its first norm keeps only its output.
+    first block keeps nothing before its first adapted matmul but that matmul's input
+    (`_untracked`).
     loss: logits_bytes; with the chunked loss also the hidden states' gradient (c·d a
     token) and a [rows, d] product; in bf16 the logits block cast to bf16 and, when the
     head trains, its bf16 copy and the slices its f32 gradient is accumulated through;
@@ -419,7 +444,8 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
     host = workload.activation_checkpointing == "offload" and workload.device != "cpu"  # the inputs off the GPU
     per_block = {"none": block, "full": kept, "offload": 0 if host else kept,
                  "selective": kept + selective}[workload.activation_checkpointing]
-    frozen_input = (4 * d + 4) * tokens if method.adapters and workload.activation_checkpointing == "none" else 0
+    frozen_input = _untracked(card, method, a) * tokens if method.adapters and workload.activation_checkpointing == "none" \
+        else 0
     if part.receives:  # the input needs its gradient, and is the receive buffer
         frozen_input = (c * d if workload.activation_checkpointing != "none" else 4 * d if c == 4 else 0) * tokens
     rope = 2 * c * card.head_dim * tokens + (0 if method.adapters or not part.embeds else 8 * tokens)  # + token ids
@@ -458,26 +484,6 @@ def activation_bytes(card: cards.Card, method: Method, workload: Workload, part:
         backward += 2 * c * d * tokens / part.sequence if mlp_rows < tokens else 0  # the tiles' input gradients
     return Activations(each + earlier, loss, recompute, backward, top + earlier,
                        per_block + rope - frozen_input + earlier, buffers, each)
-
-
-def ring_bytes(card: cards.Card, mine: Workload, context: int) -> float:
-    """What context parallel's ring holds in a block's backward (while attention's runs, after
-    the MLP's: `estimate` takes the larger of the two) on one GPU holding `mine`'s
-    positions of each row (n of them): the neighbour's keys and values with their float32
-    gradients, sent and received (8 x 4·kv·n), and on a GPU a tile's scores, probabilities,
-    their gradient and the product before it (4 x RING_SCORE_BYTES, or the whole block of
-    scores when smaller) with the keys and values repeated to every query head in float32
-    (2 x 4·q·n); on a CPU, whose fused kernel computes the scores in small blocks of its
-    own, a tile's float32 mask (RING_SCORE_BYTES, or the whole block's) with the keys and
-    values repeated to every head and the kernel's gradients for them (16·q·n).
-    Nothing without context parallel."""
-    if context == 1:
-        return 0.0
-    n = mine.positions
-    q, kv = card.heads * card.head_dim, card.kv_heads * card.head_dim
-    if mine.device == "cpu":
-        return min(RING_SCORE_BYTES, 4 * n * n) + 8 * 4 * kv * n + 16 * q * n
-    return 4 * min(RING_SCORE_BYTES, 4 * card.heads * n * n) + 8 * 4 * kv * n + 2 * 4 * q * n
 
 
 def _output_gradients(card: cards.Card, method: Method) -> int:

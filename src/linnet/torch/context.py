@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from linnet.torch.distributed import reduced_by_shards
 
-SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.memory.RING_SCORE_BYTES)
+SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.ring.RING_SCORE_BYTES)
 # where PyTorch's fused attention kernel takes an arbitrary mask and returns the log-sum-exp
 # the ring merges by (its flash kernel for CPUs); elsewhere each block's scores in float32
 FUSED_DEVICES = ("cpu",)
