@@ -41,9 +41,9 @@ from linnet.plan.parts import model_parts
 
 GPUS_PER_NODE = 8  # an HGX / DGX node
 # bytes/s a GPU sends one way: to a GPU of its node, and out of its node (one NIC a GPU)
-IN_NODE = {"h100": 450e9, "h200": 450e9, "b200": 900e9, "a100-40gb": 300e9, "a100-80gb": 300e9}
-PCIE = 32e9  # GPUs without NVLink (PCIe Gen4 x16; h100-pcie: Gen5)
-IN_NODE_PCIE = {"h100-pcie": 64e9}
+IN_NODE = {"h100": 450e9, "h200": 450e9, "b200": 900e9, "a100-40gb": 300e9, "a100-80gb": 300e9,
+           "h100-pcie": 64e9}  # NVLink; the PCIe card's PCIe Gen5 x16
+PCIE = 32e9  # the other GPUs, without NVLink: PCIe Gen4 x16
 NETWORK = {"a100-40gb": 25e9, "a100-80gb": 25e9, "b200": 100e9}  # else 50e9: 400 Gb/s InfiniBand a GPU
 DEFAULT_NETWORK = 50e9
 REDUCE_BYTES = 4  # FSDP reduces gradients in f32 (MixedPrecisionPolicy's reduce_dtype)
@@ -74,7 +74,7 @@ class StepTime:
 def bandwidth(gpu: str, span: int) -> float:
     """Bytes/s a GPU sends to the others of a group spanning `span` consecutive GPUs."""
     if span <= GPUS_PER_NODE:
-        return IN_NODE.get(gpu) or IN_NODE_PCIE.get(gpu, PCIE)
+        return IN_NODE.get(gpu, PCIE)
     return NETWORK.get(gpu, DEFAULT_NETWORK)
 
 
