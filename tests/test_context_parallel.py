@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from linnet.packing import segments, shard_positions
 from linnet.torch import context
-from linnet.torch.context import documents_of, ring_attention, shard_positions
+from linnet.torch.context import ring_attention
 from tests.conftest import in_processes, same_metrics
 
 BOUNDS = [0, 3, 23, 27, 32]  # four documents; the second longer than any process's share
@@ -35,7 +36,7 @@ def _ring_rank(rank, processes, bounds):
 
     q, k, v, weight = _inputs()
     mine = torch.as_tensor(shard_positions(P, processes, rank))
-    document = torch.as_tensor(documents_of(P, bounds))
+    document = torch.as_tensor(segments(bounds))
     local = [t[:, mine].clone().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*local, mine, document[mine], dist.group.WORLD)
     (out * weight[:, mine]).sum().backward()
@@ -66,7 +67,7 @@ def test_ring_attention_equals_the_whole_rows_attention_and_its_gradients(proces
         monkeypatch.setattr(context, "FUSED_DEVICES", ())
     q, k, v, weight = _inputs()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = _whole(*whole, documents_of(P, bounds))
+    out = _whole(*whole, segments(bounds))
     (out * weight).sum().backward()
     for mine, ring_out, grads in in_processes(_ring_rank, processes, bounds, processes=processes):
         np.testing.assert_allclose(ring_out, out.detach().numpy()[:, mine], atol=1e-5, rtol=0)

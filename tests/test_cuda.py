@@ -133,18 +133,19 @@ def test_the_rings_blocks_on_the_gpu_equal_the_whole_rows_attention():
     group of one: the whole row's attention within its documents and its gradients."""
     import torch.distributed as dist
 
-    from linnet.torch.context import documents_of, ring_attention
+    from linnet.packing import segments
+    from linnet.torch.context import ring_attention
     from tests.test_context_parallel import BOUNDS, P, _inputs, _whole
 
     q, k, v, weight = _inputs()
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    (_whole(*whole, documents_of(P, BOUNDS)) * weight).sum().backward()
+    (_whole(*whole, segments(BOUNDS)) * weight).sum().backward()
     with _nccl_group_of_one():
         local = [t.cuda().requires_grad_() for t in (q, k, v)]
-        document = torch.as_tensor(documents_of(P, BOUNDS), device="cuda")
+        document = torch.as_tensor(segments(BOUNDS), device="cuda")
         out = ring_attention(*local, torch.arange(P, device="cuda"), document, dist.group.WORLD)
         (out * weight.cuda()).sum().backward()
-    torch.testing.assert_close(out.detach().cpu(), _whole(q, k, v, documents_of(P, BOUNDS)), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.detach().cpu(), _whole(q, k, v, segments(BOUNDS)), atol=1e-5, rtol=0)
     for got, want in zip(local, whole, strict=True):
         torch.testing.assert_close(got.grad.cpu(), want.grad, atol=1e-5, rtol=0)
 

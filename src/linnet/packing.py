@@ -137,6 +137,19 @@ def segments(bounds) -> np.ndarray:
     return np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
 
 
+def shard_positions(length: int, ranks: int, rank: int) -> np.ndarray:
+    """The row positions process (or device) `rank` of `ranks` holds under context
+    parallel, in order: chunks rank and 2·ranks-1-rank of the row cut into 2·ranks equal
+    chunks, so that under a causal mask each holds the same work."""
+    if length % (2 * ranks):
+        raise ValueError(f"context parallel: a row of {length} positions does not cut into {2 * ranks} equal chunks "
+                         f"(2 x {ranks} processes or devices); use a row length (training.context_length) that is "
+                         f"a multiple of {2 * ranks}")
+    size = length // (2 * ranks)
+    chunks = (rank, 2 * ranks - 1 - rank)
+    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks])
+
+
 @dataclass(frozen=True)
 class _Document:
     """Tokens placed in a row as one document: learned flags, the first position, and

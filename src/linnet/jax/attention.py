@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from linnet.packing import shard_positions
+
 BLOCK = 32  # positions a block, and
 CHUNK = 32  # block pairs a turn: both measured best of 16-128 on a 2-core AVX2 CPU (bench/jax_vs_torch.py)
 DENSE_UP_TO = 256  # positions: shorter rows compile and run faster as one masked product
@@ -203,13 +205,10 @@ def _fold(q_PKGd, k_TKd, v_TKd, k_index, k_segment, index, segment, shared, firs
 
 
 def context_layout(length: int, size: int) -> np.ndarray:
-    """The order of a row's positions under context parallel over `size` devices: the row
-    cut into 2·size chunks, device r's contiguous share chunks r and 2·size-1-r."""
-    if length % (2 * size):
-        raise ValueError(f"context parallel: a row of {length} positions does not cut into {2 * size} equal chunks "
-                         f"(2 x {size} devices); pack rows of a multiple of {2 * size} positions")
-    chunk = length // (2 * size)
-    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for r in range(size) for c in (r, 2 * size - 1 - r)])
+    """The order of a row's positions under context parallel over `size` devices: device
+    r's contiguous share is what `linnet.packing.shard_positions` gives rank r (as
+    linnet.torch.context splits a row over processes)."""
+    return np.concatenate([shard_positions(length, size, r) for r in range(size)])
 
 
 def context_attend(q_PKGd, k_PKd, v_PKd, row: dict):

@@ -31,24 +31,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from linnet.packing import segments, shard_positions
 from linnet.torch.distributed import reduced_by_shards
 
 SCORE_BYTES = 16 << 20  # float32 scores a query tile holds (linnet.plan.ring.RING_SCORE_BYTES)
 # where PyTorch's fused attention kernel takes an arbitrary mask and returns the log-sum-exp
 # the ring merges by (its flash kernel for CPUs); elsewhere each block's scores in float32
 FUSED_DEVICES = ("cpu",)
-
-
-def shard_positions(length: int, ranks: int, rank: int) -> np.ndarray:
-    """The row positions process `rank` of `ranks` holds, in order: chunks rank and
-    2·ranks-1-rank of the row cut into 2·ranks equal chunks."""
-    if length % (2 * ranks):
-        raise ValueError(f"context parallel: a row of {length} positions does not cut into {2 * ranks} equal chunks "
-                         f"(2 x {ranks} processes); use a row length (training.context_length) that is a multiple "
-                         f"of {2 * ranks}")
-    size = length // (2 * ranks)
-    chunks = (rank, 2 * ranks - 1 - rank)
-    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks])
 
 
 def _ring(group) -> tuple[int, int]:
@@ -230,15 +219,6 @@ def ring_attention(q, k, v, index, document, group, scale: float | None = None, 
     return _RingAttention.apply(q, k, v, index, document, prompt, group, scale)
 
 
-def documents_of(length: int, bounds: list[int]) -> np.ndarray:
-    """[length] each position's document (its index among `bounds`, the documents'
-    starts then the row's end, as `Decoder._layout` gives them)."""
-    out = np.zeros(length, dtype=np.int64)
-    for i, start in enumerate(bounds[1:-1], start=1):
-        out[start:] = i
-    return out
-
-
 class _SumOver(torch.autograd.Function):
     """The sum of every process's `x` over `group`; backward hands each process the
     gradient unchanged, for its own part (each process then holds the gradient of the
@@ -307,7 +287,7 @@ def context_row(length: int, bounds: list[int], group, device, prefix: list[int]
     document's shared prompt document (-1 for none), as `Packed.prefix`."""
     mine = shard_positions(length, dist.get_world_size(group), dist.get_rank(group))
     index = torch.as_tensor(mine, device=device)
-    documents = documents_of(length, bounds)[mine]
+    documents = segments(bounds)[mine]
     document = torch.as_tensor(documents, device=device)
     prompt = None if prefix is None else torch.as_tensor(np.asarray(prefix)[documents], device=device)
 
