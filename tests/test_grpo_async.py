@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from linnet.rl.rollouts import Sampler
 from linnet.run import Preempted
@@ -48,6 +49,23 @@ def test_a_run_repeats_itself_and_starts_as_the_synchronous_one():
     assert synchronous.steps[0].loss == first.steps[0].loss  # step 1 samples the starting weights either way
     assert [s.loss for s in synchronous.steps] == [s.loss for s in _run(4).steps]
     assert "staleness" not in synchronous.steps[0].metrics
+
+
+def test_each_side_runs_on_half_the_threads(monkeypatch):
+    # a new thread's kernels use the machine's default count, whatever the trainer set: the
+    # sampler must set its own, or the two sides oversubscribe the cores
+    set_threads, counts = torch.set_num_threads, []
+    monkeypatch.setattr(torch, "set_num_threads",
+                        lambda n: counts.append((threading.current_thread().name, n)) or set_threads(n))
+    before = torch.get_num_threads()
+    set_threads(4)
+    try:
+        _run(2, max_staleness=1)
+        after = torch.get_num_threads()
+    finally:
+        set_threads(before)
+    assert ("linnet grpo sampler", 2) in counts and ("MainThread", 2) in counts
+    assert after == 4
 
 
 def test_resume_takes_the_checkpointed_samples_and_ends_as_uninterrupted(tmp_path, monkeypatch):

@@ -133,6 +133,7 @@ class Ahead:
         self.thread: threading.Thread | None = None
         self.floor = 0  # the version this process starts from (`take`'s first step - 1)
         self.trainer = threading.get_ident()
+        self.threads = torch.get_num_threads()  # each side's (`running` halves them)
 
     def version(self, step: int) -> int:
         """The weights version (updates applied) step `step` samples from: never one from
@@ -185,6 +186,7 @@ class Ahead:
         return f"was last sampling step {self.sampling} (from weights version {self.version(self.sampling)})"
 
     def _sample(self, step: int) -> None:
+        torch.set_num_threads(self.threads)  # a thread starts with the default count, not the trainer's
         self.sampling = step
         while step <= self.last:
             with self.lock:
@@ -238,7 +240,8 @@ class Ahead:
         interrupted by the sampler's SIGUSR2, which raises its error (on the main thread
         alone, where Python runs signal handlers); the thread told to stop after."""
         threads = torch.get_num_threads()
-        torch.set_num_threads(max(1, threads // 2))
+        self.threads = max(1, threads // 2)
+        torch.set_num_threads(self.threads)
 
         def stalled(signum, frame):
             raise self.error if self.error is not None else TimeoutError("grpo: the sampler interrupted the trainer")
