@@ -1153,6 +1153,17 @@ def test_step_time_counts_each_axis_at_the_bandwidth_of_the_link_it_spans():
     assert step_time(card, full, work, Cluster(gpus=8, shard="fsdp")).copies == 0  # hidden behind compute
     small = Workload(tokens=256)  # too little compute to hide FSDP's gathers over the network
     assert step_time(card, full, small, Cluster(gpus=64, shard="fsdp")).copies > 0
+    # nodes of 4 GPUs: a context group of 8 spans two of them, its ring at the network's bandwidth
+    assert bandwidth("h100", 8, per_node=4) == 50e9 and bandwidth("h100", 4, per_node=4) == 450e9
+    ring8 = [step_time(card, full, work, Cluster(gpus=8, context=8, gpus_per_node=n)).context for n in (8, 4)]
+    assert ring8[1] == pytest.approx(ring8[0] * 450e9 / 50e9)
+
+
+def test_gpus_per_node_counts_nodes_and_is_checked(capsys):
+    assert plan_command.main(["llama-3.1-70b-instruct", "--gpus-per-node", "4"]) == 0
+    assert table_row(capsys.readouterr().out, "minimum h100 GPUs (FSDP)")[0] == "18 (5 nodes of 4)"
+    with pytest.raises(ValueError, match="gpus_per_node must be a positive integer, got 0"):
+        Cluster(gpus_per_node=0)
 
 
 # ---------------------------------------------------------------------------------------

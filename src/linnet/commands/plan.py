@@ -28,7 +28,6 @@ from linnet.plan import (
     DEVICES,
     DTYPES,
     GB,
-    GPUS_PER_NODE,
     GRADIENT_BYTES,
     METHODS,
     NF4_BYTES,
@@ -52,11 +51,10 @@ def _gpus(n: int) -> str:
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
-def _gpu_count(n: int | None) -> str:
+def _gpu_count(n: int | None, per_node: int) -> str:
     if n is None:
         return "none: activations overflow one GPU"
-    nodes = math.ceil(n / GPUS_PER_NODE)
-    return f"{n} ({nodes} nodes of {GPUS_PER_NODE})" if nodes > 1 else str(n)
+    return f"{n} ({math.ceil(n / per_node)} nodes of {per_node})" if n > per_node else str(n)
 
 
 CHECKPOINTING_LABELS = {"full": "checkpointing", "selective": "selective checkpointing", "none": "no checkpointing",
@@ -89,7 +87,7 @@ def _rows(plans: Sequence[Plan]) -> list[tuple[str, list[str]]]:
     memory.update({
         f"total per GPU ({chosen})": lambda p: gb(p.total),
         f"fits {gb(first.cluster.usable_bytes)} usable": lambda p: "yes" if p.fits else "no",
-        f"minimum {first.cluster.gpu.name} GPUs (FSDP)": lambda p: _gpu_count(p.min_gpus),
+        f"minimum {first.cluster.gpu.name} GPUs (FSDP)": lambda p: _gpu_count(p.min_gpus, p.cluster.gpus_per_node),
     })
     compute = {
         "total targets": lambda c: count(c.total_targets),
@@ -354,6 +352,8 @@ def parser() -> argparse.ArgumentParser:
              help="dense fp8 peak in TFLOP/s, overriding the table")
     hardware("--gpus", type=int, metavar="N",
              help=f"GPUs the run uses: data-parallel copies x split x pipeline (default {cluster.gpus})")
+    hardware("--gpus-per-node", type=int, metavar="N", help="GPUs a node's fast links (NVLink) join; groups that "
+             f"span more send over the network in --suggest's step estimate (default {cluster.gpus_per_node})")
     hardware("--split", type=int, metavar="N",
              help="GPUs that split every block between them (tensor parallel, linnet's training.split); the head by "
              f"vocabulary rows, the embedding and norms whole (default {cluster.split})")

@@ -169,11 +169,13 @@ class Cluster:
     `sequence_parallel`: a split's GPUs also share the blocks' norms' positions. `expert`
     GPUs split a mixture of experts' experts between them (expert parallel,
     `training.expert`; groups of them copies of each other when `gpus` is a multiple), each
-    holding the rest of the model and rows of its own.
+    holding the rest of the model and rows of its own. `gpus_per_node`: the GPUs a node's
+    fast links join (8 on an HGX / DGX board); groups that span more cross the network.
     """
 
     gpu: Accelerator = ACCELERATORS["h100"]
     gpus: int = 1
+    gpus_per_node: int = traffic.GPUS_PER_NODE
     shard: str = "none"
     split: int = 1
     pipeline: int = 1
@@ -196,6 +198,7 @@ class Cluster:
         _require(self.split >= 1 and self.pipeline >= 1,
                  f"{{split}} and {{pipeline}} must be positive numbers of GPUs, got {self.split} and {self.pipeline}")
         _require(self.context >= 1, f"{{context}} must be a positive number of GPUs, got {self.context}")
+        _require(self.gpus_per_node >= 1, f"{{gpus_per_node}} must be a positive integer, got {self.gpus_per_node}")
         _require(self.gpus % (self.context * self.split) == 0, f"{{gpus}}={self.gpus}: {{context}} {self.context} x "
                  f"{{split}} {self.split} GPUs take each row; use a multiple of {self.context * self.split} GPUs")
         _require(not self.sequence_parallel or self.split > 1,
@@ -224,8 +227,6 @@ class Cluster:
 
 # ---------------------------------------------------------------------------------------
 # GPUs
-
-GPUS_PER_NODE = traffic.GPUS_PER_NODE  # an HGX / DGX node
 
 
 def min_gpus(states: float, activations: float, usable_bytes: float) -> int | None:

@@ -2,10 +2,10 @@
 
 The step's FLOPs at the cluster's MFU, the pipeline's idle turns, and what each axis
 sends between GPUs at the bandwidth of the link its group spans: NVLink (or PCIe) inside
-a node of GPUS_PER_NODE, the network between nodes. The mesh puts the split on
+a node (the cluster's gpus_per_node, GPUS_PER_NODE by default), the network between nodes. The mesh puts the split on
 consecutive GPUs, then the context group, the stages and the copies
 (linnet.commands.runs.run_mesh), so an axis stays inside a node while the product of its
-size and the sizes inside it is at most GPUS_PER_NODE.
+size and the sizes inside it is at most a node's GPUs.
 
 What a GPU sends a step of `accumulate` micro-batches, with S positions a row, a context
 group's GPU holding S/C of them (activations in the compute dtype, f32 gradients where
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from linnet.plan.memory import GRADIENT_BYTES, trainable_params
 from linnet.plan.parts import model_parts
 
-GPUS_PER_NODE = 8  # an HGX / DGX node
+GPUS_PER_NODE = 8  # an HGX / DGX node: Cluster.gpus_per_node's default
 # bytes/s a GPU sends one way: to a GPU of its node, and out of its node (one NIC a GPU)
 IN_NODE = {"h100": 450e9, "h200": 450e9, "b200": 900e9, "a100-40gb": 300e9, "a100-80gb": 300e9,
            "h100-pcie": 64e9}  # NVLink; the PCIe card's PCIe Gen5 x16
@@ -71,9 +71,10 @@ class StepTime:
         return self.tokens / self.seconds
 
 
-def bandwidth(gpu: str, span: int) -> float:
-    """Bytes/s a GPU sends to the others of a group spanning `span` consecutive GPUs."""
-    if span <= GPUS_PER_NODE:
+def bandwidth(gpu: str, span: int, per_node: int = GPUS_PER_NODE) -> float:
+    """Bytes/s a GPU sends to the others of a group spanning `span` consecutive GPUs, on
+    nodes of `per_node` GPUs."""
+    if span <= per_node:
         return IN_NODE.get(gpu, PCIE)
     return NETWORK.get(gpu, DEFAULT_NETWORK)
 
@@ -83,7 +84,11 @@ def step_time(card, method, workload, cluster) -> StepTime:
     s, p, c, e = cluster.split, cluster.pipeline, cluster.context, cluster.expert
     a, S, rows, m = method.compute_bytes, workload.tokens, workload.micro_batch_size, workload.accumulate
     recompute = workload.activation_checkpointing not in (False, "none")
-    gpu, L, d = cluster.gpu.name, card.layers, card.hidden
+    L, d = card.layers, card.hidden
+
+    def link(span: int) -> float:
+        return bandwidth(cluster.gpu.name, span, cluster.gpus_per_node)
+
     attention = 2 * S * card.heads * card.head_dim * L  # a token's causal attention, forward
     per_token = (4 if method.adapters else 6) * card.active_params() + 3 * attention
     if recompute:
@@ -97,14 +102,14 @@ def step_time(card, method, workload, cluster) -> StepTime:
     split = 0.0
     if s > 1:
         sent = blocks * (6 if recompute else 4) * 2 * (s - 1) / s * held * d * a
-        split = m * sent / bandwidth(gpu, s)
+        split = m * sent / link(s)
     context = 0.0
     if c > 1:
         kv = card.kv_heads // s * card.head_dim * held
         forward = (c - 1) * 2 * kv * a * (2 if recompute else 1)
         backward = (c - 1) * 2 * kv * (a + 4) + 2 * kv * 4
-        context = m * blocks * (forward + backward) / bandwidth(gpu, s * c)
-    stages = m * 2 * chunks * held * d * a / bandwidth(gpu, s * c * p) if p > 1 else 0.0
+        context = m * blocks * (forward + backward) / link(s * c)
+    stages = m * 2 * chunks * held * d * a / link(s * c * p) if p > 1 else 0.0
     part = max(model_parts(card, s, p, m, cluster.pipeline_schedule, cluster.sequence_parallel, e),
                key=lambda q: q.params())
     n = cluster.gpus // (s * p)  # GPUs holding this part: copies and context groups
@@ -114,13 +119,13 @@ def step_time(card, method, workload, cluster) -> StepTime:
     copies = 0.0
     if n > 1 and cluster.shard == "fsdp":
         gathered = m * (ring * part.params() * a + (n - 1) / n * trained * REDUCE_BYTES)
-        copies = max(0.0, gathered / bandwidth(gpu, cluster.gpus) - compute - idle)
+        copies = max(0.0, gathered / link(cluster.gpus) - compute - idle)
     elif n > 1:
         sent = ring * trained * grads + ((n - 1) / n * trained * a if cluster.shard == "zero" else 0.0)
-        copies = sent / bandwidth(gpu, cluster.gpus)
+        copies = sent / link(cluster.gpus)
     expert = 0.0
     if e > 1 and card.experts is not None:
         routed = held * card.experts.per_token * d * a * (e - 1) / e
-        expert = m * L * 4 * routed / bandwidth(gpu, e)
+        expert = m * L * 4 * routed / link(e)
     rows_taken = cluster.gpus // copy * m * rows
     return StepTime(compute, idle, split, context, stages, copies, expert, rows_taken * S)
