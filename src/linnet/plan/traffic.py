@@ -2,10 +2,10 @@
 
 The step's FLOPs at the cluster's MFU, the pipeline's idle turns, and what each axis
 sends between GPUs at the bandwidth of the link its group spans: NVLink (or PCIe) inside
-a node (the cluster's gpus_per_node, GPUS_PER_NODE by default), the network between nodes. The mesh puts the split on
-consecutive GPUs, then the context group, the stages and the copies
-(linnet.commands.runs.run_mesh), so an axis stays inside a node while the product of its
-size and the sizes inside it is at most a node's GPUs.
+a node (Cluster.gpus_per_node GPUs, GPUS_PER_NODE by default), the network between
+nodes. The mesh puts the split on consecutive GPUs, then the context group, the stages
+and the copies (linnet.commands.runs.run_mesh), so an axis stays inside a node while the
+product of its size and the sizes inside it is at most a node's GPUs.
 
 What a GPU sends a step of `accumulate` micro-batches, with S positions a row, a context
 group's GPU holding S/C of them (activations in the compute dtype, f32 gradients where
