@@ -112,8 +112,8 @@ def test_context_axis_splits_each_rows_positions_and_trains_like_one_device(jx, 
     from jax.sharding import Mesh
 
     from linnet.jax import attention
-    from linnet.jax.attention import context_layout
     from linnet.jax.train import train
+    from linnet.packing import context_order
 
     turns = []  # the ring's, as the step compiles: a block of keys from each device of the axis
     ring = attention.ring
@@ -125,7 +125,7 @@ def test_context_axis_splits_each_rows_positions_and_trains_like_one_device(jx, 
     rows = _rows(8, tokens=24, seed=7)
     size = dict(zip(names, shape, strict=True))["context"]
     assert max(np.diff(r.bounds).max() for r in rows) > 24 // size  # a document wider than a device's share
-    assert sorted(context_layout(24, size)) == list(range(24))
+    assert sorted(context_order(24, size)) == list(range(24))
 
     def run(mesh):
         model = nest.load(CARD, backend="jax", weights=weights, mesh=mesh)

@@ -150,6 +150,13 @@ def shard_positions(length: int, ranks: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks])
 
 
+def context_order(length: int, ranks: int) -> np.ndarray:
+    """A row's positions reordered for context parallel within one process (JAX's
+    "context" mesh axis): every rank's `shard_positions` in rank order, so that device r's
+    contiguous share is what process r holds under linnet.torch.context."""
+    return np.concatenate([shard_positions(length, ranks, r) for r in range(ranks)])
+
+
 @dataclass(frozen=True)
 class _Document:
     """Tokens placed in a row as one document: learned flags, the first position, and

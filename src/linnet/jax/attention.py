@@ -32,8 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from linnet.packing import shard_positions
-
 BLOCK = 32  # positions a block, and
 CHUNK = 32  # block pairs a turn: both measured best of 16-128 on a 2-core AVX2 CPU (bench/jax_vs_torch.py)
 DENSE_UP_TO = 256  # positions: shorter rows compile and run faster as one masked product
@@ -173,8 +171,8 @@ def ring(q_PKGd, k_PKd, v_PKd, row: dict, size: int):
     `size` devices, inside jax.shard_map: each device holds its queries and passes its
     keys and values round the ring (lax.ppermute), one device's block a turn, folding
     each block into a running softmax. The row's arrays carry `index`, each position's
-    place in the row (`context_layout` reorders a row so that device r holds chunks r and
-    2·size-1-r of its 2·size chunks, the same causal work on every device). Each turn's
+    place in the row (`linnet.packing.context_order` reorders a row so that device r holds
+    chunks r and 2·size-1-r of its 2·size chunks, the same causal work on every device). Each turn's
     block is recomputed in backward (jax.checkpoint), so no device holds more than one
     block's scores; JAX differentiates the ring, its gradients passing the other way."""
     d = q_PKGd.shape[-1]
@@ -202,13 +200,6 @@ def _fold(q_PKGd, k_TKd, v_TKd, k_index, k_segment, index, segment, shared, firs
     p = jnp.exp(s - m_new[..., None])
     scale = jnp.exp(m - m_new)
     return m_new, total * scale + p.sum(axis=-1), acc * scale[..., None] + jnp.einsum("pkgt,tkd->pkgd", p, v_TKd)
-
-
-def context_layout(length: int, size: int) -> np.ndarray:
-    """The order of a row's positions under context parallel over `size` devices: device
-    r's contiguous share is what `linnet.packing.shard_positions` gives rank r (as
-    linnet.torch.context splits a row over processes)."""
-    return np.concatenate([shard_positions(length, size, r) for r in range(size)])
 
 
 def context_attend(q_PKGd, k_PKd, v_PKd, row: dict):

@@ -19,7 +19,11 @@ whole on that axis. XLA's partitioner (GSPMD) inserts the gathers and reductions
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+
+from linnet.packing import context_order
 
 # The mesh axis of each layer's weight [out, in] dimensions on a ("data", "model") mesh.
 LAYOUT = {"q_proj": ("model", "data"), "k_proj": ("model", "data"), "v_proj": ("model", "data"),
@@ -74,8 +78,6 @@ def rows_sharding(mesh, dim: int = 0, positions: bool = True):
 def in_force(mesh):
     """What a compiled step runs inside: `mesh` set in force (jax.set_mesh) where it has a
     "context" axis, whose ring (a jax.shard_map) reads it while the step compiles."""
-    import contextlib
-
     import jax
 
     return jax.set_mesh(mesh) if context_size(mesh) > 1 else contextlib.nullcontext()
@@ -91,15 +93,13 @@ def context_rows(arrays: dict, mesh) -> dict:
     """A row's arrays (`linnet.jax.model.row_arrays`, or rows of them stacked, and any other
     per-position arrays beside them) laid out for context parallel over `mesh`: the
     positions (the last axis) reordered so that each device's contiguous share is its two
-    chunks (`linnet.jax.attention.context_layout`), and `index`, each position's place in
-    the row, which the ring's masks read. As they are without a "context" axis."""
-    from linnet.jax.attention import context_layout
-
+    chunks (`linnet.packing.context_order`), and `index`, each position's place in the
+    row, which the ring's masks read. As they are without a "context" axis."""
     size = context_size(mesh)
     if size == 1:
         return arrays
     tokens = np.asarray(arrays["tokens"])
-    order = context_layout(tokens.shape[-1], size)
+    order = context_order(tokens.shape[-1], size)
     out = {name: np.asarray(x)[..., order] if name != "lora_key" else x for name, x in arrays.items()}
     out["index"] = np.broadcast_to(order.astype(np.int32), tokens.shape).copy()
     return out
