@@ -159,13 +159,18 @@ def test_interrupted_write_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path, model=model, optimizer=opt)["step"] == 1
 
 
-def test_batches_running_out_warns():
+def test_batches_running_out_warns_and_end_the_run_there(tmp_path):
+    """The step the batches run out after is the run's end: its checkpoint and its
+    held-out evaluation happen there, as at `steps`."""
     model = _model(trainable=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     rows = list(pack(_examples(6), tokens=48))
     with pytest.warns(UserWarning, match="ran out"):
-        hist = train(model, rows, optimizer=opt, steps=len(rows) + 3)
+        hist = train(model, rows, optimizer=opt, steps=len(rows) + 3, checkpoint=tmp_path, checkpoint_every=100,
+                     evaluate=lambda m: {"held": 1.0}, evaluate_every=100)
     assert len(hist) == len(rows)
+    assert [p.name for p in checkpoints(tmp_path)] == [f"step-{len(rows):08d}"]
+    assert ["held" in s.metrics for s in hist.steps] == [False] * (len(rows) - 1) + [True]
 
 
 def test_nothing_to_train_is_an_error():

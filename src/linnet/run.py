@@ -58,10 +58,34 @@ class History:
         return len(self.steps)
 
 
-def step_items(items: Iterable[Any], per_step: int, *, start: int, steps: int, what: str) -> Iterator[tuple[int, list]]:
-    """Yield (step, the step's items) from `start + 1` to `steps`, first skipping the
-    items that steps up to `start` consumed; stop with a warning if the items run out."""
-    stream = iter(items)
+class Lookahead:
+    """An iterator whose next items can be read ahead (`peek`) without taking them."""
+
+    def __init__(self, items):
+        self.items, self.buffer = iter(items), []
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        return self.buffer.pop(0) if self.buffer else next(self.items)
+
+    def peek(self, n: int) -> list:
+        while len(self.buffer) < n:
+            try:
+                self.buffer.append(next(self.items))
+            except StopIteration:
+                break
+        return self.buffer[:n]
+
+
+def step_items(items: Iterable[Any], per_step: int, *, start: int, steps: int,
+               what: str) -> Iterator[tuple[int, list, bool]]:
+    """Yield (step, the step's items, whether it is the run's last) from `start + 1` to
+    `steps`, first skipping the items that steps up to `start` consumed. The last is step
+    `steps` or the one the items run out after (an item is read ahead to know, so the end's
+    checkpoint and evaluation happen there too); then a warning says they ran out."""
+    stream = items if isinstance(items, Lookahead) else Lookahead(items)
     for _ in itertools.islice(stream, start * per_step):
         pass
     for step in range(start + 1, steps + 1):
@@ -69,12 +93,12 @@ def step_items(items: Iterable[Any], per_step: int, *, start: int, steps: int, w
         if not chunk:
             warnings.warn(f"{what} ran out after step {step - 1} of {steps}", stacklevel=3)
             return
-        yield step, chunk
+        yield step, chunk, step == steps or not stream.peek(1)
 
 
-def due(step: int, every: int, last: int) -> bool:
+def due(step: int, every: int, last: bool) -> bool:
     """Whether something done every `every` steps and at the last is due at `step`."""
-    return step % every == 0 or step == last
+    return step % every == 0 or last
 
 
 @dataclass

@@ -139,25 +139,29 @@ def fit(model: JaxModel, items: Iterable, step: Callable[[int, list, State], Upd
     trained, frozen, opt_state, start = start_run(model, run.optimizer, trainable, run.checkpoint, mesh)
     state = State(trained, frozen, opt_state)
     history = History()
-    for number, chunk in step_items(items, per_step, start=start, steps=run.steps, what=what):
+    saved = start
+    for number, chunk, last in step_items(items, per_step, start=start, steps=run.steps, what=what):
         started = time.perf_counter()
         done = step(number, chunk, state)
         if done is None:
             warnings.warn(f"{what} ran out during step {number} of {run.steps}", stacklevel=2)
+            if run.checkpoint is not None and saved < number - 1:  # the run's end is the step before
+                save_checkpoint(run.checkpoint, number - 1, state.trained, state.opt_state, keep=run.keep)
             break
         record = Step(number, float(done.loss), int(done.learned), int(done.real), float(done.norm),
                       learning_rate(state.opt_state), time.perf_counter() - started, done.metrics)
         if not (np.isfinite(record.loss) and np.isfinite(record.grad_norm)):
             raise FloatingPointError(f"step {number}: loss {record.loss} and gradient norm {record.grad_norm}; "
                                      "lower the learning rate or check the data")
-        if run.evaluate is not None and due(number, run.evaluate_every, run.steps):
+        if run.evaluate is not None and due(number, run.evaluate_every, last):
             record.metrics.update(run.evaluate(state.params))
         history.steps.append(record)
         if run.on_step is not None:
             run.on_step(record)
         stop = number < run.steps and bool(stop_asked())  # one process: no agreement to reach
-        if run.checkpoint is not None and (stop or due(number, run.checkpoint_every, run.steps)):
+        if run.checkpoint is not None and (stop or due(number, run.checkpoint_every, last)):
             save_checkpoint(run.checkpoint, number, state.trained, state.opt_state, keep=run.keep)
+            saved = number
         if stop:
             raise Preempted(number, run.checkpoint)
     return finish(model, state.trained, state.frozen, run.save_to), history

@@ -31,12 +31,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from linnet.rl.rollouts import Completion, Sampler, Scored
+from linnet.run import Lookahead
 from linnet.torch.lora import merged, policy_weights
 from linnet.torch.sharding import is_sharded
 
@@ -71,27 +72,6 @@ def check_ahead(policy, engine) -> None:
     if getattr(engine.model, "quantized", False):
         raise ValueError("grpo: max_staleness > 0 keeps the engine's weights apart from the policy's, which an "
                          "NF4 engine sharing the policy's base cannot; load the engine without quantize=")
-
-
-class Lookahead:
-    """An iterator whose next items can be read ahead (`peek`) without taking them."""
-
-    def __init__(self, items):
-        self.items, self.buffer = iter(items), []
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        return self.buffer.pop(0) if self.buffer else next(self.items)
-
-    def peek(self, n: int) -> list:
-        while len(self.buffer) < n:
-            try:
-                self.buffer.append(next(self.items))
-            except StopIteration:
-                break
-        return self.buffer[:n]
 
 
 class Weights:

@@ -214,17 +214,17 @@ def fit(model, items: Iterable[Any], work: Callable[[int, list], Work], run: Run
         if carry is not None:
             carry.restore(extra)
     history = History()
-    for step, chunk in step_items(items, per_step, start=start, steps=run.steps, what=what):
+    for step, chunk, last in step_items(items, per_step, start=start, steps=run.steps, what=what):
         started = time.perf_counter()
         model.train()
         record = take_step(params, _matched(model, _balanced(model, work(step, chunk))), run, step, started)
         record.metrics.update(router_metrics(model))  # a mixture of experts' balance ({} for other models)
-        if run.evaluate is not None and due(step, run.evaluate_every, run.steps):
+        if run.evaluate is not None and due(step, run.evaluate_every, last):
             record.metrics.update(run.evaluate(model))
         history.steps.append(record)
         if run.on_step is not None:
             run.on_step(record)
-        saved = run.checkpoint is not None and due(step, run.checkpoint_every, run.steps)
+        saved = run.checkpoint is not None and due(step, run.checkpoint_every, last)
         stop = step < run.steps and _stop_agreed()
         if run.checkpoint is not None and (saved or stop):
             save_checkpoint(run.checkpoint, model=model, optimizer=run.optimizer, step=step, schedule=run.schedule,
