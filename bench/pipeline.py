@@ -55,8 +55,8 @@ def child(mode: str, steps: int, threads: int) -> None:
     import torch
 
     from linnet import nest
+    from linnet.torch import pipeline
     from linnet.torch.distributed import join, leave, world
-    from linnet.torch.pipeline import pipeline
     from linnet.train import train
 
     torch.set_num_threads(threads)

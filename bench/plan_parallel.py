@@ -59,7 +59,7 @@ def run_rank(rank: int, copies: int, split: int, stages: int, micro: int, method
     from torch.profiler import ProfilerActivity, profile
 
     from linnet import nest
-    from linnet.torch.pipeline import pipeline
+    from linnet.torch import pipeline
     from linnet.train import Example, pack, train
 
     torch.manual_seed(0)

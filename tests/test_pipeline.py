@@ -1,4 +1,4 @@
-"""Pipeline stages (linnet.torch.pipeline): forked processes (gloo), each holding
+"""Pipeline stages (linnet.torch.pipeline, in linnet.torch.stages): forked processes (gloo), each holding
 consecutive blocks, train like one process training the whole model on the same rows;
 saved weights and checkpoints read as the whole model's."""
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from linnet import nest
-from linnet.torch.pipeline import pipeline
+from linnet.torch import pipeline
 from linnet.torch.sharding import copy_first
 from linnet.train import train
 from linnet.train.checkpoint import load_checkpoint
@@ -22,6 +22,17 @@ from tests.test_sharding import STEPS, _dpo, _pairs, _rows  # eight rows of uneq
 
 CARD = nest.resolve("debug").replace(vocab=64, hidden=32, intermediate=64, heads=4, kv_heads=2, head_dim=8,
                                      layers=4, tied_embeddings=False)
+
+
+def test_the_documented_name_is_the_function_after_the_stages_load():
+    """`from linnet.torch import pipeline` gives the function, also once the module that
+    holds it has been imported (linnet.train imports it: a submodule of the same name
+    would have taken the package's attribute)."""
+    import linnet.torch
+    import linnet.torch.stages  # noqa: F401
+    from linnet.torch import pipeline as again
+
+    assert again is pipeline is linnet.torch.pipeline and callable(pipeline)
 
 
 def _model(lora: bool, tied: bool, adapt: bool = True):

@@ -80,7 +80,7 @@ def load(
     sequence_parallel=True (with tensor_parallel): the blocks' norms and the residual
     stream split by positions between the split's processes too (tensor_parallel(sequence=)).
     pipeline: a one-dimension DeviceMesh (mesh["stages"]): build only this process's stage
-    of it, never allocating the other stages' weights (linnet.torch.pipeline.pipeline,
+    of it, never allocating the other stages' weights (linnet.torch.pipeline,
     `pipeline_schedule` "1f1b", "gpipe" or "interleaved": two chunks of blocks a process);
     with tensor_parallel too, the stage is split.
     fully_shard=True: shard the model over every process (linnet.torch.fully_shard) before

@@ -125,7 +125,7 @@ def dpo(model: JaxModel, pairs: Sequence[Pair], run: Run | None = None, *, setti
     """Train on preference pairs for `run.steps` steps of `pairs_per_step` pairs (the
     sequence repeated as epochs); returns (parameters, history). `run`: a linnet.run.Run,
     or its fields as keywords (a schedule goes in the optax optimizer: Run.schedule is
-    PyTorch's). options: the fields of linnet.config.DPOSettings (or `settings=`), as
+    PyTorch's). options: the fields of linnet.config.groups.DPOSettings (or `settings=`), as
     linnet.train.dpo.dpo takes them: pairs_per_step, beta, label_smoothing, loss_type
     (sigmoid, robust, hinge, ipo, and the reference-free simpo and orpo, for which no
     reference is computed or taken), simpo_gamma, rpo_alpha (the chosen answers' NLL, a

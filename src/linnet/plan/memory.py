@@ -562,7 +562,7 @@ def step_moments(card: cards.Card, method: Method, workload: Workload, acts: Act
     with the gradient of its output, received into a buffer; a head split by vocabulary
     makes the head's gradient and the hidden states' in backward, recomputing the logits.
     `over` > 1: the part is a pipeline stage sharded over `over` copies
-    (linnet.torch.pipeline.shard_stage): the moments are then one GPU's, every state, the
+    (linnet.torch.stages.shard_stage): the moments are then one GPU's, every state, the
     compute copies and the optimizer's temporaries split over the copies (adapters whole), a
     block gathered whole as it runs, the root (embedding, final norm, head) gathered whole
     through the step's passes (FSDP keeps a root unit from its forward to its backward), and

@@ -116,7 +116,7 @@ def model_parts(card: cards.Card, split: int = 1, stages: int = 1, micro_batches
                 schedule: str = "1f1b", sequence: bool = False, expert: int = 1) -> list[Part]:
     """The part each process of one copy holds, stage by stage (the processes of a stage's
     split hold alike): linnet.torch.sharding.tensor_parallel (`sequence`: sequence
-    parallel) and linnet.torch.pipeline, as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
+    parallel) and linnet.torch.stages, as `linnet sft` builds them. Stage i holds blocks [i L / P, (i + 1) L / P), or
     interleaved the chunks i and i + P of the 2P chunks [c L / 2P, (c + 1) L / 2P); what it
     keeps in flight is `_in_flight`'s. `expert` > 1: a mixture's experts split over that many
     processes (linnet.torch.moe.expert_parallel), each holding the rest of the model."""

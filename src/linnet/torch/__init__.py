@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return fully_shard
     if name == "pipeline":
-        from linnet.torch.pipeline import pipeline
+        from linnet.torch.stages import pipeline
 
         return pipeline
     raise AttributeError(f"module 'linnet.torch' has no attribute {name!r}")

@@ -173,7 +173,7 @@ def build(card: Card, *, device, dtype, trainable, compile, weights, seed, atten
           quantize: str | None = None, numerics: str | None = None, lora: dict | None = None) -> Decoder:
     """Construct, fill and prepare a Decoder (see `linnet.nest.load`)."""
     from linnet.cards import weights_directory
-    from linnet.torch import pipeline as stages
+    from linnet.torch import stages
     from linnet.torch.lora import add_lora, draw_adapters
     from linnet.torch.weights import read_weights
 

@@ -272,7 +272,7 @@ class Decoder(nn.Module):
         self.attention = attention
         self.lora: dict | None = None  # the add_lora settings, while adapters are in place
         self.copies = None  # with tensor_parallel or pipeline: the group of the same part in other copies
-        self.pipe = None  # with pipeline: this process's stage (linnet.torch.pipeline.Pipe)
+        self.pipe = None  # with pipeline: this process's stage (linnet.torch.stages.Pipe)
         self.compiled: bool | str = False  # the blocks' torch.compile backend; they want one row length: keep the padding
         self.checkpointing: str | None = None  # "full", "selective" or "offload": see `checkpoint_activations`
         self.context = None  # with split_context: the process group each row's positions are split over

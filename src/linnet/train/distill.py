@@ -39,8 +39,8 @@ from linnet.rl.rollouts import sample_in_batches
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import rows_per_block
-from linnet.torch.pipeline import HiddenAt
 from linnet.torch.sharding import copy_first, split_input, split_sum
+from linnet.torch.stages import HiddenAt
 from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")

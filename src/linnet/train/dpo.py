@@ -134,7 +134,7 @@ def dpo(model, pairs: Iterable[Pair], run: Run | None = None, *, settings: DPOSe
 
     run: a linnet.run.Run, or its fields as keywords (optimizer=, steps=, clip=, ...).
     options: the objective's own, the fields of the YAML's `dpo` group
-    (linnet.config.DPOSettings; `settings=` gives them all at once): pairs_per_step (32),
+    (linnet.config.groups.DPOSettings; `settings=` gives them all at once): pairs_per_step (32),
     beta (0.1), label_smoothing (0), loss_type ("sigmoid"), simpo_gamma (0.5), rpo_alpha
     (0), reference_cache (None). tokens: positions per packed row.
 

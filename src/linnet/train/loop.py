@@ -44,7 +44,7 @@ from linnet.torch.distributed import (
     world,
 )
 from linnet.torch.moe import balancing, router_metrics
-from linnet.torch.pipeline import HiddenAt
+from linnet.torch.stages import HiddenAt
 from linnet.train.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -65,13 +65,13 @@ class Work:
                 batches, `fit` makes them with the objective's own loss times zero
     iterations  optimizer steps on the same batches (GRPO reuses its samples)
     group       the processes to sum over (a split or pipelined model's copies); None: every one
-    pipe        a pipelined model's stage (linnet.torch.pipeline), which `fit` takes from
+    pipe        a pipelined model's stage (linnet.torch.stages), which `fit` takes from
                 the model: its schedule runs every batch's forward and backward at once, in
                 place of `loss` and of idle passes, and the gradient's norm adds every
                 stage's squares
     head        for a pipelined model, the objective's loss from a batch's log-probabilities
                 (index, batch, log_probs) -> as `loss`, on the last stage, or a
-                linnet.torch.pipeline.HiddenAt (from hidden states); None: loss_packed's
+                linnet.torch.stages.HiddenAt (from hidden states); None: loss_packed's
     """
 
     batches: Iterable[Any]

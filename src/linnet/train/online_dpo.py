@@ -69,7 +69,7 @@ def online_dpo(policy, engine, prompts: Iterable[Prompt], reward: Reward | Mappi
     module docstring).
 
     run: a linnet.run.Run, or its fields as keywords (optimizer=, steps=, ...).
-    options: the fields of linnet.config.DPOSettings (the YAML's `dpo` group, `online`
+    options: the fields of linnet.config.groups.DPOSettings (the YAML's `dpo` group, `online`
         set; `settings=` gives them all at once): pairs_per_step (prompts a step, each
         making at most one pair), samples (2: completions a prompt), max_new_tokens,
         temperature, top_k, top_p (GRPO's sampling names), beta, loss_type, label_smoothing,

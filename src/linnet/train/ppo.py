@@ -38,7 +38,7 @@ from linnet.rl.rollouts import Prompt, Reward, check_prompts, prompt_groups, rew
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across
 from linnet.torch.losses import linear_token_log_probs
-from linnet.torch.pipeline import HiddenAt
+from linnet.torch.stages import HiddenAt
 from linnet.train.grpo_loss import grpo_loss
 from linnet.train.loop import Work, copies_of, fit, head_loss
 

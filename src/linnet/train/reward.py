@@ -31,7 +31,7 @@ from linnet.config.groups import RewardSettings
 from linnet.packing import Pair, check_pairs, pack_prompted
 from linnet.run import History, Run, run_and_options
 from linnet.torch.distributed import sum_across, world
-from linnet.torch.pipeline import HiddenAt
+from linnet.torch.stages import HiddenAt
 from linnet.train.loop import Work, copies_of, fit, head_loss, head_values, trained_parameters
 
 ARCHITECTURES = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
@@ -103,7 +103,7 @@ def reward(model, pairs: Sequence[Pair], run: Run | None = None, *, settings: Re
     """Train the model with its score head on preference pairs (repeated as epochs):
     per pair -log sigmoid(r_c - r_r - margin). `run`: a linnet.run.Run, or its fields as
     keywords (optimizer=, steps=, ...); its save_to gets `save_reward_model`'s directory.
-    options: the YAML's `reward` group (linnet.config.RewardSettings, or `settings=`):
+    options: the YAML's `reward` group (linnet.config.groups.RewardSettings, or `settings=`):
     pairs_per_step (32), margin (0). Each Step's metrics hold TRL's accuracy (share of
     pairs ranked right), margin (mean r_c - r_r) and mean_reward."""
     run, s = run_and_options("reward", run, options, RewardSettings, settings)
