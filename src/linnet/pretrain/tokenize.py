@@ -225,7 +225,8 @@ def tokenize_pool(batches: Batches, workers: int, tokenizer_file: Path, eos: int
             raise ValueError(
                 f"a tokenizer worker died abruptly ({e}); nothing was published. Out of memory? Lower "
                 "data.prepare_workers or data.prepare_batch_documents, or run with data.prepare_workers=1 to "
-                "see the error in the main process"
+                "see the error in the main process. From a script: each worker imports it, so its top level "
+                "must sit under `if __name__ == \"__main__\":`"
             ) from None
         raise
     pool.shutdown(wait=True)
