@@ -189,6 +189,19 @@ def test_bad_requests_get_a_4xx_and_the_server_goes_on(server):
         "stop", "length")
 
 
+def test_an_omitted_max_tokens_is_capped_to_the_context_and_fields_are_checked_first(server):
+    client, _, served, _, _ = server
+    prompt = "1+1=" * 15
+    room = 64 - len([quickstart.BOS, *served["base"].tokenizer.encode(prompt)])
+    assert 0 < room < 8  # the server's default max_tokens (8) passes the context after this prompt
+    out = client.completions.create(model="base", prompt=prompt, temperature=0)
+    assert 0 < out.usage.completion_tokens <= room
+    with pytest.raises(openai.BadRequestError, match="max_tokens 8: more than model 'base''s context of 64"):
+        client.completions.create(model="base", prompt=prompt, max_tokens=8)  # asked for: it must fit
+    with pytest.raises(openai.BadRequestError, match="temperature=3"):
+        client.completions.create(model="base", prompt="1+1=" * 20, max_tokens=8, temperature=3)
+
+
 def test_the_base_tokenizer_and_engine_are_what_nest_loads(server):
     """The served base is the model directory's own weights (the adapter is not merged in)."""
     _, _, served, root, _ = server

@@ -353,13 +353,22 @@ def _change_adapters(served: dict[str, Served], batcher: Batcher, name: str, pat
 
 
 def _job(body, served: Mapping[str, Served], chat: bool, max_new_tokens: int, loop) -> Job:
-    """A request's Job, every field checked (a Refused names the one at fault)."""
+    """A request's Job, every field checked (a Refused names the one at fault); the
+    sampling fields before the context, so a bad field is named whatever the lengths."""
     if not isinstance(body, dict):
         raise Refused(400, "the body must be a JSON object")
     name = body.get("model")
     if name not in served:
         raise Refused(404, f"model {name!r} is not served; these are: {', '.join(served)} (GET /v1/models)")
     model = served[name]
+    ids = _prompt(body, model, name, chat)
+    sampling = _sampling(body)
+    limit = _limit(body, len(ids), model.context, name, max_new_tokens)
+    return Job(name, ids, limit, *sampling, loop, id(model.engine))
+
+
+def _prompt(body: dict, model: Served, name: str, chat: bool) -> list[int]:
+    """The request's prompt (or chat messages) as token ids, BOS first."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -376,15 +385,14 @@ def _job(body, served: Mapping[str, Served], chat: bool, max_new_tokens: int, lo
         ids = model.tokenizer.encode(prompt)
     if model.bos is not None and ids[:1] != [model.bos]:
         ids = [model.bos, *ids]
+    return ids
+
+
+def _sampling(body: dict) -> tuple:
+    """The request's (temperature, top_p, stop, seed), each checked."""
     n = body.get("n", 1)
     if n != 1:
         raise Refused(400, f"n={n}: one completion a request (send several requests: they are batched together)")
-    limit = body.get("max_completion_tokens", body.get("max_tokens", max_new_tokens))
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise Refused(400, f"max_tokens={limit!r}: a positive integer")
-    if len(ids) + limit > model.context:
-        raise Refused(400, f"the prompt is {len(ids)} tokens and max_tokens {limit}: more than model {name!r}'s "
-                           f"context of {model.context}; shorten the prompt or lower max_tokens")
     temperature = body.get("temperature", 1.0)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2:
         raise Refused(400, f"temperature={temperature!r}: a number from 0 to 2")
@@ -398,8 +406,25 @@ def _job(body, served: Mapping[str, Served], chat: bool, max_new_tokens: int, lo
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise Refused(400, f"seed={seed!r}: an integer")
-    return Job(name, ids, limit, float(temperature), None if top_p in (None, 1) else float(top_p), stop, seed, loop,
-               id(model.engine))
+    return float(temperature), None if top_p in (None, 1) else float(top_p), stop, seed
+
+
+def _limit(body: dict, prompt: int, context: int, name: str, default: int) -> int:
+    """How many tokens the request may sample: its max_tokens, which must fit the context
+    after the prompt; without one, the server's default capped to what the context leaves
+    (as OpenAI's API reads an omitted max_tokens)."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is None:
+        if prompt >= context:
+            raise Refused(400, f"the prompt is {prompt} tokens: it fills model {name!r}'s context of {context}, "
+                               "leaving no room to sample; shorten the prompt")
+        return min(default, context - prompt)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise Refused(400, f"max_tokens={limit!r}: a positive integer")
+    if prompt + limit > context:
+        raise Refused(400, f"the prompt is {prompt} tokens and max_tokens {limit}: more than model {name!r}'s "
+                           f"context of {context}; shorten the prompt or lower max_tokens")
+    return limit
 
 
 class _Reply:
