@@ -337,6 +337,18 @@ def test_generate_greedy_equals_transformers(base):
         lm.generate(ids, attention_mask=mask, generation_config=transformers.GenerationConfig(num_beams=2))
 
 
+def test_generate_refusals_say_what_generate_takes(base):
+    directory, _ = base
+    lm = CausalLM(nest.load(directory)).eval()
+    ids = torch.randint(3, 97, (2, 6), generator=torch.Generator().manual_seed(5))
+    for setting in (dict(num_beams=2), dict(repetition_penalty=1.2), dict(min_p=0.1)):
+        with pytest.raises(ValueError, match=rf"generate: {next(iter(setting))}=.* not supported \(greedy or sampled"):
+            lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **setting)
+    with pytest.raises(TypeError, match=r"generate: beams=2 is not supported \(generate takes input_ids, .*generator"):
+        lm.generate(ids, max_new_tokens=2, beams=2)
+    assert lm.generate(ids, max_new_tokens=2, num_beams=1, min_p=0.0, use_cache=True).shape == (2, 8)  # off: fine
+
+
 def _greedy_without_cache(lm, ids, steps):
     """Greedy continuation from the full logits of the whole sequence each step (no engine)."""
     for _ in range(steps):

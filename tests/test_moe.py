@@ -462,22 +462,12 @@ def _sft_process(rank, overrides):
     return main([a for o in overrides for a in ("--set", o)])
 
 
-def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
-    """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
-    process its own rows) trains as one process does: the same losses step by step and the
-    same final weights, written whole; so does it over 4 processes, each row's positions and
-    the experts split over pairs of them and the dense parts sharded over all 4
-    (training.context=2, training.shard=fsdp), and with
-    adapters on attention and experts (the experts split, or the base sharded); and a run of it cut after step 2 resumes as one
-    process, to the same end."""
+def _quickstart_moe(tmp_path) -> list[str]:
+    """A tiny random Qwen3-MoE model over the quickstart's tokenizer in tmp_path/moe and
+    quickstart records in tmp_path/train.jsonl: the `linnet sft` overrides that train on them."""
     import json
 
-    from safetensors.numpy import load_file
-
     from linnet.commands import quickstart
-    from linnet.commands.sft import run
-    from linnet.config import SFTConfig, load
-    from tests.conftest import in_processes, same_metrics
 
     config = transformers.Qwen3MoeConfig(vocab_size=quickstart.CARD.vocab, hidden_size=32, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -490,12 +480,42 @@ def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
     problems = quickstart.problems(np.random.default_rng(0), 200, 2)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": a}) + "\n"
                                                   for p, a in problems))
+    return [f"model.card={tmp_path / 'moe'}", f"data.path={tmp_path / 'train.jsonl'}", "data.chat=false",
+            "training.context_length=64"]
+
+
+def test_the_commands_refuse_what_a_mixture_of_experts_cannot_do_naming_the_option(tmp_path):
+    """`linnet jax` says the JAX backend has no mixture-of-experts models before reading the
+    weights; `linnet sft` with training.mlp_tile names that field."""
+    from linnet.commands import jax_sft, sft
+
+    base = [a for o in (*_quickstart_moe(tmp_path), "data.eval_share=0") for a in ("--set", o)]
+    with pytest.raises(ValueError, match=r"the JAX backend .* has no mixture-of-experts models yet: use the PyTorch"):
+        jax_sft.main([*base, "--set", f"runtime.output_dir={tmp_path / 'jax'}"])
+    with pytest.raises(ValueError, match=r"positions=16 \(the config's training.mlp_tile\) on a mixture-of-experts"):
+        sft.main([*base, "--set", "training.mlp_tile=16", "--set", f"runtime.output_dir={tmp_path / 'tiled'}"])
+
+
+def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):
+    """`linnet sft` under 2 gloo processes with training.expert=2 (the experts split, each
+    process its own rows) trains as one process does: the same losses step by step and the
+    same final weights, written whole; so does it over 4 processes, each row's positions and
+    the experts split over pairs of them and the dense parts sharded over all 4
+    (training.context=2, training.shard=fsdp), and with
+    adapters on attention and experts (the experts split, or the base sharded); and a run of it cut after step 2 resumes as one
+    process, to the same end."""
+    from safetensors.numpy import load_file
+
+    from linnet.commands.sft import run
+    from linnet.config import SFTConfig, load
+    from tests.conftest import in_processes, same_metrics
+
+    base = _quickstart_moe(tmp_path)
 
     def overrides(out, *extra):
-        return [f"model.card={tmp_path / 'moe'}", f"data.path={tmp_path / 'train.jsonl'}", "data.chat=false",
-                "data.eval_share=0.05", "training.context_length=64", "training.steps=4",
-                "lora.enabled=false", "optimizer.lr=1e-2", "lr_schedule.warmup_steps=1", "evaluation.every=2",
-                "data.overlap='off'", f"runtime.output_dir={out}", *extra]
+        return [*base, "data.eval_share=0.05", "training.steps=4", "lora.enabled=false", "optimizer.lr=1e-2",
+                "lr_schedule.warmup_steps=1", "evaluation.every=2", "data.overlap='off'", f"runtime.output_dir={out}",
+                *extra]
 
     run(load(SFTConfig, None, overrides(tmp_path / "one", "training.accumulation=4")))
     split = ["training.expert=2", "training.accumulation=2"]  # the same 4 rows a step: 2 in each process

@@ -318,6 +318,10 @@ def load_model(card, *, weights: str | os.PathLike | None = None, dtype=None, se
     from linnet.jax.sharding import check_mesh, place
 
     card = resolve(card)
+    if card.experts is not None:  # before any weight is read: they have no place in a dense decoder
+        raise ValueError(f"card {card.name!r}: a mixture-of-experts model ({card.family}); the JAX backend "
+                         "(`linnet jax`, linnet.jax) has no mixture-of-experts models yet: use the PyTorch "
+                         "commands (`linnet sft`, `linnet dpo`, ...) or nest.load(card, backend='torch')")
     mesh = check_mesh(mesh)
     set_numerics(numerics, jax.default_backend())
     shapes = parameter_shapes(card)

@@ -79,15 +79,17 @@ _OFF = {"output_attentions": False, "output_hidden_states": False, "output_route
         "logits_to_keep": 0}
 
 
-def _refuse_extras(kwargs: dict[str, Any], where: str) -> None:
+# What the packed calls take, and the fix for a keyword they refuse.
+_TAKES = ("the packed decoder takes input_ids, attention_mask, position_ids, labels / shift_labels and "
+          "num_items_in_batch", "drop it from the batch or the trainer's arguments")
+
+
+def _refuse_extras(kwargs: dict[str, Any], where: str, takes: tuple[str, str] = _TAKES) -> None:
+    """A TypeError for a keyword `where` does not take: `takes` is (what it does take, the fix)."""
     for key, value in kwargs.items():
         if value is None or key in _REDUNDANT or (key in _OFF and value == _OFF[key]):
             continue
-        raise TypeError(
-            f"CausalLM.{where}: {key}={_short(value)} is not supported (the packed decoder takes "
-            "input_ids, attention_mask, position_ids, labels / shift_labels and num_items_in_batch); "
-            "drop it from the batch or the trainer's arguments"
-        )
+        raise TypeError(f"CausalLM.{where}: {key}={_short(value)} is not supported ({takes[0]}); {takes[1]}")
 
 
 def _short(value: Any) -> str:
@@ -487,13 +489,8 @@ class CausalLM(transformers.PreTrainedModel):
         Sampled by a `linnet.serve.Engine` (KV cache) over a frozen copy of the decoder,
         built on the first call and kept; every call copies the decoder's current weights
         into it (adapters merged), so generation follows training."""
-        kwargs.pop("use_cache", None)
-        _refuse_extras(kwargs, "generate")
         gc = generation_config or self.generation_config
-        for name, off in _GENERATION_OFF.items():
-            if getattr(gc, name, None) not in (None, off):
-                raise ValueError(f"CausalLM.generate: generation_config.{name}={getattr(gc, name)!r} is not "
-                                 f"supported (greedy or sampled decoding only); set it to {off!r}")
+        _refuse_generation(gc, kwargs)
         ids = torch.as_tensor(input_ids, device=self.device)
         ids = ids[None] if ids.ndim == 1 else ids
         mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask, device=ids.device)
@@ -565,6 +562,25 @@ _GENERATION_DEFAULTS = {"max_length": 20, "do_sample": False, "temperature": 1.0
 # Settings the engine has no counterpart for, accepted only at their "off" value.
 _GENERATION_OFF = {"num_beams": 1, "repetition_penalty": 1.0, "min_new_tokens": 0,
                    "no_repeat_ngram_size": 0, "min_p": 0.0, "return_dict_in_generate": False}
+# What generate takes, and the fix for a keyword it refuses.
+_GENERATE_TAKES = ("generate takes input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, "
+                   "top_p, eos_token_id, pad_token_id, num_return_sequences, generation_config and generator",
+                   "drop it from the call")
+
+
+def _refuse_generation(gc, kwargs: dict[str, Any]) -> None:
+    """Refuse what generate cannot do, naming what it can: a setting the engine lacks,
+    given as an argument or in `gc`, other than off (beam search, penalties), or a
+    keyword generate does not take."""
+    for name, off in _GENERATION_OFF.items():
+        given = name in kwargs
+        value = kwargs.pop(name) if given else getattr(gc, name, None)
+        if value is not None and value != off:
+            raise ValueError(f"CausalLM.generate: {name if given else 'generation_config.' + name}={_short(value)} "
+                             "is not supported (greedy or sampled decoding only: do_sample, temperature, top_k, "
+                             f"top_p, num_return_sequences); set it to {off!r} or leave it out")
+    kwargs.pop("use_cache", None)
+    _refuse_extras(kwargs, "generate", _GENERATE_TAKES)
 
 
 def hf_config(card) -> transformers.PretrainedConfig:

@@ -545,7 +545,8 @@ class Decoder(nn.Module):
         if positions is not None and not (isinstance(positions, int) and positions >= 1):
             raise ValueError(f"tile_mlp: positions={positions!r}; use a positive number of positions or None")
         if positions is not None and self.card.experts is not None:
-            raise ValueError("tile_mlp: a mixture-of-experts model's MLPs are its experts, which run on their own rows")
+            raise ValueError(f"tile_mlp: positions={positions} (the config's training.mlp_tile) on a mixture-of-experts "
+                             "model, whose MLPs are its experts, each on its own rows: drop training.mlp_tile")
         if self.sequence is not None:  # each process's share of a tile's positions; the MLP gathers them
             size = self.sequence.size()
             if positions is not None and positions % size:

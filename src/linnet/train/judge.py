@@ -33,8 +33,9 @@ class Judge:
         if not self.rewards:
             letters = [tokenizer.encode(x) for x in ("A", "B")]
             if any(len(ids) != 1 for ids in letters) or letters[0] == letters[1]:
-                raise ValueError("judge: its tokenizer spells 'A' and 'B' as one token each; give a judge with a "
-                                 "word-level vocabulary, or a reward model")
+                raise ValueError(f"judge: its tokenizer does not spell 'A' and 'B' as one distinct token each "
+                                 f"(it gives {letters[0]} and {letters[1]}), and the verdict is read from those two "
+                                 "tokens; give a judge whose vocabulary holds 'A' and 'B' as tokens, or a reward model")
             self.letters = [ids[0] for ids in letters]
 
     def compare(self, prompts: Sequence[str], firsts: Sequence[str], seconds: Sequence[str]) -> np.ndarray:
