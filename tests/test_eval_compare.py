@@ -157,6 +157,26 @@ def test_a_judge_asks_both_orders_and_a_judge_biased_to_the_first_answer_ties():
     assert agreement(fair, [1, 1, 1, 1]) == pytest.approx((1 + 0 + 0.5 + 0) / 4)
 
 
+class Bytes(Letters):
+    """A tokenizer that spells every character as two tokens: no letter is one token."""
+
+    def encode(self, text):
+        return [t for c in text for t in (ord(c) // 16, ord(c) % 16)]
+
+
+class Folded(Letters):
+    """A tokenizer that spells 'A' and 'B' as one token, the same one."""
+
+    def encode(self, text):
+        return super().encode(text.replace("B", "A"))
+
+
+def test_a_judge_whose_tokenizer_cannot_spell_the_letters_as_tokens_is_refused():
+    for tokenizer in (Bytes(), Folded()):
+        with pytest.raises(ValueError, match="does not spell 'A' and 'B' as one distinct token each"):
+            Judge(Picker(), tokenizer, chat=False)
+
+
 def test_a_reward_model_judges_the_models_and_its_agreement_with_labels(trained, capsys):
     from linnet import nest
     from linnet.train.reward import add_score_head, save_reward_model
