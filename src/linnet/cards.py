@@ -319,11 +319,15 @@ def _rope(config: dict, where: str) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"{where}: rope_scaling: {e}") from None
 
 
-def configured(model: dict) -> Card:
+def configured(model: dict, run: Path | None = None) -> Card:
     """The card a fine-tuning config's `model` group names (its fields as a dict, from a
-    config or a run's config.json), with the group's RoPE changes (`with_rope`)."""
-    return with_rope(resolve(model.get("card") or ""), model.get("rope_base"), model.get("rope_scaling"),
-                     model.get("max_positions"))
+    config or the config.json of the run `run`), with the group's RoPE changes (`with_rope`)."""
+    name = model.get("card") or ""
+    if run is not None and name not in REGISTRY and not Path(name).exists():
+        raise ValueError(f"{run / 'config.json'}: model.card {name!r} is not a registered card nor a path from here "
+                         "(a relative one is read from where the command runs); run the command where the run "
+                         "trained, or write the base's absolute path there")
+    return with_rope(resolve(name), model.get("rope_base"), model.get("rope_scaling"), model.get("max_positions"))
 
 
 def with_rope(card: Card, base: float | None = None, scaling: dict | None = None,
@@ -576,19 +580,26 @@ def trained_card(path: str | os.PathLike) -> Card:
         if model.get("weights") == "random":
             raise ValueError(f"{run}: its base was initialised from a seed (model.weights: random), not read from "
                              "files; export the run (`linnet export --merge`) and name that directory")
-        card = _adapted(configured(model), checkpoint or weights, model.get("weights"))
+        card = _adapted(configured(model, run), checkpoint or weights, model.get("weights"))
     elif checkpoint:  # every weight trained: the checkpoint's are the model's
-        card = configured(model).replace(weights=Location(path=str(weights)), adapters=())
+        card = configured(model, run).replace(weights=Location(path=str(weights)), adapters=())
     else:
         card = card_from_directory(weights)
         if model.get("card") and card.tokenizer.path is None:  # final/ holds the weights alone
-            base = resolve(model["card"])
+            base = configured(model, run)
             card = card.replace(tokenizer=base.tokenizer, chat_template=card.chat_template or base.chat_template)
+    return with_run_data(card, data).replace(source=str(path))
+
+
+def with_run_data(card: Card, data: dict) -> Card:
+    """`card` with a run's own data.tokenizer and data.chat_template (`data`, the data group
+    of its config.json): the next stage renders the records as this one learned them."""
     if data.get("tokenizer"):
-        card = card.replace(tokenizer=Location(path=str(data["tokenizer"])))
+        name = str(data["tokenizer"])
+        card = card.replace(tokenizer=REGISTRY[name].tokenizer if name in REGISTRY else Location(path=name))
     if data.get("chat_template"):
         card = card.replace(chat_template=data["chat_template"])
-    return card.replace(source=str(path))
+    return card
 
 
 def _run_checkpoint(path: Path) -> bool:
@@ -609,10 +620,10 @@ def weights_directory(card: Card) -> Path:
     """The local directory holding the card's safetensors: its own path, else the
     Hugging Face cache or hub (needs `huggingface_hub`, and the network for a download)."""
     if card.weights.path is None and card.weights.repo is None:
-        raise ValueError(
-            f"card {card.name!r} has no published weights; pass weights='random' to "
-            "initialise from a seed, or weights=DIR"
-        )
+        from linnet.errors import SettingError
+
+        raise SettingError(f"card {card.name!r} has no published weights; {{random}} to initialise from a seed, or "
+                           "{weights_dir}", python={"random": "pass weights='random'", "weights_dir": "weights=DIR"})
     return local_directory(card.weights, ["*.safetensors", "*.json", "*.jinja"],
                            f"card {card.name!r}: weights", "pass weights=DIR (a local copy), or weights='random'")
 

@@ -41,6 +41,9 @@ import os
 import sys
 import warnings
 
+from linnet.commands.spellings import CONFIG_FIXES
+from linnet.errors import SettingError
+
 # name -> module of linnet.commands; each has main(argv) -> exit code.
 COMMANDS = {
     "quickstart": "quickstart",
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `linnet info CARD | head` stopped reading: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except SettingError as e:  # a library refusal: its fix as the config spells it, under --config
+        print(f"linnet {name}: {e.named(CONFIG_FIXES if _config_given(rest) else {})}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # refused input: one line naming the file, field or fix
         print(f"linnet {name}: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -124,6 +130,11 @@ def _warnings_as(name: str):
         yield
     finally:
         warnings.showwarning = shown
+
+
+def _config_given(argv: list[str]) -> bool:
+    """Whether the command line names a --config file (its settings are the YAML's fields)."""
+    return any(arg == "--config" or arg.startswith("--config=") for arg in argv)
 
 
 def _binary_config(argv: list[str]) -> str | None:

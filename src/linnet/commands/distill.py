@@ -67,10 +67,11 @@ def answers_through_text(config: DistillConfig, tokenizer, engine, theirs) -> li
     from linnet.packing import Example
     from linnet.rl.rollouts import sample_in_batches
 
-    records = sft.split_records(config)[0]
+    sources = sft.source_records(config)[0]  # each read as its own records' shape
     whole = dict(tokens=sys.maxsize, **sft.record_fields(config), names=spellings.RECORDS)  # one example a record, none cut
-    ours = examples_from_records(records, tokenizer, **whole)
-    done = sample_in_batches(engine, [_prompt(e) for e in examples_from_records(records, theirs, **whole)],
+    ours = [e for records in sources for e in examples_from_records(records, tokenizer, **whole)]
+    done = sample_in_batches(engine, [_prompt(e) for records in sources
+                                      for e in examples_from_records(records, theirs, **whole)],
                              **_answering(config), stop=engine.card.eos_token_ids)
     out = []
     for c in done:

@@ -89,8 +89,10 @@ def parser() -> argparse.ArgumentParser:
 
 def added_bos(model, tokenizer) -> int | None:
     """The card's BOS, where the tokenizer adds none of its own (a bare tokenizer.json):
-    what eval and serve put before each prompt, as training saw it."""
-    return model.card.bos_token_id if tokenizer.bos_id is None else None
+    what eval and serve put before each prompt, as training saw it (linnet.data.prompts.start_id)."""
+    from linnet.data.prompts import start_id
+
+    return start_id(tokenizer, model.card) if tokenizer.bos_id is None else None
 
 
 def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, list[dict]]:
@@ -133,9 +135,7 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
     scored, prompt_field, answer_field = scored_records(records, args)
     if scored is not None:  # every record with one answer: complete its prompt and score the completion
         prompts = prompts_from_records(scored, tokenizer, prompt=prompt_field, answer=answer_field,
-                                       chat=args.chat, framing=framing, names=RECORD_FLAGS)
-        if bos is not None:
-            prompts = [dataclasses.replace(p, ids=[bos, *p.ids]) if list(p.ids[:1]) != [bos] else p for p in prompts]
+                                       chat=args.chat, framing=framing, names=RECORD_FLAGS, card=model.card)
         reward = {spec: resolve(spec, tokenizer, args.format_pattern) for spec in args.rewards}
         found, done = evaluate_each(model, Engine(model), prompts, reward, max_new_tokens=args.max_new_tokens,
                                     k=args.pass_k, samples=args.pass_samples, temperature=args.temperature,
@@ -148,6 +148,21 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
         results["samples"] = [{"prompt": r.data[prompt_field], "completion": row["completion"],
                                "answer": r.data[answer_field]} for r, row in zip(scored[:args.show], per)]
     return results, each, per
+
+
+def check_framing(tokenizer, framing, chat: bool) -> None:
+    """Refuse a --system prompt, --few-shot example or --shot-separator that the tokenizer
+    cannot spell (it would become the unknown token), naming the flag rather than the data."""
+    unk = tokenizer.unk_id
+    if unk is None:
+        return
+    texts = [("--system", framing.system or "")] + [("--few-shot", p + a) for p, a in framing.shots]
+    if not (chat and tokenizer.chat_template):  # raw text: the separator joins them
+        texts.append(("--shot-separator", framing.separator))
+    for flag, text in texts:
+        if unk in tokenizer.encode(text):
+            raise ValueError(f"{flag} {text!r}: {tokenizer.source} cannot encode it (it becomes the unknown token "
+                             f"{tokenizer.raw.id_to_token(unk)!r}); give {flag} text the model's vocabulary spells")
 
 
 def scored_records(records, args) -> tuple[list | None, str, str]:
@@ -442,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     each: dict[str, dict] = {}
     per: dict[str, list[dict]] = {}
     loaded = None
+    if framing is not None:  # the first model's tokenizer spells the framing, before anything is measured
+        loaded = args.sources[0], *load_model(args.sources[0])
+        check_framing(loaded[2], framing, args.chat)
     for name, source, frame in columns(args, framing):
         if loaded is None or loaded[0] != source:
             loaded = source, *load_model(source)

@@ -5,9 +5,10 @@
         --temperature 0.8 --top-p 0.95 --seed 1
 
 The text goes to stdout as the tokens are sampled; a summary line (tokens, time, why it
-stopped) goes to stderr. The card's tokenizer encodes the prompt: a raw prompt gets the
-tokenizer's bos token in front (when it has one); with --chat the prompt is one user
-message rendered by the chat template with the generation prompt added. Generation stops
+stopped) goes to stderr. The card's tokenizer (a run's: its data.tokenizer) encodes the
+prompt as `linnet eval` does: a raw prompt gets the tokenizer's bos token in front, else
+the card's; with --chat the prompt is one user message rendered by the chat template with
+the generation prompt added. Generation stops
 at any of the tokenizer's stop tokens (not printed) or after --max-new-tokens.
 """
 
@@ -20,7 +21,7 @@ import time
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="linnet generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("card", help="a registered card name or a local Hugging Face model directory")
+    p.add_argument("card", help="a registered card name, a local Hugging Face model directory or a linnet run")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the chat template (one user message)")
     p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
@@ -35,16 +36,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _encode(tok, args) -> list[int]:
-    if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.prompt}
-        ]
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
-    if args.system:
+def _encode(tok, card, args) -> list[int]:
+    """The prompt's ids as `linnet eval` and `linnet serve` encode it (linnet.data.encode_prompt)."""
+    from linnet.data.prompts import Framing, encode_prompt
+
+    if args.system and not args.chat:
         raise ValueError("--system needs --chat")
-    ids = tok.encode(args.prompt)
-    return ([tok.bos_id] if tok.bos_id is not None else []) + ids
+    if args.chat and tok.chat_template is None:
+        raise ValueError(f"--chat: {tok.source} has no chat template; drop --chat to send the prompt as raw text")
+    return encode_prompt(tok, args.prompt, args.chat, Framing(system=args.system), card=card)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,15 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     from linnet import nest
     from linnet.data.tokenizer import load_tokenizer
+    from linnet.export import run_card
     from linnet.torch.engine import Engine
     from linnet.torch.loading import usable_device
 
-    card = nest.resolve(args.card)
+    card = run_card(args.card)  # a run's: the ids of the tokenizer it trained with
     if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
             or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise ValueError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
     tok = load_tokenizer(card)
-    prompt = _encode(tok, args)
+    prompt = _encode(tok, card, args)
     if len(prompt) + args.max_new_tokens > card.max_positions:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens} after a prompt of {len(prompt)} tokens passes "
                          f"{card.name}'s {card.max_positions} positions; lower --max-new-tokens to at most "

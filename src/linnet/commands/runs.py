@@ -133,10 +133,11 @@ def check_held_out(config, records: list, held_out: list | None = None, *, items
     if not found:
         return
     j, i = found.pairs[0][:2]
-    against = d.eval_path or f"{d.path} (data.eval_share's held-out share)"
-    fix = (f"`linnet data check {d.path} --against {d.eval_path}` lists them: drop them from one side" if d.eval_path
-           else "the file repeats records, and the split put copies on both sides: drop the repeats")
-    message = (f"{against}: {len(found.pairs)} held-out record(s) repeat training records of {d.path} ({found.exact} "
+    files = d.path or " and ".join(str(m["path"]) for m in getattr(d, "mixture", None) or [])  # a mixture's sources
+    against = d.eval_path or f"{files} (data.eval_share's held-out share)"
+    fix = (f"`linnet data check {d.path or 'TRAIN'} --against {d.eval_path}` lists them: drop them from one side"
+           if d.eval_path else "the file repeats records, and the split put copies on both sides: drop the repeats")
+    message = (f"{against}: {len(found.pairs)} held-out record(s) repeat training records of {files} ({found.exact} "
                f"exact, {found.near} near; e.g. {held_out[j].where} and {records[i].where}), so the held-out "
                f"metrics would flatter the model; {fix}, or set data.overlap: off to train anyway")
     if d.overlap == "refuse":

@@ -42,7 +42,8 @@ def load_served(source: str, name: str, adapters: dict[str, str] | None = None, 
     of `adapters` over it, all on one engine: an AdapterEngine when there are adapters (or
     `bank`, to load some later). `quantize="nf4"`: the base (a model directory or a
     registered card) held in 4-bit."""
-    from linnet.commands.eval import added_bos, load_model
+    from linnet.commands.eval import load_model
+    from linnet.data.prompts import start_id
     from linnet.serve import Engine
     from linnet.serve.server import Served
     from linnet.torch.adapter_bank import AdapterEngine
@@ -51,7 +52,7 @@ def load_served(source: str, name: str, adapters: dict[str, str] | None = None, 
     if getattr(model, "lora", None):
         model.merge_lora()  # a LoRA run as the base: its adapters folded in, the bank's go on top
     engine = AdapterEngine(model, adapters or {}) if adapters or bank else Engine(model)
-    bos = added_bos(model, tokenizer)
+    bos = start_id(tokenizer, model.card)  # as eval and generate start a prompt (encode_prompt)
     return {name: Served(engine, tokenizer, bos),
             **{adapter: Served(engine, tokenizer, bos, adapter) for adapter in adapters or {}}}
 

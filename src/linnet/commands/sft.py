@@ -45,12 +45,12 @@ def read_inputs(config: SFTConfig) -> Inputs:
     card = configured(vars(config.model))
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     sources, held_out = source_records(config)
-    runs.check_held_out(config, [r for s in sources for r in s], held_out)
+    runs.check_held_out(config, [r for s in sources for r in s], [r for part in held_out for r in part])
     read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate,
                 names=spellings.RECORDS)
     per_source = [examples_from_records(records, tokenizer, **read) for records in sources]
     examples = [e for part in per_source for e in part]
-    held_out = examples_from_records(held_out, tokenizer, **read) if held_out else []
+    held_out = [e for part in held_out if part for e in examples_from_records(part, tokenizer, **read)]
     inputs = Inputs(config, card, tokenizer, examples, held_out, 0, 0,
                     [len(part) for part in per_source] if d.mixture else None)
     inputs.rows_per_epoch = count_rows(epoch_examples(inputs, 0), t.context_length)
@@ -60,29 +60,22 @@ def read_inputs(config: SFTConfig) -> Inputs:
     return inputs
 
 
-def split_records(config: SFTConfig) -> tuple[list, list]:
-    """(training records, held-out records): data.eval_path's, else a seeded data.eval_share
-    of data.path's (of each data.mixture source's). Split before tokenizing, so another
-    tokenizer (a distillation teacher's) reads the same records."""
-    sources, held_out = source_records(config)
-    return [r for records in sources for r in records], held_out
-
-
-def source_records(config: SFTConfig) -> tuple[list[list], list]:
+def source_records(config: SFTConfig) -> tuple[list[list], list[list]]:
     """(each source's training records: data.path's alone, or data.mixture's in order;
-    the held-out records)."""
+    the held-out records: data.eval_path's, else each source's share). Each source is
+    read as its own records' shape (a mixture may hold chats beside prompt/completion)."""
     from linnet.data import read_records
 
     d = config.data
-    held_out: list = read_records(d.eval_path) if d.eval_path else []
+    held_out: list[list] = [read_records(d.eval_path)] if d.eval_path else []
     sources = []
     for path, split in [(m["path"], m.get("split")) for m in d.mixture] or [(d.path, d.split)]:
         records = read_records(path, split=split, names=spellings.RECORDS)
         if not d.eval_path:
             records, out = runs.hold_out(records, d.eval_share, config.runtime.seed)
-            held_out += out
+            held_out.append(out)
         if not records:
-            raise ValueError(f"{path}: no training records left after holding out {len(held_out)}")
+            raise ValueError(f"{path}: no training records left after holding out {len(held_out[-1])}")
         sources.append(records)
     return sources, held_out
 

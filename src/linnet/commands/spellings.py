@@ -28,6 +28,14 @@ RECORDS = {
     "split": "data.split",
 }
 
+# The fixes a library refusal (linnet.errors.SettingError) gives a Python caller, as a run
+# config spells them: `linnet` rewords them for a command given --config.
+CONFIG_FIXES = {
+    "random": "set model.weights: random",
+    "weights_dir": "model.weights: DIR",
+    "tokenizer": "set data.tokenizer to a tokenizer directory (tokenizer.json) or a card with one",
+}
+
 # GRPO's prompt check (linnet.rl.rollouts.check_prompts) as a run config names its knobs.
 PROMPTS = {"tokens": "training.context_length", "max_new_tokens": "grpo.max_new_tokens"}
 

@@ -35,23 +35,35 @@ class Framing:
         return "".join(part + self.separator for part in parts) + text
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool, framing: Framing | None = None) -> list[int]:
+def start_id(tokenizer: Tokenizer, card=None) -> int | None:
+    """The id a prompt starts with: the tokenizer's BOS, else the `card`'s, which a bare
+    tokenizer.json does not add but the model learned after (the quickstart's)."""
+    if tokenizer.bos_id is not None or card is None:
+        return tokenizer.bos_id
+    return card.bos_token_id
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, chat: bool, framing: Framing | None = None, *,
+                  card=None) -> list[int]:
     """A prompt's ids: the chat template's user turn with the generation prompt, or BOS +
-    text; `framing` (a system prompt, few-shot examples) before it."""
+    text; `framing` (a system prompt, few-shot examples) before it. With the model's
+    `card`, its BOS where the tokenizer has none (`start_id`): eval and generate encode
+    alike."""
     framing = framing or Framing()
     if chat and tokenizer.chat_template:
         ids = tokenizer.encode(tokenizer.apply_chat_template(framing.messages(text), add_generation_prompt=True))
     else:
         ids = tokenizer.encode(framing.text(text))
-    bos = tokenizer.bos_id
+    bos = start_id(tokenizer, card)
     return ids if bos is None or (ids and ids[0] == bos) else [bos] + ids
 
 
 def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, prompt: str = "prompt",
                          answer: str = "answer", chat: bool = True, framing: Framing | None = None,
-                         names: Mapping[str, str] | None = None) -> list[Prompt]:
+                         names: Mapping[str, str] | None = None, card=None) -> list[Prompt]:
     """One Prompt a record (`framing` before each), every record checked before any is
-    returned; `names`: how errors name these keywords (linnet.data.examples_from_records)."""
+    returned; `names`: how errors name these keywords (linnet.data.examples_from_records);
+    `card`: the model's, as `encode_prompt` takes it."""
     prompts = []
     for record in records:
         for name in (prompt, answer):
@@ -65,7 +77,7 @@ def prompts_from_records(records: Iterable[Record], tokenizer: Tokenizer, *, pro
         if given is None or (isinstance(given, str) and not given.strip()):
             raise ValueError(f"{record.where}: field {answer!r} is {json.dumps(given)}, no reference answer for the "
                              "rewards to compare with; give every prompt its answer, or drop this record")
-        prompts.append(Prompt(encode_prompt(tokenizer, text, chat, framing), record.data[answer], text, record.data))
+        prompts.append(Prompt(encode_prompt(tokenizer, text, chat, framing, card=card), record.data[answer], text, record.data))
     if prompts:
         tokenizer.check_known((p.ids for p in prompts), record.where.rsplit(" ", 2)[0])
     return prompts

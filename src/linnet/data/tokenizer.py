@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from linnet.cards import Card, local_directory, resolve
+from linnet.errors import SettingError
 from linnet.files.atomic import tokenizer_file
 
 BACKENDS = ("auto", "transformers", "tokenizers")
@@ -206,10 +207,9 @@ def _tokenizer_directory(card: Card) -> Path:
     """The local directory of the card's tokenizer files: its own path, else the Hugging
     Face cache or hub (needs `huggingface_hub`, and the network for a download)."""
     if card.tokenizer.path is None and card.tokenizer.repo is None:
-        raise ValueError(
-            f"card {card.name!r} has no tokenizer; build one with the tokenizers library and "
-            "pass it: load_tokenizer(tokenizers.Tokenizer(...), chat_template=..., eos=...)"
-        )
+        raise SettingError(f"card {card.name!r} has no tokenizer; {{tokenizer}}", python={
+            "tokenizer": "build one with the tokenizers library and pass it: "
+                         "load_tokenizer(tokenizers.Tokenizer(...), chat_template=..., eos=...)"})
     return local_directory(card.tokenizer, _TOKENIZER_FILES, f"card {card.name!r}: the tokenizer files",
                            "pass a local model directory instead")
 

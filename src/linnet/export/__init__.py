@@ -28,15 +28,16 @@ from linnet.export.gguf_file import Plan, plan_gguf, write_gguf
 from linnet.torch.weights import attach_adapter  # exported here too: loading a trained model's adapters
 
 __all__ = ["GGUF_KINDS", "Plan", "attach_adapter", "export_directory", "load_trained", "model_card", "plan_gguf",
-           "write_gguf"]
+           "run_card", "write_gguf"]
 
 
 def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[Any, dict[str, Any]]:
     """(model, about): the model a run directory trained (its final/, adapters attached to
     the base its config names), a model directory, or a PEFT adapter directory over the
-    base its adapter_config.json names. `about` holds what the model card says."""
+    base its adapter_config.json names. `about` holds what the model card says. A run's
+    model carries the tokenizer it trained with (its data.tokenizer: `with_run_data`)."""
     from linnet import nest
-    from linnet.cards import configured, resolve
+    from linnet.cards import configured, resolve, with_run_data
 
     path = Path(source)
     about: dict[str, Any] = {"source": str(path), "chain": lineage(path)}
@@ -53,11 +54,12 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
         base = model_config.get("card")
         if (final / "adapter_config.json").is_file():
             about["base"] = base
-            model = nest.load(configured(model_config), weights=model_config.get("weights"), dtype=dtype)
+            card = _trained_ids(with_run_data(configured(model_config, path), config.get("data", {})), path)
+            model = nest.load(card, weights=model_config.get("weights"), dtype=dtype)
             attach_adapter(model, final)
             return model, about
         about["base"] = base
-        return nest.load(final, weights=final, dtype=dtype), about
+        return nest.load(run_card(path), weights=final, dtype=dtype), about
     if (path / "adapter_config.json").is_file():
         base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base:
@@ -72,6 +74,34 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
                          "(adapter_config.json)")
     about["base"] = str(path)
     return nest.load(path, weights=path, dtype=dtype), about
+
+
+def run_card(source: str | os.PathLike):
+    """The card `source` names (linnet.cards.resolve); a linnet run's with the start, stop
+    and padding ids of the tokenizer it trained with, which the card's own may not be."""
+    from linnet.cards import resolve
+
+    run = _run_of(Path(source))
+    return _trained_ids(resolve(source), run) if run else resolve(source)
+
+
+def _trained_ids(card, run: Path):
+    """`card` with the BOS, stop and padding ids of the run's data.tokenizer (loaded as
+    training loaded it), so generation stops and an export's config.json says what it
+    learned; unchanged where the run names none."""
+    from linnet.cards import REGISTRY
+    from linnet.data.tokenizer import load_tokenizer
+
+    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
+    data = config.get("data", {})
+    name = data.get("tokenizer")
+    if not name:
+        return card
+    if not Path(name).exists() and name not in REGISTRY:
+        raise ValueError(f"{run / 'config.json'}: data.tokenizer {name!r} does not exist here (a relative path is "
+                         "read from where the command runs); run the command from the folder the run trained in")
+    tok = load_tokenizer(name, chat_template=data.get("chat_template"))
+    return card.replace(bos_token_id=tok.bos_id, eos_token_ids=tok.eos_ids, pad_token_id=tok.pad_id)
 
 
 def _run_of(path: Path) -> Path | None:

@@ -9,40 +9,10 @@ micro-batches each keeps in flight under its schedule. Stdlib only, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from linnet import cards
-
-
-class SettingError(ValueError):
-    """A planner setting refused. The message names each setting as a {placeholder} (its
-    Python name): `str()` reads it with the Python names, `named(names)` with those a
-    caller's user wrote (`linnet plan` names its flags: {"tokens": "--context-length"})."""
-
-    def __init__(self, template: str):
-        self.template = template
-        super().__init__(self.named({}))
-
-    def named(self, names: Mapping[str, str]) -> str:
-        try:
-            return self.template.format_map(_Names(names))
-        except (KeyError, ValueError, IndexError, AttributeError):  # a brace in a value: leave it as written
-            return self.template
-
-
-class _Names(dict):
-    """A setting's name from `names` (which may compute it, as a dict with __missing__), else itself."""
-
-    def __init__(self, names: Mapping[str, str]):
-        super().__init__()
-        self.names = names
-
-    def __missing__(self, key: str) -> str:
-        try:
-            return self.names[key]
-        except KeyError:
-            return key
+from linnet.errors import SettingError
 
 
 def _require(condition: bool, message: str) -> None:

@@ -24,7 +24,6 @@ calls none. Its tools: `calculator` (arithmetic, evaluated from the syntax tree,
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import operator
 import re
@@ -216,11 +215,13 @@ def environment_factory(spec, tools: Sequence[str] = ()) -> Callable[[], Environ
         module, _, name = spec.partition(":")
         if not module or not name:
             raise ValueError(f"grpo.environment={spec!r}; name it as module:Class")
+        from linnet.rl.rewards import imported
+
         try:
-            spec = getattr(importlib.import_module(module), name)
+            spec = imported(spec)
         except (ImportError, AttributeError) as e:
-            raise ValueError(f"grpo.environment={spec!r}: {e}; the module must be importable (on PYTHONPATH)") \
-                from None
+            raise ValueError(f"grpo.environment={spec!r}: {e}; the module must be importable from the current "
+                             "directory or on PYTHONPATH") from None
     if not callable(spec):
         raise TypeError(f"grpo.environment: {spec!r} is not a class or a function making an environment")
     return spec

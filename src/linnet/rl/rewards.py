@@ -29,7 +29,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -200,13 +202,23 @@ def resolve(spec: str, tokenizer, pattern: str | None = None, limits: dict | Non
         from linnet.train.reward import RewardScorer
 
         return RewardScorer(spec.removeprefix("model:"))
-    module, sep, name = spec.partition(":")
-    if not sep:
+    if ":" not in spec:
         raise ValueError(f"reward {spec!r}: use exact, numeric, format, code, or 'module:function'")
     try:
-        function = getattr(importlib.import_module(module), name)
+        function = imported(spec)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {spec!r}: cannot import it ({e})") from None
+        raise ValueError(f"reward {spec!r}: cannot import it ({e}); the module must be importable from the current "
+                         "directory or on PYTHONPATH") from None
     if not callable(function):
         raise ValueError(f"reward {spec!r} is not callable")
     return trl_reward(function, tokenizer) if follows_trl(function) else function
+
+
+def imported(spec: str):
+    """The object a "module:name" string names (a config's grpo.rewards, grpo.environment),
+    its module found on sys.path or, as under `python -m`, in the current directory."""
+    module, _, name = spec.partition(":")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)  # after the installed packages: a local file shadows none of them
+    return getattr(importlib.import_module(module), name)
