@@ -485,15 +485,26 @@ def _quickstart_moe(tmp_path) -> list[str]:
 
 
 def test_the_commands_refuse_what_a_mixture_of_experts_cannot_do_naming_the_option(tmp_path):
-    """`linnet jax` says the JAX backend has no mixture-of-experts models before reading the
-    weights; `linnet sft` with training.mlp_tile names that field."""
+    """`linnet jax` says the JAX backend has no mixture-of-experts models before starting a
+    run (or JAX); `linnet sft` with training.mlp_tile names that field."""
     from linnet.commands import jax_sft, sft
 
     base = [a for o in (*_quickstart_moe(tmp_path), "data.eval_share=0") for a in ("--set", o)]
     with pytest.raises(ValueError, match=r"the JAX backend .* has no mixture-of-experts models yet: use the PyTorch"):
         jax_sft.main([*base, "--set", f"runtime.output_dir={tmp_path / 'jax'}"])
+    assert not (tmp_path / "jax").exists()
     with pytest.raises(ValueError, match=r"positions=16 \(the config's training.mlp_tile\) on a mixture-of-experts"):
         sft.main([*base, "--set", "training.mlp_tile=16", "--set", f"runtime.output_dir={tmp_path / 'tiled'}"])
+
+
+@pytest.mark.jax
+def test_the_jax_loader_refuses_a_mixture_of_experts_before_reading_weights(tmp_path):
+    pytest.importorskip("jax")
+    from linnet.jax import load_model
+
+    _quickstart_moe(tmp_path)
+    with pytest.raises(ValueError, match=r"the JAX backend .* has no mixture-of-experts models yet: use the PyTorch"):
+        load_model(tmp_path / "moe")
 
 
 def test_linnet_sft_with_training_expert_equals_one_process(tmp_path):

@@ -66,6 +66,9 @@ def run(config: SFTConfig, *, overwrite: bool = False, resume: bool = False,
     # the run directory and the data shares count: for them the run is one process taking every row
     context, config = t.context, dataclasses.replace(config, training=dataclasses.replace(t, context=1))
     inputs = read_inputs(config)
+    if inputs.card.experts is not None:
+        raise ValueError(f"config: model.card {m.card!r} is a mixture-of-experts model; the JAX backend (`linnet "
+                         "jax`) has no mixture-of-experts models yet: use the PyTorch commands (`linnet sft`)")
     if context > 1:  # checked before the run directory is made (this starts JAX)
         import jax
 
