@@ -79,6 +79,19 @@ def test_a_merged_export_holds_the_runs_tokenizer_and_its_ids_and_generates(run,
         capsys.readouterr().err
 
 
+def test_an_export_carries_the_runs_own_chat_template(run):
+    """A run's data.chat_template (over its tokenizer folder's) is the template its export
+    and `linnet generate --chat` on that export use."""
+    from linnet.data import load_tokenizer
+
+    own = TEMPLATE.replace("<|assistant|>{% endif %}", "<|assistant|>A:{% endif %}")
+    path = config(run, "templated", {"path": str(run / "train.jsonl"), "tokenizer": str(run / "tok"),
+                                     "chat_template": own})
+    assert cli.main(["sft", "--config", str(path)]) == 0
+    assert cli.main(["export", str(run / "templated"), "--out", str(run / "templated-export"), "--merge"]) == 0
+    assert load_tokenizer(run / "templated-export").chat_template == own
+
+
 def test_generate_encodes_a_prompt_as_eval_does(tmp_path):
     """The quickstart's bare tokenizer.json adds no BOS; its card's goes first in both."""
     import argparse

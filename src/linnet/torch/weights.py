@@ -231,6 +231,8 @@ def save_weights(model, path: str | os.PathLike, *, dtype=None, names: str = "hf
                     shutil.copyfile(src, tmp)
         if (source / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
             write_text(path / "tokenizer_config.json", json.dumps(special_tokens(model.card, source), indent=2) + "\n")
+        if model.card.chat_template:  # the one it trained with (a run's data.chat_template), over the folder's
+            write_text(path / "chat_template.jinja", model.card.chat_template)
 
 
 def special_tokens(card, source: Path) -> dict:
