@@ -316,7 +316,7 @@ def test_generate_cli_streams_the_greedy_completion(tmp_path, capsys, chat):
     assert cli(argv) == 0
     printed = capsys.readouterr().out
     tok = load_tokenizer(directory)
-    ids = tok.encode("w3 w10 w11 w12 w4 w5") if chat else [1, 10, 11, 12]
+    ids = [1, *tok.encode("w3 w10 w11 w12 w4 w5")] if chat else [1, 10, 11, 12]  # BOS first, as training has it
     done = Engine(nest.load(directory)).sample([ids], max_new_tokens=7, temperature=0.0, stop=tok.eos_ids)[0]
     shown = done.tokens[:-1] if done.stopped else done.tokens
     assert printed == tok.decode(shown) + "\n"

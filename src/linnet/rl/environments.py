@@ -24,9 +24,12 @@ calls none. Its tools: `calculator` (arithmetic, evaluated from the syntax tree,
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import operator
+import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -215,8 +218,6 @@ def environment_factory(spec, tools: Sequence[str] = ()) -> Callable[[], Environ
         module, _, name = spec.partition(":")
         if not module or not name:
             raise ValueError(f"grpo.environment={spec!r}; name it as module:Class")
-        from linnet.rl.rewards import imported
-
         try:
             spec = imported(spec)
         except (ImportError, AttributeError) as e:
@@ -225,3 +226,13 @@ def environment_factory(spec, tools: Sequence[str] = ()) -> Callable[[], Environ
     if not callable(spec):
         raise TypeError(f"grpo.environment: {spec!r} is not a class or a function making an environment")
     return spec
+
+
+def imported(spec: str):
+    """The object a "module:name" string names (a config's grpo.rewards, grpo.environment),
+    its module found on sys.path or, as under `python -m`, in the current directory."""
+    module, _, name = spec.partition(":")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)  # after the installed packages: a local file shadows none of them
+    return getattr(importlib.import_module(module), name)

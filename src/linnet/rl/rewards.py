@@ -26,16 +26,14 @@ TRL's "no opinion": 0 in the sum. `trl_reward(f, tokenizer)` wraps one for Pytho
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
-import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from linnet.rl import sandbox
+from linnet.rl.environments import imported
 
 NUMBER = re.compile(r"-?\d[\d,]*\.?\d*")
 FENCED = re.compile(r"```py(?:thon)?[ \t]*\n(.*?)```", flags=re.DOTALL)
@@ -212,13 +210,3 @@ def resolve(spec: str, tokenizer, pattern: str | None = None, limits: dict | Non
     if not callable(function):
         raise ValueError(f"reward {spec!r} is not callable")
     return trl_reward(function, tokenizer) if follows_trl(function) else function
-
-
-def imported(spec: str):
-    """The object a "module:name" string names (a config's grpo.rewards, grpo.environment),
-    its module found on sys.path or, as under `python -m`, in the current directory."""
-    module, _, name = spec.partition(":")
-    here = os.getcwd()
-    if here not in sys.path and "" not in sys.path:
-        sys.path.append(here)  # after the installed packages: a local file shadows none of them
-    return getattr(importlib.import_module(module), name)
