@@ -150,6 +150,8 @@ def test_a_config_commands_refusal_names_the_config_field(tmp_path, capsys):
                   model={"card": "debug"})
     assert cli.main(["sft", "--config", str(bare)]) == 2
     assert "set model.weights: random" in capsys.readouterr().err
+    assert cli.main(["sft", "--set", "model.card=debug", "--set", f"data.path={data}"]) == 2  # a config from --set
+    assert "set data.tokenizer" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"pass it: load_tokenizer\("):  # Python callers keep Python's fix
         load_tokenizer("debug")
     with pytest.raises(ValueError, match="pass weights='random'"):

@@ -133,8 +133,9 @@ def _warnings_as(name: str):
 
 
 def _config_given(argv: list[str]) -> bool:
-    """Whether the command line names a --config file (its settings are the YAML's fields)."""
-    return any(arg == "--config" or arg.startswith("--config=") for arg in argv)
+    """Whether the command line gives a config (--config FILE or --set FIELD=VALUE): its
+    settings are the YAML's fields."""
+    return any(arg.split("=", 1)[0] in ("--config", "--set") for arg in argv)
 
 
 def _binary_config(argv: list[str]) -> str | None:
