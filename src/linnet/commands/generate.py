@@ -6,10 +6,10 @@
 
 The text goes to stdout as the tokens are sampled; a summary line (tokens, time, why it
 stopped) goes to stderr. The card's tokenizer (a run's: its data.tokenizer) encodes the
-prompt as `linnet eval` does: a raw prompt gets the tokenizer's bos token in front, else
-the card's; with --chat the prompt is one user message rendered by the chat template with
-the generation prompt added. Generation stops
-at any of the tokenizer's stop tokens (not printed) or after --max-new-tokens.
+prompt as `linnet eval` does: with --chat one user message rendered by the chat template
+with the generation prompt added, else the raw text; either way the tokenizer's BOS first
+(the card's where the tokenizer has none) unless the template wrote it. Generation stops at
+any of the tokenizer's stop tokens (not printed) or after --max-new-tokens.
 """
 
 from __future__ import annotations
