@@ -57,10 +57,14 @@ def test_a_keyword_replaces_the_runs_field_and_unknown_names_are_refused():
     with pytest.raises(TypeError, match=r"train: unknown option max_grad_norm; the run's are checkpoint, "
                                         r"checkpoint_every, clip"):
         train(model, _rows(), run, max_grad_norm=1.0)
+    with pytest.raises(TypeError, match=r"unknown option checkpoint_evry \(did you mean checkpoint_every\?\); .* "
+                                        r"and train's own keywords"):
+        train(model, _rows(), run, checkpoint_evry=1)
     with pytest.raises(TypeError, match=r"give run=Run\(...\) or steps="):
         train(model, _rows(), optimizer=run.optimizer)
     pairs = [Pair([3, 4], [5, 6], [7, 8])] * 4
-    with pytest.raises(TypeError, match=r"dpo: unknown option tokens_per_step; .* the objective's beta, "):
+    with pytest.raises(TypeError, match=r"dpo: unknown option tokens_per_step \(did you mean pairs_per_step\?\); .* "
+                                        r"the objective's beta, "):
         dpo(model, pairs, run, tokens_per_step=4)
 
 

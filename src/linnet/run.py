@@ -14,6 +14,7 @@ seeds' way:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
 import numbers
@@ -168,8 +169,11 @@ def run_and_options(who: str, run: Run | None, options: dict[str, Any], settings
     unknown = sorted(set(options) - own - set(plumbing))
     if unknown:
         names = ", ".join(sorted(own)) or "none"
-        raise TypeError(f"{who}: unknown option {', '.join(unknown)}; the run's are {', '.join(sorted(RUN_FIELDS))} "
-                        f"(linnet.run.Run), the objective's {names}")
+        near = sorted({m for u in unknown for m in difflib.get_close_matches(u, [*RUN_FIELDS, *own], n=1)})
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise TypeError(f"{who}: unknown option {', '.join(unknown)}{hint}; the run's are "
+                        f"{', '.join(sorted(RUN_FIELDS))} (linnet.run.Run), the objective's {names}, and {who}'s own "
+                        "keywords (its signature)")
     if run is None:
         missing = [name for name in ("optimizer", "steps") if name not in plumbing]
         if missing:
