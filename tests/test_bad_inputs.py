@@ -195,7 +195,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("shard-name", SFT("training.shard=ddp"), r"training.shard: 'ddp' is not one of"),
     ("config-missing", lambda ws: ["sft", "--config", str(ws / "nope.yaml")], r"nope.yaml: no such config file"),
     ("config-not-yaml", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
-        "model: [\n")))], r"sft.yaml: not valid YAML"),
+        "model: [\n")))], r"sft.yaml line 2 column 1: not valid YAML \(expected the node content, but found "
+                            r"'<stream end>'\); fix the file there$"),
     # every value checked, every name answered (issue 41)
     ("wd-nan", SFT("optimizer.weight_decay=.nan"), r"--set optimizer.weight_decay=.nan: optimizer.weight_decay=nan; "
      r"use a finite number"),

@@ -263,6 +263,11 @@ def test_iter_records_streams_jsonl_gz_and_parquet_columns(tmp_path):
     (tmp_path / "latin.jsonl").write_bytes(b'{"text": "a"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=r"latin\.jsonl line 2: not UTF-8 text .*save the file as UTF-8"):
         read_records(tmp_path / "latin.jsonl")
+    for name, body in (("bom.jsonl", b'{"text": "a"}\r\n{"text": "b"}\r\n'), ("bom.json", b'[{"text": "a"}, {"text": "b"}]')):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + body)  # a byte-order mark, as Windows editors write
+        assert [r.data for r in read_records(tmp_path / name)] == [{"text": "a"}, {"text": "b"}]
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl: no such file; data\.eval_path should name"):
+        read_records(tmp_path / "nope.jsonl", field="data.eval_path")
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 

@@ -29,8 +29,8 @@ when the output is not a terminal. `linnet --version` prints linnet's version.
 Exit status: 0 done; 1 training stopped on a non-finite loss or gradient; 2 refused input
 (one line naming the file, the field and the fix; nothing was written) or a write that
 failed (a full disk: one line naming the file; no temporary file is left); 3 `data check`
-found held-out records that repeat training ones; 130 interrupted (a training command says
-which checkpoint resumes).
+found held-out records that repeat training ones; 130 interrupted by Ctrl-C, 143 stopped by
+SIGTERM after a step's checkpoint (a training command says which checkpoint resumes).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             raise ValueError(f"--out {out}: exists; data check writes over no file: give a new path")
         check_writable(out.parent, "the --out file's folder")
-    train = read_records(args.train)
-    held = {path: read_records(path) for path in args.against}  # every file read before any is compared
+    train = read_records(args.train, field="the file to check")
+    held = {path: read_records(path, field="--against") for path in args.against}  # every file read before any is compared
     lines, total = [], 0
     for path, records in held.items():
         found = overlap(train, records, threshold=args.threshold, ngram=args.ngram, near=not args.exact_only)

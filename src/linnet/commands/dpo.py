@@ -50,7 +50,7 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
     records = read_records(d.path, split=d.split, names=spellings.RECORDS)
     pairs = read(records, tokenizer)
     if d.eval_path:
-        eval_records = read_records(d.eval_path, names=spellings.RECORDS)
+        eval_records = read_records(d.eval_path, names=spellings.RECORDS, field="data.eval_path")
         held_out = read(eval_records, tokenizer)
         runs.check_held_out(config, records, eval_records)
     else:

@@ -107,7 +107,7 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
     from linnet.train.evaluation import example_losses
     from linnet.train.grpo import evaluate_each
 
-    records = list(read_records(args.data))
+    records = list(read_records(args.data, field="--data"))
     if not records:
         raise ValueError(f"{args.data}: no records")
     results: dict = {"records": len(records)}
@@ -182,7 +182,7 @@ def judged(judge, args, per: dict[str, list[dict]], each: dict[str, dict]) -> No
     `judge` of `each` and of the per-record rows."""
     from linnet.data import read_records
 
-    scored, prompt_field, _ = scored_records(list(read_records(args.data)), args)
+    scored, prompt_field, _ = scored_records(list(read_records(args.data, field="--data")), args)
     if scored is None or any("completion" not in row for rows in per.values() for row in rows):
         raise ValueError("--judge compares completions: give --data records with prompts and answers")
     names = list(per)
@@ -364,7 +364,7 @@ def read_framing(args):
     if args.few_shot:
         if args.shots < 1:
             raise ValueError(f"--shots {args.shots}: show at least one of --few-shot's records")
-        records = list(read_records(args.few_shot))[:args.shots]
+        records = list(read_records(args.few_shot, field="--few-shot"))[:args.shots]
         if not records:
             raise ValueError(f"--few-shot {args.few_shot}: no records")
         prompt, answer = args.prompt_field, args.answer_field
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.data is None:
             raise ValueError("--judge compares answers to the prompts of --data: give --data FILE")
-        first = read_records(args.data)[:1]
+        first = read_records(args.data, field="--data")[:1]
         judged_pairs = bool(first) and "chosen" in first[0].data and "rejected" in first[0].data
         if not judged_pairs and len(columns(args, framing)) < 2:
             raise ValueError("--judge compares the models' completions with the first model's: give two models or "
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["lm_eval"] = lm_eval(model, args.lm_eval)
     extra: dict = {}
     if judged_pairs:
-        extra["judge"] = {"source": args.judge, **judge_agreement(judge, list(read_records(args.data)), args)}
+        extra["judge"] = {"source": args.judge, **judge_agreement(judge, list(read_records(args.data, field="--data")), args)}
         print(f"judge {args.judge}: agrees with {extra['judge']['agreement']:.1%} of the chosen answers "
               f"(95% interval {extra['judge']['interval'][0]:.1%} to {extra['judge']['interval'][1]:.1%})")
     elif judge is not None:
@@ -505,7 +505,7 @@ def per_example_lines(args, per: dict[str, list[dict]]) -> str:
     and scores."""
     from linnet.data import read_records
 
-    records = list(read_records(args.data))
+    records = list(read_records(args.data, field="--data"))
     lines = []
     for i, record in enumerate(records):
         row = {**MARK, "record": i, "data": record.data, "models": {name: rows[i] for name, rows in per.items()}}

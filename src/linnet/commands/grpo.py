@@ -61,7 +61,7 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
                      for name, f in functions.items()}
     fields = dict(prompt=(d.prompt or ["prompt"])[0], answer=d.answer, chat=d.chat, names=spellings.RECORDS)
     records = read_records(d.path, split=d.split, names=spellings.RECORDS)
-    eval_records = read_records(d.eval_path) if d.eval_path else []
+    eval_records = read_records(d.eval_path, field="data.eval_path") if d.eval_path else []
     prompts = prompts_from_records(records, tokenizer, **fields)
     held_out = prompts_from_records(eval_records, tokenizer, **fields)
     if "code" in g.rewards:  # its tests, every record's, before anything is written

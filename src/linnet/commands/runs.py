@@ -377,7 +377,7 @@ def general_rows(config) -> list | None:
 
     d, t = config.data, config.training
     tokenizer = load_tokenizer(d.tokenizer or configured(vars(config.model)), chat_template=d.chat_template)
-    records = read_records(path)
+    records = read_records(path, field="evaluation.general")
     if not records:
         raise ValueError(f"evaluation.general: {path} holds no records")
     if set(records[0].data) == {"text"}:  # documents, learned whole

@@ -67,10 +67,11 @@ def source_records(config: SFTConfig) -> tuple[list[list], list[list]]:
     from linnet.data import read_records
 
     d = config.data
-    held_out: list[list] = [read_records(d.eval_path)] if d.eval_path else []
+    held_out: list[list] = [read_records(d.eval_path, field="data.eval_path")] if d.eval_path else []
     sources = []
     for path, split in [(m["path"], m.get("split")) for m in d.mixture] or [(d.path, d.split)]:
-        records = read_records(path, split=split, names=spellings.RECORDS)
+        records = read_records(path, split=split, names=spellings.RECORDS,
+                               field="a data.mixture path" if d.mixture else "data.path")
         if not d.eval_path:
             records, out = runs.hold_out(records, d.eval_share, config.runtime.seed)
             held_out.append(out)

@@ -330,7 +330,10 @@ def read_yaml(path: str | Path | None) -> tuple[dict[str, Any], Origins]:
             _key_lines(node, "", origins)
         data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML ({e})") from None
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+        where = f"{path} line {mark.line + 1} column {mark.column + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: not valid YAML ({problem or ' '.join(str(e).split())}); fix the file there") \
+            from None
     finally:
         loader.dispose()
     return data or {}, origins

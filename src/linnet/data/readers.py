@@ -58,11 +58,12 @@ class MissingColumn(ValueError):
 
 
 def read_records(source: str | os.PathLike | Any, *, split: str | None = None,
-                 names: Mapping[str, str] | None = None) -> list[Record]:
+                 names: Mapping[str, str] | None = None, field: str = "data.path") -> list[Record]:
     """All records of a file, a saved `datasets` directory, a `datasets.Dataset`, or a
     dataset on the Hugging Face Hub named as there (`tatsu-lab/alpaca`, read through
     `datasets.load_dataset` and its cache). `split`: the split of a DatasetDict or of a
-    hub dataset (default "train" for a hub name); `names`: how errors name data.split."""
+    hub dataset (default "train" for a hub name); `names`: how errors name data.split;
+    `field`: the setting that named `source`, which errors name."""
     if not isinstance(source, (str, os.PathLike)):
         return _dataset_rows(source, "dataset", split, names)
     path = Path(source)
@@ -73,10 +74,10 @@ def read_records(source: str | os.PathLike | Any, *, split: str | None = None,
     elif _hub_name(os.fspath(source)):
         records = _hub_dataset(os.fspath(source), split)
     else:
-        raise FileNotFoundError(f"{path}: no such file; data.path should name {FORMATS}, or a dataset on the "
+        raise FileNotFoundError(f"{path}: no such file; {field} should name {FORMATS}, or a dataset on the "
                                 "Hugging Face Hub by its name (org/name)")
     if not records:
-        raise ValueError(f"{path}: holds no records (empty); point data.path at a file with records")
+        raise ValueError(f"{path}: holds no records (empty); point {field} at a file with records")
     return records
 
 
@@ -103,7 +104,7 @@ def iter_records(path: str | os.PathLike, *, columns: Sequence[str] | None = Non
 
 def _text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a byte-order mark is not part of the JSON
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e}); save the file as UTF-8") from None
 
@@ -113,8 +114,8 @@ def _lines(path: Path, compressed: bool) -> Iterator[tuple[int, str]]:
     not UTF-8 is reported at its line."""
     with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
         for number, raw in enumerate(f, start=1):
-            try:
-                yield number, raw.decode("utf-8")
+            try:  # a byte-order mark (Windows editors write one) is not part of the first record
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path} line {number}: not UTF-8 text ({e}); save the file as UTF-8") from None
 
