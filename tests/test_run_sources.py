@@ -199,3 +199,20 @@ def test_a_runs_base_that_is_not_found_names_the_runs_config(tmp_path, monkeypat
         with pytest.raises(ValueError, match=r"run/config.json: model.card 'my-base' is not a registered card nor a "
                                              r"path from here"):
             load(run)
+
+
+def test_eval_and_export_take_a_checkpoint_of_an_unfinished_run(tmp_path, capsys):
+    """A run's checkpoints/step-N is a model for eval and export (what the refusal of a run
+    without final/ points to), with its adapters folded in."""
+    base = quickstart_model(tmp_path / "base")
+    problems = quickstart.problems(__import__("numpy").random.default_rng(0), 40, 2)
+    data = records(tmp_path / "d.jsonl", [{"prompt": p, "completion": a} for p, a in problems])
+    path = config(tmp_path, "sft", {"path": str(data)}, model={"card": str(base)},
+                  training={"steps": 2, "context_length": 64, "checkpoint_every": 1})
+    assert cli.main(["sft", "--config", str(path)]) == 0
+    checkpoint = tmp_path / "sft" / "checkpoints" / "step-00000001"
+    held = records(tmp_path / "h.jsonl", [{"prompt": p, "answer": a} for p, a in problems[:4]])
+    assert cli.main(["eval", str(checkpoint), "--data", str(held), "--no-chat", "--max-new-tokens", "2"]) == 0, \
+        capsys.readouterr().err
+    assert cli.main(["export", str(checkpoint), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -542,7 +542,7 @@ def resolve(x: str | os.PathLike | Card) -> Card:
     path = Path(text)
     if path.is_file() and path.name == "config.json":
         path = path.parent
-    if (path / "run.json").is_file() or (path / "adapter_config.json").is_file() or _run_checkpoint(path):
+    if (path / "run.json").is_file() or (path / "adapter_config.json").is_file() or run_checkpoint(path):
         return trained_card(path)
     if path.is_dir():
         return card_from_directory(path)
@@ -568,7 +568,7 @@ def trained_card(path: str | os.PathLike) -> Card:
             raise ValueError(f"{path / 'adapter_config.json'}: base_model_name_or_path is empty, so the adapter's "
                              "base is unknown; fill it in (a card, a model directory or a linnet run)")
         return _adapted(resolve(base), path, None).replace(source=str(path))
-    checkpoint = path if _run_checkpoint(path) else None
+    checkpoint = path if run_checkpoint(path) else None
     run = path.parent.parent if checkpoint else path
     weights = checkpoint / "trained.safetensors" if checkpoint else run / "final"
     if not weights.exists():
@@ -602,7 +602,7 @@ def with_run_data(card: Card, data: dict) -> Card:
     return card
 
 
-def _run_checkpoint(path: Path) -> bool:
+def run_checkpoint(path: Path) -> bool:
     """A checkpoint directory (checkpoints/step-…) of a linnet fine-tuning run."""
     return path.name.startswith("step-") and path.parent.name == "checkpoints" and \
         (path.parent.parent / "run.json").is_file()

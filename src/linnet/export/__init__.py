@@ -33,14 +33,17 @@ __all__ = ["GGUF_KINDS", "Plan", "attach_adapter", "export_directory", "load_tra
 
 def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[Any, dict[str, Any]]:
     """(model, about): the model a run directory trained (its final/, adapters attached to
-    the base its config names), a model directory, or a PEFT adapter directory over the
+    the base its config names), one of its checkpoints, a model directory, or a PEFT adapter directory over the
     base its adapter_config.json names. `about` holds what the model card says. A run's
     model carries the tokenizer it trained with (its data.tokenizer: `with_run_data`)."""
     from linnet import nest
-    from linnet.cards import configured, resolve, with_run_data
+    from linnet.cards import configured, resolve, run_checkpoint, with_run_data
 
     path = Path(source)
     about: dict[str, Any] = {"source": str(path), "chain": lineage(path)}
+    if run_checkpoint(path):  # a run's checkpoints/step-…: its weights (adapters folded in), as resolve reads them
+        about["base"] = str(path)
+        return nest.load(run_card(path), dtype=dtype), about
     if (path / "run.json").is_file():
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         about.update(command=json.loads((path / "run.json").read_text()).get("command"), config=config)
@@ -48,8 +51,8 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
             about["summary"] = json.loads((path / "summary.json").read_text())
         final = path / "final"
         if not final.is_dir():
-            raise ValueError(f"{path}: no final/ (the run has not finished); export a finished run, or a "
-                             "checkpoint's weights")
+            raise ValueError(f"{path}: no final/ (the run has not finished); resume it with --resume, or name one "
+                             f"of its checkpoints ({path / 'checkpoints'}/step-…)")
         model_config = config.get("model", {})
         base = model_config.get("card")
         if (final / "adapter_config.json").is_file():
