@@ -6,9 +6,11 @@ sources are refused or read as themselves."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -161,7 +163,7 @@ def test_a_config_commands_refusal_names_the_config_field(tmp_path, capsys):
 def test_eval_names_a_shot_separator_the_model_cannot_spell(tmp_path, capsys):
     model = quickstart_model(tmp_path / "model")
     data = records(tmp_path / "h.jsonl", [{"prompt": p, "answer": a}
-                                          for p, a in quickstart.problems(__import__("numpy").random.default_rng(0),
+                                          for p, a in quickstart.problems(np.random.default_rng(0),
                                                                           8, 2)])
     assert cli.main(["eval", str(model), "--data", str(data), "--no-chat", "--max-new-tokens", "2",
                      "--system", "1+1=2"]) == 2
@@ -205,7 +207,7 @@ def test_eval_and_export_take_a_checkpoint_of_an_unfinished_run(tmp_path, capsys
     """A run's checkpoints/step-N is a model for eval and export (what the refusal of a run
     without final/ points to), with its adapters folded in."""
     base = quickstart_model(tmp_path / "base")
-    problems = quickstart.problems(__import__("numpy").random.default_rng(0), 40, 2)
+    problems = quickstart.problems(np.random.default_rng(0), 40, 2)
     data = records(tmp_path / "d.jsonl", [{"prompt": p, "completion": a} for p, a in problems])
     path = config(tmp_path, "sft", {"path": str(data)}, model={"card": str(base)},
                   training={"steps": 2, "context_length": 64, "checkpoint_every": 1})
@@ -216,3 +218,16 @@ def test_eval_and_export_take_a_checkpoint_of_an_unfinished_run(tmp_path, capsys
         capsys.readouterr().err
     assert cli.main(["export", str(checkpoint), "--out", str(tmp_path / "out")]) == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_eval_refuses_lengths_that_cannot_be_sampled(tmp_path, capsys):
+    """Past the card's positions a completion is noise, and a length below 1 means
+    nothing: eval refuses both by flag, as generate does, before measuring."""
+    model = quickstart_model(tmp_path / "model")
+    held = records(tmp_path / "h.jsonl", [{"prompt": "12+34=", "answer": "046"}])
+    positions = quickstart.CARD.max_positions
+    for flags, message in ((["--max-new-tokens", str(positions)], "passes .* positions; lower --max-new-tokens to at "
+                                                                  f"most {positions - 7}"),
+                           (["--context-length", "-5"], "--context-length -5: give a positive number")):
+        assert cli.main(["eval", str(model), "--data", str(held), "--no-chat", *flags]) == 2
+        assert re.search(message, capsys.readouterr().err)

@@ -136,6 +136,7 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
     if scored is not None:  # every record with one answer: complete its prompt and score the completion
         prompts = prompts_from_records(scored, tokenizer, prompt=prompt_field, answer=answer_field,
                                        chat=args.chat, framing=framing, names=RECORD_FLAGS, card=model.card)
+        check_room(model.card, max(len(p.ids) for p in prompts), args.max_new_tokens)
         reward = {spec: resolve(spec, tokenizer, args.format_pattern) for spec in args.rewards}
         found, done = evaluate_each(model, Engine(model), prompts, reward, max_new_tokens=args.max_new_tokens,
                                     k=args.pass_k, samples=args.pass_samples, temperature=args.temperature,
@@ -148,6 +149,15 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
         results["samples"] = [{"prompt": r.data[prompt_field], "completion": row["completion"],
                                "answer": r.data[answer_field]} for r, row in zip(scored[:args.show], per)]
     return results, each, per
+
+
+def check_room(card, prompt: int, new: int) -> None:
+    """Refuse --max-new-tokens that, after a prompt of `prompt` tokens, pass the card's
+    positions (past them RoPE extrapolates and the text is noise)."""
+    if prompt + new > card.max_positions:
+        raise ValueError(f"--max-new-tokens {new} after a prompt of {prompt} tokens passes {card.name}'s "
+                         f"{card.max_positions} positions; lower --max-new-tokens to at most "
+                         f"{max(card.max_positions - prompt, 0)}")
 
 
 def check_framing(tokenizer, framing, chat: bool) -> None:
@@ -430,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--pass-samples {args.pass_samples}: needs --pass-k >= 2, and at least --pass-k")
     if args.batch < 1:
         raise ValueError(f"--batch {args.batch}: sample at least one prompt at once")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--context-length", args.context_length)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: give a positive number")
     framing = read_framing(args)
     if framing is not None and args.data is None:
         raise ValueError("--system / --few-shot frame the prompts of --data: give --data FILE")

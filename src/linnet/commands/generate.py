@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     """Stream one completion of --prompt from CARD (see the module docstring)."""
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     from linnet import nest
+    from linnet.commands.eval import check_room
     from linnet.data.tokenizer import load_tokenizer
     from linnet.export import run_card
     from linnet.torch.engine import Engine
@@ -62,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
     tok = load_tokenizer(card)
     prompt = _encode(tok, card, args)
-    if len(prompt) + args.max_new_tokens > card.max_positions:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} after a prompt of {len(prompt)} tokens passes "
-                         f"{card.name}'s {card.max_positions} positions; lower --max-new-tokens to at most "
-                         f"{card.max_positions - len(prompt)}")
+    check_room(card, len(prompt), args.max_new_tokens)
     device = usable_device(args.device or "cpu", "--device")
     engine = Engine(nest.load(card, device=device, dtype=args.dtype, weights=args.weights))
 
