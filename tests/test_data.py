@@ -341,7 +341,7 @@ def test_missing_field_names_file_line_field_and_fix(tmp_path):
         load_examples(path, chatml(), tokens=64)
     write_lines(path, ['{"prompt": "a", "completion": 5}'])
     with pytest.raises(
-        ValueError, match="line 1: field 'completion' holds a int; the completion must be text"
+        ValueError, match="line 1: field 'completion' holds an int; the completion must be text"
     ):
         load_examples(path, chatml(), tokens=64)
 

@@ -34,6 +34,10 @@ def test_missing_field_and_empty_data():
         pairs_from_records([{"prompt": "Capital of France?", "chosen": "Paris."}], chatml())
     with pytest.raises(ValueError, match="no records"):
         pairs_from_records([], chatml())
+    with pytest.raises(ValueError, match=r"field 'rejected' is missing \(the record has 'prompt', 'chosen'\); add it"):
+        pairs_from_records([{"prompt": "1+3=", "chosen": "4"}], chatml(), chat=False)
+    with pytest.raises(ValueError, match="field 'prompt' holds an int; with chat off it must be text"):
+        pairs_from_records([{"prompt": 13, "chosen": "4", "rejected": "5"}], chatml(), chat=False)
 
 
 def test_hh_rlhf_text_reads_as_the_dialogue_it_spells():

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from linnet.data.readers import Record, option_name, read_records
+from linnet.data.readers import Record, kind_of, option_name, read_records
 from linnet.data.tokenizer import Tokenizer
 from linnet.packing import Example
 
@@ -235,8 +235,7 @@ def _field(record: Record, name: str, option: str, names: Mapping[str, str] | No
 def _text(record: Record, name: str, option: str, names: Mapping[str, str] | None = None) -> str:
     value = _field(record, name, option, names)
     if not isinstance(value, str):
-        kind = type(value).__name__
-        raise ValueError(f"{record.where}: field {name!r} holds a {kind}; the {option} must be text")
+        raise ValueError(f"{record.where}: field {name!r} holds {kind_of(value)}; the {option} must be text")
     return value
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from linnet.data.examples import chat_example
-from linnet.data.readers import Record, option_name
+from linnet.data.readers import Record, kind_of, option_name
 from linnet.data.tokenizer import Tokenizer
 from linnet.packing import Pair, Unpaired
 
@@ -137,9 +137,12 @@ def _pair_from_text(record: Record, tokenizer: Tokenizer, prompt: str, chosen: s
             raise ValueError(f"{where}: no {prompt!r} field, and {chosen!r} and {rejected!r} share no beginning to take "
                              f"as the prompt; name the prompt field with {option_name(names, 'prompt')}")
         data = {**data, prompt: shared, chosen: answers[0], rejected: answers[1]}
-    for name in (prompt, chosen, rejected):
-        if not isinstance(data.get(name), str):
-            raise ValueError(f"{where}: field {name!r} must be text when chat is off")
+    for name, option in ((prompt, "prompt"), (chosen, "chosen"), (rejected, "rejected")):
+        if name not in data:
+            raise ValueError(f"{where}: field {name!r} is missing (the record has {', '.join(map(repr, data))}); add "
+                             f"it, or set {option_name(names, option)} to the field that holds the {option} text")
+        if not isinstance(data[name], str):
+            raise ValueError(f"{where}: field {name!r} holds {kind_of(data[name])}; with chat off it must be text")
     for name in (chosen, rejected):
         if not data[name].strip():
             raise ValueError(f"{where}: the {name!r} answer is empty; every pair needs two answers")

@@ -43,6 +43,14 @@ class Record(NamedTuple):
 PYTHON_NAMES = {"truncate": "truncate=True", "chat_template": "load_tokenizer(chat_template=)"}
 
 
+def kind_of(value: Any) -> str:
+    """A JSON value's kind, as an error says it: 'null', 'a list', 'an int'."""
+    if value is None:
+        return "null"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def option_name(names: Mapping[str, str] | None, option: str) -> str:
     """How an error names the keyword `option`: as `names` spells it (a command passes its
     users' spelling: `linnet sft` the YAML's, training.context_length for tokens), else as
