@@ -176,7 +176,8 @@ def _changes(saved: dict[str, Any], now: dict[str, Any], config) -> list[str]:
                 found.append(f"{name}: {where / file} changed since the run began (its SHA-256 differs)")
     for key, name in (("data.fingerprint", "data.path"), ("data.eval_fingerprint", "data.eval_path")):
         if saved.get(key) != now.get(key):
-            found.append(f"{key}: {flat.get(name)} changed since the run began (its SHA-256 differs)"
+            found.append(f"{key}: {flat.get(name)} holds other records than those the run began with (their "
+                         "SHA-256 differs: the file changed, or this is another file)"
                          if key in saved and key in now else f"{key}: {saved.get(key)!r} (run) vs "
                                                              f"{now.get(key)!r} (now)")
         saved.pop(key, None)
