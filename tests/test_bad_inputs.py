@@ -271,6 +271,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"differing: optimizer.lr: 0.001 \(run\) vs 0.5"),
     ("resume-other-kind", lambda ws: [*SFT(f"runtime.output_dir={ws / 'fake-pretrain'}")(ws), "--resume"],
      r"a `linnet pretrain` run, not a `linnet sft` one"),
+    ("resume-from-no-run", lambda ws: [*SFT(f"runtime.output_dir={ws / 'fresh'}")(ws), "--resume-from", str(ws / "other")],
+     r"--resume-from .*other: .*fresh \(runtime.output_dir\) holds no run to resume"),
     ("resume-from-elsewhere", lambda ws: [*SFT(f"runtime.output_dir={ws / 'done'}")(ws), "--resume-from", str(ws / "other")],
      r"--resume-from takes a checkpoint of this run"),
     ("resume-from-damaged", lambda ws: _resume_from_damaged(ws),

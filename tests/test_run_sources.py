@@ -231,3 +231,13 @@ def test_eval_refuses_lengths_that_cannot_be_sampled(tmp_path, capsys):
                            (["--context-length", "-5"], "--context-length -5: give a positive number")):
         assert cli.main(["eval", str(model), "--data", str(held), "--no-chat", *flags]) == 2
         assert re.search(message, capsys.readouterr().err)
+
+
+def test_resume_on_a_folder_without_a_run_says_it_starts_one(tmp_path, capsys):
+    from linnet.commands.run_directory import RunDirectory
+    from linnet.config import SFTConfig, load
+
+    data = records(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}] * 4)
+    run = RunDirectory(load(SFTConfig, config(tmp_path, "fresh", {"path": str(data)})), overwrite=False, resume=True)
+    assert run.step == 0
+    assert f"{tmp_path / 'fresh'} holds no run yet: --resume starts one" in capsys.readouterr().err

@@ -240,6 +240,11 @@ class RunDirectory:
         self._inputs_outside()
         recover_set_aside(path)
         if not (path.is_dir() and any(not is_leftover(p) for p in path.iterdir())):  # leftovers are no run
+            if self.resume_from is not None:
+                raise ValueError(f"--resume-from {self.resume_from}: {path} (runtime.output_dir) holds no run to "
+                                 "resume; name the run's folder there, or drop --resume-from")
+            if self.resume:  # a scheduler may pass --resume to every launch; a mistyped folder shows here
+                print(f"linnet: {path} holds no run yet: --resume starts one", file=sys.stderr)
             return None, 0
         run_file = path / "run.json"
         if not (self.resume or self.overwrite):
