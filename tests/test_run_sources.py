@@ -231,6 +231,8 @@ def test_eval_refuses_lengths_that_cannot_be_sampled(tmp_path, capsys):
                            (["--context-length", "-5"], "--context-length -5: give a positive number")):
         assert cli.main(["eval", str(model), "--data", str(held), "--no-chat", *flags]) == 2
         assert re.search(message, capsys.readouterr().err)
+    assert cli.main(["eval", str(model), "--data", str(held), "--no-chat"]) == 0, capsys.readouterr().err  # 256 capped
+    assert cli.main(["generate", str(model), "--prompt", "12+34="]) == 0, capsys.readouterr().err
 
 
 def test_resume_on_a_folder_without_a_run_says_it_starts_one(tmp_path, capsys):

@@ -67,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
                    help="as grpo.rewards: exact, numeric, format, model:DIR or module:function; several are summed "
                         "(default exact)")
     p.add_argument("--format-pattern", help="the regular expression of the 'format' reward, as grpo.format_pattern")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to sample a prompt (default 256, or what the model's positions leave after the "
+                        "longest prompt; a larger number given here is refused)")
     p.add_argument("--pass-k", type=int, default=0,
                    help="as grpo.pass_k: also pass@k from sampled completions (k >= 2; default 0, pass@1 alone)")
     p.add_argument("--pass-samples", type=int,
@@ -136,9 +138,9 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
     if scored is not None:  # every record with one answer: complete its prompt and score the completion
         prompts = prompts_from_records(scored, tokenizer, prompt=prompt_field, answer=answer_field,
                                        chat=args.chat, framing=framing, names=RECORD_FLAGS, card=model.card)
-        check_room(model.card, max(len(p.ids) for p in prompts), args.max_new_tokens)
+        new = room(model.card, max(len(p.ids) for p in prompts), args.max_new_tokens)
         reward = {spec: resolve(spec, tokenizer, args.format_pattern) for spec in args.rewards}
-        found, done = evaluate_each(model, Engine(model), prompts, reward, max_new_tokens=args.max_new_tokens,
+        found, done = evaluate_each(model, Engine(model), prompts, reward, max_new_tokens=new,
                                     k=args.pass_k, samples=args.pass_samples, temperature=args.temperature,
                                     stop=list(tokenizer.eos_ids), batch=args.batch, label="eval")
         results.update({name: float(values.mean()) for name, values in found.items()})
@@ -151,13 +153,18 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
     return results, each, per
 
 
-def check_room(card, prompt: int, new: int) -> None:
-    """Refuse --max-new-tokens that, after a prompt of `prompt` tokens, pass the card's
-    positions (past them RoPE extrapolates and the text is noise)."""
-    if prompt + new > card.max_positions:
-        raise ValueError(f"--max-new-tokens {new} after a prompt of {prompt} tokens passes {card.name}'s "
-                         f"{card.max_positions} positions; lower --max-new-tokens to at most "
-                         f"{max(card.max_positions - prompt, 0)}")
+def room(card, prompt: int, new: int | None, default: int = 256) -> int:
+    """The tokens to sample after a prompt of `prompt` tokens: --max-new-tokens `new`,
+    refused where it passes the card's positions (past them RoPE extrapolates and the text
+    is noise); when not given, `default` capped to what the positions leave."""
+    left = card.max_positions - prompt
+    if new is None and left >= 1:
+        return min(default, left)
+    if new is None or new > left:
+        raise ValueError(f"--max-new-tokens {new if new is not None else default} after a prompt of {prompt} tokens "
+                         f"passes {card.name}'s {card.max_positions} positions; "
+                         + (f"lower --max-new-tokens to at most {left}" if left >= 1 else "shorten the prompt"))
+    return new
 
 
 def check_framing(tokenizer, framing, chat: bool) -> None:
@@ -441,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch < 1:
         raise ValueError(f"--batch {args.batch}: sample at least one prompt at once")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--context-length", args.context_length)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: give a positive number")
     framing = read_framing(args)
     if framing is not None and args.data is None:

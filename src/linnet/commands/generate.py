@@ -25,7 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt with the chat template (one user message)")
     p.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to sample (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="most tokens to sample (default 256, or what the model's positions leave after the prompt)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="sample among the tokens holding this much mass")
@@ -51,19 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     """Stream one completion of --prompt from CARD (see the module docstring)."""
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
     from linnet import nest
-    from linnet.commands.eval import check_room
+    from linnet.commands.eval import room
     from linnet.data.tokenizer import load_tokenizer
     from linnet.export import run_card
     from linnet.torch.engine import Engine
     from linnet.torch.loading import usable_device
 
     card = run_card(args.card)  # a run's: the ids of the tokenizer it trained with
-    if args.max_new_tokens < 1 or args.temperature < 0 or (args.top_k is not None and args.top_k < 1) \
-            or (args.top_p is not None and not 0 < args.top_p <= 1):
-        raise ValueError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 1 and --top-p in (0, 1]")
+    for bad, message in ((args.max_new_tokens is not None and args.max_new_tokens < 1, "--max-new-tokens: at least 1"),
+                         (args.temperature < 0, "--temperature: at least 0 (0: greedy)"),
+                         (args.top_k is not None and args.top_k < 1, "--top-k: at least 1"),
+                         (args.top_p is not None and not 0 < args.top_p <= 1, "--top-p: in (0, 1]")):
+        if bad:
+            flag, want = message.split(": ", 1)
+            raise ValueError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: give a number {want}")
     tok = load_tokenizer(card)
     prompt = _encode(tok, card, args)
-    check_room(card, len(prompt), args.max_new_tokens)
+    new = room(card, len(prompt), args.max_new_tokens)
     device = usable_device(args.device or "cpu", "--device")
     engine = Engine(nest.load(card, device=device, dtype=args.dtype, weights=args.weights))
 
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped = False
     for t in engine.stream(
         prompt,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=new,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     seconds = time.perf_counter() - start
     n = len(ids) + stopped
-    why = "stop token" if stopped else f"max_new_tokens={args.max_new_tokens}"
+    why = "stop token" if stopped else f"max_new_tokens={new}"
     print(
         f"[{n} tokens in {seconds:.2f} s, {n / max(seconds, 1e-9):.1f} tokens/s; "
         f"prompt {len(prompt)} tokens; ended by {why}]",
