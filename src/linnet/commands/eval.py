@@ -91,10 +91,9 @@ def parser() -> argparse.ArgumentParser:
 
 def added_bos(model, tokenizer) -> int | None:
     """The card's BOS, where the tokenizer adds none of its own (a bare tokenizer.json):
-    what eval and serve put before each prompt, as training saw it (linnet.data.prompts.start_id)."""
-    from linnet.data.prompts import start_id
-
-    return start_id(tokenizer, model.card) if tokenizer.bos_id is None else None
+    what eval puts before the prompts of its loss and preference records, which the data
+    readers start with the tokenizer's own (linnet.data.prompts.start_id: both together)."""
+    return model.card.bos_token_id if tokenizer.bos_id is None else None
 
 
 def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, list[dict]]:
