@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from linnet.data.curation import Curation
-from linnet.data.readers import JSONL_SUFFIXES, MissingColumn, iter_records
+from linnet.data.readers import JSONL_SUFFIXES, MissingColumn, iter_records, kind_of
 
 if TYPE_CHECKING:
     from linnet.config.groups import CorpusConfig
@@ -106,7 +106,7 @@ def _text_of(record: Any, field_name: str, where: str) -> str:
                          "set data.text_field to the field holding the text")
     text = record[field_name]
     if not isinstance(text, str):
-        raise ValueError(f"{where}: field {field_name!r} holds a {type(text).__name__}, not text")
+        raise ValueError(f"{where}: field {field_name!r} holds {kind_of(text)}, not text")
     return text
 
 

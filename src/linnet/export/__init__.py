@@ -33,8 +33,8 @@ __all__ = ["GGUF_KINDS", "Plan", "attach_adapter", "export_directory", "load_tra
 
 def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[Any, dict[str, Any]]:
     """(model, about): the model a run directory trained (its final/, adapters attached to
-    the base its config names), one of its checkpoints, a model directory, or a PEFT adapter directory over the
-    base its adapter_config.json names. `about` holds what the model card says. A run's
+    the base its config names), one of its checkpoints, a model directory, or a PEFT
+    adapter directory over the base its adapter_config.json names. `about` holds what the model card says. A run's
     model carries the tokenizer it trained with (its data.tokenizer: `with_run_data`)."""
     from linnet import nest
     from linnet.cards import configured, resolve, run_checkpoint, with_run_data
