@@ -188,7 +188,6 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("lora-rank", SFT("lora.rank=0"), r"lora.rank=0"),
     ("lora-dropout", SFT("lora.dropout=1.5"), r"lora.dropout=1.5"),
     ("schedule-name", SFT("lr_schedule.name=linear"), r"lr_schedule.name: 'linear' is not one of"),
-    ("schedule-fit", SFT("lr_schedule.warmup_steps=50"), r"lr_schedule \(cosine, warmup_steps 50\) over 2 steps"),
     ("context-short", SFT("training.context_length=8"), r"training.context_length=8; a packed row needs"),
     ("eval-share", SFT("data.eval_share=1.5"), r"data.eval_share=1.5"),
     ("split-shard", SFT("training.split=2", "training.shard=zero"), r"training.split=2 with training.shard=zero is not supported"),
@@ -217,8 +216,10 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"lora.enabled=false trains every weight, without adapters, so lora.rank=4, lora.dora=true would be ignored"),
     ("lora-rank-huge", SFT("lora.rank=100000"), r"rank=100000 is larger than the adapted layer .*: .* the largest "
      r"useful rank is \d+"),
-    ("lora-target-typo", SFT("lora.targets=[qq_proj]"), r"pattern 'qq_proj' matches no linear weight; .*q_proj "
+    ("lora-target-typo", SFT("lora.targets=[qq_proj]"), r"^linnet sft: lora.targets: pattern 'qq_proj' matches no linear weight; .*q_proj "
      r"\(PEFT's target_modules\), or all-linear"),
+    ("lora-target-head", SFT("lora.targets=[lm_head]"), r"lora.targets: pattern 'lm_head' matches no linear weight; "
+     r".*; the output head takes no adapter \(it trains in full fine-tuning, lora.enabled: false\)$"),
     ("config-twice", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
         p.read_text() + "optimizer:\n  lr: 0.5\n")))], r"sft.yaml line \d+: optimizer is given twice \(lines \d+ and "
      r"\d+\); .* keep one"),
@@ -231,6 +232,18 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("unknown-nearest", SFT("optimizer.weight_decy=0.1"), r"unknown field 'weight_decy' in optimizer; did you mean "
      r"optimizer.weight_decay\?"),
     ("unknown-moved", SFT("seed=3"), r"unknown field 'seed'; did you mean runtime.seed\?"),
+    ("unknown-word", SFT("training.warmup=3"), r"unknown field 'warmup' in training; did you mean lr_schedule.warmup_steps\?"),
+    ("unknown-batch-size", SFT("training.batch_size=4"), r"unknown field 'batch_size' in training .*; linnet has none: a "
+     r"micro-batch is one packed row"),
+    ("other-commands-group", lambda ws: ["sft", "--config", str(ws / "dpo.yaml")], r"dpo.yaml line \d+: the dpo group "
+     r"belongs to a `linnet dpo` config, which `linnet sft` does not read; run `linnet dpo --config .*dpo.yaml`$"),
+    ("range-in-file", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
+        yaml.safe_dump({**yaml.safe_load(p.read_text()), "lora": {"rank": 4, "dropout": 2}}))))],
+     r"sft.yaml line \d+: lora.dropout=2.0; it must be in \[0, 1\)$"),
+    ("schedule-fit", SFT("lr_schedule.warmup_steps=5"), r"--set lr_schedule.warmup_steps=5: lr_schedule.warmup_steps=5 "
+     r"is more than the run's 2 steps; lower lr_schedule.warmup_steps \(0: no warmup\) or train for more steps$"),
+    ("weights-missing", SFT("model.weights=/nonexistent"), r"--set model.weights=/nonexistent: model.weights: "
+     r"/nonexistent: no weights found"),
     ("unknown-several", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
         p.read_text() + "lora_r: 8\nnum_train_epochs: 2\n"))), "--set", "training.stpes=3"],
      r"3 fields are not read by `linnet sft`:$"),
@@ -326,7 +339,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("dpo-empty-answer", lambda ws: DPO(f"data.path={_copy(ws, 'pairs.jsonl', lambda p: _lines(p, {'prompt': '1+2=', 'chosen': '003', 'rejected': ''}))}")(ws),
      r"line 1: the 'rejected' answer is empty"),
     ("dpo-pairs-per-step", DPO("dpo.pairs_per_step=1000"), r"dpo.pairs_per_step=1000 is more than the 57 training examples"),
-    ("dpo-beta", DPO("dpo.beta=0"), r"dpo.beta must be > 0"),
+    ("dpo-beta", DPO("dpo.beta=0"), r"--set dpo.beta=0: dpo.beta=0.0; it must be > 0$"),
+    ("dpo-label-smoothing", DPO("dpo.label_smoothing=0.7"), r"dpo.label_smoothing=0.7; it must be in \[0, 0.5\)$"),
     ("dpo-rpo-orpo", DPO("dpo.loss_type=orpo", "dpo.rpo_alpha=1"), r"dpo.rpo_alpha=1.0; use a finite weight >= 0, "
      r"and 0 with dpo.loss_type orpo"),
     ("dpo-accumulation", DPO("training.accumulation=2"), r"accumulation is not read by `linnet dpo`"),
@@ -336,8 +350,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("grpo-clip-low", GRPO("grpo.clip=[1.5, 0.2]"), r"grpo.clip=\[1.5, 0.2\]; give \[low, high\]"),
     ("grpo-clip-former", GRPO("grpo.clip_low=0.3"), r"grpo.clip_low.*use grpo.clip: \[low, high\]"),
     ("grpo-bad-regex", GRPO("grpo.rewards=[format]", "grpo.format_pattern=("), r"grpo.format_pattern='\(' is not a regular expression"),
-    ("grpo-unknown-reward", GRPO("grpo.rewards=[nosuch]"), r"reward 'nosuch': use exact, numeric, format"),
-    ("grpo-reward-import", GRPO("grpo.rewards=[nosuch_module:f]"), r"reward 'nosuch_module:f': cannot import"),
+    ("grpo-unknown-reward", GRPO("grpo.rewards=[nosuch]"), r"grpo.rewards 'nosuch': use exact, numeric, format"),
+    ("grpo-reward-import", GRPO("grpo.rewards=[nosuch_module:f]"), r"grpo.rewards 'nosuch_module:f': cannot import"),
     ("grpo-group", GRPO("grpo.group=1"), r"grpo.group >= 2"),
     ("grpo-prompts-per-step", GRPO("grpo.prompts_per_step=999"), r"grpo.prompts_per_step=999 is more than"),
     ("grpo-pass-k", GRPO("grpo.pass_k=1"), r"grpo.pass_k is 0 \(off\) or >= 2"),
@@ -356,6 +370,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"grpo.engine=vllm with training.pipeline=2 is not supported yet .*use grpo.engine=builtin"),
     # jax, inspect, generate, quickstart, plan, plot, info
     ("jax-pytorch-field", lambda ws: ["jax", *SFT("training.shard=fsdp")(ws)[1:]], r"training.shard='fsdp' is for the PyTorch backend"),
+    ("inspect-dpo-config", lambda ws: ["inspect", "--config", str(ws / "dpo.yaml")], r"the dpo group belongs to a "
+     r"`linnet dpo` config"),
     ("inspect-bad-data", lambda ws: ["inspect", *SFT("data.path=/nonexistent.jsonl")(ws)[1:]], r"no such file"),
     ("generate-too-long", lambda ws: ["generate", str(ws / "model"), "--prompt", "12+34=", "--max-new-tokens", "5000"],
      r"--max-new-tokens 5000 after a prompt of .* passes"),
@@ -378,6 +394,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("plan-config-field", lambda ws: ["plan", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
         p.read_text() + "extra: 1\n")))], r"unknown field 'extra'"),
     ("plot-no-metrics", lambda ws: ["plot", str(ws / "other")], r"no metrics; is .* a linnet run directory"),
+    ("plot-data-file", lambda ws: ["plot", str(ws / "train.jsonl")], r"train.jsonl: no metric to plot"),
     ("info-unknown", lambda ws: ["info", "no-such-card"], r"unknown card 'no-such-card'"),
     # pretraining
     ("prepare-cache-under-file", lambda ws: PRETRAIN(f"data.cache={ws / 'afile' / 'cache'}", command="prepare")(ws),
@@ -401,6 +418,15 @@ def test_there_are_many_cases_across_every_command():
             "pretrain"} <= commands  # and sft: the cases without a prefix
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo", "pretrain", "prepare"])
+def test_a_config_file_given_without_the_flag_is_shown_the_flag(command, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, "run.yaml"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"linnet {command}: error: unrecognized arguments: run.yaml; "
+                                                        "give the config as --config run.yaml")
+
+
 @pytest.mark.parametrize("case, argv, message", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_by_name_and_changes_nothing(ws, case, argv, message, capsys):
     args = argv(ws)  # a case's bad file is made here, before the workspace is fingerprinted
@@ -413,3 +439,15 @@ def test_bad_input_is_refused_by_name_and_changes_nothing(ws, case, argv, messag
     assert len(last) == 1, err
     assert re.search(message, last[0]), last[0]
     assert _tree(ws) == before, "a refused command changed files"
+
+
+def test_records_past_the_cards_positions_train_with_a_warning(ws, capsys):
+    long = ws / "cases" / "long.jsonl"
+    long.parent.mkdir(exist_ok=True)
+    _lines(long, *[{"prompt": "12+34=" * 12, "completion": "046"}] * 3, *[{"prompt": "1+2=", "completion": "003"}] * 20)
+    assert cli.main(["inspect", *SFT(f"data.path={long}", "training.context_length=128",
+                                     "data.eval_share=0")(ws)[1:], "--examples", "0"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "positions" in line]
+    assert warned == ["linnet inspect: warning: 3 record(s) run past the 64 positions of model (the longest: 76 "
+                      "tokens), which it has not learned; extend its context with model.rope_scaling "
+                      "(docs/long_context.md) or shorten the records"]

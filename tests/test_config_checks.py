@@ -200,6 +200,11 @@ def test_a_short_name_matches_whole_parts_of_a_path_only():
     with pytest.raises(ValueError, match=r"pattern 'qv_proj' matches no linear weight; .*q_proj \(PEFT's "
                                          r"target_modules\), or all-linear"):
         adapted_layers(LAYERS, ["q_proj", "qv_proj"])
+    with pytest.raises(ValueError, match=r"^add_lora: pattern 'lm_head' .*; the output head takes no adapter \(train "
+                                         r"it in full with trainable='lm_head.weight'\)$"):
+        adapted_layers(LAYERS, ["lm_head"])
+    with pytest.raises(ValueError, match=r"^add_lora: pattern 'q_\{0\}' matches no linear weight"):  # braces as written
+        adapted_layers(LAYERS, ["q_{0}"])
 
 
 def test_torch_add_lora_takes_short_names_and_refuses_a_rank_larger_than_a_layer():

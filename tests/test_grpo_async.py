@@ -117,7 +117,7 @@ def test_a_stalled_trainer_is_named_within_the_timeout():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="max_staleness is a number of steps"):
+    with pytest.raises(ValueError, match=r"^grpo: max_staleness=-1; it must be a number of steps, >= 0$"):
         _run(1, max_staleness=-1)
     with pytest.raises(ValueError, match="correction"):
         _run(1, correction="word")

@@ -284,7 +284,7 @@ def test_refusals_before_training(workspace, tmp_path):
     (tmp_path / "other.txt").write_text("w1 w2\n")
     with pytest.raises(ValueError, match=r"prepared with other settings than this config: .*data.source: cache has"):
         run(_config(workspace, tmp_path / "o", f"data.source=[{tmp_path / 'other.txt'}]"))
-    with pytest.raises(ValueError, match=r"over 32 steps: .*lower lr_schedule.warmup_steps"):
+    with pytest.raises(ValueError, match=r"warmup_steps=40 is more than the run's 32 steps; lower lr_schedule.warmup_steps"):
         run(_config(workspace, tmp_path / "w", "lr_schedule.warmup_steps=40"))
     assert not any((tmp_path / name).exists() for name in ("big", "o", "w"))
 

@@ -72,7 +72,7 @@ def test_errors_name_the_knob_in_pythons_spelling():
     model = _model()
     pairs = [Pair([3, 4], [5, 6], [7, 8])] * 4
     run = Run(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), steps=1)
-    with pytest.raises(ValueError, match=r"^dpo: beta must be > 0") as caught:
+    with pytest.raises(ValueError, match=r"^dpo: beta=0.0; it must be > 0") as caught:
         dpo(model, pairs, run, beta=0.0)
     assert "config" not in str(caught.value) and "dpo.beta" not in str(caught.value)
     with pytest.raises(ValueError, match=r"^grpo: clip=\[1.5, 0.2\]; give \[low, high\]"):

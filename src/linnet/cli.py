@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import sys
 import warnings
 
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"linnet {name}: {e.named(CONFIG_FIXES if _config_given(rest) else {})}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as e:  # refused input: one line naming the file, field or fix
-        print(f"linnet {name}: {_one_line(e)}", file=sys.stderr)
+        print(f"linnet {name}: {_placed(_one_line(e), rest)}", file=sys.stderr)
         return 2
     except FloatingPointError as e:  # a non-finite loss or gradient stopped training
         print(f"linnet {name}: {e}", file=sys.stderr)
@@ -138,14 +139,34 @@ def _config_given(argv: list[str]) -> bool:
     return any(arg.split("=", 1)[0] in ("--config", "--set") for arg in argv)
 
 
+def _option_values(argv: list[str], option: str) -> list[str]:
+    """Every value given to `option` (`--set X` or `--set=X`), in order."""
+    return [argv[i + 1] if arg == option else arg.removeprefix(f"{option}=") for i, arg in enumerate(argv)
+            if arg == option and i + 1 < len(argv) or arg.startswith(f"{option}=")]
+
+
+def _placed(message: str, argv: list[str]) -> str:
+    """A config check's refusal (`config: FIELD=...`) placed where FIELD was given: its
+    line in the --config file, or its --set item; the file's name when neither gave it."""
+    if not message.startswith("config: ") or not _config_given(argv):
+        return message
+    from linnet.config.commands import read
+
+    path = (_option_values(argv, "--config") or [None])[-1]
+    try:
+        _, origins = read(path, _option_values(argv, "--set"))
+    except (ValueError, OSError):
+        return message
+    field = re.match(r"config: ([a-z_]+(?:\.[a-z_]+)+)", message)
+    return f"{origins.of(field.group(1)) if field else origins}: {message.removeprefix('config: ')}"
+
+
 def _binary_config(argv: list[str]) -> str | None:
     """The refusal of a `--config` file holding bytes no YAML text holds (a binary file
     that happens to decode as UTF-8), else None; directories and other encodings are the
     config reader's to refuse."""
-    for i, arg in enumerate(argv):
-        path = argv[i + 1] if arg == "--config" and i + 1 < len(argv) else arg.removeprefix("--config=") \
-            if arg.startswith("--config=") else None
-        if path is None or not os.path.isfile(path):
+    for path in _option_values(argv, "--config"):
+        if not os.path.isfile(path):
             continue
         with open(path, "rb") as f:
             head = f.read(1 << 20)

@@ -11,6 +11,7 @@ import fnmatch
 from collections.abc import Sequence
 
 from linnet.cards import Card
+from linnet.errors import SettingError
 
 
 def parameter_shapes(card: Card) -> dict[str, tuple[int, ...]]:
@@ -111,12 +112,12 @@ def adapted_layers(layers: Sequence[str], patterns: str | Sequence[str]) -> list
     for pattern in [patterns] if isinstance(patterns, str) else list(patterns):
         hits = [n for n in layers if target_matches(n, pattern)]
         if not hits:
-            head = target_matches("lm_head", pattern)
-            raise ValueError(
-                f"add_lora: pattern {pattern!r} matches no linear weight; give a glob over paths such as "
+            shown = repr(pattern).replace("{", "{{").replace("}", "}}")
+            head = "; the output head takes no adapter ({head_in_full})" if target_matches("lm_head", pattern) else ""
+            raise SettingError(
+                f"{{lora_targets}}: pattern {shown} matches no linear weight; give a glob over paths such as "
                 "model.layers.*.self_attn.q_proj, a layer name such as q_proj (PEFT's target_modules), or "
-                f"{ALL_LINEAR}" + ("; the output head takes no adapter (train it in full with "
-                                   "trainable='lm_head.weight')" if head else "")
-            )
+                f"{ALL_LINEAR}{head}",
+                python={"lora_targets": "add_lora", "head_in_full": "train it in full with trainable='lm_head.weight'"})
         chosen += [n for n in hits if n not in chosen]
     return chosen

@@ -104,8 +104,10 @@ def schedule_factor(lr_schedule, total: int):
         if s.name == "constant":
             return constant(s.warmup_steps)
     except ValueError as e:
-        raise ValueError(f"config: lr_schedule ({s.name}, warmup_steps {s.warmup_steps}) over {total} steps: {e}; "
-                         "lower lr_schedule.warmup_steps or train for more steps") from None
+        if s.warmup_steps > total:
+            raise ValueError(f"config: lr_schedule.warmup_steps={s.warmup_steps} is more than the run's {total} "
+                             "steps; lower lr_schedule.warmup_steps (0: no warmup) or train for more steps") from None
+        raise ValueError(f"config: lr_schedule ({s.name}) over {total} steps: {e}") from None
     raise ValueError(f"config: lr_schedule.name={s.name!r}; use cosine, wsd or constant")
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from linnet.commands import runs
+from linnet.commands.spellings import parse_with_config
 from linnet.config import load_any
 from linnet.config.fields import flatten, read_yaml
 from linnet.report.tables import print_table
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="a YAML file listing the adapters' configs (adapters: [...])")
     parser.add_argument("--overwrite", action="store_true", help="replace the runs in their output directories")
     parser.add_argument("--resume", action="store_true", help="continue each run from its latest checkpoint")
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     from linnet.run import Preempted, stop_after_a_step
 
     with stop_after_a_step():

@@ -138,7 +138,7 @@ def evaluate_file(model, tokenizer, args, framing=None) -> tuple[dict, dict, lis
         prompts = prompts_from_records(scored, tokenizer, prompt=prompt_field, answer=answer_field,
                                        chat=args.chat, framing=framing, names=RECORD_FLAGS, card=model.card)
         new = room(model.card, max(len(p.ids) for p in prompts), args.max_new_tokens)
-        reward = {spec: resolve(spec, tokenizer, args.format_pattern) for spec in args.rewards}
+        reward = {spec: resolve(spec, tokenizer, args.format_pattern, named="--rewards") for spec in args.rewards}
         found, done = evaluate_each(model, Engine(model), prompts, reward, max_new_tokens=new,
                                     k=args.pass_k, samples=args.pass_samples, temperature=args.temperature,
                                     stop=list(tokenizer.eos_ids), batch=args.batch, label="eval")

@@ -54,7 +54,8 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
     limits = dict(timeout=g.sandbox_timeout, cpu_seconds=max(1, round(g.sandbox_timeout / 2)),
                   memory_mb=g.sandbox_memory_mb)
-    functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern, limits)
+    functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern, limits,
+                                                                  named=f"{g.YAML}.rewards")
                  for spec in g.rewards}
     if g.reward_workers > 1:  # reward models score in packed batches already
         functions = {name: f if hasattr(f, "batch") else rewards.Concurrent(f, g.reward_workers)

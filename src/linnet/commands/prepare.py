@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 
+from linnet.commands.spellings import parse_with_config
 from linnet.config import PretrainConfig, load, template
 from linnet.pretrain import cache as cache_format
 from linnet.pretrain.prepare import prepare
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify", nargs="?", const=True, default=None, metavar="CACHE",
                         help="re-hash every shard of CACHE (default: the config's data.cache) and exit")
     parser.add_argument("--template", action="store_true", help="print every field with its default and help")
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     if args.template:
         print(template(PretrainConfig))
         return 0

@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from linnet.commands.spellings import parse_with_config
 from linnet.config import PretrainConfig, load, template
 from linnet.files import checkpoints as layout
 from linnet.pretrain.runner import CHECKPOINTS, plan, run
@@ -52,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cli = parser()
-    args = cli.parse_args(argv)
+    args = parse_with_config(cli, argv)
     if args.template:
         print(template(PretrainConfig))
         return 0

@@ -22,11 +22,13 @@ import numpy as np
 import torch
 
 from linnet.commands.run_directory import RunDirectory
+from linnet.commands.spellings import parse_with_config
 from linnet.config import load, template, to_dict
 from linnet.files import checkpoints as layout
 from linnet.files.atomic import (
     write_text,
 )
+from linnet.files.weights import weight_files
 from linnet.report.metrics import MetricsFile
 from linnet.report.tables import print_table
 from linnet.schedules import lambda_schedule, schedule_factor
@@ -55,7 +57,7 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
         parser.add_argument("--examples", type=int, default=3, help="examples to show (default: 3)")
     for name, text in flags:
         parser.add_argument(name, action="store_true", help=text)
-    args = parser.parse_args(argv)
+    args = parse_with_config(parser, argv)
     if args.template:
         print(template(config_class))
         return args, None
@@ -166,6 +168,11 @@ def load_model(card, config):
     from linnet import nest
 
     m, lora, t, rt = config.model, config.lora, config.training, config.runtime
+    if m.weights not in (None, "random"):
+        try:
+            weight_files(m.weights)
+        except FileNotFoundError as e:
+            raise ValueError(f"config: model.weights: {e}") from None
     split, stages, context = getattr(t, "split", 1), getattr(t, "pipeline", 1), getattr(t, "context", 1)
     start_runtime(rt.seed, threads=rt.threads, deterministic=rt.deterministic)
     rank, processes = world()

@@ -34,10 +34,24 @@ CONFIG_FIXES = {
     "random": "set model.weights: random",
     "weights_dir": "model.weights: DIR",
     "tokenizer": "set data.tokenizer to a tokenizer directory (tokenizer.json) or a card with one",
+    "eos": "name one as eos_token in the tokenizer_config.json beside its tokenizer.json",
+    "lora_targets": "lora.targets",
+    "head_in_full": "it trains in full fine-tuning, lora.enabled: false",
 }
 
 # GRPO's prompt check (linnet.rl.rollouts.check_prompts) as a run config names its knobs.
 PROMPTS = {"tokens": "training.context_length", "max_new_tokens": "grpo.max_new_tokens"}
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args` for a command that reads `--config FILE`; a YAML file given
+    without the flag (`linnet sft run.yaml`, the commonest slip) is refused with the fix."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        bare = next((a for a in extra if a.endswith((".yaml", ".yml"))), None)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}" +
+                     (f"; give the config as --config {bare}" if bare else ""))
+    return args
 
 
 def former_flags(parser: argparse.ArgumentParser, renamed: Mapping[str, str]) -> None:

@@ -10,6 +10,7 @@ GRPOConfig, `linnet prepare` and `linnet pretrain` PretrainConfig.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -77,6 +78,8 @@ FOREIGN_FIELDS = {
     "sequence_len": "use training.context_length (positions per packed row)",
     "per_device_train_batch_size": "linnet has none: a micro-batch is one packed row of training.context_length "
                                    "positions (dpo: dpo.pairs_per_step, grpo: grpo.prompts_per_step)",
+    "batch_size": "linnet has none: a micro-batch is one packed row of training.context_length positions (dpo: "
+                  "dpo.pairs_per_step, grpo: grpo.prompts_per_step; pretraining: training.micro_batch_size)",
     "micro_batch_size": "fine-tuning has none: a micro-batch is one packed row of training.context_length positions "
                         "(pretraining: training.micro_batch_size)",
     "warmup_ratio": "use lr_schedule.warmup_steps (a number of steps)",
@@ -349,8 +352,14 @@ def from_data(cls: type, data: dict[str, Any], where: str | Origins = "config"):
     """A config of class `cls` from nested plain data (a parsed YAML file); `where`: the
     file it came from, or its `Origins` (each key's line, the `--set` items). Every field
     that is not read is refused at once: former fields with what replaced them, other
-    trainers' names with linnet's, unknown ones with the nearest valid field."""
-    return from_dict(cls, data, where, former=FORMER_FIELDS, foreign=FOREIGN_FIELDS)
+    trainers' names with linnet's, unknown ones with the nearest valid field; another
+    command's own group (a `dpo` group given to `linnet sft`) with the command that reads it."""
+    origins = where if isinstance(where, Origins) else Origins(where)
+    run = f"; run `linnet {{}} --config {origins}`" if origins.file != "config" else ""
+    own = {f.name for f in dataclasses.fields(cls)}
+    groups = {key: f"the {key} group belongs to a `linnet {key}` config, which `linnet {cls.command}` does not read"
+                   + run.format(key) for key in COMMANDS if key not in own}
+    return from_dict(cls, data, origins, former=FORMER_FIELDS, foreign=FOREIGN_FIELDS, groups=groups)
 
 
 def read(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict[str, Any], Origins]:

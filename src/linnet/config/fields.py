@@ -128,20 +128,20 @@ def _check_value(value: Any, tp: Any, where: str, finite: bool = True) -> Any:
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str | Origins = "config", *,
               command: str | None = None, base: Any = None, former: Mapping[str, str] | None = None,
-              foreign: Mapping[str, str] | None = None) -> T:
+              foreign: Mapping[str, str] | None = None, groups: Mapping[str, str] | None = None) -> T:
     """Build config `cls` from nested dicts, refusing unknown keys, keys `command` does
     not read, and wrong types; what `data` leaves out keeps its default (`base`'s value,
     when given: a group's defaults for this command). A top-level config names its
     command (its `command` ClassVar). `where`: the file the data came from, or its
     `Origins` (each key's line, the `--set` items). Every key that is not read is refused
-    in one error (`name_problems`, with `former` and `foreign` names); then each value is
-    checked, named with where it came from."""
+    in one error (`name_problems`, with `former`, `foreign` and other commands' `groups`);
+    then each value is checked, named with where it came from."""
     origins = where if isinstance(where, Origins) else Origins(where)
     command = command or getattr(cls, "command", None)
     if not isinstance(data or {}, dict):
         raise ValueError(f"{origins}: expected a mapping of fields, got {data!r}")
     problems = name_problems(cls, data or {}, command=command, former=former or {}, foreign=foreign or {},
-                             origins=origins)
+                             groups=groups or {}, origins=origins)
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:
@@ -192,12 +192,20 @@ def _read_names(cls: type, command: str | None, prefix: str = "") -> list[str]:
 
 def _nearest(dotted: str, group: str, read: list[str]) -> str | None:
     """The read field an unknown `dotted` most likely meant: the same name in another
-    group, or the closest spelling (difflib) in its own group or anywhere."""
+    group, a near spelling in its own group (epoch: training.epochs), a name with it as
+    one of its words (warmup: lr_schedule.warmup_steps; its own group's first), or a
+    looser spelling (difflib) in its own group or anywhere."""
     leaf = dotted.rsplit(".", 1)[-1]
     moved = [name for name in read if name.rsplit(".", 1)[-1] == leaf]
     if moved:
         return moved[0]
     siblings = {name.rsplit(".", 1)[-1]: name for name in read if name.rpartition(".")[0] == group}
+    close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.8)
+    if close:
+        return siblings[close[0]]
+    worded = [name for name in read if leaf in name.rsplit(".", 1)[-1].split("_")]
+    if worded:
+        return next((name for name in worded if name.rpartition(".")[0] == group), worded[0])
     close = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
     if close:
         return siblings[close[0]]
@@ -224,13 +232,14 @@ def _within(value: Any, dotted: str, former: Mapping[str, str]) -> list[str]:
 
 def name_problems(cls: type, data: dict[str, Any], *, command: str | None = None,
                   former: Mapping[str, str] | None = None, foreign: Mapping[str, str] | None = None,
-                  origins: Origins | None = None) -> list[str]:
+                  groups: Mapping[str, str] | None = None, origins: Origins | None = None) -> list[str]:
     """One line for each key of `data` that config `cls` does not read, where it came
     from first: a `former` field (dotted -> what replaced it), a `foreign` name (another
-    trainer's field name, at any depth -> linnet's answer), an unknown field with the
+    trainer's field name, at any depth -> linnet's answer), another command's top-level
+    group (`groups`: its name -> which command reads it), an unknown field with the
     nearest valid one, a field `command` does not read."""
     origins = origins or Origins()
-    former, foreign = former or {}, foreign or {}
+    former, foreign, groups = former or {}, foreign or {}, groups or {}
     command = command or getattr(cls, "command", None)
     read = _read_names(cls, command)
     problems: list[str] = []
@@ -251,6 +260,9 @@ def name_problems(cls: type, data: dict[str, Any], *, command: str | None = None
                 where = f" in {prefix[:-1]}" if prefix else ""
                 if key in foreign:
                     problems.append(f"{at}: unknown field {key!r}{where} (a TRL, PEFT or Axolotl name); {foreign[key]}")
+                    continue
+                if not prefix and key in groups:
+                    problems.append(f"{at}: {groups[key]}")
                     continue
                 near = _nearest(dotted, prefix[:-1], read)
                 hint = f"did you mean {near}?" if near else f"valid fields: {', '.join(valid)}"
@@ -425,6 +437,15 @@ def check_finite(settings, group: str) -> None:
                                                   and not math.isfinite(v) for v in items):
             shown = list(value) if isinstance(value, (list, tuple)) else value
             raise ValueError(f"config: {group}.{f.name}={shown}; use a finite number")
+
+
+def check_ranges(**rules: tuple[Any, bool, str]) -> None:
+    """Each rule is (value, whether it is allowed, the allowed range), keyed by its dotted
+    field (`dpo__beta` for dpo.beta); the first value outside its range is refused, naming
+    that one field rather than every field of the check."""
+    for name, (value, allowed, wanted) in rules.items():
+        if not allowed:
+            raise ValueError(f"config: {name.replace('__', '.')}={value!r}; it must be {wanted}")
 
 
 def check_one_of(settings, name: str) -> None:

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from linnet.config.fields import check_finite, check_one_of, field_default, option
+from linnet.config.fields import check_finite, check_one_of, check_ranges, field_default, option
 from linnet.config.sampling import Rewards, Sampling
 
 FINE_TUNING = ("sft", "dpo", "grpo", "ppo", "reward", "distill")  # `linnet jax` reads the sft config
@@ -105,8 +105,8 @@ class LoraConfig:
     def __post_init__(self):
         check_finite(self, "lora")
         _positive(**{"lora.rank": self.rank})
-        if not self.alpha > 0 or not 0 <= self.dropout < 1:
-            raise ValueError(f"config: lora.alpha={self.alpha} must be > 0 and lora.dropout={self.dropout} in [0, 1)")
+        check_ranges(lora__alpha=(self.alpha, self.alpha > 0, "> 0"),
+                     lora__dropout=(self.dropout, 0 <= self.dropout < 1, "in [0, 1)"))
         if not self.targets:
             raise ValueError("config: lora.targets lists no pattern; e.g. [q_proj, v_proj], all-linear or "
                              "[model.layers.*.self_attn.*_proj]")
@@ -379,8 +379,8 @@ class OptimizerConfig:
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"config: optimizer.grad_clip={self.grad_clip}; use a positive threshold, or null to "
                              "disable clipping")
-        if self.weight_decay < 0 or self.eps <= 0:
-            raise ValueError("config: optimizer.weight_decay must be >= 0 and optimizer.eps > 0")
+        check_ranges(optimizer__weight_decay=(self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                     optimizer__eps=(self.eps, self.eps > 0, "> 0"))
         shrink = 1 - self.lr * self.weight_decay  # AdamW's decoupled decay multiplies the weights by this each step
         if shrink <= 0:
             raise ValueError(f"config: optimizer.weight_decay={self.weight_decay:g} with optimizer.lr={self.lr:g}: "
@@ -405,8 +405,8 @@ class LRScheduleConfig:
         check_finite(self, "lr_schedule")
         if self.warmup_steps < 0:
             raise ValueError(f"config: lr_schedule.warmup_steps={self.warmup_steps}; it must be >= 0")
-        if not 0 <= self.min_lr_ratio <= 1 or not 0 < self.decay_fraction <= 1:
-            raise ValueError("config: lr_schedule.min_lr_ratio must be in [0, 1] and decay_fraction in (0, 1]")
+        check_ranges(lr_schedule__min_lr_ratio=(self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                     lr_schedule__decay_fraction=(self.decay_fraction, 0 < self.decay_fraction <= 1, "in (0, 1]"))
 
 
 @dataclass
@@ -484,13 +484,14 @@ class DPOSettings(Rewards, Sampling):
             if read:
                 raise ValueError(f"config: dpo.{read[0]}={getattr(self, read[0])!r} is read with dpo.online: true "
                                  "only (it samples the pairs); remove it, or set dpo.online: true")
-        if not self.beta > 0 or not 0 <= self.label_smoothing < 0.5 or self.pairs_per_step < 1:
-            raise ValueError("config: dpo.beta must be > 0, dpo.label_smoothing in [0, 0.5), dpo.pairs_per_step >= 1")
+        check_ranges(dpo__beta=(self.beta, self.beta > 0, "> 0"),
+                     dpo__label_smoothing=(self.label_smoothing, 0 <= self.label_smoothing < 0.5, "in [0, 0.5)"),
+                     dpo__pairs_per_step=(self.pairs_per_step, self.pairs_per_step >= 1, ">= 1"))
         if not 0 <= self.rpo_alpha < float("inf") or (self.rpo_alpha and self.loss_type in ("orpo", "kto")):
             raise ValueError(f"config: dpo.rpo_alpha={self.rpo_alpha}; use a finite weight >= 0, and 0 with "
                              "dpo.loss_type orpo (which adds the chosen answers' NLL itself) or kto")
-        if self.desirable_weight < 0 or self.undesirable_weight < 0:
-            raise ValueError("config: dpo.desirable_weight and dpo.undesirable_weight must be >= 0")
+        check_ranges(dpo__desirable_weight=(self.desirable_weight, self.desirable_weight >= 0, ">= 0"),
+                     dpo__undesirable_weight=(self.undesirable_weight, self.undesirable_weight >= 0, ">= 0"))
         if self.loss_type in ("simpo", "orpo", "kto") and self.reference_cache is not None:
             raise ValueError(f"config: dpo.reference_cache is not used with dpo.loss_type={self.loss_type}; remove it")
         for name, readers in IGNORED_BY_LOSS.items():
@@ -584,9 +585,9 @@ class DistillSettings:
 
     def __post_init__(self):
         check_finite(self, "distill")
-        if not 0 <= self.beta <= 1 or not self.temperature > 0 or self.sample_temperature < 0:
-            raise ValueError("config: distill.beta must be in [0, 1], distill.temperature > 0 and "
-                             "distill.sample_temperature >= 0")
+        check_ranges(distill__beta=(self.beta, 0 <= self.beta <= 1, "in [0, 1]"),
+                     distill__temperature=(self.temperature, self.temperature > 0, "> 0"),
+                     distill__sample_temperature=(self.sample_temperature, self.sample_temperature >= 0, ">= 0"))
         if not 0 <= self.on_policy_share <= 1:
             raise ValueError(f"config: distill.on_policy_share={self.on_policy_share}; give a share in [0, 1]")
         if self.on_policy_share != 1 and self.mode != "on_policy":

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from linnet.config.fields import check_finite, check_one_of, option
+from linnet.config.fields import check_finite, check_one_of, check_ranges, option
 
 
 @dataclass
@@ -76,8 +76,8 @@ class SamplingOptions(Sampling):
     def __post_init__(self):
         g = self.YAML
         super().__post_init__()
-        if self.prompts_per_step < 1 or self.iterations < 1:
-            raise ValueError(f"config: {g}.prompts_per_step and {g}.iterations must be >= 1")
+        check_ranges(**{f"{g}__prompts_per_step": (self.prompts_per_step, self.prompts_per_step >= 1, ">= 1"),
+                        f"{g}__iterations": (self.iterations, self.iterations >= 1, ">= 1")})
         if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
             raise ValueError(f"config: {g}.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
                              "clipped below at 1 - low) and high >= 0")
@@ -133,10 +133,8 @@ class GRPOOptions(SamplingOptions):
                              "sampling rounds, >= 0")
         if self.max_turns < 1:
             raise ValueError(f"config: grpo.max_turns={self.max_turns}; a conversation takes at least one turn")
-        if self.max_staleness < 0 or not self.stall_timeout > 0:
-            raise ValueError(f"config: grpo.max_staleness={self.max_staleness}, grpo.stall_timeout="
-                             f"{self.stall_timeout}; max_staleness is a number of steps, >= 0, and stall_timeout "
-                             "a number of seconds, > 0")
+        check_ranges(grpo__max_staleness=(self.max_staleness, self.max_staleness >= 0, "a number of steps, >= 0"),
+                     grpo__stall_timeout=(self.stall_timeout, self.stall_timeout > 0, "a number of seconds, > 0"))
         if self.dr_grpo and self.sequence_mean:
             raise ValueError("config: grpo.dr_grpo divides token sums by a constant and grpo.sequence_mean by each "
                              "completion's length; choose one")
@@ -144,8 +142,9 @@ class GRPOOptions(SamplingOptions):
             raise ValueError("config: grpo.temperature=0 samples greedily: every completion of a group is the same, "
                              "so every group's rewards are equal, its advantages 0, and nothing is learned; use a "
                              "temperature > 0 (1.0 samples the policy as it is)")
-        if self.beta < 0 or (self.correction_cap is not None and not self.correction_cap > 0):
-            raise ValueError("config: grpo.beta must be >= 0 and grpo.correction_cap > 0")
+        check_ranges(grpo__beta=(self.beta, self.beta >= 0, ">= 0"),
+                     grpo__correction_cap=(self.correction_cap, self.correction_cap is None or self.correction_cap > 0,
+                                           "> 0, or null for no correction"))
         if self.correction_cap is not None and (self.temperature != 1.0 or self.top_k or
                                                 self.top_p not in (None, 1.0)):
             raise ValueError("config: grpo.correction_cap reads the engine's log-probabilities: use grpo.temperature "
@@ -170,10 +169,12 @@ class PPOOptions(SamplingOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.samples < 1 or self.kl_coef < 0 or self.vf_coef < 0 or self.value_clip <= 0:
-            raise ValueError("config: ppo.samples must be >= 1, ppo.kl_coef and ppo.vf_coef >= 0, ppo.value_clip > 0")
-        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-            raise ValueError(f"config: ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
+        check_ranges(ppo__samples=(self.samples, self.samples >= 1, ">= 1"),
+                     ppo__kl_coef=(self.kl_coef, self.kl_coef >= 0, ">= 0"),
+                     ppo__vf_coef=(self.vf_coef, self.vf_coef >= 0, ">= 0"),
+                     ppo__value_clip=(self.value_clip, self.value_clip > 0, "> 0"),
+                     ppo__gamma=(self.gamma, 0 <= self.gamma <= 1, "in [0, 1]"),
+                     ppo__lam=(self.lam, 0 <= self.lam <= 1, "in [0, 1]"))
 
 
 @dataclass

@@ -31,6 +31,7 @@ import numpy as np
 
 from linnet.data.readers import Record, kind_of, option_name, read_records
 from linnet.data.tokenizer import Tokenizer
+from linnet.errors import SettingError
 from linnet.packing import Example
 
 # The roles a chat may hold: the template renders them, and only assistant turns are learned.
@@ -255,9 +256,9 @@ def _plan(record: Record, tokenizer: Tokenizer, layout: Layout, chat: bool,
         turns = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         return _chat(turns, tokenizer, record.where, names)
     if not tokenizer.eos_ids:
-        raise ValueError(
-            f"{tokenizer.source}: no stop token to end a completion; pass eos= to load_tokenizer"
-        )
+        source = str(tokenizer.source).replace("{", "{{").replace("}", "}}")
+        raise SettingError(f"{source}: no stop token to end a completion; {{eos}}",
+                           python={"eos": "pass eos= to load_tokenizer"})
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     return [prompt, completion], lambda ids: Example.prompted(bos + ids[0], ids[1] + [tokenizer.eos_ids[0]])
 

@@ -180,12 +180,14 @@ class trl_reward:  # noqa: N801  (used as a function: trl_reward(f, tokenizer))
         return [0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else v for v in values]
 
 
-def resolve(spec: str, tokenizer, pattern: str | None = None, limits: dict | None = None) -> Callable:
+def resolve(spec: str, tokenizer, pattern: str | None = None, limits: dict | None = None, *,
+            named: str = "reward") -> Callable:
     """A reward from its config spelling: "exact", "numeric", "format" (with `pattern`),
     "code" (sandboxed within `limits`, run_tests's keywords), "model:DIR" (a reward model
     saved by `linnet reward`, scored in packed batches), or
     "package.module:function" (a function taking (prompt, completion_ids), or TRL's
-    (prompts, completions, **columns) for a batch: see the module docstring)."""
+    (prompts, completions, **columns) for a batch: see the module docstring). `named`:
+    the setting that gave `spec`, in refusals (grpo.rewards, --rewards)."""
     if spec == "exact":
         return exact(tokenizer)
     if spec == "numeric":
@@ -201,12 +203,12 @@ def resolve(spec: str, tokenizer, pattern: str | None = None, limits: dict | Non
 
         return RewardScorer(spec.removeprefix("model:"))
     if ":" not in spec:
-        raise ValueError(f"reward {spec!r}: use exact, numeric, format, code, or 'module:function'")
+        raise ValueError(f"{named} {spec!r}: use exact, numeric, format, code, or 'module:function'")
     try:
         function = imported(spec)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {spec!r}: cannot import it ({e}); the module must be importable from the current "
+        raise ValueError(f"{named} {spec!r}: cannot import it ({e}); the module must be importable from the current "
                          "directory or on PYTHONPATH") from None
     if not callable(function):
-        raise ValueError(f"reward {spec!r} is not callable")
+        raise ValueError(f"{named} {spec!r} is not callable")
     return trl_reward(function, tokenizer) if follows_trl(function) else function
