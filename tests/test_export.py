@@ -9,6 +9,7 @@ line."""
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import json
 import math
@@ -341,8 +342,20 @@ def test_refusals_name_the_fix(ws, tmp_path, monkeypatch, capsys):  # noqa: F811
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "keep.txt").write_text("mine")
     assert cli.main(["export", str(ws / "run"), "--out", str(tmp_path / "used")]) == 2
-    assert "not an empty directory" in capsys.readouterr().err
+    assert "used: exists and is not empty; export into a new directory" in capsys.readouterr().err
     assert (tmp_path / "used" / "keep.txt").read_text() == "mine"
+    assert cli.main(["export", str(ws / "run"), "--out", str(tmp_path / "used" / "keep.txt")]) == 2
+    assert "keep.txt: --out is a file, not a directory" in capsys.readouterr().err
+
+    def refused(source, target):
+        raise PermissionError(errno.EACCES, "Permission denied", str(source))
+
+    monkeypatch.setattr("linnet.export.os.rename", refused)  # a place that takes no new directory
+    assert cli.main(["export", str(ws / "run"), "--out", str(tmp_path / "denied")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'denied'}: cannot write the export there (Permission denied)" in err, err
+    assert ".tmp" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["used"]
+    monkeypatch.undo()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert cli.main(["export", str(ws / "run"), "--out", str(tmp_path / "pushed"), "--merge",
                      "--push", "someone/model"]) == 2

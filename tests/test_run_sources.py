@@ -203,6 +203,41 @@ def test_a_runs_base_that_is_not_found_names_the_runs_config(tmp_path, monkeypat
             load(run)
 
 
+def test_a_runs_relative_paths_are_read_from_where_it_trained(tmp_path, monkeypatch, capsys):
+    """A LoRA run whose model.card and data.tokenizer are relative paths is read from
+    another folder: eval, export and the run's checkpoints find them where it trained."""
+    from linnet.cards import resolve
+
+    trained_in, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    quickstart_model(trained_in / "base")
+    elsewhere.mkdir()
+    (trained_in / "tok").mkdir()
+    (trained_in / "tok" / "tokenizer.json").write_text((trained_in / "base" / "tokenizer.json").read_text())
+    problems = quickstart.problems(np.random.default_rng(0), 40, 2)
+    records(trained_in / "d.jsonl", [{"prompt": p, "completion": a} for p, a in problems])
+    monkeypatch.chdir(trained_in)
+    path = config(trained_in, "sft", {"path": "d.jsonl", "tokenizer": "tok"}, model={"card": "base"},
+                  training={"steps": 2, "context_length": 64, "checkpoint_every": 1})
+    assert cli.main(["sft", "--config", str(path)]) == 2  # a tokenizer.json alone names no stop token
+    assert capsys.readouterr().err.endswith("tok: no stop token to end a completion; name one as eos_token in the "
+                                            "tokenizer_config.json beside its tokenizer.json\n")
+    (trained_in / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert cli.main(["sft", "--config", str(path)]) == 0
+    monkeypatch.chdir(elsewhere)
+    run = trained_in / "sft"
+    for source in (run, run / "checkpoints" / "step-00000002"):
+        assert resolve(source).tokenizer.path == str(trained_in / "tok")
+    held = records(elsewhere / "h.jsonl", [{"prompt": p, "answer": a} for p, a in problems[:4]])
+    assert cli.main(["eval", str(run), "--data", str(held), "--no-chat", "--max-new-tokens", "2"]) == 0, \
+        capsys.readouterr().err
+    assert cli.main(["export", str(run), "--out", "out"]) == 0, capsys.readouterr().err
+    assert (elsewhere / "out" / "adapter_config.json").is_file()
+    (trained_in / "base").rename(tmp_path / "moved")  # gone from both places: refused, naming the run's config
+    with pytest.raises(ValueError, match=r"sft/config.json: model.card 'base' is not a registered card nor a path "
+                                         r"from here or from where the run trained"):
+        resolve(run)
+
+
 def test_eval_and_export_take_a_checkpoint_of_an_unfinished_run(tmp_path, capsys):
     """A run's checkpoints/step-N is a model for eval and export (what the refusal of a run
     without final/ points to), with its adapters folded in."""

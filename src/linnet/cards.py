@@ -16,6 +16,7 @@ RMSNorm), Mistral (without a sliding window).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from linnet.errors import SettingError
 from linnet.experts import PARTS, Experts, experts_config, experts_from_config
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral")
@@ -169,15 +171,9 @@ class Card:
 
     def __post_init__(self):
         if self.family not in FAMILIES:
-            raise ValueError(
-                f"card {self.name!r}: unknown family {self.family!r}; "
-                f"linnet builds {', '.join(FAMILIES)}"
-            )
+            raise ValueError(f"card {self.name!r}: unknown family {self.family!r}; linnet builds {', '.join(FAMILIES)}")
         if self.heads % self.kv_heads:
-            raise ValueError(
-                f"card {self.name!r}: heads ({self.heads}) must be a multiple of "
-                f"kv_heads ({self.kv_heads})"
-            )
+            raise ValueError(f"card {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         for name in ("vocab", "hidden", "intermediate", "layers", "heads", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"card {self.name!r}: {name} must be positive")
@@ -240,15 +236,8 @@ class Card:
     def hf_config(self) -> dict[str, Any]:
         """The config.json transformers reads back for this architecture."""
         model_type = self.family
-        arch = {
-            "llama": "LlamaForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM",
-            "mixtral": "MixtralForCausalLM",
-        }[self.family]
+        arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe",
+                "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}[self.family] + "ForCausalLM"
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_base}
         if self.rope_scaling is not None:
             rope = {**self.rope_scaling.hf(), "rope_theta": self.rope_base}
@@ -325,8 +314,7 @@ def configured(model: dict, run: Path | None = None) -> Card:
     name = model.get("card") or ""
     if run is not None and name not in REGISTRY and not Path(name).exists():
         raise ValueError(f"{run / 'config.json'}: model.card {name!r} is not a registered card nor a path from here "
-                         "(a relative one is read from where the command runs); run the command where the run "
-                         "trained, or write the base's absolute path there")
+                         "or from where the run trained; write the base's path there")
     return with_rope(resolve(name), model.get("rope_base"), model.get("rope_scaling"), model.get("max_positions"))
 
 
@@ -458,10 +446,8 @@ def card_from_directory(directory: str | os.PathLike) -> Card:
         for token in more if isinstance(more, list) else [] if more is None else [more]:
             if token not in eos:
                 eos.append(token)
-    template = None
     tokenizer_config = root / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        template = _read_json(tokenizer_config).get("chat_template")
+    template = _read_json(tokenizer_config).get("chat_template") if tokenizer_config.is_file() else None
     if (root / "chat_template.jinja").is_file():
         template = (root / "chat_template.jinja").read_text()
     return card.replace(
@@ -574,7 +560,7 @@ def trained_card(path: str | os.PathLike) -> Card:
     if not weights.exists():
         raise ValueError(f"{run}: the run has not finished (no final/); resume it with --resume, or name one of "
                          f"its checkpoints ({run / 'checkpoints'}/step-…)")
-    config = _read_json(run / "config.json") if (run / "config.json").is_file() else {}
+    config = run_config(run)
     model, data = config.get("model", {}), config.get("data", {})
     if (config.get("lora", {}).get("enabled", False) if checkpoint else (weights / "adapter_config.json").is_file()):
         if model.get("weights") == "random":
@@ -589,6 +575,19 @@ def trained_card(path: str | os.PathLike) -> Card:
             base = configured(model, run)
             card = card.replace(tokenizer=base.tokenizer, chat_template=card.chat_template or base.chat_template)
     return with_run_data(card, data).replace(source=str(path))
+
+
+def run_config(run: Path) -> dict:
+    """A run's config.json, with a relative model.card, model.weights or data.tokenizer
+    that is not found from here read from where the run trained (run.json's `directory`)."""
+    config = _read_json(run / "config.json") if (run / "config.json").is_file() else {}
+    started = Path(_read_json(run / "run.json").get("directory") or ".") if (run / "run.json").is_file() else None
+    for group, key in (("model", "card"), ("model", "weights"), ("data", "tokenizer")):
+        value = config.get(group, {}).get(key)
+        if started and isinstance(value, str) and value not in REGISTRY and not Path(value).exists() \
+                and (started / value).exists():
+            config[group][key] = str(started / value)
+    return config
 
 
 def with_run_data(card: Card, data: dict) -> Card:
@@ -620,8 +619,6 @@ def weights_directory(card: Card) -> Path:
     """The local directory holding the card's safetensors: its own path, else the
     Hugging Face cache or hub (needs `huggingface_hub`, and the network for a download)."""
     if card.weights.path is None and card.weights.repo is None:
-        from linnet.errors import SettingError
-
         raise SettingError(f"card {card.name!r} has no published weights; {{random}} to initialise from a seed, or "
                            "{weights_dir}", python={"random": "pass weights='random'", "weights_dir": "weights=DIR"})
     return local_directory(card.weights, ["*.safetensors", "*.json", "*.jinja"],
@@ -638,10 +635,8 @@ def local_directory(where: Location, patterns: list[str], what: str, instead: st
     except ImportError:
         raise ValueError(f"{what} live in the hub repository {where.repo}; {instead}, or install "
                          "huggingface_hub") from None
-    try:
+    with contextlib.suppress(Exception):  # not in the cache: downloaded below
         return Path(snapshot_download(where.repo, allow_patterns=patterns, local_files_only=True))
-    except Exception:
-        pass
     try:
         return Path(snapshot_download(where.repo, allow_patterns=patterns))
     except Exception as e:

@@ -37,9 +37,9 @@ def run(args) -> Path:
     from linnet.files.atomic import check_writable
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not an empty directory; export into a new one")
-    check_writable(out, "--out")
+    check_writable(out, "--out")  # a file, under a file, read-only
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: exists and is not empty; export into a new directory")
     model, about = load_trained(args.source)  # every input is read and checked before anything is written
     plan = plan_gguf(model, args.gguf) if args.gguf else None
     export_directory(model, out, about=about, merge=args.merge or args.gguf is not None, dtype=DTYPES[args.dtype],

@@ -350,7 +350,8 @@ class RunDirectory:
             if not used:
                 self.made, self.existed = self.path, self.path.exists()
             self.path.mkdir(parents=True, exist_ok=True)
-            record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe}
+            record = {"command": self.config.command, "identity": identity(self.recipe), "recipe": self.recipe,
+                      "directory": os.getcwd()}  # where config.json's relative paths are read from
             write_text(self.path / "run.json", json.dumps(record, indent=1) + "\n")  # first: it marks the run
             remove_leftovers(self.path, self.path / "checkpoints", self.path / "final")
             if self.resume_from is not None:  # the run continues from there: what came after goes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,12 @@ def read_inputs(config: SFTConfig) -> Inputs:
     per_source = [examples_from_records(records, tokenizer, **read) for records in sources]
     examples = [e for part in per_source for e in part]
     held_out = [e for part in held_out if part for e in examples_from_records(part, tokenizer, **read)]
+    long = [len(e) for e in examples + held_out if len(e) > card.max_positions]
+    if long:  # positions restart each document, so only a document past them is out of range
+        warnings.warn(f"{len(long)} record(s) run past the {card.max_positions} positions of {card.name} (the longest: "
+                      f"{max(long)} tokens), which it has not learned; extend its context with model.rope_scaling "
+                      "(docs/long_context.md) or shorten the records",
+                      UserWarning, stacklevel=2)
     inputs = Inputs(config, card, tokenizer, examples, held_out, 0, 0,
                     [len(part) for part in per_source] if d.mixture else None)
     inputs.rows_per_epoch = count_rows(epoch_examples(inputs, 0), t.context_length)

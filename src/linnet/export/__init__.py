@@ -37,7 +37,7 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
     adapter directory over the base its adapter_config.json names. `about` holds what the model card says. A run's
     model carries the tokenizer it trained with (its data.tokenizer: `with_run_data`)."""
     from linnet import nest
-    from linnet.cards import configured, resolve, run_checkpoint, with_run_data
+    from linnet.cards import configured, resolve, run_checkpoint, run_config, with_run_data
 
     path = Path(source)
     about: dict[str, Any] = {"source": str(path), "chain": lineage(path)}
@@ -45,7 +45,7 @@ def load_trained(source: str | os.PathLike, *, dtype: str = "float32") -> tuple[
         about["base"] = str(path)
         return nest.load(run_card(path), dtype=dtype), about
     if (path / "run.json").is_file():
-        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        config = run_config(path)
         about.update(command=json.loads((path / "run.json").read_text()).get("command"), config=config)
         if (path / "summary.json").is_file():
             about["summary"] = json.loads((path / "summary.json").read_text())
@@ -92,17 +92,16 @@ def _trained_ids(card, run: Path):
     """`card` with the BOS, stop and padding ids of the run's data.tokenizer (loaded as
     training loaded it), so generation stops and an export's config.json says what it
     learned; unchanged where the run names none."""
-    from linnet.cards import REGISTRY
+    from linnet.cards import REGISTRY, run_config
     from linnet.data.tokenizer import load_tokenizer
 
-    config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
-    data = config.get("data", {})
+    data = run_config(run).get("data", {})
     name = data.get("tokenizer")
     if not name:
         return card
     if not Path(name).exists() and name not in REGISTRY:
-        raise ValueError(f"{run / 'config.json'}: data.tokenizer {name!r} does not exist here (a relative path is "
-                         "read from where the command runs); run the command from the folder the run trained in")
+        raise ValueError(f"{run / 'config.json'}: data.tokenizer {name!r} is not found from here or from where the "
+                         "run trained; write the tokenizer's path there")
     tok = load_tokenizer(name, chat_template=data.get("chat_template"))
     return card.replace(bos_token_id=tok.bos_id, eos_token_ids=tok.eos_ids, pad_token_id=tok.pad_id)
 
@@ -118,15 +117,16 @@ def _run_of(path: Path) -> Path | None:
 def lineage(source: str | os.PathLike) -> list[str]:
     """The chain a model was trained through, oldest first: the first base (a card name,
     a hub id or a model directory), then each linnet run or PEFT adapter, `source` last."""
+    from linnet.cards import run_config
+
     chain: list[str] = []
     where: str | None = str(source)
     while where and where not in chain:
         path = Path(where)
         run = _run_of(path)
         if run is not None:
-            config = json.loads((run / "config.json").read_text()) if (run / "config.json").is_file() else {}
             chain.insert(0, str(run))
-            where = config.get("model", {}).get("card")
+            where = run_config(run).get("model", {}).get("card")
         elif (path / "adapter_config.json").is_file():
             chain.insert(0, str(path))
             where = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
@@ -241,8 +241,10 @@ def export_directory(model, out: str | os.PathLike, *, about: dict[str, Any], me
     from linnet.torch.lora import save_peft
 
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"{out}: exists and is not an empty directory; export into a new one")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out}: exists and is not empty; export into a new directory")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: is a file; export into a new directory")
     if gguf is not None:
         merge = True
         plan = plan or plan_gguf(model, gguf)
@@ -278,6 +280,8 @@ def export_directory(model, out: str | os.PathLike, *, about: dict[str, Any], me
         full = disk_full(e, out)
         if isinstance(full, DiskFull) and full.filename and Path(full.filename).is_relative_to(tmp):
             full = DiskFull(out / Path(full.filename).relative_to(tmp), full.strerror)  # the name the user gave
+        if full is None and isinstance(e, OSError) and e.filename and Path(e.filename).is_relative_to(tmp):
+            full = OSError(f"{out}: cannot write the export there ({e.strerror})")  # not the temporary name
         if full is None:
             raise
         raise full from None

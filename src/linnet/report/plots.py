@@ -19,10 +19,11 @@ PANELS = (  # (title, metric keys drawn in it); a panel shows when the run has o
 COLUMNS = 3  # panels a row: the grid fits a screen
 
 
-def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = None) -> Path:
+def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = None, source: str | None = None) -> Path:
     """Draw every panel that has data into a PNG, three panels a row; needs matplotlib. The
     loss axis is logarithmic only when the loss spans more than a factor of 20 (a first
-    steps' drop), with plain numbers on it."""
+    steps' drop), with plain numbers on it. `source`: the file the rows came from, named
+    when none of them holds a metric."""
     try:
         import matplotlib
 
@@ -33,7 +34,8 @@ def plot_metrics(metrics: list[dict], path: str | Path, *, title: str | None = N
         raise ValueError("plotting needs matplotlib: pip install 'linnet[plot]'") from None
     panels = [(t, keys) for t, keys in PANELS if any(k in m for m in metrics for k in keys)]
     if not panels:
-        raise ValueError("no metric to plot (no loss, learning rate, reward or held-out metric in the rows)")
+        raise ValueError(f"{source + ': ' if source else ''}no metric to plot (no loss, learning rate, reward or "
+                         "held-out metric in the rows)")
     columns = min(COLUMNS, len(panels))
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.4 * columns, 3.3 * rows), squeeze=False)
