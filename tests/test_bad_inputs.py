@@ -418,7 +418,7 @@ def test_there_are_many_cases_across_every_command():
             "pretrain"} <= commands  # and sft: the cases without a prefix
 
 
-@pytest.mark.parametrize("command", ["sft", "dpo", "pretrain", "prepare"])
+@pytest.mark.parametrize("command", ["sft", "dpo", "pretrain", "prepare", "adapters"])
 def test_a_config_file_given_without_the_flag_is_shown_the_flag(command, capsys):
     with pytest.raises(SystemExit) as stopped:
         cli.main([command, "run.yaml"])

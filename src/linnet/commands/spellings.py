@@ -10,6 +10,7 @@ and the former flag spellings, refused with the flag that replaced them.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 
 # The data readers' keywords (linnet.data: examples_from_records, load_examples,
@@ -46,12 +47,11 @@ PROMPTS = {"tokens": "training.context_length", "max_new_tokens": "grpo.max_new_
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`parser.parse_args` for a command that reads `--config FILE`; a YAML file given
     without the flag (`linnet sft run.yaml`, the commonest slip) is refused with the fix."""
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        bare = next((a for a in extra if a.endswith((".yaml", ".yml"))), None)
-        parser.error(f"unrecognized arguments: {' '.join(extra)}" +
-                     (f"; give the config as --config {bare}" if bare else ""))
-    return args
+    argv = sys.argv[1:] if argv is None else list(argv)
+    bare = next((a for a in argv if a.endswith((".yaml", ".yml")) and not a.startswith("-") and "=" not in a), None)
+    if bare and not any(a == "--config" or a.startswith("--config=") for a in argv):
+        parser.error(f"unrecognized arguments: {bare}; give the config as --config {bare}")
+    return parser.parse_args(argv)
 
 
 def former_flags(parser: argparse.ArgumentParser, renamed: Mapping[str, str]) -> None:
