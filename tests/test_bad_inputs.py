@@ -391,6 +391,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"holds files but no quickstart run"),
     ("quickstart-out-file", lambda ws: ["quickstart", "--steps", "1", "--out", str(ws / "afile")], r"afile: --out is a file"),
     ("plan-unknown-card", lambda ws: ["plan", "no-such-card"], r"unknown card 'no-such-card'"),
+    ("plan-yaml-as-card", lambda ws: ["plan", str(ws / "sft.yaml")], r"sft.yaml is a YAML file, not a card; give a "
+     r"run's config as --config .*sft.yaml$"),
     ("plan-config-field", lambda ws: ["plan", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(
         p.read_text() + "extra: 1\n")))], r"unknown field 'extra'"),
     ("plot-no-metrics", lambda ws: ["plot", str(ws / "other")], r"no metrics; is .* a linnet run directory"),

@@ -574,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     beside: dict[str, Any] = {}
     names = _Flags(FLAGS)  # how an error names a setting: the flag, or the config's field it came from
     try:
+        if config is None and card is not None and card.endswith((".yaml", ".yml")):
+            raise ValueError(f"{card} is a YAML file, not a card; give a run's config as --config {card}")
         if config is not None:
             settings = settings_from_config(config)
             config_card = settings.pop("card")
@@ -599,8 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
     if as_json:
-        data = [p.to_dict() for p in plans]
-        data = data if side_by_side else data[0]
+        data = [p.to_dict() for p in plans] if side_by_side else plans[0].to_dict()
         if extras:
             data = {"plans": data, **extras} if side_by_side else {**data, **extras}
         print(json.dumps(data, indent=2))
@@ -641,8 +642,7 @@ def _textbook(args: dict[str, Any]) -> int:
             for row in textbook(name, rank=rank, tokens=seq, micro_batch=batch):
                 rows.append(row)
                 plans.append(estimate(name, **plan_inputs({"method": row.method, "rank": rank, "tokens": seq,
-                                                           "micro_batch_size": batch,
-                                                           "activation_checkpointing": "full"})))
+                                                           "micro_batch_size": batch, "activation_checkpointing": "full"})))
     except (ValueError, OSError) as error:
         print(f"linnet plan: error: {error}", file=sys.stderr)
         return 2
