@@ -242,6 +242,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"sft.yaml line \d+: lora.dropout=2.0; it must be in \[0, 1\)$"),
     ("schedule-fit", SFT("lr_schedule.warmup_steps=5"), r"--set lr_schedule.warmup_steps=5: lr_schedule.warmup_steps=5 "
      r"is more than the run's 2 steps; lower lr_schedule.warmup_steps \(0: no warmup\) or train for more steps$"),
+    ("card-unknown", SFT("model.card=no-such-card"), r"--set model.card=no-such-card: model.card: unknown card "
+     r"'no-such-card': not a registered name"),
     ("weights-missing", SFT("model.weights=/nonexistent"), r"--set model.weights=/nonexistent: model.weights: "
      r"/nonexistent: no weights found"),
     ("unknown-several", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(

@@ -315,7 +315,13 @@ def configured(model: dict, run: Path | None = None) -> Card:
     if run is not None and name not in REGISTRY and not Path(name).exists():
         raise ValueError(f"{run / 'config.json'}: model.card {name!r} is not a registered card nor a path from here "
                          "or from where the run trained; write the base's path there")
-    return with_rope(resolve(name), model.get("rope_base"), model.get("rope_scaling"), model.get("max_positions"))
+    try:
+        card = resolve(name)
+    except ValueError as e:
+        if run is None and str(e).startswith("unknown card"):  # named as the config field that gave it
+            raise ValueError(f"config: model.card: {e}") from None
+        raise
+    return with_rope(card, model.get("rope_base"), model.get("rope_scaling"), model.get("max_positions"))
 
 
 def with_rope(card: Card, base: float | None = None, scaling: dict | None = None,
