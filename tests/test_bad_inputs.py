@@ -244,6 +244,10 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"is more than the run's 2 steps; lower lr_schedule.warmup_steps \(0: no warmup\) or train for more steps$"),
     ("card-unknown", SFT("model.card=no-such-card"), r"--set model.card=no-such-card: model.card: unknown card "
      r"'no-such-card': not a registered name"),
+    ("tokenizer-missing", SFT("data.tokenizer=/nonexistent"), r"--set data.tokenizer=/nonexistent: "
+     r"data.tokenizer='/nonexistent': no such directory; give a directory holding tokenizer.json"),
+    ("tokenizer-no-json", lambda ws: SFT(f"data.tokenizer={ws / 'other'}")(ws), r"data.tokenizer: .*other: no "
+     r"tokenizer.json"),
     ("weights-missing", SFT("model.weights=/nonexistent"), r"--set model.weights=/nonexistent: model.weights: "
      r"/nonexistent: no weights found"),
     ("unknown-several", lambda ws: ["sft", "--config", str(_copy(ws, "sft.yaml", lambda p: p.write_text(

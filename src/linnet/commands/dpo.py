@@ -33,12 +33,10 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
     """(card, train examples, held-out examples, steps) of a preference config (`linnet
     dpo`, `linnet reward`): pairs, or unpaired labelled answers for KTO, every record
     checked up front."""
-    from linnet.cards import configured
-    from linnet.data import load_tokenizer, pairs_from_records, read_records, unpaired_from_records
+    from linnet.data import pairs_from_records, read_records, unpaired_from_records
 
     d, t = config.data, config.training
-    card = configured(vars(config.model))
-    tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    card, tokenizer = runs.card_and_tokenizer(config)
     prompt = (d.prompt or ["prompt"])[0]
     if unpaired:
         fields = dict(prompt=prompt, completion=d.completion or "completion", label=d.label, chat=d.chat,

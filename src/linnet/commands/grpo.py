@@ -39,19 +39,17 @@ def prompts_and_rewards(config, g, per_step: str = "prompts_per_step") -> Rollou
     """Read and check the prompts and resolve the rewards of a `grpo` or `ppo` config (`g`:
     its group), or an online `dpo` one (its prompts a step are `per_step`: pairs_per_step),
     before anything is written."""
-    from linnet.cards import configured
-    from linnet.data import load_tokenizer, prompts_from_records, read_records
+    from linnet.data import prompts_from_records, read_records
     from linnet.rl import rewards
     from linnet.rl.conversations import conversations_for
     from linnet.rl.rollouts import check_prompts
     from linnet.serve.vllm import check_usable
     from linnet.torch.loading import usable_device
 
-    d, t, m, rt = config.data, config.training, config.model, config.runtime
+    d, t, rt = config.data, config.training, config.runtime
     if _vllm(g):  # where vLLM cannot run, refused before any data is read or file written
         check_usable(usable_device(rt.device, "runtime.device"))
-    card = configured(vars(m))
-    tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    card, tokenizer = runs.card_and_tokenizer(config)
     limits = dict(timeout=g.sandbox_timeout, cpu_seconds=max(1, round(g.sandbox_timeout / 2)),
                   memory_mb=g.sandbox_memory_mb)
     functions = {spec.rsplit(":", 1)[-1]: rewards.resolve(spec, tokenizer, g.format_pattern, limits,

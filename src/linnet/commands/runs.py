@@ -370,20 +370,38 @@ def start(config, steps: int, *, overwrite: bool = False, resume: bool = False,
     return Job(config, steps, directory, label, general, tenant)
 
 
+def card_and_tokenizer(config):
+    """(the card a fine-tuning config's model group names, RoPE changes applied; the
+    tokenizer its records are read with: data.tokenizer, else the card's)."""
+    from linnet.cards import REGISTRY, configured
+    from linnet.data import load_tokenizer
+
+    d = config.data
+    card = configured(vars(config.model))
+    if d.tokenizer and d.tokenizer not in REGISTRY and not Path(d.tokenizer).exists():
+        raise ValueError(f"config: data.tokenizer={d.tokenizer!r}: no such directory; give a directory holding "
+                         "tokenizer.json, a model or run directory, or a registered card")
+    try:
+        return card, load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    except FileNotFoundError as e:
+        if not d.tokenizer:
+            raise
+        raise ValueError(f"config: data.tokenizer: {e}") from None
+
+
 def general_rows(config) -> list | None:
     """evaluation.general's records (general-capability text, chats or prompt/completion
     records) as packed rows of the run's tokenizer and row length, or None."""
     path = getattr(config.evaluation, "general", None)
     if not path:
         return None
-    from linnet.cards import configured
     from linnet.commands import spellings
-    from linnet.data import examples_from_records, load_tokenizer, read_records
+    from linnet.data import examples_from_records, read_records
     from linnet.data.examples import text_examples
     from linnet.packing import pack
 
     d, t = config.data, config.training
-    tokenizer = load_tokenizer(d.tokenizer or configured(vars(config.model)), chat_template=d.chat_template)
+    tokenizer = card_and_tokenizer(config)[1]
     records = read_records(path, field="evaluation.general")
     if not records:
         raise ValueError(f"evaluation.general: {path} holds no records")

@@ -38,13 +38,11 @@ class Inputs:
 def read_inputs(config: SFTConfig) -> Inputs:
     """Resolve the card and tokenizer, read, format and check all the data: every data
     error surfaces here, before a model is loaded."""
-    from linnet.cards import configured
-    from linnet.data import examples_from_records, load_tokenizer
+    from linnet.data import examples_from_records
     from linnet.packing import count_rows
 
     d, t = config.data, config.training
-    card = configured(vars(config.model))
-    tokenizer = load_tokenizer(d.tokenizer or card, chat_template=d.chat_template)
+    card, tokenizer = runs.card_and_tokenizer(config)
     sources, held_out = source_records(config)
     runs.check_held_out(config, [r for s in sources for r in s], [r for part in held_out for r in part])
     read = dict(tokens=t.context_length, **record_fields(config), truncate=d.truncate,
