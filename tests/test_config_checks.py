@@ -332,3 +332,14 @@ def test_an_unreadable_config_file_is_one_line(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"\x80\x81 binary")
     with pytest.raises(ValueError, match=r"bin.yaml: not a UTF-8 text file"):
         load(SFTConfig, tmp_path / "bin.yaml")
+
+
+def test_a_value_out_of_range_is_named_alone_where_it_was_written(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  card: debug\ndata:\n  path: x.jsonl\nlora:\n  alpha: 8\n  dropout: 2\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} line 7: lora.dropout=2.0; it must be in \[0, 1\)$"):
+        load(SFTConfig, path)
+    with pytest.raises(ValueError, match=r"^--set lora.alpha=-1: lora.alpha=-1.0; it must be > 0$"):
+        load(SFTConfig, path, ["lora.alpha=-1"])
+    with pytest.raises(ValueError, match=r"^config: dpo.label_smoothing=0.6; it must be in \[0, 0.5\)$"):
+        DPOConfig(dpo=DPOSettings(label_smoothing=0.6))  # made in Python: no file to name

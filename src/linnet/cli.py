@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import re
 import sys
 import warnings
 
@@ -146,19 +145,17 @@ def _option_values(argv: list[str], option: str) -> list[str]:
 
 
 def _placed(message: str, argv: list[str]) -> str:
-    """A config check's refusal (`config: FIELD=...`) placed where FIELD was given: its
-    line in the --config file, or its --set item; the file's name when neither gave it."""
+    """A config check's refusal (`config: FIELD=...`), made after the config loaded, placed
+    where FIELD was given on this command line (`Origins.placed`)."""
     if not message.startswith("config: ") or not _config_given(argv):
         return message
     from linnet.config.commands import read
 
-    path = (_option_values(argv, "--config") or [None])[-1]
     try:
-        _, origins = read(path, _option_values(argv, "--set"))
+        _, origins = read((_option_values(argv, "--config") or [None])[-1], _option_values(argv, "--set"))
     except (ValueError, OSError):
         return message
-    field = re.match(r"config: ([a-z_]+(?:\.[a-z_]+)+)", message)
-    return f"{origins.of(field.group(1)) if field else origins}: {message.removeprefix('config: ')}"
+    return origins.placed(message)
 
 
 def _binary_config(argv: list[str]) -> str | None:

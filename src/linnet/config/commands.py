@@ -370,8 +370,14 @@ def read(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict[str, 
 
 def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
     """A config of class `cls` from a YAML file (or the defaults when path is None) and
-    `a.b=c` overrides."""
-    return from_data(cls, *read(path, overrides))
+    `a.b=c` overrides; a value refused is named with its line or override."""
+    data, origins = read(path, overrides)
+    try:
+        return from_data(cls, data, origins)
+    except ValueError as e:
+        if origins.placed(str(e)) == str(e):
+            raise
+        raise ValueError(origins.placed(str(e))) from None
 
 
 def command_of(data: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -79,6 +80,14 @@ class Origins:
                 return f"{self.file} line {self.lines[key]}"
         within = [item for key, item in self.sets.items() if key.startswith(f"{dotted}.")]  # a --set made the group
         return f"--set {within[0]}" if within else self.file
+
+    def placed(self, message: str) -> str:
+        """A config check's refusal (`config: FIELD...`) placed where FIELD was given: its
+        line in the file, or its --set item; the file's name when neither gave it."""
+        if not message.startswith("config: "):
+            return message
+        found = re.match(r"config: ([a-z_]+(?:\.[a-z_]+)+)", message)
+        return f"{self.of(found.group(1)) if found else self}: {message.removeprefix('config: ')}"
 
 
 class _NotFinite(ValueError):
