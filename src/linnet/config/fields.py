@@ -448,13 +448,13 @@ def check_finite(settings, group: str) -> None:
             raise ValueError(f"config: {group}.{f.name}={shown}; use a finite number")
 
 
-def check_ranges(**rules: tuple[Any, bool, str]) -> None:
-    """Each rule is (value, whether it is allowed, the allowed range), keyed by its dotted
-    field (`dpo__beta` for dpo.beta); the first value outside its range is refused, naming
-    that one field rather than every field of the check."""
+def check_ranges(group: str, **rules: tuple[Any, bool, str]) -> None:
+    """Each rule is (value, whether it is allowed, the allowed range), keyed by its field
+    in `group`; the first value outside its range is refused, naming that one field rather
+    than every field of the check."""
     for name, (value, allowed, wanted) in rules.items():
         if not allowed:
-            raise ValueError(f"config: {name.replace('__', '.')}={value!r}; it must be {wanted}")
+            raise ValueError(f"config: {group}.{name}={value!r}; it must be {wanted}")
 
 
 def check_one_of(settings, name: str) -> None:

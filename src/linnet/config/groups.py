@@ -105,8 +105,8 @@ class LoraConfig:
     def __post_init__(self):
         check_finite(self, "lora")
         _positive(**{"lora.rank": self.rank})
-        check_ranges(lora__alpha=(self.alpha, self.alpha > 0, "> 0"),
-                     lora__dropout=(self.dropout, 0 <= self.dropout < 1, "in [0, 1)"))
+        check_ranges("lora", alpha=(self.alpha, self.alpha > 0, "> 0"),
+                     dropout=(self.dropout, 0 <= self.dropout < 1, "in [0, 1)"))
         if not self.targets:
             raise ValueError("config: lora.targets lists no pattern; e.g. [q_proj, v_proj], all-linear or "
                              "[model.layers.*.self_attn.*_proj]")
@@ -379,8 +379,8 @@ class OptimizerConfig:
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"config: optimizer.grad_clip={self.grad_clip}; use a positive threshold, or null to "
                              "disable clipping")
-        check_ranges(optimizer__weight_decay=(self.weight_decay, self.weight_decay >= 0, ">= 0"),
-                     optimizer__eps=(self.eps, self.eps > 0, "> 0"))
+        check_ranges("optimizer", weight_decay=(self.weight_decay, self.weight_decay >= 0, ">= 0"),
+                     eps=(self.eps, self.eps > 0, "> 0"))
         shrink = 1 - self.lr * self.weight_decay  # AdamW's decoupled decay multiplies the weights by this each step
         if shrink <= 0:
             raise ValueError(f"config: optimizer.weight_decay={self.weight_decay:g} with optimizer.lr={self.lr:g}: "
@@ -405,8 +405,8 @@ class LRScheduleConfig:
         check_finite(self, "lr_schedule")
         if self.warmup_steps < 0:
             raise ValueError(f"config: lr_schedule.warmup_steps={self.warmup_steps}; it must be >= 0")
-        check_ranges(lr_schedule__min_lr_ratio=(self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
-                     lr_schedule__decay_fraction=(self.decay_fraction, 0 < self.decay_fraction <= 1, "in (0, 1]"))
+        check_ranges("lr_schedule", min_lr_ratio=(self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                     decay_fraction=(self.decay_fraction, 0 < self.decay_fraction <= 1, "in (0, 1]"))
 
 
 @dataclass
@@ -484,14 +484,14 @@ class DPOSettings(Rewards, Sampling):
             if read:
                 raise ValueError(f"config: dpo.{read[0]}={getattr(self, read[0])!r} is read with dpo.online: true "
                                  "only (it samples the pairs); remove it, or set dpo.online: true")
-        check_ranges(dpo__beta=(self.beta, self.beta > 0, "> 0"),
-                     dpo__label_smoothing=(self.label_smoothing, 0 <= self.label_smoothing < 0.5, "in [0, 0.5)"),
-                     dpo__pairs_per_step=(self.pairs_per_step, self.pairs_per_step >= 1, ">= 1"))
+        check_ranges("dpo", beta=(self.beta, self.beta > 0, "> 0"),
+                     label_smoothing=(self.label_smoothing, 0 <= self.label_smoothing < 0.5, "in [0, 0.5)"),
+                     pairs_per_step=(self.pairs_per_step, self.pairs_per_step >= 1, ">= 1"))
         if not 0 <= self.rpo_alpha < float("inf") or (self.rpo_alpha and self.loss_type in ("orpo", "kto")):
             raise ValueError(f"config: dpo.rpo_alpha={self.rpo_alpha}; use a finite weight >= 0, and 0 with "
                              "dpo.loss_type orpo (which adds the chosen answers' NLL itself) or kto")
-        check_ranges(dpo__desirable_weight=(self.desirable_weight, self.desirable_weight >= 0, ">= 0"),
-                     dpo__undesirable_weight=(self.undesirable_weight, self.undesirable_weight >= 0, ">= 0"))
+        check_ranges("dpo", desirable_weight=(self.desirable_weight, self.desirable_weight >= 0, ">= 0"),
+                     undesirable_weight=(self.undesirable_weight, self.undesirable_weight >= 0, ">= 0"))
         if self.loss_type in ("simpo", "orpo", "kto") and self.reference_cache is not None:
             raise ValueError(f"config: dpo.reference_cache is not used with dpo.loss_type={self.loss_type}; remove it")
         for name, readers in IGNORED_BY_LOSS.items():
@@ -585,9 +585,9 @@ class DistillSettings:
 
     def __post_init__(self):
         check_finite(self, "distill")
-        check_ranges(distill__beta=(self.beta, 0 <= self.beta <= 1, "in [0, 1]"),
-                     distill__temperature=(self.temperature, self.temperature > 0, "> 0"),
-                     distill__sample_temperature=(self.sample_temperature, self.sample_temperature >= 0, ">= 0"))
+        check_ranges("distill", beta=(self.beta, 0 <= self.beta <= 1, "in [0, 1]"),
+                     temperature=(self.temperature, self.temperature > 0, "> 0"),
+                     sample_temperature=(self.sample_temperature, self.sample_temperature >= 0, ">= 0"))
         if not 0 <= self.on_policy_share <= 1:
             raise ValueError(f"config: distill.on_policy_share={self.on_policy_share}; give a share in [0, 1]")
         if self.on_policy_share != 1 and self.mode != "on_policy":

@@ -76,8 +76,8 @@ class SamplingOptions(Sampling):
     def __post_init__(self):
         g = self.YAML
         super().__post_init__()
-        check_ranges(**{f"{g}__prompts_per_step": (self.prompts_per_step, self.prompts_per_step >= 1, ">= 1"),
-                        f"{g}__iterations": (self.iterations, self.iterations >= 1, ">= 1")})
+        check_ranges(g, prompts_per_step=(self.prompts_per_step, self.prompts_per_step >= 1, ">= 1"),
+                     iterations=(self.iterations, self.iterations >= 1, ">= 1"))
         if len(self.clip) != 2 or not 0 <= self.clip[0] < 1 or self.clip[1] < 0:
             raise ValueError(f"config: {g}.clip={list(self.clip)}; give [low, high] with low in [0, 1) (the ratio is "
                              "clipped below at 1 - low) and high >= 0")
@@ -133,8 +133,8 @@ class GRPOOptions(SamplingOptions):
                              "sampling rounds, >= 0")
         if self.max_turns < 1:
             raise ValueError(f"config: grpo.max_turns={self.max_turns}; a conversation takes at least one turn")
-        check_ranges(grpo__max_staleness=(self.max_staleness, self.max_staleness >= 0, "a number of steps, >= 0"),
-                     grpo__stall_timeout=(self.stall_timeout, self.stall_timeout > 0, "a number of seconds, > 0"))
+        check_ranges("grpo", max_staleness=(self.max_staleness, self.max_staleness >= 0, "a number of steps, >= 0"),
+                     stall_timeout=(self.stall_timeout, self.stall_timeout > 0, "a number of seconds, > 0"))
         if self.dr_grpo and self.sequence_mean:
             raise ValueError("config: grpo.dr_grpo divides token sums by a constant and grpo.sequence_mean by each "
                              "completion's length; choose one")
@@ -142,9 +142,9 @@ class GRPOOptions(SamplingOptions):
             raise ValueError("config: grpo.temperature=0 samples greedily: every completion of a group is the same, "
                              "so every group's rewards are equal, its advantages 0, and nothing is learned; use a "
                              "temperature > 0 (1.0 samples the policy as it is)")
-        check_ranges(grpo__beta=(self.beta, self.beta >= 0, ">= 0"),
-                     grpo__correction_cap=(self.correction_cap, self.correction_cap is None or self.correction_cap > 0,
-                                           "> 0, or null for no correction"))
+        check_ranges("grpo", beta=(self.beta, self.beta >= 0, ">= 0"),
+                     correction_cap=(self.correction_cap, self.correction_cap is None or self.correction_cap > 0,
+                                     "> 0, or null for no correction"))
         if self.correction_cap is not None and (self.temperature != 1.0 or self.top_k or
                                                 self.top_p not in (None, 1.0)):
             raise ValueError("config: grpo.correction_cap reads the engine's log-probabilities: use grpo.temperature "
@@ -169,12 +169,12 @@ class PPOOptions(SamplingOptions):
 
     def __post_init__(self):
         super().__post_init__()
-        check_ranges(ppo__samples=(self.samples, self.samples >= 1, ">= 1"),
-                     ppo__kl_coef=(self.kl_coef, self.kl_coef >= 0, ">= 0"),
-                     ppo__vf_coef=(self.vf_coef, self.vf_coef >= 0, ">= 0"),
-                     ppo__value_clip=(self.value_clip, self.value_clip > 0, "> 0"),
-                     ppo__gamma=(self.gamma, 0 <= self.gamma <= 1, "in [0, 1]"),
-                     ppo__lam=(self.lam, 0 <= self.lam <= 1, "in [0, 1]"))
+        check_ranges("ppo", samples=(self.samples, self.samples >= 1, ">= 1"),
+                     kl_coef=(self.kl_coef, self.kl_coef >= 0, ">= 0"),
+                     vf_coef=(self.vf_coef, self.vf_coef >= 0, ">= 0"),
+                     value_clip=(self.value_clip, self.value_clip > 0, "> 0"),
+                     gamma=(self.gamma, 0 <= self.gamma <= 1, "in [0, 1]"),
+                     lam=(self.lam, 0 <= self.lam <= 1, "in [0, 1]"))
 
 
 @dataclass
