@@ -376,8 +376,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
      r"grpo.engine=vllm with training.pipeline=2 is not supported yet .*use grpo.engine=builtin"),
     # jax, inspect, generate, quickstart, plan, plot, info
     ("jax-pytorch-field", lambda ws: ["jax", *SFT("training.shard=fsdp")(ws)[1:]], r"training.shard='fsdp' is for the PyTorch backend"),
-    ("inspect-dpo-config", lambda ws: ["inspect", "--config", str(ws / "dpo.yaml")], r"the dpo group belongs to a "
-     r"`linnet dpo` config"),
+    ("inspect-pretrain-config", lambda ws: ["inspect", "--config", str(ws / "pretrain.yaml")], r"linnet inspect shows "
+     r"sft, dpo, reward, grpo and ppo configs; this is a `linnet pretrain` config$"),
     ("inspect-bad-data", lambda ws: ["inspect", *SFT("data.path=/nonexistent.jsonl")(ws)[1:]], r"no such file"),
     ("generate-too-long", lambda ws: ["generate", str(ws / "model"), "--prompt", "12+34=", "--max-new-tokens", "5000"],
      r"--max-new-tokens 5000 after a prompt of .* passes"),
@@ -459,3 +459,15 @@ def test_records_past_the_cards_positions_train_with_a_warning(ws, capsys):
     assert warned == ["linnet inspect: warning: 3 record(s) run past the 64 positions of model (the longest: 76 "
                       "tokens), which it has not learned; extend its context with model.rope_scaling "
                       "(docs/long_context.md) or shorten the records"]
+
+
+def test_inspect_shows_a_dpo_configs_pairs_and_a_grpo_configs_prompts(ws, capsys):
+    assert cli.main(["inspect", "--config", str(ws / "dpo.yaml"), "--examples", "1"]) == 0
+    out = capsys.readouterr().out
+    first = json.loads((ws / "pairs.jsonl").read_text().splitlines()[0])
+    assert f"{first['prompt']}[[{first['chosen']}</s>]]" in out and f"{first['prompt']}[[{first['rejected']}</s>]]" in out
+    assert out.count("--- pair ") == 2 and "training pairs" in out and "pairs per step  4" in out
+    assert cli.main(["inspect", "--config", str(ws / "grpo.yaml"), "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- prompt ") == 2 and ", answer '" in out and "[[" not in out
+    assert "rewards           exact" in out and "prompts per step  2" in out

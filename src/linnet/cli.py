@@ -10,7 +10,7 @@ a thin layer over library functions.
     linnet distill --config F  a student from a frozen teacher: logit, sequence-level or on-policy
     linnet adapters --config F several LoRA adapters (sft and dpo configs) trained over one base
     linnet jax --config F      the sft run trained by the JAX backend (--fully-shard, --no-remat)
-    linnet inspect --config F  formatted examples with learned tokens marked; the batch table
+    linnet inspect --config F  examples, pairs or prompts as they are learned or sampled; the batch table
     linnet prepare --config F  tokenize a corpus into a checksummed shard cache (--verify)
     linnet pretrain --config F pretrain from a token cache: budgets, epochs, exact resume
     linnet generate CARD --prompt T   stream a completion (KV-cache engine)

@@ -38,9 +38,11 @@ from linnet.train.loop import start_runtime
 
 
 def parse_command(argv: list[str] | None, prog: str, description: str, config_class: type, *, training: bool,
-                  flags: Sequence[tuple[str, str]] = ()):
+                  flags: Sequence[tuple[str, str]] = (), any_command: bool = False):
     """(args, config) for a command that reads a YAML config; config is None when the
-    command only printed the template. `flags`: (name, help) of the command's own switches."""
+    command only printed the template. `flags`: (name, help) of the command's own switches;
+    `any_command`: the config may be any command's (recognised from its groups), with
+    `config_class` the template's."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", help="YAML config (see --template)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -63,7 +65,7 @@ def parse_command(argv: list[str] | None, prog: str, description: str, config_cl
         return args, None
     if args.config is None and not args.set:
         parser.error("give --config FILE (and/or --set KEY=VALUE); --template shows the fields")
-    config = load(config_class, args.config, args.set)
+    config = load(None if any_command else config_class, args.config, args.set)
     from linnet.report.tracking import check
 
     check(config.runtime.report_to)  # a missing tracker package is refused before anything is written

@@ -368,12 +368,13 @@ def read(path: str | Path | None, overrides: list[str] = ()) -> tuple[dict[str, 
     return apply_overrides(data, list(overrides), origins), origins
 
 
-def load(cls: type, path: str | Path | None, overrides: list[str] = ()):
-    """A config of class `cls` from a YAML file (or the defaults when path is None) and
-    `a.b=c` overrides; a value refused is named with its line or override."""
+def load(cls: type | None, path: str | Path | None, overrides: list[str] = ()):
+    """A config of class `cls` (None: the class of the command the file is for, see
+    `command_of`) from a YAML file (or the defaults when path is None) and `a.b=c`
+    overrides; a value refused is named with its line or override."""
     data, origins = read(path, overrides)
     try:
-        return from_data(cls, data, origins)
+        return from_data(cls or COMMANDS[command_of(data)], data, origins)
     except ValueError as e:
         if origins.placed(str(e)) == str(e):
             raise
@@ -404,5 +405,4 @@ def command_of(data: dict[str, Any]) -> str:
 
 def load_any(path: str | Path | None, overrides: list[str] = ()):
     """The config in a YAML file, for whichever command it is (see `command_of`)."""
-    data, origins = read(path, overrides)
-    return from_data(COMMANDS[command_of(data)], data, origins)
+    return load(None, path, overrides)
