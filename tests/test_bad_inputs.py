@@ -471,3 +471,11 @@ def test_inspect_shows_a_dpo_configs_pairs_and_a_grpo_configs_prompts(ws, capsys
     out = capsys.readouterr().out
     assert out.count("--- prompt ") == 2 and ", answer '" in out and "[[" not in out
     assert "rewards           exact" in out and "prompts per step  2" in out
+    labelled = ws / "cases" / "labelled.jsonl"
+    labelled.parent.mkdir(exist_ok=True)
+    _lines(labelled, *[{"prompt": f"{i:02d}+01=", "completion": f"{i + 1:03d}", "label": i % 2 == 0} for i in range(8)])
+    assert cli.main(["inspect", "--config", str(ws / "dpo.yaml"), "--set", f"data.path={labelled}", "--set",
+                     "dpo.loss_type=kto", "--set", "data.eval_share=0", "--examples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "--- example 0, desirable" in out and "00+01=[[001</s>]]" in out and "--- example 1, undesirable" in out
+    assert "training examples  8" in out

@@ -72,10 +72,12 @@ def _pairs(config):
     group = getattr(config, config.command)
     kto = getattr(group, "loss_type", None) == "kto"
     _, pairs, held_out, steps = preference_data(config, group.pairs_per_step, f"{config.command}.pairs_per_step", kto)
-    records = [[(f"pair {i}, chosen", chosen), (f"pair {i}, rejected", rejected)]
-               for i, (chosen, rejected) in enumerate(p.examples() for p in pairs)] if not kto else [
-        [(f"example {i}, {'desirable' if p.desirable else 'undesirable'}", Example.prompted(p.prompt, p.completion))]
-        for i, p in enumerate(pairs)]
+    if kto:
+        records = [[(f"example {i}, {'desirable' if p.desirable else 'undesirable'}",
+                     Example.prompted(p.prompt, p.completion))] for i, p in enumerate(pairs)]
+    else:
+        records = [[(f"pair {i}, chosen", chosen), (f"pair {i}, rejected", rejected)]
+                   for i, (chosen, rejected) in enumerate(p.examples() for p in pairs)]
     what = "examples" if kto else "pairs"
     table = [(f"training {what}", f"{len(pairs):,}"), (f"held-out {what}", f"{len(held_out):,}"),
              (f"{what} per step", f"{group.pairs_per_step:,}"), ("steps", f"{steps:,}")]
