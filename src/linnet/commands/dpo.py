@@ -25,14 +25,14 @@ from linnet.torch.distributed import data_share, sum_across
 
 
 def read_pairs(config: DPOConfig):
-    """(card, train pairs, held-out pairs, steps), every record checked up front."""
+    """(card, tokenizer, train pairs, held-out pairs, steps), every record checked up front."""
     return preference_data(config, config.dpo.pairs_per_step, "dpo.pairs_per_step", config.dpo.loss_type == "kto")
 
 
 def preference_data(config, per_step: int, per_step_field: str, unpaired: bool = False):
-    """(card, train examples, held-out examples, steps) of a preference config (`linnet
-    dpo`, `linnet reward`): pairs, or unpaired labelled answers for KTO, every record
-    checked up front."""
+    """(card, tokenizer, train examples, held-out examples, steps) of a preference config
+    (`linnet dpo`, `linnet reward`): pairs, or unpaired labelled answers for KTO, every
+    record checked up front."""
     from linnet.data import pairs_from_records, read_records, unpaired_from_records
 
     d, t = config.data, config.training
@@ -65,7 +65,7 @@ def preference_data(config, per_step: int, per_step_field: str, unpaired: bool =
                          f"examples would repeat within a step; lower {per_step_field}")
     steps = t.steps or max(1, math.ceil(t.epochs * len(pairs) / per_step))
     runs.steps_factor(config, steps)
-    return card, pairs, held_out, steps
+    return card, tokenizer, pairs, held_out, steps
 
 
 def held_out_preferences(model, pairs, reference: np.ndarray | None, settings, tokens: int) -> dict:
@@ -99,7 +99,7 @@ def run(config: DPOConfig, *, overwrite: bool = False, resume: bool = False,
 
     if config.dpo.online:
         return run_online(config, overwrite=overwrite, resume=resume, resume_from=resume_from)
-    card, pairs, held_out, steps = read_pairs(config)
+    card, _, pairs, held_out, steps = read_pairs(config)
     t, s = config.training, config.dpo
     per_process = runs.split_per_step("dpo.pairs_per_step", s.pairs_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split take the same pairs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from linnet.commands.runs import card_and_tokenizer, parse_command
+from linnet.commands.runs import parse_command
 from linnet.commands.sft import batch_table, read_inputs
 from linnet.config import SFTConfig
 from linnet.packing import Example
@@ -71,7 +71,8 @@ def _pairs(config):
 
     group = getattr(config, config.command)
     kto = getattr(group, "loss_type", None) == "kto"
-    _, pairs, held_out, steps = preference_data(config, group.pairs_per_step, f"{config.command}.pairs_per_step", kto)
+    _, tokenizer, pairs, held_out, steps = preference_data(config, group.pairs_per_step,
+                                                           f"{config.command}.pairs_per_step", kto)
     if kto:
         records = [[(f"example {i}, {'desirable' if p.desirable else 'undesirable'}",
                      Example.prompted(p.prompt, p.completion))] for i, p in enumerate(pairs)]
@@ -81,7 +82,7 @@ def _pairs(config):
     what = "examples" if kto else "pairs"
     table = [(f"training {what}", f"{len(pairs):,}"), (f"held-out {what}", f"{len(held_out):,}"),
              (f"{what} per step", f"{group.pairs_per_step:,}"), ("steps", f"{steps:,}")]
-    return card_and_tokenizer(config)[1], records, table
+    return tokenizer, records, table
 
 
 def _prompts(config):

@@ -21,7 +21,7 @@ def run(config: RewardConfig, *, overwrite: bool = False, resume: bool = False,
         resume_from: str | None = None) -> dict:
     from linnet.train.reward import add_score_head, held_out_accuracy, reward
 
-    card, pairs, held_out, steps = preference_data(config, config.reward.pairs_per_step, "reward.pairs_per_step")
+    card, _, pairs, held_out, steps = preference_data(config, config.reward.pairs_per_step, "reward.pairs_per_step")
     t, s = config.training, config.reward
     per_process = runs.split_per_step("reward.pairs_per_step", s.pairs_per_step, t.per_copy)
     share, shares = data_share(t.per_copy)  # the processes of a split or a pipeline take the same pairs
