@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     from linnet.torch.loading import usable_device
 
     card = run_card(args.card)  # a run's: the ids of the tokenizer it trained with
-    for bad, message in ((args.max_new_tokens is not None and args.max_new_tokens < 1, "--max-new-tokens: at least 1"),
-                         (args.temperature < 0, "--temperature: at least 0 (0: greedy)"),
-                         (args.top_k is not None and args.top_k < 1, "--top-k: at least 1"),
-                         (args.top_p is not None and not 0 < args.top_p <= 1, "--top-p: in (0, 1]")):
+    for flag, value, bad, want in (
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens is not None and args.max_new_tokens < 1,
+             "at least 1"),
+            ("--temperature", args.temperature, args.temperature < 0, "at least 0 (0: greedy)"),
+            ("--top-k", args.top_k, args.top_k is not None and args.top_k < 1, "at least 1"),
+            ("--top-p", args.top_p, args.top_p is not None and not 0 < args.top_p <= 1, "in (0, 1]")):
         if bad:
-            flag, want = message.split(": ", 1)
-            raise ValueError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: give a number {want}")
+            raise ValueError(f"{flag} {value}: give a number {want}")
     tok = load_tokenizer(card)
     prompt = _encode(tok, card, args)
     new = room(card, len(prompt), args.max_new_tokens)
